@@ -1,0 +1,29 @@
+# make demo / make test set up a fresh machine themselves.
+# TORCH_SPEC picks the torch build; a plain "torch" on a fresh machine pulls a multi-GB CUDA
+# build, so CI passes TORCH_SPEC=torch==2.13.0 (the CPU build on local disk).
+PYTHON ?= python3
+TORCH_SPEC ?= torch>=2.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ringcc-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ringcc demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Graph transforms, one per file; pipeline.py holds THE ordered list."""

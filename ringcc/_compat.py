@@ -1,0 +1,45 @@
+"""Every private torch import ringcc needs, in one place, gated by version (2.11 and 2.13)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def resolve_group(name: str):
+    """ProcessGroup for a group name (names are process-local; WORLD is usually "0")."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_name(group) -> str:
+    """The name a custom op can carry for `group` (None = WORLD)."""
+    if group is None:
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def size_hint(sym) -> int:
+    """Concrete hint for a SymInt (or int) without installing a guard."""
+    if isinstance(sym, int):
+        return sym
+    node = sym.node
+    shape_env = node.shape_env
+    if hasattr(shape_env, "optimization_hint"):  # 2.13
+        return int(shape_env.optimization_hint(node.expr))
+    return int(shape_env.size_hint(node.expr))  # 2.11
+
+
+# Per-block attention kernels that return the natural-log logsumexp.
+aten = torch.ops.aten
+cpu_flash_fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+cpu_flash_bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+cuda_flash_fwd = aten._scaled_dot_product_flash_attention.default
+cuda_flash_bwd = aten._scaled_dot_product_flash_attention_backward.default
+cuda_cudnn_fwd = aten._scaled_dot_product_cudnn_attention.default
+cuda_cudnn_bwd = aten._scaled_dot_product_cudnn_attention_backward.default
+cuda_eff_fwd = aten._scaled_dot_product_efficient_attention.default
+cuda_eff_bwd = aten._scaled_dot_product_efficient_attention_backward.default

@@ -1,0 +1,37 @@
+"""Dense references (O(n^2), for tests): exact attention returning (out, lse).
+
+key_padding_mask: bool [b, n], True = padding key (ignored), as in nn.MultiheadAttention.
+Rows with no visible key give out = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def masked_attention(q, k, v, allowed, *, scale=None):
+    """q [b,h,n,d], k/v [b,g,n_k,d]; allowed: bool broadcastable to [b,h,n,n_k]."""
+    h, g = q.shape[1], k.shape[1]
+    if g != h:
+        k = k.repeat_interleave(h // g, dim=1)
+        v = v.repeat_interleave(h // g, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe.unsqueeze(-1))
+    return torch.matmul(p, v), lse
+
+
+def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None):
+    n, n_k = q.shape[2], k.shape[2]
+    allowed = torch.ones(n, n_k, dtype=torch.bool, device=q.device)
+    if is_causal:
+        allowed = allowed.tril()
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    return masked_attention(q, k, v, allowed, scale=scale)

@@ -1,0 +1,143 @@
+"""Per-block attention kernels that return (out, lse), and their backward.
+
+Legend: q_bhsd [b, h, Lq, d]; k_bgsd / v_bgsd [b, g, Lk, d] with h % g == 0 (GQA/MQA);
+key_valid_bs [b, Lk] bool (True = key may be attended). lse is natural-log, [b, h, Lq],
+in the accumulator dtype (fp32; fp64 for fp64 inputs).
+
+A block is either unmasked, causal on its diagonal (square, top-left aligned: the query and
+key chunks are the same global chunk), and optionally key-padded. Rows with no valid key
+give out = 0, lse = -inf. The backward takes the *global* (out, lse) of the row, as
+flash-attention's backward expects, which yields this block's exact share of the gradient.
+
+Kernel choice: CPU -> aten's CPU flash op (takes masks). CUDA -> cuDNN (default) or flash
+SDPA ops for unmasked / causal blocks; key-padded blocks on CUDA use the exact math path.
+`RINGCC_CUDA_KERNEL=flash|cudnn` overrides the CUDA choice.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ringcc import _compat
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
+    g = k_bgsd.shape[1]
+    return k_bgsd if g == h else k_bgsd.repeat_interleave(h // g, dim=1)
+
+
+def _reduce_kv_grad(dk_bhsd: torch.Tensor, g: int) -> torch.Tensor:
+    b, h, s, d = dk_bhsd.shape
+    return dk_bhsd if g == h else dk_bhsd.view(b, g, h // g, s, d).sum(2)
+
+
+def _row_valid(key_valid_bs: torch.Tensor, causal: bool, lq: int) -> torch.Tensor:
+    """[b, 1, Lq] bool: the row sees at least one valid key."""
+    if causal:
+        seen = torch.cummax(key_valid_bs.to(torch.int8), dim=-1).values.bool()
+        return seen[:, None, :lq]
+    return key_valid_bs.any(-1)[:, None, None].expand(-1, 1, lq)
+
+
+def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int, device) -> torch.Tensor:
+    """[b or 1, 1, Lq, Lk] bool mask, True = attend."""
+    m = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=device)
+    if key_valid_bs is not None:
+        m = key_valid_bs[:, None, None, :]
+    if causal:
+        m = m & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()[None, None]
+    return m
+
+
+def _cuda_kernel() -> str:
+    return os.environ.get("RINGCC_CUDA_KERNEL", "cudnn")
+
+
+def _math_fwd(q, k, v, scale, mask):
+    s = torch.matmul(q.to(acc_dtype(q.dtype)), k.to(acc_dtype(q.dtype)).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - ref.unsqueeze(-1))
+    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, scale, mask):
+    dt = acc_dtype(q.dtype)
+    qf, kf, vf, dof = q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    delta = (dof * out.to(dt)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
+
+
+def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None):
+    h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
+    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
+    dev = q_bhsd.device
+    if dev.type == "cpu":
+        mask = None
+        if key_valid_bs is not None:
+            mask = torch.zeros(_bool_mask(key_valid_bs, causal, lq, lk, dev).shape, dtype=q_bhsd.dtype, device=dev)
+            mask.masked_fill_(~_bool_mask(key_valid_bs, causal, lq, lk, dev), float("-inf"))
+        out, lse = _compat.cpu_flash_fwd(
+            q_bhsd, k, v, 0.0, causal and mask is None, attn_mask=mask, scale=scale
+        )
+    elif key_valid_bs is not None:
+        out, lse = _math_fwd(q_bhsd, k, v, scale, _bool_mask(key_valid_bs, causal, lq, lk, dev))
+    elif _cuda_kernel() == "cudnn":
+        res = _compat.cuda_cudnn_fwd(q_bhsd, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1)
+    else:
+        res = _compat.cuda_flash_fwd(q_bhsd, k, v, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+    lse = lse.to(acc_dtype(q_bhsd.dtype))
+    if key_valid_bs is not None:
+        valid = _row_valid(key_valid_bs, causal, lq)
+        lse = lse.masked_fill(~valid, float("-inf"))
+        out = out.masked_fill(~valid[..., None], 0.0)
+    return out, lse
+
+
+def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool, key_valid_bs=None):
+    """Gradients of this block given the row's global (out, lse); dk/dv with g heads."""
+    h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
+    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
+    # Rows that saw no key anywhere (lse = -inf) have no gradient: +inf makes P = 0.
+    lse = lse_bhs.masked_fill(torch.isneginf(lse_bhs), float("inf"))
+    dev = q_bhsd.device
+    if dev.type == "cpu":
+        mask = None
+        if key_valid_bs is not None:
+            bm = _bool_mask(key_valid_bs, causal, lq, lk, dev)
+            mask = torch.zeros(bm.shape, dtype=q_bhsd.dtype, device=dev).masked_fill_(~bm, float("-inf"))
+        dq, dk, dv = _compat.cpu_flash_bwd(
+            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.to(q_bhsd.dtype if q_bhsd.dtype == torch.float64 else torch.float32),
+            0.0, causal and mask is None, attn_mask=mask, scale=scale,
+        )
+    elif key_valid_bs is not None:
+        dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, _bool_mask(key_valid_bs, causal, lq, lk, dev))
+    elif _cuda_kernel() == "cudnn":
+        empty = torch.empty(0, device=dev)
+        dq, dk, dv = _compat.cuda_cudnn_bwd(
+            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().unsqueeze(-1).contiguous(),
+            empty, empty, empty, empty, empty, lq, lk, 0.0, causal, scale=scale,
+        )
+    else:
+        empty = torch.empty(0, device=dev)
+        seed = torch.empty(2, dtype=torch.int64, device="cpu")
+        dq, dk, dv = _compat.cuda_flash_bwd(
+            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().contiguous(), empty, empty, lq, lk, 0.0, causal,
+            seed, seed, scale=scale,
+        )
+    return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)

@@ -1,0 +1,82 @@
+"""Sequence layouts: which global chunks each rank holds.
+
+contiguous: the sequence is cut into p chunks; rank r holds chunk r.
+zigzag:     the sequence is cut into 2p chunks; rank r holds chunks r and 2p-1-r, which
+            balances causal work (every rank gets one early and one late chunk).
+
+A rank's local sequence is the concatenation of its chunks in the order listed by
+`local_chunks`; every chunk has the same length, `n_local / chunks_per_rank`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Layout(str, enum.Enum):
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+
+def parse_layout(layout) -> Layout:
+    try:
+        return Layout(layout)
+    except ValueError:
+        raise ValueError(
+            f"layout={layout!r} is not supported; allowed: {[m.value for m in Layout]}"
+        ) from None
+
+
+def chunks_per_rank(layout: Layout) -> int:
+    return 2 if Layout(layout) is Layout.ZIGZAG else 1
+
+
+def local_chunks(rank: int, world: int, layout: Layout) -> tuple[int, ...]:
+    if Layout(layout) is Layout.ZIGZAG:
+        return (rank, 2 * world - 1 - rank)
+    return (rank,)
+
+
+def divisor(world: int, layout: Layout) -> int:
+    """The global length must be a multiple of this."""
+    return world * chunks_per_rank(layout)
+
+
+def check_length(n: int, world: int, layout: Layout, what: str = "sequence length") -> None:
+    div = divisor(world, layout)
+    if n % div:
+        raise ValueError(
+            f"{what} {n} is not divisible by {div} (world size {world}, layout "
+            f"{Layout(layout).value!r}); pad the sequence to a multiple of {div} "
+            f"(masking the padded keys), or use a length that divides evenly"
+        )
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world: int, layout: Layout) -> torch.Tensor:
+    """This rank's shard of a full-length tensor (a copy, contiguous)."""
+    n = x.shape[dim]
+    check_length(n, world, layout)
+    pieces = x.chunk(divisor(world, layout), dim=dim)
+    return torch.cat([pieces[c] for c in local_chunks(rank, world, layout)], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int, layout: Layout) -> torch.Tensor:
+    """Full-length tensor from every rank's shard (the inverse of `shard`)."""
+    world = len(shards)
+    per = chunks_per_rank(layout)
+    ordered: list[torch.Tensor | None] = [None] * (world * per)
+    for rank, s in enumerate(shards):
+        for piece, c in zip(s.chunk(per, dim=dim), local_chunks(rank, world, layout)):
+            ordered[c] = piece
+    return torch.cat(ordered, dim=dim)
+
+
+def global_positions(rank: int, world: int, layout: Layout, n_local: int, device=None) -> torch.Tensor:
+    """Global token positions of this rank's local sequence, shape [n_local]."""
+    per = chunks_per_rank(layout)
+    c_len = n_local // per
+    return torch.cat(
+        [torch.arange(c * c_len, (c + 1) * c_len, device=device) for c in local_chunks(rank, world, layout)]
+    )

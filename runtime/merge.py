@@ -1,0 +1,32 @@
+"""The one log-sum-exp merge every attention path uses.
+
+Legend: out_* are [..., L, d], lse_* are [..., L]; lse is natural-log, in the accumulator
+dtype (fp32, or fp64 for fp64 inputs). A row that has seen no unmasked key so far has
+lse = -inf and out = 0, and stays NaN-free through any number of merges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """In place: (out_acc, lse_acc) <- softmax-weighted union of itself and the block."""
+    lse_new = torch.logaddexp(lse_acc, lse_blk)
+    # Where both are -inf the row is still empty; use 0 as the reference so weights are 0.
+    ref = torch.where(torch.isneginf(lse_new), torch.zeros_like(lse_new), lse_new)
+    w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
+    w_blk = torch.exp(lse_blk - ref).unsqueeze(-1)
+    out_acc.mul_(w_acc).add_(out_blk.to(out_acc.dtype) * w_blk)
+    lse_acc.copy_(lse_new)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable merge of several partial results (used where gradients flow through
+    the mixing weights, e.g. dilated branches)."""
+    lse_all = torch.stack(lses)  # [k, ..., L]
+    lse = torch.logsumexp(lse_all, dim=0)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    w = torch.exp(lse_all - ref).unsqueeze(-1)
+    out = (torch.stack(outs).to(w.dtype) * w).sum(0)
+    return out, lse

@@ -1,0 +1,275 @@
+"""torch.library custom ops for the runtime, and the public functional API.
+
+The ops are opaque to dynamo / AOT / inductor. The process group travels as its name and
+the world size p as an argument (fake kernels never read the environment: inductor may
+reuse an artifact compiled for one p at another). The rank is read at run time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ringcc import _compat
+
+from . import layout as L
+from .ring import RingSetup, resolve_world, ring_backward, ring_forward
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _group_from(group_name: str, world_size: int):
+    if world_size == 1:
+        return None, 0, 1
+    if not dist.is_initialized():
+        raise ValueError(
+            f"ringcc op was built for world size {world_size} but no process group is "
+            "initialised in this process; call torch.distributed.init_process_group first"
+        )
+    group = _compat.resolve_group(group_name)
+    world = dist.get_world_size(group)
+    if world != world_size:
+        raise ValueError(
+            f"ringcc op was built for world size {world_size} but group {group_name!r} has "
+            f"{world} ranks; recompile for this group"
+        )
+    return group, dist.get_rank(group), world
+
+
+def _setup(group_name, world_size, layout, is_causal, scale) -> RingSetup:
+    group, rank, world = _group_from(group_name, world_size)
+    return RingSetup(group, rank, world, L.Layout(layout), is_causal, scale)
+
+
+# ---------------------------------------------------------------------------------------
+# ring attention
+
+
+@torch.library.custom_op("ringcc::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    world_size: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    setup = _setup(group_name, world_size, layout, is_causal, scale)
+    out, lse = ring_forward(q, k, v, key_valid, setup)
+    return out.contiguous(), lse.contiguous()
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout):
+    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty(q.shape[:-1], dtype=adt)
+    return out, lse
+
+
+@torch.library.custom_op("ringcc::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: Optional[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    world_size: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    setup = _setup(group_name, world_size, layout, is_causal, scale)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout):
+    cf = torch.contiguous_format
+    return (
+        torch.empty_like(q, memory_format=cf),
+        torch.empty_like(k, memory_format=cf),
+        torch.empty_like(v, memory_format=cf),
+    )
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, key_valid, out, lse)
+    ctx.args = (is_causal, scale, group_name, world_size, layout)
+    ctx.mark_non_differentiable(lse)
+
+
+def _ring_backward(ctx, dout, dlse):
+    q, k, v, key_valid, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# sequence shard / gather (mirrors of each other in backward)
+
+
+@torch.library.custom_op("ringcc::shard", mutates_args=())
+def shard_op(x: torch.Tensor, dim: int, group_name: str, world_size: int, layout: str) -> torch.Tensor:
+    _, rank, world = _group_from(group_name, world_size)
+    return L.shard(x, dim, rank, world, L.Layout(layout)).clone(memory_format=torch.contiguous_format)
+
+
+@shard_op.register_fake
+def _(x, dim, group_name, world_size, layout):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] // world_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("ringcc::gather", mutates_args=())
+def gather_op(x: torch.Tensor, dim: int, group_name: str, world_size: int, layout: str) -> torch.Tensor:
+    group, _, world = _group_from(group_name, world_size)
+    if world == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return L.unshard(parts, dim, L.Layout(layout)).contiguous()
+
+
+@gather_op.register_fake
+def _(x, dim, group_name, world_size, layout):
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * world_size
+    return x.new_empty(shape)
+
+
+def _seq_setup_context(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _shard_backward(ctx, grad):
+    # Every rank holds the same full input; its gradient is every rank's shard gradient.
+    return gather_op(grad, *ctx.args), None, None, None, None
+
+
+def _gather_backward(ctx, grad):
+    # Every rank computes the same replicated downstream; its own slice is its gradient.
+    return shard_op(grad, *ctx.args), None, None, None, None
+
+
+shard_op.register_autograd(_shard_backward, setup_context=_seq_setup_context)
+gather_op.register_autograd(_gather_backward, setup_context=_seq_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# public functional API
+
+
+def _group_args(group) -> tuple[str, int, int]:
+    group, rank, world = resolve_world(group)
+    return ("" if group is None else _compat.group_name(group)), world, rank
+
+
+def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"ring_attention expects {name} of shape [batch, heads, n_local, head_dim]; got {got}")
+    b, h, s, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(
+            f"k/v must be [batch={b}, kv_heads, n_local={s}, head_dim={d}] to match q {tuple(q.shape)}; "
+            f"got {tuple(k.shape)}"
+        )
+    if h % k.shape[1]:
+        raise ValueError(
+            f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]}) for GQA/MQA"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (b, s) or key_padding_mask.dtype != torch.bool:
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor [batch={b}, n_local={s}] (True = padding, "
+                f"ignored); got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
+
+
+def _check_same_length(n_local: int, group, world: int) -> None:
+    """Every rank must hold a shard of the same length (else the ring would hang)."""
+    if world == 1:
+        return
+    t = torch.tensor([n_local, -n_local], dtype=torch.int64)
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != n_local or -int(t[1]) != n_local:
+        raise ValueError(
+            f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
+            f"the group has lengths from {-int(t[1])} to {int(t[0])}"
+        )
+
+
+def ring_attention(
+    q, k, v, *, is_causal: bool = False, scale: float | None = None, key_padding_mask=None,
+    group=None, layout: str = "contiguous", return_lse: bool = False,
+):
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    q: [b, h, n_local, d]; k, v: [b, h_kv, n_local, d] with h % h_kv == 0. The shards are
+    this rank's part of a global sequence of n = n_local * p tokens in `layout`
+    ("contiguous", or "zigzag": rank r holds chunks r and 2p-1-r). key_padding_mask:
+    optional bool [b, n_local], True marks a padding key (ignored), as in
+    nn.MultiheadAttention. Causality is in global positions. Returns this rank's shard of
+    the output (and the fp32 natural-log LSE [b, h, n_local] when return_lse).
+    """
+    _check_inputs(q, k, v, key_padding_mask)
+    lay = L.parse_layout(layout)
+    name, world, _ = _group_args(group)
+    s = q.shape[2]
+    if lay is L.Layout.ZIGZAG and s % 2:
+        raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
+    _check_same_length(s, resolve_world(group)[0], world)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    key_valid = None if key_padding_mask is None else ~key_padding_mask
+    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value)
+    return (out, lse) if return_lse else out
+
+
+def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
+    """This rank's shard of the full-length `x` along `dim` (differentiable)."""
+    lay = L.parse_layout(layout)
+    name, world, _ = _group_args(group)
+    dim = dim % x.dim()
+    L.check_length(x.shape[dim], world, lay)
+    return shard_op(x, dim, name, world, lay.value)
+
+
+def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
+    """Full-length tensor from every rank's shard along `dim` (the inverse of shard_sequence)."""
+    lay = L.parse_layout(layout)
+    name, world, _ = _group_args(group)
+    dim = dim % x.dim()
+    if lay is L.Layout.ZIGZAG and x.shape[dim] % 2:
+        raise ValueError(f"zigzag layout needs an even shard length; got {x.shape[dim]} along dim {dim}")
+    return gather_op(x, dim, name, world, lay.value)

@@ -1,0 +1,186 @@
+"""Exact ring attention: forward and backward schedules.
+
+Note [Ring attention schedule]
+Each rank holds q/k/v for its chunks of the global sequence (see layout.py). In forward,
+K/V (and the key padding mask) travel around the ring: at step i rank r holds the K/V of
+rank (r - i) mod p. The transfer for step i+1 is issued before step i's compute, so it
+overlaps it (the receive buffers are fresh each step: double buffering). Each step's
+partial (out, lse) is merged into fp32 accumulators by the one LSE merge.
+In backward, K/V travel the same way together with their fp32 dK/dV accumulators, which
+trail one step behind: after its step-i compute, a rank passes the accumulator of the block
+it holds to rank+1, which holds that block at step i+1. After p hops every accumulator is
+home. dQ stays local. Per block, the kernel's backward is fed the global (out, lse).
+Causality is decided per (query chunk, key chunk) pair in global chunk ids: earlier key
+chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
+GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .comm import RingComm
+from .layout import Layout, chunks_per_rank, local_chunks
+from .merge import merge_
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: query rows [q0, q1) against key rows [k0, k1) of the held block."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+def plan_block(q_chunks, k_chunks, chunk_len: int, is_causal: bool) -> list[BlockCall]:
+    """Kernel calls for query chunks vs one held K/V block (both in global chunk ids)."""
+    n_k = len(k_chunks)
+    if not is_causal:
+        return [BlockCall(0, len(q_chunks) * chunk_len, 0, n_k * chunk_len, False)]
+    per_q = []
+    for qi, qc in enumerate(q_chunks):
+        full = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
+        diag = [ki for ki, kc in enumerate(k_chunks) if kc == qc]
+        per_q.append((qi, full, diag))
+    calls: list[BlockCall] = []
+    # Every query chunk sees the same contiguous run of full key chunks: one call.
+    fulls = {tuple(f) for _, f, d in per_q}
+    if len(fulls) == 1 and not any(d for _, _, d in per_q):
+        f = next(iter(fulls))
+        if f and list(f) == list(range(f[0], f[-1] + 1)):
+            return [BlockCall(0, len(q_chunks) * chunk_len, f[0] * chunk_len, (f[-1] + 1) * chunk_len, False)]
+    for qi, full, diag in per_q:
+        q0, q1 = qi * chunk_len, (qi + 1) * chunk_len
+        # Runs of adjacent full key chunks go in one call.
+        run: list[int] = []
+        for ki in full + [None]:
+            if run and (ki is None or ki != run[-1] + 1):
+                calls.append(BlockCall(q0, q1, run[0] * chunk_len, (run[-1] + 1) * chunk_len, False))
+                run = []
+            if ki is not None:
+                run.append(ki)
+        for ki in diag:
+            calls.append(BlockCall(q0, q1, ki * chunk_len, (ki + 1) * chunk_len, True))
+    return calls
+
+
+@dataclass(frozen=True)
+class RingSetup:
+    group: object
+    rank: int
+    world: int
+    layout: Layout
+    is_causal: bool
+    scale: float
+
+    def calls(self, n_local: int, src: int) -> list[BlockCall]:
+        per = chunks_per_rank(self.layout)
+        return plan_block(
+            local_chunks(self.rank, self.world, self.layout),
+            local_chunks(src, self.world, self.layout),
+            n_local // per,
+            self.is_causal,
+        )
+
+
+def _skip_comm() -> bool:
+    # Benchmark switch: run the same schedule with transfers skipped (compute on local K/V),
+    # to show how much of the communication is hidden. Never for real results.
+    return os.environ.get("RINGCC_SKIP_COMM", "0") == "1"
+
+
+def ring_forward(q, k, v, key_valid, setup: RingSetup):
+    """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
+    b, h, s, d = q.shape
+    adt = kernels.acc_dtype(q.dtype)
+    out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
+    lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+    world, skip = setup.world, _skip_comm()
+    comm = RingComm(setup.group) if world > 1 and not skip else None
+    held = [k, v] + ([key_valid] if key_valid is not None else [])
+    for step in range(world):
+        src = (setup.rank - step) % world
+        nxt = None
+        if comm is not None and step + 1 < world:
+            nxt = comm.send_recv(held)
+            comm.commit()
+        kk, vv = held[0], held[1]
+        kv_mask = held[2] if key_valid is not None else None
+        for c in setup.calls(s, src):
+            o, l = kernels.block_fwd(
+                q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
+                scale=setup.scale, causal=c.causal,
+                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1],
+            )
+            merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
+        if nxt is not None:
+            comm.wait()
+            held = nxt
+    return out_acc.to(q.dtype), lse_acc
+
+
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
+    """Gradients (dq, dk, dv) of ring attention, given the global out and lse."""
+    b, h, s, d = q.shape
+    g = k.shape[1]
+    adt = kernels.acc_dtype(q.dtype)
+    dq = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
+    dk_acc = torch.zeros(b, g, s, d, dtype=adt, device=q.device)
+    dv_acc = torch.zeros_like(dk_acc)
+    world, skip = setup.world, _skip_comm()
+    use_comm = world > 1 and not skip
+    kv_comm = RingComm(setup.group, tag_base=0) if use_comm else None
+    dkv_comm = RingComm(setup.group, tag_base=16) if use_comm else None
+    dout, out = dout.contiguous(), out.contiguous()
+    held = [k, v] + ([key_valid] if key_valid is not None else [])
+    dkv_pending = None
+    for step in range(world):
+        src = (setup.rank - step) % world
+        nxt = None
+        if kv_comm is not None and step + 1 < world:
+            nxt = kv_comm.send_recv(held)
+            kv_comm.commit()
+        if dkv_pending is not None:
+            dkv_comm.wait()
+            dk_acc, dv_acc = dkv_pending
+            dkv_pending = None
+        kk, vv = held[0], held[1]
+        kv_mask = held[2] if key_valid is not None else None
+        for c in setup.calls(s, src):
+            dq_c, dk_c, dv_c = kernels.block_bwd(
+                dout[:, :, c.q0:c.q1], q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
+                out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1],
+                scale=setup.scale, causal=c.causal,
+                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1],
+            )
+            dq[:, :, c.q0:c.q1] += dq_c
+            dk_acc[:, :, c.k0:c.k1] += dk_c
+            dv_acc[:, :, c.k0:c.k1] += dv_c
+        if use_comm:
+            # The accumulator of the block held now goes to rank+1 (it holds it next step;
+            # after the last step this hop brings every accumulator home).
+            dkv_pending = dkv_comm.send_recv([dk_acc, dv_acc])
+            dkv_comm.commit()
+        if nxt is not None:
+            kv_comm.wait()
+            held = nxt
+    if dkv_pending is not None:
+        dkv_comm.wait()
+        dk_acc, dv_acc = dkv_pending
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def resolve_world(group) -> tuple[object, int, int]:
+    """(group, rank, world) with p = 1 when no process group is initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None, 0, 1
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
