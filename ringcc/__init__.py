@@ -1,7 +1,13 @@
 """ringcc: compile unmodified PyTorch models into sequence-sharded ring attention."""
 
 from ringcc import reference
+from ringcc.backend import backend
+from ringcc.config import Config
+from ringcc.report import last_report, reports, reset_reports
 from ringcc.runtime.ops import gather_sequence, ring_attention, shard_sequence
 
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "reference"]
+__all__ = [
+    "Config", "backend", "last_report", "reports", "reset_reports",
+    "ring_attention", "shard_sequence", "gather_sequence", "reference",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,42 @@
+"""THE ordered list of passes. Nothing registers itself here by import side effect: the
+order below is the pipeline, each entry commented with why it sits where it does."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.fx
+
+from .base import Pass, PassContext
+
+PIPELINE: list[tuple[str, Pass]] = [
+    # (filled in by the backend / sharding work; see passes/*.py)
+]
+
+
+def run_pipeline(gm: torch.fx.GraphModule, ctx: PassContext, passes: list[tuple[str, Pass]] | None = None) -> torch.fx.GraphModule:
+    passes = PIPELINE if passes is None else passes
+    dump = ctx.config.dump_dir
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        _dump(gm, dump, f"{ctx.report.graph}_00_input")
+    for i, (name, fn) in enumerate(passes, start=1):
+        t0 = time.perf_counter()
+        result = fn(gm, ctx)
+        ctx.report.pass_seconds[name] = ctx.report.pass_seconds.get(name, 0.0) + time.perf_counter() - t0
+        if result.modified:
+            gm.graph.lint()
+            gm.recompile()
+        if ctx.config.verify:
+            from .verify import verify_graph
+
+            verify_graph(gm, after=name)
+        if dump:
+            _dump(gm, dump, f"{ctx.report.graph}_{i:02d}_{name}")
+    return gm
+
+
+def _dump(gm: torch.fx.GraphModule, folder: str, stem: str) -> None:
+    with open(os.path.join(folder, stem + ".txt"), "w") as f:
+        f.write(gm.print_readable(print_output=False))

@@ -1,0 +1,77 @@
+"""The torch.compile entry point.
+
+`torch.compile(model, backend="ringcc")` finds `ringcc_backend` through the
+`torch_dynamo_backends` entry point (no import needed); `backend=ringcc.backend(Config(...))`
+or `options={...}` pass settings. The backend rewrites dynamo's torch-level graph with the
+pass pipeline, records a report, and hands the result to the inner compiler (inductor by
+default, or aot_eager / eager).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ringcc import _compat
+from ringcc.config import Config
+from ringcc.passes.base import PassContext
+from ringcc.passes.pipeline import run_pipeline
+from ringcc.report import GraphReport, record
+
+_graph_ids = itertools.count()
+
+
+def _world(config: Config) -> tuple[int, str]:
+    if config.world_size is not None:
+        name = ""
+        if dist.is_available() and dist.is_initialized():
+            name = _compat.group_name(config.group)
+        return config.world_size, name
+    if not config.shard or not (dist.is_available() and dist.is_initialized()):
+        return 1, ""
+    group = config.group if config.group is not None else dist.group.WORLD
+    return dist.get_world_size(group), _compat.group_name(group)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
+    world, name = _world(config)
+    report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
+    ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
+                      example_inputs=list(example_inputs))
+    gm = run_pipeline(gm, ctx)
+    record(report)
+    return _inner(gm, example_inputs, config)
+
+
+def _inner(gm, example_inputs, config: Config):
+    if config.inner == "eager":
+        return gm.forward
+    if config.inner == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def ringcc_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The registered backend; options arrive as torch.compile(..., options={...})."""
+    options = kwargs.pop("options", None) or {}
+    if kwargs:
+        raise ValueError(f"unexpected backend arguments {sorted(kwargs)}; pass settings as options={{...}}")
+    return compile_graph(gm, example_inputs, Config.from_options(options))
+
+
+def backend(config: Config | None = None, **options):
+    """A backend callable with fixed settings: torch.compile(m, backend=ringcc.backend(cfg))."""
+    cfg = Config.from_options(options, base=config or Config())
+
+    def _backend(gm, example_inputs, **kwargs):
+        extra = kwargs.pop("options", None) or {}
+        return compile_graph(gm, example_inputs, Config.from_options(extra, base=cfg) if extra else cfg)
+
+    return _backend

@@ -1,0 +1,116 @@
+"""One data model for every decision ringcc takes on a graph; the backend and the CLI both
+print it. `last_report()` is the last compiled graph's; `reports()` every graph's since
+`reset_reports()`."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+class SkipReason(str, enum.Enum):
+    """Why a candidate attention site was not rewritten."""
+
+    UNLIFTABLE_MASK = "unliftable_mask"  # a mask that is not causal / padding / window
+    UNSUPPORTED_MASK = "unsupported_mask"  # lifted, but the runtime cannot run it yet
+    WEIGHTS_USED = "weights_used"  # the attention probabilities are used elsewhere
+    DROPOUT = "dropout"  # dropout_p > 0 and Config(dropout="skip")
+    NOT_SEQUENCE = "not_sequence"  # attends over a dim that is not the sequence
+    SHAPE = "shape"  # shapes the runtime does not take (e.g. q/k lengths differ)
+    ENCODER_FASTPATH = "encoder_fastpath"  # opaque fused encoder layer kept as is
+    CROSS_ATTENTION = "cross_attention"  # keys from another sequence
+    OTHER = "other"
+
+
+class Decision(str, enum.Enum):
+    REWRITTEN = "rewritten"
+    SKIPPED = "skipped"
+
+
+@dataclass
+class Site:
+    """One candidate attention site."""
+
+    node: str  # node name in the graph it was found in
+    location: str  # user source line, from the node's stack trace
+    form: str  # "sdpa", "manual", "mha", "encoder"
+    decision: Decision = Decision.SKIPPED
+    reason: Optional[SkipReason] = None  # None when rewritten
+    mask: Optional[dict] = None  # the lifted mask spec (causal, padding, window, ...)
+    dilation: Optional[str] = None
+    detail: str = ""  # free text: why, in words
+
+
+@dataclass
+class Gather:
+    """A sequence all-gather the sharding inserted (counted O(n) by the planner)."""
+
+    node: str
+    location: str
+    why: str
+
+
+@dataclass
+class GraphReport:
+    graph: str = ""
+    world_size: int = 1
+    sites: list[Site] = field(default_factory=list)
+    gathers: list[Gather] = field(default_factory=list)
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+    plan: Any = None  # planner.MemoryPlan when the planner ran
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> list[Site]:
+        return [s for s in self.sites if s.decision == Decision.REWRITTEN]
+
+    @property
+    def skipped(self) -> list[Site]:
+        return [s for s in self.sites if s.decision == Decision.SKIPPED]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["plan"] = None if self.plan is None else getattr(self.plan, "to_dict", lambda: str(self.plan))()
+        return json.loads(json.dumps(d, default=lambda o: o.value if isinstance(o, enum.Enum) else str(o)))
+
+    def format(self) -> str:
+        lines = [f"ringcc report for {self.graph or 'graph'} (world size {self.world_size}): "
+                 f"{len(self.rewritten)}/{len(self.sites)} attention sites rewritten"]
+        for s in self.sites:
+            what = s.decision.value if s.reason is None else f"skipped ({s.reason.value})"
+            mask = "" if not s.mask else " mask=" + ",".join(f"{k}={v}" for k, v in s.mask.items() if v not in (None, False))
+            dil = f" dilation={s.dilation}" if s.dilation else ""
+            det = f" - {s.detail}" if s.detail else ""
+            lines.append(f"  [{s.form:7}] {what:24} {s.location}{mask}{dil}{det}")
+        for g in self.gathers:
+            lines.append(f"  gather (O(n)) at {g.location}: {g.why}")
+        if self.pass_seconds:
+            total = sum(self.pass_seconds.values())
+            lines.append(f"  passes: {total * 1e3:.1f} ms (" + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.pass_seconds.items()) + ")")
+        if self.plan is not None:
+            lines.append(f"  memory: {getattr(self.plan, 'summary', lambda: str(self.plan))()}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+_REPORTS: list[GraphReport] = []
+
+
+def record(report: GraphReport) -> None:
+    _REPORTS.append(report)
+
+
+def last_report() -> GraphReport | None:
+    """The report of the last graph compiled by the ringcc backend (None if none yet)."""
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def reports() -> list[GraphReport]:
+    """Every graph's report since the last reset_reports()."""
+    return list(_REPORTS)
+
+
+def reset_reports() -> None:
+    _REPORTS.clear()
