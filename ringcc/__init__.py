@@ -5,9 +5,11 @@ from ringcc.backend import backend
 from ringcc.config import Config
 from ringcc.report import last_report, reports, reset_reports
 from ringcc.runtime.ops import gather_sequence, ring_attention, shard_sequence
+from ringcc.runtime.dilated import DilatedSpec, dilated_attention
 
 __all__ = [
     "Config", "backend", "last_report", "reports", "reset_reports",
     "ring_attention", "shard_sequence", "gather_sequence", "reference",
+    "DilatedSpec", "dilated_attention",
 ]
 __version__ = "0.1.0"

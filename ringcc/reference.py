@@ -35,3 +35,27 @@ def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None):
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
     return masked_attention(q, k, v, allowed, scale=scale)
+
+
+def dilated_attention(q, k, v, spec, *, is_causal=False, scale=None):
+    """LongNet dilated attention, densely: per branch the [h, n, n] mask of the rule, then one
+    softmax over the union of the branch key sets (LSE merge). See runtime/dilated.py."""
+    from ringcc.runtime.dilated import branch_heads
+    from ringcc.runtime.merge import merge
+
+    h, n = q.shape[1], q.shape[2]
+    t = torch.arange(n, device=q.device)
+    outs, lses = [], []
+    for (w, r), pairs in zip(spec.branches, branch_heads(spec, h)):
+        w = min(w, n)
+        offset = torch.full((h,), -1, dtype=torch.long, device=q.device)  # -1: head not in branch
+        for head, off in pairs:
+            offset[head] = off
+        active = ((t % w) % r)[None, :] == offset[:, None]  # [h, n]
+        allowed = active[:, :, None] & active[:, None, :] & ((t // w)[:, None] == (t // w)[None, :])
+        if is_causal:
+            allowed = allowed & (t[None, :] <= t[:, None])
+        o, lse = masked_attention(q, k, v, allowed[None], scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    return merge(outs, lses)

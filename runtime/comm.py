@@ -14,13 +14,17 @@ import torch.distributed as dist
 
 
 class RingComm:
-    def __init__(self, group, *, offset: int = 1, tag_base: int = 0):
+    def __init__(self, group, *, offset: int = 1, tag_base: int = 0, members: tuple[int, ...] | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        # `members` (group ranks in ring order, default: the whole group) lets disjoint
+        # sub-rings of one group run at once without creating process groups (dilated attention).
+        ring = tuple(range(dist.get_world_size(group))) if members is None else tuple(members)
+        pos = ring.index(self.rank)
+        self.world = len(ring)
         # Global ranks of the ring neighbours (P2POp takes global ranks).
-        self.send_to = dist.get_global_rank(group, (self.rank + offset) % self.world)
-        self.recv_from = dist.get_global_rank(group, (self.rank - offset) % self.world)
+        self.send_to = dist.get_global_rank(group, ring[(pos + offset) % self.world])
+        self.recv_from = dist.get_global_rank(group, ring[(pos - offset) % self.world])
         self._ops: list[dist.P2POp] = []
         self._reqs: list | None = None
         self._tag_base = tag_base

@@ -80,6 +80,9 @@ class RingSetup:
     layout: Layout
     is_causal: bool
     scale: float
+    # Group ranks forming the ring, in order (None: the whole group). With members, `rank` and
+    # `world` are this rank's position in the ring and the ring's length (dilated sub-rings).
+    members: tuple[int, ...] | None = None
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         per = chunks_per_rank(self.layout)
@@ -104,7 +107,7 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup):
     out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
     lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
     world, skip = setup.world, _skip_comm()
-    comm = RingComm(setup.group) if world > 1 and not skip else None
+    comm = RingComm(setup.group, members=setup.members) if world > 1 and not skip else None
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(world):
         src = (setup.rank - step) % world
@@ -137,8 +140,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     dv_acc = torch.zeros_like(dk_acc)
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
-    kv_comm = RingComm(setup.group, tag_base=0) if use_comm else None
-    dkv_comm = RingComm(setup.group, tag_base=16) if use_comm else None
+    kv_comm = RingComm(setup.group, tag_base=0, members=setup.members) if use_comm else None
+    dkv_comm = RingComm(setup.group, tag_base=16, members=setup.members) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     dkv_pending = None

@@ -1,0 +1,442 @@
+"""LongNet dilated attention: the spec, index plans, the single-device and ring algorithms,
+their custom ops and the public `dilated_attention`.
+
+Legend: q_bhsd [b, h, s, d] with s = n_local (this rank's shard); k_bgsd / v_bgsd
+[b, g, s, d] with h % g == 0 (GQA); "_c" tensors are compressed: only the active rows of
+one branch, [b, heads or slots, s / r, d]; lse is natural-log, fp32 (fp64 for fp64 inputs).
+
+Note [Dilated attention]
+Branch i has a segment length w_i and a dilation rate r_i. In head h, query t is active iff
+(t mod w_i) mod r_i == offset(h, i); it attends to the active keys of its own segment (j <= t
+when causal, global positions). All branches are blocks of ONE softmax over the union of
+their key sets (a key present in two branches counts twice, LongNet's softmax-denominator
+weights): forward LSE-merges the branches' (out_i, lse_i); backward runs each branch's block
+backward with the GLOBAL merged (out, lse) and sums, which is the exact gradient of the
+merged output, mixing weights included.
+
+Compression. Segments are aligned to the shard (see `_branch_mode`), so in local row index i
+the rule reads i mod r == offset: a head's active rows are offset + r * j, in position order.
+Gathering them gives dense blocks of s / r rows; causal masking inside a segment is the
+causal diagonal of the compressed block. K/V are gathered per *slot* = (kv head, offset):
+GQA query heads that share a kv head and an offset share a slot, so K/V keep their own
+(fewer) heads where the offsets allow. Query heads are ordered slot-major, so a slot serves
+c consecutive query heads (the kernels' GQA expansion). When slots would serve unequal
+numbers of heads, every query head gets its own slot (c = 1).
+
+Modes per branch (decided once per shape and cached with the index plan):
+- local: the (clipped) segment fits in a layout chunk: segments fold into the batch dim, one
+  dense kernel call, no communication.
+- ring (contiguous layout): the segment spans k = w / s consecutive ranks. Those k ranks run
+  the exact ring schedule (Note [Ring attention schedule] in ring.py) on the compressed
+  tensors, around their own sub-ring only: each rank sends (k - 1) blocks of s / r rows per
+  slot, i.e. (w - s) / r rows, independent of n and p. The sub-ring's chunk order is the
+  position order, so causal blocks are skipped / full / diagonal as in the dense ring.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from . import kernels
+from . import layout as L
+from .merge import merge_
+from .ops import _check_inputs, _check_same_length, _group_args, _group_from
+from .ring import RingSetup, resolve_world, ring_backward, ring_forward
+
+OFFSET_MODES = ("per_head", "head_groups")
+
+
+@dataclass(frozen=True)
+class DilatedSpec:
+    """Segment lengths w_i and dilation rates r_i of the branches (LongNet), and how head
+    offsets are chosen: "per_head" (offset h mod r_i, every head in every branch) or
+    "head_groups" (heads split evenly among branches, remainder to the first ones; a head
+    takes part only in its group's branch, offset = its index in the group mod r_i)."""
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    offsets: str = "per_head"
+
+    def __init__(self, segment_lengths, dilation_rates, *, offsets: str = "per_head"):
+        w, r = tuple(segment_lengths), tuple(dilation_rates)
+        if len(w) != len(r) or not w:
+            raise ValueError(
+                f"DilatedSpec needs one dilation rate per segment length (at least one branch); "
+                f"got segment_lengths={w} and dilation_rates={r}"
+            )
+        for name, vals in (("segment_lengths", w), ("dilation_rates", r)):
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in vals):
+                raise ValueError(f"DilatedSpec {name} must be positive ints; got {vals}")
+        bad = [(a, b) for a, b in zip(w, r) if a % b]
+        if bad:
+            raise ValueError(
+                f"every segment length must be divisible by its dilation rate; got (w, r) pairs {bad}; "
+                "change the segment length or the rate"
+            )
+        if any(a >= b for a, b in zip(w, w[1:])):
+            raise ValueError(f"segment_lengths must be strictly increasing; got {w}")
+        if any(a > b for a, b in zip(r, r[1:])):
+            raise ValueError(f"dilation_rates must be non-decreasing; got {r}")
+        if offsets not in OFFSET_MODES:
+            raise ValueError(f"offsets={offsets!r} is not supported; allowed: {list(OFFSET_MODES)}")
+        object.__setattr__(self, "segment_lengths", w)
+        object.__setattr__(self, "dilation_rates", r)
+        object.__setattr__(self, "offsets", offsets)
+
+    def __repr__(self) -> str:
+        return f"DilatedSpec(segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, offsets={self.offsets!r})"
+
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.segment_lengths, self.dilation_rates))
+
+
+def branch_heads(spec: DilatedSpec, num_heads: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per branch: the (query head, offset) pairs taking part (the semantics, in one place)."""
+    if spec.offsets == "per_head":
+        return tuple(tuple((h, h % r) for h in range(num_heads)) for r in spec.dilation_rates)
+    m = len(spec.branches)
+    out, start = [], 0
+    for i, r in enumerate(spec.dilation_rates):
+        size = num_heads // m + (1 if i < num_heads % m else 0)
+        out.append(tuple((start + j, j % r) for j in range(size)))
+        start += size
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------
+# index plans
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    w: int  # segment length, clipped to the sequence
+    r: int
+    ring: bool  # False: local (segments inside the shard); True: sub-ring of ranks `members`
+    q_heads: tuple[int, ...]  # query heads taking part, slot-major
+    q_offsets: tuple[int, ...]
+    slot_kv: tuple[int, ...]  # kv head of each slot
+    slot_offsets: tuple[int, ...]
+    members: tuple[int, ...] = ()  # group ranks of the sub-ring (ring mode)
+    pos: int = 0  # this rank's position in it
+
+
+def _branch_mode(w: int, r: int, n: int, world: int, layout: L.Layout) -> tuple[int, bool]:
+    """(clipped segment length, needs a ring) or ValueError when the segments do not align."""
+    n_local = n // world
+    chunk = n_local // L.chunks_per_rank(layout)
+    we = min(w, n)  # LongNet's w = N convention for segments longer than the sequence
+    if n % we or we % r:
+        raise ValueError(
+            f"dilated segment length {w} (clipped to {we}) with rate {r} does not tile the sequence of "
+            f"length {n}: the sequence must be a multiple of the segment length and the segment a "
+            f"multiple of the rate; pad the sequence (to a multiple of {math.lcm(we, r)}) or change the spec"
+        )
+    if we <= chunk:
+        if chunk % we:
+            raise ValueError(
+                f"dilated segment length {we} does not divide the per-rank chunk of {chunk} tokens "
+                f"(n={n}, world size {world}, layout {layout.value!r}); use a segment length that divides "
+                f"{chunk} or is a multiple of it, or change the sequence length"
+            )
+        return we, False
+    if layout is L.Layout.ZIGZAG:
+        raise ValueError(
+            f"dilated segment length {we} spans several zigzag chunks of {chunk} tokens; zigzag supports "
+            f"only segments that fit in one chunk: use layout='contiguous' for this spec"
+        )
+    if we % n_local or n_local % r:
+        raise ValueError(
+            f"dilated segment length {we} with rate {r} spans ranks but the shard of {n_local} tokens "
+            f"does not tile it (need segment % shard == 0 and shard % rate == 0); choose n, p and the "
+            f"spec so that they divide"
+        )
+    return we, True
+
+
+def _slots(pairs, rep: int):
+    """Slot-major query heads and the (kv head, offset) slots they read."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for h, off in pairs:
+        groups.setdefault((h // rep, off), []).append((h, off))
+    if len({len(v) for v in groups.values()}) > 1:
+        # Unequal sharing cannot use the kernels' uniform GQA expansion: one slot per head.
+        groups = {(i, h // rep, off): [(h, off)] for i, (h, off) in enumerate(pairs)}
+    q_pairs = [p for v in groups.values() for p in v]
+    slots = [key[-2:] for key in groups]
+    return (
+        tuple(h for h, _ in q_pairs), tuple(o for _, o in q_pairs),
+        tuple(kv for kv, _ in slots), tuple(o for _, o in slots),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def dilated_plan(
+    spec: DilatedSpec, n_local: int, num_heads: int, kv_heads: int, rank: int, world: int, layout: str
+) -> tuple[BranchPlan, ...]:
+    """Index plan of every branch (validated; cached per shape, spec, layout, rank, world)."""
+    lay = L.Layout(layout) if world > 1 else L.Layout.CONTIGUOUS  # p = 1: both layouts are natural order
+    n = n_local * world
+    if n_local % L.chunks_per_rank(lay):
+        raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={n_local}")
+    plans = []
+    for (w, r), pairs in zip(spec.branches, branch_heads(spec, num_heads)):
+        if not pairs:
+            continue
+        we, ring = _branch_mode(w, r, n, world, lay)
+        q_heads, q_offsets, slot_kv, slot_offsets = _slots(pairs, num_heads // kv_heads)
+        members, pos = (), 0
+        if ring:
+            k = we // n_local
+            members, pos = tuple(range(rank - rank % k, rank - rank % k + k)), rank % k
+        plans.append(BranchPlan(we, r, ring, q_heads, q_offsets, slot_kv, slot_offsets, members, pos))
+    return tuple(plans)
+
+
+@functools.lru_cache(maxsize=256)
+def _indices(bp: BranchPlan, n_local: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat row indices into [heads * n_local] of the branch's queries and K/V slots."""
+    steps = torch.arange(0, n_local, bp.r, device=device)
+
+    def flat(heads, offsets):
+        h = torch.tensor(heads, device=device)[:, None]
+        o = torch.tensor(offsets, device=device)[:, None]
+        return (h * n_local + o + steps).reshape(-1)
+
+    return flat(bp.q_heads, bp.q_offsets), flat(bp.slot_kv, bp.slot_offsets)
+
+
+# ---------------------------------------------------------------------------------------
+# communication formula (for the planner and the tests)
+
+
+def dilated_comm_rows(spec: DilatedSpec, n, p, layout: str = "contiguous") -> tuple:
+    """Per branch: K rows (and as many V rows) each rank sends per K/V slot in one forward
+    call, max(0, min(w, n) - n/p) / r: zero when the segment fits the shard, O(w/r) else.
+    Backward sends the same K/V rows plus fp32 dK/dV accumulators of k = min(w, n) p / n hops.
+    n and p may be sympy expressions (then the result is symbolic)."""
+    if L.Layout(layout) is L.Layout.ZIGZAG and all(isinstance(x, int) for x in (n, p)) and p > 1:
+        for w, r in spec.branches:
+            _branch_mode(w, r, n, p, L.Layout.ZIGZAG)  # raises for segments that would need a ring
+    if all(isinstance(x, int) for x in (n, p)):
+        return tuple(max(0, min(w, n) - n // p) // r for w, r in spec.branches)
+    return tuple(sympy.Max(0, sympy.Min(w, n) - n / p) / r for w, r in spec.branches)
+
+
+def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int) -> tuple[int, ...]:
+    """Per branch: how many K/V head slots travel (kv_heads for MHA with per_head offsets)."""
+    return tuple(len(_slots(pairs, num_heads // kv_heads)[2]) if pairs else 0 for pairs in branch_heads(spec, num_heads))
+
+
+# ---------------------------------------------------------------------------------------
+# the algorithm
+
+
+@dataclass(frozen=True)
+class DilatedSetup:
+    group: object
+    rank: int
+    world: int
+    plans: tuple[BranchPlan, ...]
+    is_causal: bool
+    scale: float
+
+    def ring(self, bp: BranchPlan) -> RingSetup:
+        return RingSetup(
+            self.group, bp.pos, len(bp.members), L.Layout.CONTIGUOUS, self.is_causal, self.scale, bp.members
+        )
+
+
+def _to_segments(x, seg_rows: int):
+    """[b, h, s/r, ...] -> [b * segments, h, seg_rows, ...] (segments fold into the batch)."""
+    b, h, nr = x.shape[:3]
+    x = x.reshape(b, h, nr // seg_rows, seg_rows, *x.shape[3:]).transpose(1, 2)
+    return x.reshape(-1, h, seg_rows, *x.shape[4:])
+
+
+def _from_segments(x, b: int):
+    bs, h, m = x.shape[:3]
+    return x.reshape(b, bs // b, h, m, *x.shape[3:]).transpose(1, 2).reshape(b, h, -1, *x.shape[3:])
+
+
+def _gather(flat, idx, b, heads, d=None):
+    x = flat.index_select(1, idx)
+    return x.view(b, heads, -1, d) if d is not None else x.view(b, heads, -1)
+
+
+def dilated_forward(q, k, v, setup: DilatedSetup):
+    """q [b,h,s,d], k/v [b,g,s,d] -> (out [b,h,s,d], lse [b,h,s]) of all branches merged."""
+    b, h, s, d = q.shape
+    g = k.shape[1]
+    adt = kernels.acc_dtype(q.dtype)
+    out_acc = torch.zeros(b, h * s, d, dtype=adt, device=q.device)
+    lse_acc = torch.full((b, h * s), float("-inf"), dtype=adt, device=q.device)
+    qf, kf, vf = q.reshape(b, h * s, d), k.reshape(b, g * s, d), v.reshape(b, g * s, d)
+    for bp in setup.plans:
+        q_idx, kv_idx = _indices(bp, s, q.device)
+        hq, ns = len(bp.q_heads), len(bp.slot_kv)
+        q_c = _gather(qf, q_idx, b, hq, d)
+        k_c, v_c = _gather(kf, kv_idx, b, ns, d), _gather(vf, kv_idx, b, ns, d)
+        if bp.ring:
+            o, lse = ring_forward(q_c, k_c, v_c, None, setup.ring(bp))
+        else:
+            m = bp.w // bp.r
+            o, lse = kernels.block_fwd(
+                _to_segments(q_c, m), _to_segments(k_c, m), _to_segments(v_c, m),
+                scale=setup.scale, causal=setup.is_causal,
+            )
+            o, lse = _from_segments(o, b), _from_segments(lse, b)
+        acc_o, acc_l = out_acc.index_select(1, q_idx), lse_acc.index_select(1, q_idx)
+        merge_(acc_o, acc_l, o.reshape(b, -1, d), lse.reshape(b, -1).to(adt))
+        out_acc.index_copy_(1, q_idx, acc_o)
+        lse_acc.index_copy_(1, q_idx, acc_l)
+    return out_acc.view(b, h, s, d).to(q.dtype), lse_acc.view(b, h, s)
+
+
+def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
+    """(dq, dk, dv): per branch, the block backward fed the global merged (out, lse), summed."""
+    b, h, s, d = q.shape
+    g = k.shape[1]
+    adt = kernels.acc_dtype(q.dtype)
+    dq = torch.zeros(b, h * s, d, dtype=adt, device=q.device)
+    dk = torch.zeros(b, g * s, d, dtype=adt, device=q.device)
+    dv = torch.zeros_like(dk)
+    qf, kf, vf = q.reshape(b, h * s, d), k.reshape(b, g * s, d), v.reshape(b, g * s, d)
+    dof, of, lf = dout.reshape(b, h * s, d), out.reshape(b, h * s, d), lse.reshape(b, h * s)
+    for bp in setup.plans:
+        q_idx, kv_idx = _indices(bp, s, q.device)
+        hq, ns = len(bp.q_heads), len(bp.slot_kv)
+        q_c, do_c, o_c = (_gather(t, q_idx, b, hq, d) for t in (qf, dof, of))
+        l_c = _gather(lf, q_idx, b, hq)
+        k_c, v_c = _gather(kf, kv_idx, b, ns, d), _gather(vf, kv_idx, b, ns, d)
+        if bp.ring:
+            dq_c, dk_c, dv_c = ring_backward(do_c, q_c, k_c, v_c, None, o_c, l_c, setup.ring(bp))
+        else:
+            m = bp.w // bp.r
+            seg = functools.partial(_to_segments, seg_rows=m)
+            dq_c, dk_c, dv_c = kernels.block_bwd(
+                seg(do_c), seg(q_c), seg(k_c), seg(v_c), seg(o_c), seg(l_c),
+                scale=setup.scale, causal=setup.is_causal,
+            )
+            dq_c, dk_c, dv_c = (_from_segments(t, b) for t in (dq_c, dk_c, dv_c))
+        dq.index_add_(1, q_idx, dq_c.reshape(b, -1, d).to(adt))
+        # Slots may repeat a (kv head, row) pair (one slot per head): index_add accumulates.
+        dk.index_add_(1, kv_idx, dk_c.reshape(b, -1, d).to(adt))
+        dv.index_add_(1, kv_idx, dv_c.reshape(b, -1, d).to(adt))
+    return dq.view(b, h, s, d).to(q.dtype), dk.view(b, g, s, d).to(k.dtype), dv.view(b, g, s, d).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# custom ops
+
+
+def _setup(q, k, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
+    group, rank, world = _group_from(group_name, world_size)
+    spec = DilatedSpec(segment_lengths, dilation_rates, offsets=offsets)
+    plans = dilated_plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, layout)
+    return DilatedSetup(group, rank, world, plans, is_causal, scale)
+
+
+@torch.library.custom_op("ringcc::dilated_attention", mutates_args=())
+def dilated_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    offsets: str,
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    world_size: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    setup = _setup(q, k, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout)
+    out, lse = dilated_forward(q, k, v, setup)
+    return out.contiguous(), lse.contiguous()
+
+
+@dilated_attention_op.register_fake
+def _(q, k, v, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
+    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=adt)
+
+
+@torch.library.custom_op("ringcc::dilated_attention_backward", mutates_args=())
+def dilated_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    offsets: str,
+    is_causal: bool,
+    scale: float,
+    group_name: str,
+    world_size: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    setup = _setup(q, k, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout)
+    dq, dk, dv = dilated_backward(dout, q, k, v, out, lse, setup)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@dilated_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
+    cf = torch.contiguous_format
+    return torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+
+
+def _dilated_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = inputs[3:]
+    ctx.mark_non_differentiable(lse)
+
+
+def _dilated_backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = dilated_attention_backward_op(dout, q, k, v, out, lse, *ctx.args)
+    return (dq, dk, dv) + (None,) * len(ctx.args)
+
+
+dilated_attention_op.register_autograd(_dilated_backward, setup_context=_dilated_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
+# public API
+
+
+def dilated_attention(
+    q, k, v, spec: DilatedSpec, *, is_causal: bool = False, scale: float | None = None,
+    group=None, layout: str = "contiguous", return_lse: bool = False,
+):
+    """LongNet dilated attention over a sequence sharded across the ranks of `group`.
+
+    Shard convention as `ring_attention`: q [b, h, n_local, d], k/v [b, h_kv, n_local, d],
+    this rank's part of n = n_local * p tokens in `layout`; p = 1 is the single-device case.
+    Semantics in Note [Dilated attention]. Returns this rank's output shard (and the fp32 LSE
+    [b, h, n_local] when return_lse; rows active in no branch give 0 and -inf).
+    """
+    if not isinstance(spec, DilatedSpec):
+        raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
+    _check_inputs(q, k, v, None)
+    lay = L.parse_layout(layout)
+    name, world, rank = _group_args(group)
+    dilated_plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)  # validates early
+    _check_same_length(q.shape[2], resolve_world(group)[0], world)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = dilated_attention_op(
+        q, k, v, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets,
+        bool(is_causal), scale, name, world, lay.value,
+    )
+    return (out, lse) if return_lse else out
