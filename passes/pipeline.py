@@ -9,8 +9,17 @@ import time
 import torch.fx
 
 from .base import Pass, PassContext
+from .canonicalize_attention import canonicalize_attention
+from .lift_masks import lift_masks
+from .rewrite_attention import rewrite_attention
 
 PIPELINE: list[tuple[str, Pass]] = [
+    # Attention first, on the user's graph: every form becomes one canonical SDPA call ...
+    ("canonicalize_attention", canonicalize_attention),
+    # ... whose mask is read as a structured spec (and GQA repeats undone) ...
+    ("lift_masks", lift_masks),
+    # ... and each accepted site becomes the ringcc op; sharding passes below rely on it.
+    ("rewrite_attention", rewrite_attention),
     # (filled in by the backend / sharding work; see passes/*.py)
 ]
 

@@ -1,0 +1,214 @@
+"""The canonical attention form every attention pass agrees on, and fake-value helpers.
+
+Canonical form: one scaled-dot-product-attention call with every argument spelled out:
+
+    sdpa(q, k, v, attn_mask=<node|None>, dropout_p=<float>, is_causal=<bool>,
+         scale=<float|None>, enable_gqa=<bool>)
+
+The target is the one the graph already speaks: `F.scaled_dot_product_attention` in
+dynamo's torch-level graphs (fake values in meta["example_value"]) and
+`aten.scaled_dot_product_attention.default` in aten / export graphs (meta["val"]).
+Canonicalisation turns manual attention, MHA and the fused encoder layer into this form,
+mask lifting reads its attn_mask, and the rewrite pass turns it into the ringcc op.
+meta["ringcc_form"] remembers which user form a canonical node came from.
+
+Legend: q_bhsd [batch, heads, seq, head_dim]; k_bgsd / v_bgsd with g key/value heads.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from .base import tag
+
+SDPA_TORCH_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+SDPA_ATEN_TARGET = torch.ops.aten.scaled_dot_product_attention.default
+SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+FORM_META = "ringcc_form"
+
+
+def is_sdpa(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and (node.target in SDPA_TORCH_TARGETS or node.target == SDPA_ATEN_TARGET)
+
+
+@dataclass
+class SdpaCall:
+    """The arguments of an SDPA node, bound by name."""
+
+    q: torch.fx.Node
+    k: torch.fx.Node
+    v: torch.fx.Node
+    attn_mask: Any = None
+    dropout_p: Any = 0.0
+    is_causal: Any = False
+    scale: Any = None
+    enable_gqa: Any = False
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> "SdpaCall":
+        bound = dict(SDPA_DEFAULTS)
+        bound.update(zip(SDPA_PARAMS, node.args))
+        bound.update(node.kwargs)
+        return cls(bound["query"], bound["key"], bound["value"], bound["attn_mask"], bound["dropout_p"],
+                   bound["is_causal"], bound["scale"], bound["enable_gqa"])
+
+    def args_kwargs(self, aten: bool) -> tuple[tuple, dict]:
+        kw = {"attn_mask": self.attn_mask, "dropout_p": self.dropout_p, "is_causal": self.is_causal,
+              "scale": self.scale, "enable_gqa": self.enable_gqa}
+        if aten:  # scale and enable_gqa are keyword-only in the aten schema
+            return ((self.q, self.k, self.v, kw["attn_mask"], kw["dropout_p"], kw["is_causal"]),
+                    {"scale": kw["scale"], "enable_gqa": kw["enable_gqa"]})
+        return (self.q, self.k, self.v), kw
+
+
+# ---------------------------------------------------------------------------------------
+# fake values
+
+
+def fake_key(gm: torch.fx.GraphModule) -> str:
+    """"val" for aten/export graphs, "example_value" for dynamo graphs."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if "example_value" in node.meta:
+                return "example_value"
+            if "val" in node.meta:
+                return "val"
+    return "example_value"
+
+
+def is_aten_graph(gm: torch.fx.GraphModule) -> bool:
+    return fake_key(gm) == "val"
+
+
+def fake(node: Any) -> Any:
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def fake_mode_of(gm: torch.fx.GraphModule):
+    """The fake mode the placeholders' fake tensors live in (see PITFALLS: mixing fake modes)."""
+    for node in gm.graph.nodes:
+        val = fake(node)
+        mode = getattr(val, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def propagate(gm: torch.fx.GraphModule, node: torch.fx.Node, mode=None) -> Any:
+    """Compute and store `node`'s fake value from its inputs' fake values."""
+    mode = mode if mode is not None else fake_mode_of(gm)
+    args = torch.fx.node.map_arg(node.args, fake)
+    kwargs = torch.fx.node.map_arg(node.kwargs, fake)
+    with mode:
+        if node.op == "call_method":
+            val = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            val = node.target(*args, **kwargs)
+    node.meta[fake_key(gm)] = val
+    return val
+
+
+class Builder:
+    """Inserts nodes before an anchor, tags them and computes their fake values."""
+
+    def __init__(self, gm: torch.fx.GraphModule, anchor: torch.fx.Node, pass_name: str):
+        self.gm, self.anchor, self.pass_name = gm, anchor, pass_name
+        self.mode = fake_mode_of(gm)
+
+    def call(self, target, *args, **kwargs) -> torch.fx.Node:
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.call_function(target, tuple(args), kwargs)
+        return self._finish(node)
+
+    def method(self, name: str, *args, **kwargs) -> torch.fx.Node:
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.call_method(name, tuple(args), kwargs)
+        return self._finish(node)
+
+    def getitem(self, node: torch.fx.Node, i: int) -> torch.fx.Node:
+        return self.call(operator.getitem, node, i)
+
+    def sdpa(self, call: SdpaCall, form: str) -> torch.fx.Node:
+        aten = is_aten_graph(self.gm)
+        args, kwargs = call.args_kwargs(aten)
+        node = self.call(SDPA_ATEN_TARGET if aten else F.scaled_dot_product_attention, *args, **kwargs)
+        node.meta[FORM_META] = form
+        return node
+
+    def _finish(self, node: torch.fx.Node) -> torch.fx.Node:
+        tag(node, self.pass_name, self.anchor)
+        propagate(self.gm, node, self.mode)
+        return node
+
+
+def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
+    """Erase `roots` (replaced nodes, unused) and, transitively, their inputs once nothing
+    uses them (pure ops only)."""
+    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+    root_set = set(stack)
+    erased: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        if node not in root_set and node.op == "call_function" and _impure(node):
+            continue
+        inputs = list(node.all_input_nodes)
+        gm.graph.erase_node(node)
+        erased.add(node)
+        stack.extend(inputs)
+
+
+def _impure(node: torch.fx.Node) -> bool:
+    try:
+        return node.is_impure()
+    except Exception:  # noqa: BLE001 - an unknown target is treated as impure (kept)
+        return True
+
+
+def static_int(x: Any) -> Optional[int]:
+    """x as a Python int when it is one (no guard on symbolic sizes), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    return None
+
+
+def static_float(x: Any) -> Optional[float]:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# per-site facts handed from pass to pass (node meta keys)
+
+SITE_META = "ringcc_site"  # report.Site of a canonical node
+SKIP_META = "ringcc_skip"  # (SkipReason, detail) decided by an earlier pass
+MASK_META = "ringcc_mask"  # LiftedMask: the attn_mask understood as a structured spec
+
+
+@dataclass
+class LiftedMask:
+    """A mask understood structurally: allowed(b, i, j) = causal? (j <= i) and
+    window? (|i - j| < window) and key_valid[b, j]. `key_valid` is a bool [b, n] node."""
+
+    causal: bool = False
+    window: Optional[int] = None
+    key_valid: Optional[torch.fx.Node] = None
+
+    def spec(self) -> dict:
+        return {"causal": self.causal, "window": self.window,
+                "key_padding": None if self.key_valid is None else self.key_valid.name}

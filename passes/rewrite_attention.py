@@ -1,0 +1,118 @@
+"""Rewrite each accepted canonical site into the ringcc custom op.
+
+An accepted site becomes
+
+    op = torch.ops.ringcc.ring_attention.default(q, k, v, key_valid, is_causal, scale,
+                                                 group_name, world_size, layout)
+    out = op[0]            # op[1] is the LSE
+
+with k/v carrying their own (GQA) heads. The layout is resolved once per graph from
+Config.layout ("auto": zigzag when p > 1 and every rewritten site is causal) and stored in
+ctx.scratch["layout"]; the op nodes go to ctx.scratch["attention_nodes"]. Every site gets
+its decision in the report; Config(strict=True) turns a skip into an error.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+
+from ringcc.report import Decision, SkipReason
+from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
+
+from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, SdpaCall, erase_dead, fake,
+                             is_sdpa, static_float, static_int)
+from .base import PassContext, PassResult
+
+PASS = "rewrite_attention"
+RING_OP = torch.ops.ringcc.ring_attention.default
+
+
+def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    accepted = []
+    for node in list(gm.graph.nodes):
+        if not is_sdpa(node) or SITE_META not in node.meta:
+            continue
+        site = node.meta[SITE_META]
+        skip = node.meta.get(SKIP_META) or _check(node, ctx)
+        if skip is not None:
+            site.decision, (site.reason, site.detail) = Decision.SKIPPED, skip
+        else:
+            accepted.append(node)
+    layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
+    ops = ctx.scratch.setdefault("attention_nodes", [])
+    for node in accepted:
+        ops.append(_rewrite(gm, node, ctx, layout))
+    _enforce_strict(ctx)
+    return PassResult(bool(accepted))
+
+
+def _check(node: torch.fx.Node, ctx: PassContext):
+    """(reason, detail) when the site cannot become the ring op, else None."""
+    call = SdpaCall.of(node)
+    lifted = node.meta.get(MASK_META)
+    if lifted is None:
+        return SkipReason.UNLIFTABLE_MASK, "mask not understood"
+    if lifted.window is not None:
+        return SkipReason.UNSUPPORTED_MASK, f"sliding window (w={lifted.window}): the ring runtime has no windows yet"
+    dropout_p = static_float(call.dropout_p)
+    if dropout_p is None:
+        return SkipReason.DROPOUT, f"dropout_p is not a constant ({call.dropout_p!r})"
+    if dropout_p > 0:
+        return SkipReason.DROPOUT, (f"dropout_p={dropout_p} in training; Config.dropout={ctx.config.dropout!r} "
+                                    "but per-block dropout is not in the runtime yet, so the site is kept")
+    q, k, v = fake(call.q), fake(call.k), fake(call.v)
+    if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
+        return SkipReason.SHAPE, f"q/k/v must be 4-D [b, h, n, d]; got {shapes}"
+    if q.shape[2] != k.shape[2]:
+        return SkipReason.CROSS_ATTENTION, f"query length {q.shape[2]} != key length {k.shape[2]}"
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        return SkipReason.SHAPE, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [b,h,n,d]/[b,g,n,d]"
+    h, g = static_int(q.shape[1]), static_int(k.shape[1])
+    if h is None or g is None or h % g or (h != g and not call.enable_gqa):
+        return SkipReason.SHAPE, f"heads q={q.shape[1]} kv={k.shape[1]} (enable_gqa={call.enable_gqa})"
+    if not (q.dtype == k.dtype == v.dtype):
+        return SkipReason.SHAPE, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    if call.scale is None and static_int(q.shape[3]) is None:
+        return SkipReason.SHAPE, "symbolic head dim with default scale"
+    if call.scale is not None and static_float(call.scale) is None:
+        return SkipReason.SHAPE, f"scale is not a constant ({call.scale!r})"
+    if ctx.config.dilation is not None:
+        return SkipReason.OTHER, "dilation requested but the dilated ring op (runtime/dilated.py) is not available yet"
+    return None
+
+
+def _resolve_layout(ctx: PassContext, accepted: list[torch.fx.Node]) -> str:
+    if ctx.config.layout != "auto":
+        return ctx.config.layout
+    all_causal = bool(accepted) and all(n.meta[MASK_META].causal for n in accepted)
+    return "zigzag" if ctx.world_size > 1 and all_causal else "contiguous"
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, layout: str) -> torch.fx.Node:
+    call, lifted = SdpaCall.of(node), node.meta[MASK_META]
+    scale = (1.0 / math.sqrt(fake(call.q).shape[-1])) if call.scale is None else float(call.scale)
+    b = Builder(gm, node, PASS)
+    op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
+                ctx.group_name, ctx.world_size, layout)
+    out = b.call(operator.getitem, op, 0)
+    node.replace_all_uses_with(out)
+    site = node.meta[SITE_META]
+    site.decision, site.reason, site.detail = Decision.REWRITTEN, None, ""
+    site.node = op.name
+    erase_dead(gm, [node])
+    return op
+
+
+def _enforce_strict(ctx: PassContext) -> None:
+    if not ctx.config.strict:
+        return
+    skipped = [s for s in ctx.report.sites if s.decision == Decision.SKIPPED]
+    if skipped:
+        lines = "; ".join(f"{s.form} site at {s.location}: {s.reason.value} ({s.detail})" for s in skipped)
+        raise ValueError(f"Config(strict=True) but {len(skipped)} attention site(s) were not rewritten: {lines}. "
+                         "Change the model or set strict=False to keep them as dense attention.")

@@ -1,0 +1,123 @@
+"""Structural tests of the rewrite pass: canonical sites -> torch.ops.ringcc.ring_attention."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from graphs import dynamo_graph, export_graph, run, targets
+
+from ringcc.config import Config
+from ringcc.passes.attention_form import SDPA_ATEN_TARGET, SDPA_TORCH_TARGETS
+from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.passes.rewrite_attention import RING_OP, rewrite_attention
+from ringcc.report import Decision, SkipReason
+
+ATTN_PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks),
+               ("rewrite_attention", rewrite_attention)]
+
+
+def qkv(b=2, h=4, g=4, n=8, d=16):
+    return torch.randn(b, h, n, d), torch.randn(b, g, n, d), torch.randn(b, g, n, d)
+
+
+def ring_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target == RING_OP]
+
+
+def test_sdpa_becomes_ring_op_with_contract_args():
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+    gm = dynamo_graph(f, *qkv(g=2))
+    ctx = run(gm, ATTN_PASSES, world_size=2)
+    assert not any(t in SDPA_TORCH_TARGETS for t in targets(gm))
+    (op,) = ring_nodes(gm)
+    q, k, v, key_valid, is_causal, scale, group, world, layout = op.args
+    assert [q.op, k.op, v.op] == ["placeholder"] * 3
+    assert key_valid is None and is_causal is True and scale == pytest.approx(0.25)
+    assert (group, world, layout) == ("0", 2, "zigzag")
+    assert ctx.scratch["layout"] == "zigzag" and ctx.scratch["attention_nodes"] == [op]
+    (use,) = op.users
+    assert use.target is operator.getitem and use.args[1] == 0
+    assert tuple(use.meta["example_value"].shape) == (2, 4, 8, 16)
+    assert op.meta["ringcc_pass"] == "rewrite_attention" and op.meta["ringcc_from"]
+    assert ctx.report.sites[0].decision == Decision.REWRITTEN
+
+
+def test_layout_is_contiguous_unless_every_site_is_causal():
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) + F.scaled_dot_product_attention(q, k, v)
+
+    gm = dynamo_graph(f, *qkv())
+    ctx = run(gm, ATTN_PASSES, world_size=2)
+    assert ctx.scratch["layout"] == "contiguous"
+    assert [n.args[8] for n in ring_nodes(gm)] == ["contiguous", "contiguous"]
+    gm1 = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *qkv())
+    assert run(gm1, ATTN_PASSES, world_size=1).scratch["layout"] == "contiguous"
+    gm2 = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *qkv())
+    assert run(gm2, ATTN_PASSES, Config(layout="contiguous"), world_size=2).scratch["layout"] == "contiguous"
+
+
+def test_rewrite_is_idempotent():
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.5), *qkv())
+    run(gm, ATTN_PASSES)
+    before = gm.code
+    ctx = make_ctx_and_run_twice(gm)
+    assert gm.code == before and ctx.report.sites == []
+
+
+def make_ctx_and_run_twice(gm):
+    from graphs import make_ctx
+
+    ctx = make_ctx()
+    for _, fn in ATTN_PASSES:
+        assert fn(gm, ctx).modified is False
+    return ctx
+
+
+def test_export_graph_aten_sdpa_is_rewritten():
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gm = export_graph(M(), *qkv())
+    assert SDPA_ATEN_TARGET in targets(gm)
+    ctx = run(gm, ATTN_PASSES)
+    assert SDPA_ATEN_TARGET not in targets(gm)
+    (op,) = ring_nodes(gm)
+    assert "val" in op.meta and ctx.report.sites[0].form == "sdpa"
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"dropout_p": 0.1}, SkipReason.DROPOUT),
+    ({"attn_mask": "dense"}, SkipReason.UNLIFTABLE_MASK),
+])
+def test_skipped_sites_keep_sdpa_and_record_reason(kwargs, reason):
+    def f(q, k, v, m):
+        kw = dict(kwargs)
+        if kw.get("attn_mask") == "dense":
+            kw["attn_mask"] = m
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    gm = dynamo_graph(f, *qkv(), torch.randn(8, 8))
+    ctx = run(gm, ATTN_PASSES)
+    assert not ring_nodes(gm) and any(t in SDPA_TORCH_TARGETS for t in targets(gm))
+    (site,) = ctx.report.sites
+    assert (site.decision, site.reason) == (Decision.SKIPPED, reason) and site.detail
+
+
+def test_cross_attention_is_skipped():
+    q, k, v = qkv()
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k[:, :, :4], v[:, :, :4])
+    ctx = run(gm, ATTN_PASSES)
+    assert ctx.report.sites[0].reason == SkipReason.CROSS_ATTENTION
+
+
+def test_strict_names_the_site_and_reason():
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2), *qkv())
+    with pytest.raises(ValueError, match=r"strict=True.*sdpa site at .*dropout"):
+        run(gm, ATTN_PASSES, Config(strict=True))
