@@ -128,16 +128,16 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     elif key_valid_bs is not None:
         dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, _bool_mask(key_valid_bs, causal, lq, lk, dev))
     elif _cuda_kernel() == "cudnn":
-        empty = torch.empty(0, device=dev)
+        # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
+        seed = torch.zeros((), dtype=torch.long, device=dev)
         dq, dk, dv = _compat.cuda_cudnn_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().unsqueeze(-1).contiguous(),
-            empty, empty, empty, empty, empty, lq, lk, 0.0, causal, scale=scale,
+            seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale,
         )
     else:
-        empty = torch.empty(0, device=dev)
-        seed = torch.empty(2, dtype=torch.int64, device="cpu")
+        seed = torch.zeros((), dtype=torch.long, device=dev)
         dq, dk, dv = _compat.cuda_flash_bwd(
-            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().contiguous(), empty, empty, lq, lk, 0.0, causal,
+            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().contiguous(), None, None, lq, lk, 0.0, causal,
             seed, seed, scale=scale,
         )
     return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)
