@@ -43,3 +43,28 @@ cuda_cudnn_fwd = aten._scaled_dot_product_cudnn_attention.default
 cuda_cudnn_bwd = aten._scaled_dot_product_cudnn_attention_backward.default
 cuda_eff_fwd = aten._scaled_dot_product_efficient_attention.default
 cuda_eff_bwd = aten._scaled_dot_product_efficient_attention_backward.default
+
+
+# PyTorch context parallel, the peer that benchmarks/ measures against. Its code moved into
+# _context_parallel/ (2.9+); `_attention` still re-exports these names in 2.11 and 2.13.
+def context_parallel_api():
+    """(context_parallel, set_rotate_method, cp_options) of torch's experimental context parallel."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+    except ImportError:
+        from torch.distributed.tensor.experimental._context_parallel._attention import (
+            _cp_options,
+            set_rotate_method,
+        )
+    return context_parallel, set_rotate_method, _cp_options
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least `limit` compiled variants of one function (a benchmark compiles
+    flex_attention once per shape and mask; past the default limit it would silently run eager)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
