@@ -133,7 +133,7 @@ def _branch_mode(w: int, r: int, n: int, world: int, layout: L.Layout) -> tuple[
     we = min(w, n)  # LongNet's w = N convention for segments longer than the sequence
     if n % we or we % r:
         raise ValueError(
-            f"dilated segment length {w} (clipped to {we}) with rate {r} does not tile the sequence of "
+            f"dilated segment length {w}{f' (clipped to {we})' if we != w else ''} with rate {r} does not tile the sequence of "
             f"length {n}: the sequence must be a multiple of the segment length and the segment a "
             f"multiple of the rate; pad the sequence (to a multiple of {math.lcm(we, r)}) or change the spec"
         )

@@ -1,0 +1,279 @@
+"""Dilated attention (LongNet) vs the dense masked reference: single device and real gloo
+groups, p = 1, 2, 3, 4; the spec, the index plans, the custom ops and the bytes on the wire."""
+
+import math
+
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+
+import ringcc
+from ringcc import reference
+from ringcc.runtime import dilated as D
+from ringcc.runtime import layout as L
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+N_LOCAL = 8
+
+# Per world size: segments shorter than, equal to and longer than the shard (8 tokens), one
+# longer than the sequence (clipped), LongNet's geometric w with r = 1, 2, 4, ...
+LONGNET = {
+    1: ([2, 4, 8, 16], [1, 2, 4, 8]),
+    2: ([4, 8, 16, 32], [1, 2, 4, 8]),
+    3: ([4, 8, 24, 48], [1, 2, 4, 8]),
+    4: ([4, 8, 16, 32, 64], [1, 2, 4, 4, 8]),
+}
+HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA, GQA, MQA
+
+
+def _inputs(seed, b, h, g, n, d, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in ((b, h, n, d), (b, g, n, d), (b, g, n, d), (b, h, n, d)))
+
+
+def _check(rank, world, spec, is_causal, h, g, layout="contiguous", n_local=N_LOCAL, seed=0):
+    """One case on this rank: forward, LSE and gradients against the dense reference."""
+    n = n_local * world
+    q, k, v, dout = _inputs(seed, 2, h, g, n, 4)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
+    ref_out.backward(dout)
+    lay = L.Layout(layout)
+    sh = lambda t: L.shard(t, 2, rank, world, lay)  # noqa: E731
+    ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+    out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, layout=layout, return_lse=True)
+    out.backward(sh(dout))
+    torch.testing.assert_close(out, sh(ref_out.detach()), **TOL)
+    torch.testing.assert_close(lse, sh(ref_lse.detach()), **TOL)
+    for got, ref in ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, sh(ref), **TOL)
+    return torch.isneginf(lse).any().item()
+
+
+def case_matrix(rank, world, offsets):
+    """Every (causal, heads) case of the LongNet schedule for this world size, one pool call."""
+    w, r = LONGNET[world]
+    spec = ringcc.DilatedSpec(w, r, offsets=offsets)
+    saw_empty_rows = False
+    for is_causal in (False, True):
+        for seed, (h, g) in enumerate(HEADS):
+            saw_empty_rows |= _check(rank, world, spec, is_causal, h, g, seed=seed)
+    return saw_empty_rows
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("offsets", ["per_head", "head_groups"])
+def test_dilated_matches_reference(pools, world, offsets):
+    saw_empty = pools(world).run(case_matrix, offsets)
+    if offsets == "head_groups":
+        # A head in a branch with r > 1 has rows active in no branch: out 0, lse -inf.
+        assert any(saw_empty)
+
+
+def case_zigzag(rank, world):
+    spec = ringcc.DilatedSpec([2, 4], [1, 2])  # fits the zigzag chunk of 4 tokens
+    for is_causal in (False, True):
+        _check(rank, world, spec, is_causal, 4, 2, layout="zigzag")
+    with pytest.raises(ValueError, match="use layout='contiguous'"):
+        q = torch.randn(1, 2, N_LOCAL, 4)
+        ringcc.dilated_attention(q, q, q, ringcc.DilatedSpec([16], [2]), layout="zigzag")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dilated_zigzag(pools, world):
+    assert all(pools(world).run(case_zigzag))
+
+
+def test_single_branch_full_segment_is_dense_attention():
+    q, k, v, _ = _inputs(3, 2, 4, 2, 16, 8)
+    for is_causal in (False, True):
+        out, lse = ringcc.dilated_attention(q, k, v, ringcc.DilatedSpec([16], [1]), is_causal=is_causal, return_lse=True)
+        ref_out, ref_lse = reference.attention(q, k, v, is_causal=is_causal)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        torch.testing.assert_close(lse, ref_lse, **TOL)
+
+
+def test_branches_mix_as_one_softmax_with_duplicates():
+    # Branches (4, 1) and (8, 1): one softmax over the 8 keys plus, again, the 4 of the
+    # query's own short segment, i.e. dense attention over [k, k] with that mask.
+    q, k, v, _ = _inputs(4, 1, 2, 2, 8, 4)
+    out, lse = ringcc.dilated_attention(q, k, v, ringcc.DilatedSpec([4, 8], [1, 1]), return_lse=True)
+    both_out, both_lse = reference.masked_attention(q, torch.cat([k, k], 2), torch.cat([v, v], 2), _dup_mask(8))
+    torch.testing.assert_close(out, both_out, **TOL)
+    torch.testing.assert_close(lse, both_lse, **TOL)
+
+
+def _dup_mask(n):
+    """[n, 2n]: the full segment's keys, then the same keys again restricted to 4-token segments."""
+    t = torch.arange(n)
+    full = torch.ones(n, n, dtype=torch.bool)
+    seg4 = (t // 4)[:, None] == (t // 4)[None, :]
+    return torch.cat([seg4, full], 1)
+
+
+# ---------------------------------------------------------------------------------------
+# communication
+
+
+def _count_sent(fn):
+    """Bytes this rank hands to isend while fn runs (measured at the P2P call)."""
+    sent = 0
+    orig = dist.batch_isend_irecv
+
+    def counting(ops):
+        nonlocal sent
+        sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return orig(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        fn()
+    finally:
+        dist.batch_isend_irecv = orig
+    return sent
+
+
+def case_bytes(rank, world, h, g):
+    """Per single-branch spec: (w, r, bytes sent in forward, bytes sent in backward)."""
+    b, d = 2, 4
+    n = N_LOCAL * world
+    q, k, v, dout = _inputs(7, b, h, g, n, d)
+    sh = lambda t: L.shard(t, 2, rank, world, L.Layout.CONTIGUOUS)  # noqa: E731
+    rows = []
+    for w, r in zip(*LONGNET[world]):
+        spec = ringcc.DilatedSpec([w], [r])
+        ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+        holder = {}
+        fwd = _count_sent(lambda: holder.setdefault("out", ringcc.dilated_attention(ql, kl, vl, spec, is_causal=True)))
+        bwd = _count_sent(lambda: holder["out"].backward(sh(dout)))
+        rows.append((w, r, fwd, bwd))
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("h,g", [(4, 4), (8, 2)])
+def test_dilated_bytes_match_formula(pools, world, h, g):
+    b, d, itemsize = 2, 4, 4
+    n = N_LOCAL * world
+    for per_rank in zip(*pools(world).run(case_bytes, h, g)):
+        w, r = per_rank[0][:2]
+        spec = ringcc.DilatedSpec([w], [r])
+        (rows,) = D.dilated_comm_rows(spec, n, world)
+        (slots,) = D.dilated_kv_slots(spec, h, g)
+        # Slots: the kv heads (MHA), or per kv head one per distinct offset of its query heads.
+        assert slots == g * min(h // g, r)
+        # Closed form, independent of n and p beyond the segment: (min(w, n) - n/p) / r rows.
+        assert rows == max(0, min(w, n) - N_LOCAL) // r
+        fwd = 2 * b * slots * rows * d * itemsize  # K and V rows
+        hops = 0 if rows == 0 else rows // (N_LOCAL // r) + 1  # dK/dV accumulators go all the way home
+        bwd = fwd + 2 * b * slots * hops * (N_LOCAL // r) * d * 4
+        for _, _, got_fwd, got_bwd in per_rank:
+            assert got_fwd == fwd
+            assert got_bwd == bwd
+        if min(w, n) <= N_LOCAL:
+            assert fwd == 0 and bwd == 0  # segment fits the shard: no communication at all
+
+
+def test_comm_rows_formula_is_symbolic_and_independent_of_n():
+    spec = ringcc.DilatedSpec([64, 256], [2, 8])
+    n, p = sympy.symbols("n p", positive=True, integer=True)
+    sym = D.dilated_comm_rows(spec, n, p)
+    for nv, pv in ((1024, 4), (4096, 16), (512, 32)):
+        assert tuple(int(e.subs({n: nv, p: pv})) for e in sym) == D.dilated_comm_rows(spec, nv, pv)
+    # Bounded by w / r whatever n and p are.
+    for nv, pv in ((1 << 20, 8), (1 << 24, 1024)):
+        assert all(rw <= w // r for rw, (w, r) in zip(D.dilated_comm_rows(spec, nv, pv), spec.branches))
+
+
+# ---------------------------------------------------------------------------------------
+# spec, plans, errors
+
+
+def test_spec_validation_and_repr():
+    s = ringcc.DilatedSpec([4, 8], [1, 2], offsets="head_groups")
+    assert s.branches == ((4, 1), (8, 2))
+    assert "segment_lengths=[4, 8]" in repr(s) and "head_groups" in repr(s)
+    assert s == ringcc.DilatedSpec((4, 8), (1, 2), offsets="head_groups") and hash(s)
+    with pytest.raises(ValueError, match="one dilation rate per segment length"):
+        ringcc.DilatedSpec([4, 8], [1])
+    with pytest.raises(ValueError, match="positive ints"):
+        ringcc.DilatedSpec([4, 0], [1, 1])
+    with pytest.raises(ValueError, match=r"divisible by its dilation rate; got \(w, r\) pairs \[\(6, 4\)\]"):
+        ringcc.DilatedSpec([4, 6], [1, 4])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ringcc.DilatedSpec([8, 4], [1, 2])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ringcc.DilatedSpec([4, 8], [2, 1])
+    with pytest.raises(ValueError, match="offsets='every'.*per_head"):
+        ringcc.DilatedSpec([4], [1], offsets="every")
+
+
+def test_head_groups_split():
+    spec = ringcc.DilatedSpec([4, 8, 16], [1, 2, 4], offsets="head_groups")
+    groups = D.branch_heads(spec, 8)
+    assert [len(gp) for gp in groups] == [3, 3, 2]  # remainder to the first branches
+    assert groups[1] == ((3, 0), (4, 1), (5, 0))  # offset = index in the group mod r
+    assert sorted(h for gp in groups for h, _ in gp) == list(range(8))
+
+
+def test_plan_modes_and_cache():
+    spec = ringcc.DilatedSpec(*LONGNET[4])
+    plans = D.dilated_plan(spec, 8, 8, 2, 2, 4, "contiguous")
+    assert [bp.ring for bp in plans] == [False, False, True, True, True]
+    assert [bp.members for bp in plans][2:] == [(2, 3), (0, 1, 2, 3), (0, 1, 2, 3)]
+    assert plans[2].pos == 0 and plans[3].pos == 2
+    assert D.dilated_plan(spec, 8, 8, 2, 2, 4, "contiguous") is plans  # cached
+
+
+@pytest.mark.parametrize(
+    "spec,n_local,world,layout,match",
+    [
+        (([12], [1]), 8, 3, "contiguous", "shard of 8 tokens does not tile it"),
+        (([6], [2]), 8, 2, "contiguous", "does not tile the sequence of length 16"),
+        (([16], [4]), 2, 8, "contiguous", "shard % rate"),
+        (([32], [8]), 4, 1, "contiguous", "pad the sequence"),
+        (([4], [1]), 6, 2, "contiguous", "does not divide the per-rank chunk of 6"),
+        (([8], [2]), 8, 2, "zigzag", "use layout='contiguous'"),
+    ],
+)
+def test_plan_rejects_misaligned_segments(spec, n_local, world, layout, match):
+    with pytest.raises(ValueError, match=match):
+        D.dilated_plan(ringcc.DilatedSpec(*spec), n_local, 2, 2, 0, world, layout)
+
+
+def test_public_api_errors():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="must be a ringcc.DilatedSpec"):
+        ringcc.dilated_attention(q, q, q, ([8], [1]))
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        ringcc.dilated_attention(torch.randn(1, 3, 8, 4), q, q, ringcc.DilatedSpec([8], [1]))
+
+
+# ---------------------------------------------------------------------------------------
+# custom ops
+
+
+def test_opcheck_forward_and_backward():
+    q, k, v, dout = _inputs(5, 1, 4, 2, 16, 4)
+    args = ([4, 16], [1, 2], "per_head", True, 0.5, "", 1, "contiguous")
+    torch.library.opcheck(D.dilated_attention_op, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *args))
+    out, lse = D.dilated_attention_op(q, k, v, *args)
+    torch.library.opcheck(D.dilated_attention_backward_op, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *args))
+
+
+def test_compiles_as_one_opaque_op():
+    spec = ringcc.DilatedSpec([4, 16], [1, 4])
+    q, k, v, dout = _inputs(6, 1, 4, 4, 16, 4)
+
+    def f(q, k, v):
+        return ringcc.dilated_attention(q, k, v, spec, is_causal=True) * 2
+
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.compile(f, backend="aot_eager", fullgraph=True)(qc, kc, vc).backward(dout)
+    f(qe, ke, ve).backward(dout)
+    for a, b in ((qc, qe), (kc, ke), (vc, ve)):
+        torch.testing.assert_close(a.grad, b.grad, **TOL)
