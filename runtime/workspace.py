@@ -1,0 +1,162 @@
+"""Workspace formulas of the ringcc custom ops (and of the attention ops ringcc replaces),
+for the memory planner.
+
+A formula gets the op's arguments by schema name, tensors as `TensorSize` (sympy shape and
+item size), and the world-size symbol `p`; it returns a `Workspace`: the bytes the op holds
+*besides* its inputs and outputs while it runs, in forward and in its backward. The
+formulas follow the schedules they describe (read them next to ring.py / dilated.py):
+
+Forward ring (Note [Ring attention schedule]): K/V (and the key mask) are double buffered:
+at most min(2, p - 1) received sets are alive at once (the held block and the one in
+flight; none at p = 1). Outputs accumulate in fp32: for fp32 inputs the accumulator *is* the
+output, for bf16/fp16 it is an extra fp32 [b, h, s, d]. One block's partial result (q dtype)
+and the merge's fp32 temporaries (weighted block, a few [b, h, s] weights) are alive during
+a merge.
+
+Backward ring: fp32 dQ, dK, dV accumulators, the dK/dV accumulators in flight to the next
+rank (one more set when p > 1), the K/V receive buffers as in forward, and one block's
+gradients (q dtype); the CUDA flash/cuDNN backward keeps an fp32 dQ accumulator of its own.
+
+Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
+compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
+the sub-ring receive buffers: at most two compressed blocks, and never more than the rows
+the branch communicates (`dilated_comm_rows`: O(w/r), independent of n and p). The largest
+branch counts (branches run one after another).
+
+Un-rewritten SDPA / multi-head attention: counted as the math path's fp32 score matrix
+[b, h, Lq, Lk]; that is what makes such a site quadratic in n (fused kernels avoid the
+matrix, but the site is still unsharded and needs full-length K/V on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class TensorSize:
+    """A tensor's symbolic shape and element size. Invariant: dims are sympy expressions
+    that are positive for positive symbols; itemsize > 0."""
+
+    shape: tuple
+    itemsize: int
+
+    @property
+    def numel(self) -> sympy.Expr:
+        return sympy.Mul(*self.shape) if self.shape else sympy.Integer(1)
+
+    @property
+    def nbytes(self) -> sympy.Expr:
+        return self.numel * self.itemsize
+
+    def with_itemsize(self, itemsize: int) -> "TensorSize":
+        return TensorSize(self.shape, itemsize)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Transient bytes an op holds while it runs (forward) and while its backward runs."""
+
+    forward: sympy.Expr = sympy.Integer(0)
+    backward: sympy.Expr = sympy.Integer(0)
+
+
+def _nbytes(t) -> sympy.Expr:
+    return sympy.Integer(0) if t is None else t.nbytes
+
+
+def _acc_extra(q: TensorSize) -> sympy.Expr:
+    """fp32 accumulator that is not the output itself (the output is cast from it)."""
+    return sympy.Integer(0) if q.itemsize >= FP32 else q.with_itemsize(FP32).nbytes
+
+
+def _kv_in_flight(p) -> sympy.Expr:
+    return sympy.Min(2, p - 1)
+
+
+def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
+    """GQA: K and V expanded to q's heads inside the block kernel (none for MHA)."""
+    if k.shape[1] == q.shape[1]:
+        return sympy.Integer(0)
+    return 2 * TensorSize((k.shape[0], q.shape[1]) + tuple(k.shape[2:]), k.itemsize).nbytes
+
+
+def ring_attention(a: dict, p) -> Workspace:
+    q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
+    b, h, s, d = q.shape
+    rows_f32 = sympy.Integer(FP32) * b * h * s  # one [b, h, s] fp32 tensor
+    received = _kv_in_flight(p) * (k.nbytes + v.nbytes + _nbytes(kv_mask))
+    block = q.nbytes + _expanded_kv(q, k)
+    merge = q.with_itemsize(FP32).nbytes + 4 * rows_f32
+    forward = received + _acc_extra(q) + block + merge
+
+    acc_q, acc_k = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
+    dkv_in_flight = sympy.Min(1, p - 1) * 2 * acc_k
+    block_grads = q.nbytes + 2 * k.nbytes + 2 * _expanded_kv(q, k)
+    kernel = acc_q + rows_f32  # flash/cuDNN backward: fp32 dQ accumulator and softmax sums
+    backward = (acc_q + 2 * acc_k) + dkv_in_flight + received + block_grads + kernel
+    return Workspace(forward, backward)
+
+
+def dilated_attention(a: dict, p) -> Workspace:
+    from .dilated import DilatedSpec, branch_heads, dilated_comm_rows, dilated_kv_slots
+
+    q, k = a["q"], a["k"]
+    b, h, s, d = q.shape
+    spec = DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
+    n = s * p
+    comm_rows = dilated_comm_rows(spec, n, p, a.get("layout", "contiguous"))
+    slots = dilated_kv_slots(spec, int(h), int(k.shape[1]))
+    heads = [len(pairs) for pairs in branch_heads(spec, int(h))]
+    fwd_branches, bwd_branches = [], []
+    for (w, r), rows, ns, hq in zip(spec.branches, comm_rows, slots, heads):
+        if hq == 0:
+            continue
+        per_row_q = b * hq * d
+        per_row_kv = b * ns * d
+        q_c = per_row_q * (s / r) * q.itemsize
+        kv_c = 2 * per_row_kv * (s / r) * k.itemsize
+        # At most two compressed blocks in flight, never more than the branch sends: O(w/r).
+        recv = sympy.Min(2 * s / r, rows) * 2 * per_row_kv * k.itemsize
+        acc = per_row_q * (s / r) * FP32 + b * hq * (s / r) * FP32
+        fwd_branches.append(q_c + kv_c + q_c + 2 * acc + recv)
+        # Backward: compressed dout/out/lse too, block grads, and fp32 dK/dV hops in flight.
+        dkv_hops = sympy.Min(2 * s / r, rows) * 2 * per_row_kv * FP32
+        bwd_branches.append(3 * q_c + kv_c + q_c + kv_c + recv + dkv_hops + acc)
+    fwd = sympy.Max(*fwd_branches) if fwd_branches else sympy.Integer(0)
+    bwd = sympy.Max(*bwd_branches) if bwd_branches else sympy.Integer(0)
+    acc_q, acc_k = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
+    return Workspace(_acc_extra(q) + fwd, acc_q + 2 * acc_k + bwd)
+
+
+def dense_attention(a: dict, p) -> Workspace:
+    """Un-rewritten attention: the math path's fp32 scores (and their gradient)."""
+    q, k = a["query"], a["key"]
+    lq, lk = q.shape[-2], k.shape[-2]
+    heads = q.shape[-3] if len(q.shape) >= 3 else sympy.Integer(1)
+    batch = sympy.Mul(*q.shape[:-3]) if len(q.shape) > 3 else sympy.Integer(1)
+    scores = batch * heads * lq * lk * FP32
+    return Workspace(scores, 2 * scores)
+
+
+def multi_head_attention(a: dict, p) -> Workspace:
+    """nn.MultiheadAttention's functional form: [L, b, E] inputs (batch_first is undone)."""
+    q, k, heads = a["query"], a["key"], a["num_heads"]
+    lq, lk = q.shape[0], k.shape[0]
+    batch = q.shape[1] if len(q.shape) == 3 else sympy.Integer(1)
+    scores = batch * heads * lq * lk * FP32
+    return Workspace(scores, 2 * scores)
+
+
+# Op name (as the planner normalises it) -> formula.
+FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
+    "ringcc::ring_attention": ring_attention,
+    "ringcc::dilated_attention": dilated_attention,
+    "scaled_dot_product_attention": dense_attention,
+    "multi_head_attention_forward": multi_head_attention,
+}
