@@ -10,15 +10,32 @@ from __future__ import annotations
 import torch
 
 
-def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-    """In place: (out_acc, lse_acc) <- softmax-weighted union of itself and the block."""
+def _merge_into(out_acc, lse_acc, out_blk, lse_blk) -> None:
     lse_new = torch.logaddexp(lse_acc, lse_blk)
     # Where both are -inf the row is still empty; use 0 as the reference so weights are 0.
     ref = torch.where(torch.isneginf(lse_new), torch.zeros_like(lse_new), lse_new)
     w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
     w_blk = torch.exp(lse_blk - ref).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out_blk.to(out_acc.dtype) * w_blk)
+    out_acc.copy_(out_acc * w_acc + out_blk.to(out_acc.dtype) * w_blk)
     lse_acc.copy_(lse_new)
+
+
+_fused_merge = None
+
+
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """In place: (out_acc, lse_acc) <- softmax-weighted union of itself and the block.
+
+    On CUDA the merge is one inductor-generated kernel (eager it takes ~6 passes over the
+    fp32 accumulator, which shows at 16K tokens per GPU); elsewhere it runs eagerly.
+    """
+    global _fused_merge
+    if out_acc.is_cuda:
+        if _fused_merge is None:
+            _fused_merge = torch.compile(_merge_into, dynamic=False, fullgraph=True)
+        _fused_merge(out_acc, lse_acc, out_blk, lse_blk)
+    else:
+        _merge_into(out_acc, lse_acc, out_blk, lse_blk)
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,9 +214,16 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
 
 
+_CHECKED_LENGTHS: set[tuple[str, int]] = set()
+
+
 def _check_same_length(n_local: int, group, world: int) -> None:
-    """Every rank must hold a shard of the same length (else the ring would hang)."""
+    """Every rank must hold a shard of the same length (else the ring would hang). Checked
+    once per (group, length): the check is a collective plus a host sync."""
     if world == 1:
+        return
+    key = (_compat.group_name(group), n_local)
+    if key in _CHECKED_LENGTHS:
         return
     t = torch.tensor([n_local, -n_local], dtype=torch.int64)
     backend = dist.get_backend(group)
@@ -228,6 +235,7 @@ def _check_same_length(n_local: int, group, world: int) -> None:
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
             f"the group has lengths from {-int(t[1])} to {int(t[0])}"
         )
+    _CHECKED_LENGTHS.add(key)
 
 
 def ring_attention(

@@ -66,3 +66,126 @@ def test_ring_matches_reference(pools, world, is_causal, layout, h, g):
 def test_ring_key_padding_and_fully_masked_rows(pools, world, is_causal, layout):
     errs = pools(world).run(case_ring, is_causal, layout, 4, 2, 10, True)
     assert max(errs) < 1e-5
+
+
+# --------------------------------------------------------------------------------------
+# bad input, op registration, failure behaviour
+
+
+def _qkv(h=4, g=4, s=8, d=8, dtype=torch.float32):
+    return torch.randn(1, h, s, d, dtype=dtype), torch.randn(1, g, s, d, dtype=dtype), torch.randn(1, g, s, d, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (torch.randn(4, 8, 8), *_qkv()[1:]), r"q of shape \[batch, heads, n_local, head_dim\]; got \(4, 8, 8\)"),
+        (lambda: _qkv(h=6, g=4), r"query heads \(6\) must be a multiple of key/value heads \(4\)"),
+        (lambda: (_qkv()[0], *_qkv(dtype=torch.float64)[1:]), r"must share a dtype"),
+        (lambda: (_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), r"must be on one device"),
+        (lambda: (_qkv()[0], _qkv(s=6)[1], _qkv(s=6)[2]), r"k/v must be \[batch=1, kv_heads, n_local=8"),
+    ],
+)
+def test_bad_inputs_are_value_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        ringcc.ring_attention(*make())
+
+
+def test_bad_padding_mask_and_layout():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor \[batch=1, n_local=8\]"):
+        ringcc.ring_attention(q, k, v, key_padding_mask=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match=r"layout='diagonal' is not supported; allowed: \['contiguous', 'zigzag'\]"):
+        ringcc.ring_attention(q, k, v, layout="diagonal")
+    q7, k7, v7 = _qkv(s=7)
+    with pytest.raises(ValueError, match=r"zigzag layout needs an even n_local"):
+        ringcc.ring_attention(q7, k7, v7, layout="zigzag")
+
+
+def test_op_for_several_ranks_without_process_group():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"built for world size 2 but no process group is initialised"):
+        torch.ops.ringcc.ring_attention(q, k, v, None, False, 0.3, "", 2, "contiguous")
+
+
+def test_p1_without_group_equals_reference():
+    q, k, v = _qkv(h=4, g=2)
+    out, lse = ringcc.ring_attention(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_forward_and_backward(is_causal):
+    q, k, v = (t.requires_grad_() for t in _qkv(h=4, g=2))
+    kv = torch.rand(1, 8) > 0.2
+    torch.library.opcheck(torch.ops.ringcc.ring_attention.default, (q, k, v, kv, is_causal, 0.35, "", 1, "contiguous"))
+    out, lse = torch.ops.ringcc.ring_attention(q.detach(), k.detach(), v.detach(), kv, is_causal, 0.35, "", 1, "contiguous")
+    torch.library.opcheck(
+        torch.ops.ringcc.ring_attention_backward.default,
+        (torch.randn_like(out), q.detach(), k.detach(), v.detach(), kv, out, lse, is_causal, 0.35, "", 1, "contiguous"),
+    )
+    x = torch.randn(2, 8, 3, requires_grad=True)
+    torch.library.opcheck(torch.ops.ringcc.shard.default, (x, 1, "", 1, "contiguous"))
+    torch.library.opcheck(torch.ops.ringcc.gather.default, (x, 1, "", 1, "zigzag"))
+
+
+def case_shard_gather_roundtrip(rank, world, layout):
+    x = torch.arange(2 * 12 * world * 3, dtype=torch.float32).view(2, 12 * world, 3).requires_grad_()
+    s = ringcc.shard_sequence(x, 1, layout=layout)
+    assert s.shape == (2, 12, 3)
+    torch.testing.assert_close(s, L.shard(x.detach(), 1, rank, world, L.Layout(layout)))
+    full = ringcc.gather_sequence(s, 1, layout=layout)
+    torch.testing.assert_close(full, x.detach())
+    (full * torch.arange(12 * world).view(1, -1, 1)).sum().backward()
+    # gather's backward slices, shard's backward gathers: the replicated gradient is exact.
+    torch.testing.assert_close(x.grad, torch.arange(12 * world, dtype=torch.float32).view(1, -1, 1).expand_as(x))
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_gather_are_inverses(pools, world, layout):
+    assert all(pools(world).run(case_shard_gather_roundtrip, layout))
+
+
+def case_unequal_lengths(rank, world):
+    q, k, v = _qkv(s=8 + 2 * rank)
+    try:
+        ringcc.ring_attention(q, k, v)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unequal_shard_lengths_raise_on_every_rank(pools):
+    msgs = pools(2).run(case_unequal_lengths)
+    for m in msgs:
+        assert "needs equal shard lengths on every rank" in m and "from 8 to 10" in m
+
+
+def case_dead_peer(rank, world):
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=3), backend="gloo")
+    q, k, v = _qkv(s=8)
+    ringcc.ring_attention(q, k, v, group=group)  # healthy first call (also checks lengths)
+    if rank == 1:
+        return "left the ring"
+    t0 = time.monotonic()
+    try:
+        ringcc.ring_attention(q, k, v, group=group)
+    except RuntimeError as e:
+        return f"error after {time.monotonic() - t0:.1f}s: {type(e).__name__}"
+    return "no error"
+
+
+def test_dead_peer_is_an_error_within_the_group_timeout(pools):
+    res = pools(2).run(case_dead_peer, timeout=60)
+    assert res[1] == "left the ring"
+    assert res[0].startswith("error after"), res[0]
+    assert float(res[0].split()[2].rstrip("s:")) < 30
