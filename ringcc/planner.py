@@ -58,6 +58,7 @@ from ringcc.runtime.workspace import FORMULAS, TensorSize, Workspace
 n, p = sympy.symbols("n p", positive=True, integer=True)
 
 _ZERO = sympy.Integer(0)
+MAX_LISTED = 8  # culprits printed by format()
 
 
 class Sharding(str, enum.Enum):
@@ -215,7 +216,7 @@ class MemoryPlan:
 
     def format(self, budget_bytes: int | None = None) -> str:
         subs = self._subs()
-        name_w = max([len(x.name) for x in self.nodes] + [4])
+        name_w = min(36, max([len(x.name) for x in self.nodes] + [4]))
         op_w = min(32, max([len(x.op) for x in self.nodes] + [2]))
         lines = [f"memory plan of {self.graph} for p = {self.world_size} "
                  f"(n = {subs.get(n)}, {'training' if self.training else 'inference'})",
@@ -232,7 +233,7 @@ class MemoryPlan:
                 extra = f"  [+ workspace fwd {_fmt_bytes(_evaluate(nd.workspace.forward, subs))}, " \
                         f"bwd {_fmt_bytes(_evaluate(nd.workspace.backward, subs))}]"
             saved = " saved" if nd.saved else ""
-            lines.append(f"  {nd.name:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
+            lines.append(f"  {nd.name[:name_w]:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
                          f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}")
         lines.append(f"  static (parameters{', gradients' if self.training else ''}): {self.static} = "
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
@@ -241,7 +242,9 @@ class MemoryPlan:
                      f"(program point {self.peak_point()})")
         lines.append(f"  verdict: {'O(n/p) holds' if self.verdict else 'O(n/p) does NOT hold'}")
         lines.extend(f"    - {r}" for r in self.reasons)
-        lines.extend(f"    culprit: {c}" for c in self.culprits)
+        lines.extend(f"    culprit: {c}" for c in self.culprits[:MAX_LISTED])
+        if len(self.culprits) > MAX_LISTED:
+            lines.append(f"    ... and {len(self.culprits) - MAX_LISTED} more culprits (see to_dict())")
         if budget_bytes is not None:
             lines.append(f"  longest sequence within {_fmt_bytes(budget_bytes)} per rank at p = {subs.get(p)}: "
                          f"n = {self.max_sequence(budget_bytes)}")
@@ -791,4 +794,6 @@ def _verdict(candidates, plans: Iterable[NodePlan]):
                 culprits.append(Culprit(pl.name, pl.location, str(e), how, what))
     if not ok and not culprits:
         reasons.append("no single node grows faster than n/p; the sum of many O(n) terms does")
+    if not ok and not any(pl.op == "ringcc::shard" for pl in plans) and not any(pl.sharding is Sharding.SHARDED for pl in plans):
+        reasons.append("nothing in the graph is sequence-sharded (no ringcc::shard): every rank holds all n tokens")
     return ok, reasons, culprits

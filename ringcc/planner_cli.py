@@ -1,0 +1,230 @@
+"""`ringcc plan MODULE:FACTORY --seq-len N --world-size P`: the memory plan of a model.
+
+FACTORY (a function in a module or a .py file) returns (model, example_inputs) or
+(model, example_inputs, options) where options are ringcc Config fields (e.g. a dilation
+spec); it may take `seq_len=` to build inputs of that length. The model is traced by
+torch.compile with the sequence dim marked dynamic (so n is a symbol, not a constant that
+a head dim could equal), rewritten by the ringcc pipeline for P ranks, and planned; the
+compiled graph is never run (planning needs no process group and no memory for N tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"budget {text!r} is not a size; write e.g. 80GiB, 40GB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, inputs[, options])")
+    parser.add_argument("--seq-len", type=int, required=True, help="global sequence length N to evaluate at")
+    parser.add_argument("--world-size", type=int, default=1, help="number of ranks P to plan for (default 1)")
+    parser.add_argument("--budget", type=parse_bytes, default=None, help="memory per rank, e.g. 80GiB: report the longest n that fits")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the plan as JSON")
+    parser.add_argument("--plot", default=None, metavar="F.png", help="plot peak bytes per rank vs n for p = 1, 2, 4, 8")
+    parser.add_argument("--trace-len", type=int, default=None,
+                        help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
+    parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
+    parser.add_argument("--inference", action="store_true", help="plan the forward only (no backward)")
+
+
+def load_factory(target: str):
+    if ":" not in target:
+        raise ValueError(f"target {target!r} must be MODULE:FACTORY or path/to/file.py:FACTORY")
+    mod_name, fn_name = target.rsplit(":", 1)
+    if mod_name.endswith(".py") or os.sep in mod_name:
+        if not os.path.exists(mod_name):
+            raise ValueError(f"no file {mod_name!r} (target {target!r})")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"{mod_name} has no callable {fn_name!r}")
+    return fn
+
+
+def build(factory, seq_len: int):
+    """(model, inputs, options) from a factory, passing seq_len when it takes one."""
+    params = inspect.signature(factory).parameters
+    made = factory(seq_len=seq_len) if "seq_len" in params else factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise ValueError(f"factory must return (model, example_inputs) or (model, example_inputs, options); got {type(made).__name__}")
+    model, inputs = made[0], made[1]
+    options = made[2] if len(made) == 3 else {}
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    return model, inputs, dict(options)
+
+
+def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int = 1, options=None,
+                training: bool | None = None):
+    """Trace `model(*inputs)` (sequence dim dynamic), rewrite it for `world_size` ranks and
+    plan every graph dynamo produces. Returns (plans, reports)."""
+    import torch
+
+    from ringcc import planner
+    from ringcc.config import Config
+    from ringcc.passes.base import PassContext
+    from ringcc.passes.pipeline import run_pipeline
+    from ringcc.report import GraphReport
+
+    config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
+    marked = 0
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] == trace_len:
+            torch._dynamo.mark_dynamic(x, seq_dim)
+            marked += 1
+    if not marked:
+        raise ValueError(f"no tensor input has length {trace_len} at dim {seq_dim}; pass --seq-dim or check the factory's seq_len")
+    plans, reports = [], []
+
+    def capture(gm, example_inputs):
+        report = GraphReport(graph=f"graph{len(plans)}", world_size=world_size)
+        ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
+                          example_inputs=list(example_inputs))
+        gm = run_pipeline(gm, ctx)
+        plan = planner.plan_graph(gm, world_size=world_size, seq_len=trace_len, training=training,
+                                  graph_name=report.graph)
+        report.plan = plan
+        plans.append(plan)
+        reports.append(report)
+        return _placeholder_outputs(gm)
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend=capture, dynamic=False)(*inputs)
+    finally:
+        torch._dynamo.reset()
+    return plans, reports
+
+
+def _placeholder_outputs(gm):
+    """A stand-in for the compiled graph: zeros of the output shapes (never runs the ops)."""
+    import torch
+
+    from ringcc import _compat
+
+    out_node = next(nd for nd in gm.graph.nodes if nd.op == "output")
+
+    def make(a):
+        if isinstance(a, torch.fx.Node):
+            val = a.meta.get("example_value", a.meta.get("val"))
+            if isinstance(val, torch.Tensor):
+                shape = [_compat.size_hint(d) for d in val.shape]
+                return torch.zeros(shape, dtype=val.dtype, device=val.device, requires_grad=val.requires_grad)
+            if isinstance(val, torch.SymInt):
+                return _compat.size_hint(val)
+            return val
+        if isinstance(a, (list, tuple)):
+            return type(a)(make(x) for x in a)
+        return a
+
+    def run(*args):
+        return make(out_node.args[0])
+
+    return run
+
+
+def combined(plans, seq_len: int, world_size: int, budget: int | None) -> dict:
+    """One JSON object for every graph of the model (the largest peak leads)."""
+    from ringcc import planner
+
+    at = [plan.peak_bytes(seq_len, world_size) for plan in plans]
+    lead = plans[at.index(max(at))]
+    data = {
+        "verdict": all(pl.verdict for pl in plans),
+        "peak_formula": str(lead.peak),
+        "peak_bytes": max(at),
+        "seq_len": seq_len,
+        "world_size": world_size,
+        "culprits": [{"name": c.name, "location": c.location, "size": c.size, "growth": c.growth,
+                      "what": c.what, "graph": pl.graph} for pl in plans for c in pl.culprits],
+        "reasons": [r for pl in plans for r in pl.reasons],
+        "graphs": [],
+    }
+    for pl in plans:
+        d = dataclasses.replace(pl, hints={**pl.hints, planner.n: seq_len, planner.p: world_size}).to_dict()
+        data["graphs"].append(d)
+    if budget is not None:
+        data["budget_bytes"] = budget
+        data["max_seq_len"] = min(pl.max_sequence(budget, world_size) for pl in plans)
+    return data
+
+
+def plot(plans, path: str, seq_len: int, budget: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ns = np.unique(np.geomspace(max(64, seq_len // 64), seq_len * 64, 40).astype(np.int64) // 64 * 64)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for world in (1, 2, 4, 8):
+        ys = [max(pl.peak_bytes(int(k), world) for pl in plans) / 2**30 for k in ns]
+        ax.loglog(ns, ys, label=f"p = {world}")
+    if budget is not None:
+        ax.axhline(budget / 2**30, color="k", linestyle="--", label="budget")
+    ax.axvline(seq_len, color="gray", linestyle=":")
+    ax.set_xlabel("sequence length n")
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.set_title("ringcc plan: " + ("O(n/p)" if all(pl.verdict for pl in plans) else "not O(n/p)"))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def default_trace_len(seq_len: int, world_size: int) -> int:
+    unit = 4 * world_size  # divisible by p, and by 2p for zigzag
+    if seq_len <= 2048:
+        return seq_len
+    return max(unit, 2048 // unit * unit)
+
+
+def run(args) -> int:
+    from ringcc import planner
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
+    trace_len = args.trace_len or default_trace_len(args.seq_len, args.world_size)
+    model, inputs, options = build(load_factory(args.target), trace_len)
+    plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
+                                 seq_dim=args.seq_dim, options=options,
+                                 training=False if args.inference else None)
+    if not plans:
+        raise ValueError(f"{args.target}: dynamo produced no graph to plan")
+    for report, plan in zip(reports, plans):
+        at = dataclasses.replace(plan, hints={**plan.hints, planner.n: args.seq_len, planner.p: args.world_size})
+        rewritten = f"{len(report.rewritten)}/{len(report.sites)} attention sites rewritten"
+        print(f"== {report.graph}: {rewritten}, {len(report.gathers)} sequence gathers")
+        print(at.format(budget_bytes=args.budget))
+    data = combined(plans, args.seq_len, args.world_size, args.budget)
+    print(f"verdict: {data['verdict']}  peak per rank at n={args.seq_len}, p={args.world_size}: "
+          f"{data['peak_bytes'] / 2**30:.3f} GiB" +
+          (f"  longest n within budget: {data['max_seq_len']}" if args.budget is not None else ""))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(data, f, indent=2)
+    if args.plot:
+        plot(plans, args.plot, args.seq_len, args.budget)
+    return 0
