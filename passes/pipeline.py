@@ -12,6 +12,9 @@ from .base import Pass, PassContext
 from .canonicalize_attention import canonicalize_attention
 from .lift_masks import lift_masks
 from .rewrite_attention import rewrite_attention
+from .discover_sequence import discover_sequence
+from .shard_sequence import shard_sequence
+from .sync_param_grads import sync_param_grads
 
 PIPELINE: list[tuple[str, Pass]] = [
     # Attention first, on the user's graph: every form becomes one canonical SDPA call ...
@@ -21,6 +24,12 @@ PIPELINE: list[tuple[str, Pass]] = [
     # ... and each accepted site becomes the ringcc op; sharding passes below rely on it.
     ("rewrite_attention", rewrite_attention),
     # (filled in by the backend / sharding work; see passes/*.py)
+    # Sequence sharding, once the attention sites are ring ops: n and the token inputs ...
+    ("discover_sequence", discover_sequence),
+    # ... every value's sequence state, shards / gathers / all-reduces inserted ...
+    ("shard_sequence", shard_sequence),
+    # ... and weights consumed by sharded ops get their gradients all-reduced (bucketed).
+    ("sync_param_grads", sync_param_grads),
 ]
 
 

@@ -9,6 +9,8 @@ default, or aot_eager / eager).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 
 import torch
@@ -42,7 +44,55 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
                       example_inputs=list(example_inputs))
     gm = run_pipeline(gm, ctx)
     record(report)
-    return _inner(gm, example_inputs, config)
+    compiled = _inner(gm, example_inputs, config)
+    decisions = list(ctx.scratch.get("shard_decisions", ()))
+    if world == 1 or not decisions:
+        return compiled
+    return _checked_first_call(compiled, decisions, config, report.graph)
+
+
+def fingerprint(decisions: list[str]) -> str:
+    """A hash of a graph's rewrite decisions (identical on every rank, or the ring hangs)."""
+    return hashlib.sha256("\n".join(decisions).encode()).hexdigest()[:16]
+
+
+def _checked_first_call(compiled, decisions: list[str], config: Config, graph: str):
+    """Compare the rewrite decisions across ranks once, at the first call (passes make no
+    process-group calls; a mismatch must be an error, not a hang in the first collective)."""
+    done = False
+
+    @functools.wraps(compiled)
+    def run(*args):
+        nonlocal done
+        if not done:
+            check_rank_consistency(decisions, config.group, graph)
+            done = True
+        return compiled(*args)
+
+    # aot_autograd's boxed calling convention (a list that it clears) must pass through as is
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run
+
+
+def check_rank_consistency(decisions: list[str], group=None, graph: str = "graph") -> None:
+    mine = (fingerprint(decisions), decisions)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if all(fp == mine[0] for fp, _ in everyone):
+        return
+    lines = []
+    for rank, (fp, theirs) in enumerate(everyone):
+        if fp == mine[0]:
+            continue
+        only_mine = [d for d in decisions if d not in theirs][:5]
+        only_theirs = [d for d in theirs if d not in decisions][:5]
+        lines.append(f"rank {rank} (fingerprint {fp}) differs at: this rank only {only_mine}, "
+                     f"rank {rank} only {only_theirs}")
+    raise ValueError(
+        f"ringcc ranks took different rewrite decisions for {graph} (this rank {dist.get_rank(group)}, "
+        f"fingerprint {mine[0]}): " + "; ".join(lines) + ". Every rank must compile the same model with "
+        "the same inputs' shapes and options.")
 
 
 def _inner(gm, example_inputs, config: Config):

@@ -1,0 +1,107 @@
+"""Find the sequence: its length n (from the attention sites) and the graph inputs carrying it.
+
+n is q's length (dim 2) at the ring attention sites; every site must agree. Under dynamic
+shapes n is a symbol and a dim carries the sequence iff its size *is* that expression; with
+constant sizes an input dim of size n is taken only when it is the input's one such dim
+(a batch or head dim equal to n makes it ambiguous: `ringcc.mark_sequence(x, dim)` or
+`Config(seq_dim=...)` says which). Parameters and buffers are never sources here; buffers
+sliced to n (BERT's position ids) and factories (arange) become sources during propagation,
+where the shape flow decides, and anything the walk misses is picked up where it meets a
+shard (see shard_sequence.py).
+
+Writes ctx.scratch["seq"]: SeqInfo(n, sources={placeholder name: dim}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx
+
+from ringcc.mark import marked_dim
+
+from .base import PassContext, PassResult
+
+PASS = "discover_sequence"
+ATTENTION_OPS = ("ring_attention", "dilated_attention")
+
+
+@dataclass
+class SeqInfo:
+    n: sympy.Expr  # global sequence length (an integer or a symbol expression)
+    sources: dict[str, int] = field(default_factory=dict)  # placeholder name -> sequence dim
+
+
+def fake(node):
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def expr(size) -> sympy.Expr:
+    """A size (int or SymInt) as a sympy expression, without installing guards."""
+    if isinstance(size, torch.SymInt):
+        return sympy.sympify(size.node.expr)
+    return sympy.Integer(int(size))
+
+
+def same(a, b) -> bool:
+    return sympy.simplify(expr(a) - expr(b)) == 0 if not (isinstance(a, int) and isinstance(b, int)) else a == b
+
+
+def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "ringcc"
+            and n.target._opname in ATTENTION_OPS]
+
+
+def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    sites = attention_nodes(gm)
+    if not sites:
+        ctx.scratch.pop("seq", None)
+        return PassResult(False)
+    lengths = {expr(fake(s.args[0]).shape[2]) for s in sites}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"attention sites in one graph attend over different lengths {sorted(map(str, lengths))}; "
+            "ringcc shards one sequence per graph: compile the parts separately or set Config(shard=False)")
+    n = lengths.pop()
+    info = SeqInfo(n=n)
+    placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    inputs = list(ctx.example_inputs) if len(ctx.example_inputs) == len(placeholders) else [None] * len(placeholders)
+    for node, real in zip(placeholders, inputs):
+        val = fake(node)
+        if not isinstance(val, torch.Tensor) or isinstance(real, torch.nn.Parameter) or "_buffers_" in node.name:
+            continue
+        dim = _input_dim(node, val, real, n, ctx)
+        if dim is not None:
+            info.sources[node.name] = dim
+    ctx.scratch["seq"] = info
+    return PassResult(False)
+
+
+def _input_dim(node, val, real, n, ctx) -> int | None:
+    dim = marked_dim(real) if real is not None else None
+    if dim is None and ctx.config.seq_dim is not None:
+        dim = ctx.config.seq_dim
+        if val.dim() <= (dim if dim >= 0 else -dim - 1) or not same(val.shape[dim], n):
+            return None  # Config.seq_dim names the token inputs' dim; other inputs do not carry n
+    if dim is not None:
+        dim %= val.dim()
+        if not same(val.shape[dim], n):
+            raise ValueError(
+                f"input {node.name} is marked with sequence dim {dim}, whose size is {val.shape[dim]}, "
+                f"but the attention sites attend over n={n}; mark the dim of length {n}")
+        return dim
+    dims = [d for d in range(val.dim()) if same(val.shape[d], n)]
+    if len(dims) == 1:
+        return dims[0]
+    if len(dims) > 1 and not n.is_Integer:
+        return None
+    if len(dims) > 1:
+        ctx.report.notes.append(
+            f"input {node.name} {tuple(val.shape)} has several dims of size n={n}; it is not taken as a "
+            "sequence input (ringcc.mark_sequence(x, dim) or Config(seq_dim=...) says which)")
+    return None

@@ -1,0 +1,978 @@
+"""Shard the sequence: propagate a per-value sequence state with an explicit rule table and
+rewrite the graph so that every rank computes only its n/p tokens.
+
+Note [Sequence state]
+Every tensor value gets a state: None (no sequence dim: weights, scalars, pooled values) or
+Seq(dim, outer, length, start, sharded).
+- dim: the tensor dim that carries the sequence; outer: batch elements merged in front of
+  the sequence inside that dim (`logits.view(-1, V)` has outer = b), the sequence being the
+  inner factor.
+- Replicated (sharded=False): every rank holds the full value of `length` tokens (ids,
+  labels, positions, masks: cheap). They stay replicated through cheap ops, so that shifts
+  and pads across shard boundaries stay right, and are sliced with ringcc::shard where they
+  first feed per-token work or meet a shard.
+- Sharded: every rank holds its n/p rows (in the graph's layout) of a full-length value;
+  the logical value is the window [start, start + length) of the n global tokens
+  (`logits[:, :-1]` keeps every row and narrows the window: rows outside it are garbage that
+  only window-aware consumers see: cross_entropy pads its targets with ignore_index there,
+  outputs are narrowed after the gather).
+Sizes are sympy expressions (the sequence length n may be a symbol under dynamic shapes);
+sequence dims are followed through the shape flow, never found by "a dim equal to n" inside
+the graph (only for values created from no sequence input: factories, buffer slices, cats).
+
+Rules (RULES below) say for each op how states map from inputs to the output and what the
+op needs: token-local ops keep a shard; reductions over the sequence become a local
+reduction + ringcc::all_reduce_sum (mean = global sum / global count, cross_entropy with
+ignore_index); selecting one token becomes ringcc::seq_select; anything else that mixes
+tokens gets an all-gather (recorded in the report as O(n)). Graph outputs are gathered
+unless Config(gather_outputs=False).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::all_reduce_sum, seq_select, sync_grads
+from ringcc.report import Gather
+from ringcc.runtime import layout as L
+
+from .base import PassContext, PassResult, location, tag
+from .discover_sequence import attention_nodes, expr, fake
+
+PASS = "shard_sequence"
+STATE_META = "ringcc_seq"  # the node's Seq state (tests read it)
+
+SHARD = torch.ops.ringcc.shard.default
+GATHER = torch.ops.ringcc.gather.default
+ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
+SELECT = torch.ops.ringcc.seq_select.default
+
+
+@dataclass(frozen=True)
+class Seq:
+    """See Note [Sequence state]."""
+
+    dim: int
+    length: sympy.Expr
+    outer: sympy.Expr = sympy.Integer(1)
+    start: sympy.Expr = sympy.Integer(0)
+    sharded: bool = False
+
+    def at(self, dim: int) -> "Seq":
+        return replace(self, dim=dim)
+
+
+State = Optional[Seq]
+
+
+class Fallback(Exception):
+    """A rule cannot keep its sharded inputs sharded: gather them (O(n), recorded)."""
+
+
+def _zero(e) -> bool:
+    return sympy.simplify(sympy.sympify(e)) == 0
+
+
+def _eq(a, b) -> bool:
+    return _zero(expr(a) - expr(b)) if not isinstance(a, sympy.Expr) or not isinstance(b, sympy.Expr) else _zero(a - b)
+
+
+def _prod(xs) -> sympy.Expr:
+    out = sympy.Integer(1)
+    for x in xs:
+        out = out * expr(x)
+    return out
+
+
+def op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}::{t._opname}" if t.namespace == "ringcc" else t._opname
+    return getattr(t, "__name__", str(t))
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _set_arg(node: torch.fx.Node, i: int, name: str, value) -> None:
+    if len(node.args) > i:
+        args = list(node.args)
+        args[i] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, torch.fx.Node) and isinstance(fake(a), torch.Tensor)
+
+
+# ---------------------------------------------------------------------------------------
+# the walk
+
+
+class Sharder:
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
+        info = ctx.scratch["seq"]
+        self.gm, self.ctx, self.graph = gm, ctx, gm.graph
+        self.n: sympy.Expr = info.n
+        self.sources = info.sources
+        self.p = ctx.world_size
+        self.layout = ctx.scratch.get("layout") or _resolve_layout(ctx, attention_nodes(gm))
+        ctx.scratch["layout"] = self.layout
+        self.comm = (ctx.group_name, ctx.world_size, self.layout)
+        self.state: dict[torch.fx.Node, Any] = {}
+        self.cur: torch.fx.Node | None = None
+        self._shards: dict[tuple, torch.fx.Node] = {}
+        self._gathers: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.decisions: list[str] = []
+
+    # -- helpers used by rules ------------------------------------------------------
+
+    def full(self, st: Seq) -> bool:
+        return _zero(st.start) and _eq(st.length, self.n)
+
+    def new(self, target, *args, method: bool = False, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.cur):
+            node = (self.graph.call_method(target, args, kwargs) if method
+                    else self.graph.call_function(target, args, kwargs))
+        return tag(node, PASS, self.cur)
+
+    def shard(self, src: torch.fx.Node, st: Seq, window: Seq | None = None, pad_value=0) -> torch.fx.Node:
+        """This rank's rows of replicated `src`, aligned with a sharded `window`."""
+        start = window.start if window is not None else sympy.Integer(0)
+        if window is not None and not _eq(window.length, st.length):
+            raise Fallback(f"lengths {st.length} and {window.length} do not match")
+        front, back = start, self.n - start - st.length
+        if not (front.is_Integer and back.is_Integer) or front < 0 or back < 0:
+            raise Fallback(f"a replicated value of length {st.length} cannot be aligned with the shards")
+        key = (src, st.dim, int(front), int(back), pad_value)
+        if key in self._shards:
+            return self._shards[key]
+        x, d = src, st.dim
+        if not _eq(st.outer, 1):
+            x, d = self.new("unflatten", x, d, (int(st.outer), -1), method=True), d + 1
+        if front or back:
+            nd = fake(src).dim() + (0 if _eq(st.outer, 1) else 1)
+            pads = [0, 0] * (nd - 1 - d) + [int(front), int(back)]
+            x = self.new(F.pad, x, pads, "constant", pad_value)
+        x = self.new(SHARD, x, d, *self.comm)
+        if not _eq(st.outer, 1):
+            x = self.new("flatten", x, d - 1, d, method=True)
+        self._shards[key] = x
+        self.state[x] = Seq(st.dim, st.length, st.outer, sharded=True)
+        self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
+        return x
+
+    def gather(self, src: torch.fx.Node, st: Seq, why: str) -> torch.fx.Node:
+        """The full value of sharded `src` on every rank (O(n): recorded)."""
+        if src in self._gathers:
+            return self._gathers[src]
+        x, d = src, st.dim
+        if not _eq(st.outer, 1):
+            x, d = self.new("unflatten", x, d, (int(st.outer), -1), method=True), d + 1
+        x = self.new(GATHER, x, d, *self.comm)
+        if not self.full(st):
+            x = self.new("narrow", x, d, _int_or_expr(st.start), _int_or_expr(st.length), method=True)
+        if not _eq(st.outer, 1):
+            x = self.new("flatten", x, d - 1, d, method=True)
+        self._gathers[src] = x
+        self.state[x] = replace(st, sharded=False, start=sympy.Integer(0))
+        where = location(self.cur if self.cur.op != "output" else src)
+        self.ctx.report.gathers.append(Gather(node=x.name, location=where, why=why))
+        self.decisions.append(f"gather {src.name}@{st.dim}: {why}")
+        return x
+
+    def localize(self, node: torch.fx.Node, arg: torch.fx.Node, st: Seq, window: Seq | None, pad_value=0):
+        """Replace replicated input `arg` of `node` by its shard."""
+        node.replace_input_with(arg, self.shard(arg, st, window, pad_value))
+
+    def seq_of_size(self, val: torch.Tensor) -> State:
+        """A replicated sequence state for a value created from no sequence input: its one
+        dim whose size is n (None when there is none, or several)."""
+        dims = [d for d in range(val.dim()) if _eq(val.shape[d], self.n)]
+        if len(dims) == 1 and not _eq(self.n, 1):
+            return Seq(dims[0], self.n)
+        return None
+
+    # -- the walk --------------------------------------------------------------------
+
+    def run(self) -> None:
+        n_hint = self.n
+        if n_hint.is_Integer:
+            div = L.divisor(self.p, L.Layout(self.layout))
+            if int(n_hint) % div:
+                raise ValueError(
+                    f"sequence length {int(n_hint)} is not divisible by {div} (world size {self.p}, layout "
+                    f"{self.layout!r}); use a length that is a multiple of {div}, or another world size "
+                    f"(Config(pad=True) is not supported yet)")
+        for node in list(self.graph.nodes):
+            self.cur = node
+            if node.op == "placeholder":
+                dim = self.sources.get(node.name)
+                self.state[node] = None if dim is None else Seq(dim, expr(fake(node).shape[dim]))
+            elif node.op == "output":
+                self._outputs(node)
+            elif node.op in ("call_function", "call_method"):
+                self.state[node] = self._visit(node)
+            else:
+                self.state[node] = None
+        for node, st in self.state.items():
+            if isinstance(st, (Seq, tuple)) and node.graph is self.graph:
+                node.meta[STATE_META] = st
+
+    def _visit(self, node: torch.fx.Node):
+        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple))]
+        name = op_name(node)
+        rule = RULES.get(name)
+        if not ins:
+            if rule is not None and rule.creates and isinstance(fake(node), torch.Tensor):
+                return self.seq_of_size(fake(node))
+            return None
+        if rule is None:
+            return self._fallback(node, f"no sharding rule for {name}")
+        if rule.unary and self.state.get(node.args[0]) is None:
+            return self._fallback(node, f"{name}: sequence in a size argument")
+        try:
+            st = rule.fn(self, node)
+        except Fallback as e:
+            return self._fallback(node, f"{name}: {e}")
+        if isinstance(st, Seq) and st.sharded:
+            self.decisions.append(f"{node.name}:S{st.dim}")
+        return st
+
+    def _fallback(self, node: torch.fx.Node, why: str):
+        """Run `node` on full values: gather its sharded inputs."""
+        for a in list(node.all_input_nodes):
+            st = self.state.get(a)
+            if isinstance(st, Seq) and st.sharded:
+                node.replace_input_with(a, self.gather(a, st, why))
+            elif isinstance(st, tuple) and any(s is not None and s.sharded for s in st):
+                raise ValueError(f"ringcc cannot run {node.format_node()} on a sharded tuple ({why})")
+        val = fake(node)
+        return self.seq_of_size(val) if isinstance(val, torch.Tensor) else None
+
+    def _outputs(self, node: torch.fx.Node) -> None:
+        def visit(a):
+            if not isinstance(a, torch.fx.Node):
+                return a
+            st = self.state.get(a)
+            if isinstance(st, Seq) and st.sharded and self.ctx.config.gather_outputs:
+                return self.gather(a, st, "graph output (Config(gather_outputs=True))")
+            return a
+
+        node.args = torch.fx.node.map_aggregate(node.args, visit)
+
+
+def _int_or_expr(e):
+    return int(e) if sympy.sympify(e).is_Integer else e
+
+
+def _resolve_layout(ctx: PassContext, sites) -> str:
+    if ctx.config.layout != "auto":
+        return ctx.config.layout
+    causal = bool(sites) and all(s.args[4] is True for s in sites)
+    return "zigzag" if ctx.world_size > 1 and causal else "contiguous"
+
+
+# ---------------------------------------------------------------------------------------
+# rule helpers
+
+
+def _broadcast_dim(st: Seq, in_nd: int, out_nd: int) -> int:
+    return st.dim + out_nd - in_nd
+
+
+def _elementwise(w: Sharder, node: torch.fx.Node, tensors: list[torch.fx.Node], cheap: bool,
+                 pad_value=0, out_nd: int | None = None) -> State:
+    """Broadcasting token-local op over `tensors`; cheap ops keep replicated values replicated."""
+    out = fake(node)
+    out_nd = out.dim() if out_nd is None else out_nd
+    seqs = {a: w.state.get(a) for a in tensors if isinstance(w.state.get(a), Seq)}
+    dims = {}
+    for a, st in seqs.items():
+        in_nd = fake(a).dim()
+        if expr(fake(a).shape[st.dim]) == 1:
+            continue  # broadcast along the sequence: no token index
+        dims[a] = _broadcast_dim(st, in_nd, out_nd)
+    sharded = [a for a in dims if seqs[a].sharded]
+    if not sharded:
+        if not dims:
+            return None
+        if cheap:
+            d = _agree({dims[a] for a in dims})
+            a0 = next(iter(dims))
+            return Seq(d, expr(out.shape[d]) / seqs[a0].outer, seqs[a0].outer)
+        # per-token work on replicated values: this is where they get sliced
+        window = None
+    else:
+        window = seqs[sharded[0]]
+        for a in sharded[1:]:
+            s = seqs[a]
+            if (dims[a], s.start, s.length, s.outer) != (dims[sharded[0]], window.start, window.length, window.outer):
+                raise Fallback("shards with different windows meet")
+    d = dims[sharded[0]] if sharded else _agree({dims[a] for a in dims})
+    ref = seqs[sharded[0]] if sharded else seqs[next(iter(dims))]
+    win = window if window is not None else Seq(d, ref.length, ref.outer, sharded=True)
+    for a in tensors:
+        st = seqs.get(a)
+        if st is not None and a in dims and not st.sharded:
+            if dims[a] != d:
+                continue  # a replicated value whose long dim lines up with a feature dim: not tokens
+            w.localize(node, a, st, win if window is not None else None, pad_value)
+        elif st is None:
+            _meet(w, node, a, d, out_nd, win, pad_value)
+    return Seq(d, win.length, win.outer, win.start, sharded=True)
+
+
+def _meet(w: Sharder, node, a, d: int, out_nd: int, win: Seq, pad_value=0) -> None:
+    """A value with no known sequence dim meets a shard: if its dim aligned with the shard's
+    sequence dim has full (global) size, it is indexed by token after all (say, labels the
+    discovery could not tell apart): slice it too."""
+    val = fake(a)
+    if not isinstance(val, torch.Tensor):
+        return
+    ad = d - (out_nd - val.dim())
+    if ad < 0 or expr(val.shape[ad]) == 1:
+        return
+    st = Seq(ad, expr(val.shape[ad]) / win.outer, win.outer)
+    w.localize(node, a, st, win if not w.full(win) else None, pad_value)
+
+
+def _agree(dims: set[int]) -> int:
+    if len(dims) != 1:
+        raise Fallback(f"sequence dims {sorted(dims)} disagree")
+    return dims.pop()
+
+
+def _norm_dim(d: int, nd: int) -> int:
+    return d % nd if nd else 0
+
+
+# ---------------------------------------------------------------------------------------
+# rules
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable[[Sharder, torch.fx.Node], Any]
+    creates: bool = False  # may create a sequence dim from no sequence input (factories, slices)
+    unary: bool = False  # the sequence can only come through the first argument
+
+
+def pointwise(cheap: bool):
+    def fn(w: Sharder, node):
+        tensors = [a for a in node.all_input_nodes if _is_tensor_node(a)]
+        is_cheap = cheap or not fake(node).is_floating_point()
+        return _elementwise(w, node, tensors, is_cheap)
+    return fn
+
+
+def feature_local(feature_dims: Callable[[torch.fx.Node, int], set[int]]):
+    """Ops that mix only features (linear, norms, softmax over a feature dim)."""
+    def fn(w: Sharder, node):
+        x = node.args[0]
+        st = w.state.get(x)
+        if not isinstance(st, Seq):
+            raise Fallback("sequence arrives through a weight")
+        nd = fake(x).dim()
+        if st.dim in feature_dims(node, nd):
+            raise Fallback("mixes along the sequence dim")
+        others = [a for a in node.all_input_nodes if a is not x and isinstance(w.state.get(a), Seq)]
+        if others:
+            raise Fallback("sequence-carrying weights")
+        if not st.sharded:
+            w.localize(node, x, st, None)
+            st = Seq(st.dim, st.length, st.outer, sharded=True)
+        return st
+    return fn
+
+
+def _softmax_dims(node, nd):
+    return {_norm_dim(_arg(node, 1, "dim", -1), nd)}
+
+
+def _norm_dims(node, nd):
+    shape = _arg(node, 1, "normalized_shape")
+    k = len(shape) if isinstance(shape, (tuple, list)) else 1
+    return set(range(nd - k, nd))
+
+
+def _last_dim(node, nd):
+    return {nd - 1}
+
+
+def embedding_rule(w: Sharder, node):
+    idx, weight = node.args[0], node.args[1]
+    st = w.state.get(idx)
+    if not isinstance(st, Seq) or isinstance(w.state.get(weight), Seq):
+        raise Fallback("sequence in the embedding table")
+    if not st.sharded:
+        full = _eq(st.length, w.n)
+        w.localize(node, idx, st, None if full else Seq(st.dim, st.length, st.outer, sharded=True))
+        st = Seq(st.dim, st.length, st.outer, sharded=True)
+    return st
+
+
+def matmul_rule(w: Sharder, node):
+    a, b = node.args[0], node.args[1]
+    fa, fb, out = fake(a), fake(b), fake(node)
+    sa, sb = w.state.get(a), w.state.get(b)
+    if fa.dim() < 2 or fb.dim() < 2:
+        raise Fallback("matrix-vector products over the sequence")
+    mapped = {}
+    for x, st, fx, row_or_col in ((a, sa, fa, fa.dim() - 2), (b, sb, fb, fb.dim() - 1)):
+        if not isinstance(st, Seq):
+            continue
+        if st.dim == row_or_col:
+            mapped[x] = out.dim() - 2 if x is a else out.dim() - 1
+        elif st.dim < fx.dim() - 2:
+            mapped[x] = _broadcast_dim(st, fx.dim(), out.dim())
+        else:
+            raise Fallback("contracts over the sequence")
+    d = _agree(set(mapped.values()))
+    sts = {x: w.state[x] for x in mapped}
+    sharded = [x for x in mapped if sts[x].sharded]
+    if len(mapped) == 2 and a is not b and mapped[a] == mapped[b] and (d == out.dim() - 2 or d == out.dim() - 1):
+        raise Fallback("sequence on both sides of a product")
+    win = sts[sharded[0]] if sharded else None
+    for x in mapped:
+        if not sts[x].sharded:
+            w.localize(node, x, sts[x], win)
+    ref = win or next(iter(sts.values()))
+    return Seq(d, ref.length, ref.outer, ref.start, sharded=True)
+
+
+def linear_rule(w: Sharder, node):
+    return feature_local(_last_dim)(w, node)
+
+
+# -- layout ops: map the dim, rebuild sizes with -1 at the sequence dim when sharded ------
+
+
+def _sizes_arg(node) -> tuple[list, Callable[[list], None]]:
+    """The size list of view/reshape/expand and a setter for it (sizes given as varargs or a
+    sequence; torch.reshape(x, shape) too)."""
+    rest = list(node.args[1:])
+    if "size" in node.kwargs or "shape" in node.kwargs:
+        key = "size" if "size" in node.kwargs else "shape"
+        sizes = list(node.kwargs[key])
+        return sizes, lambda s: setattr(node, "kwargs", {**node.kwargs, key: tuple(s)})
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        return list(rest[0]), lambda s: setattr(node, "args", (node.args[0], tuple(s)))
+    return rest, lambda s: setattr(node, "args", (node.args[0], *s))
+
+
+def view_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    in_shape, out_shape = fake(x).shape, fake(node).shape
+    j, outer = _view_map(in_shape, st, out_shape)
+    new = Seq(j, st.length, outer, st.start, st.sharded)
+    if st.sharded:
+        sizes, set_sizes = _sizes_arg(node)
+        if len(sizes) != len(out_shape):
+            raise Fallback("unexpected size list")
+        fixed = []
+        for i, s in enumerate(sizes):
+            if i == j:
+                fixed.append(-1)
+            elif isinstance(s, int) and s == -1:
+                fixed.append(_int_or_expr(expr(out_shape[i])) if expr(out_shape[i]).is_Integer else _no_sym())
+            else:
+                fixed.append(s)
+        set_sizes(fixed)
+    else:
+        new = replace(new, length=expr(out_shape[j]) / outer)
+    return new
+
+
+def _no_sym():
+    raise Fallback("a symbolic size besides the sequence")
+
+
+def _view_map(in_shape, st: Seq, out_shape) -> tuple[int, sympy.Expr]:
+    """Output dim holding the sequence of a view (and the batch merged in front of it)."""
+    before = _prod(in_shape[: st.dim]) * st.outer
+    after = _prod(in_shape[st.dim + 1:])
+    length = expr(in_shape[st.dim]) / st.outer
+    for j in range(len(out_shape)):
+        if not _zero(_prod(out_shape[j + 1:]) - after):
+            continue
+        outer = sympy.simplify(expr(out_shape[j]) / length)
+        if not (outer.is_Integer and outer > 0):
+            continue
+        if _zero(_prod(out_shape[:j]) * outer - before):
+            return j, outer
+    raise Fallback(f"a view splits the sequence ({tuple(in_shape)} -> {tuple(out_shape)})")
+
+
+def flatten_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    start = _norm_dim(_arg(node, 1, "start_dim", 0), nd)
+    end = _norm_dim(_arg(node, 2, "end_dim", -1), nd)
+    j, outer = _view_map(fake(x).shape, st, fake(node).shape)
+    del start, end  # the generic view map decides; flatten has no sizes to rebuild
+    new = Seq(j, st.length, outer, st.start, st.sharded)
+    return new if st.sharded else replace(new, length=expr(fake(node).shape[j]) / outer)
+
+
+def expand_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    in_nd, out_nd = fake(x).dim(), fake(node).dim()
+    d = _broadcast_dim(st, in_nd, out_nd)
+    if st.sharded:
+        sizes, set_sizes = _sizes_arg(node)
+        sizes[d] = -1
+        set_sizes(sizes)
+    return st.at(d)
+
+
+def repeat_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    sizes, _ = _sizes_arg(node)
+    d = st.dim + len(sizes) - fake(x).dim()
+    if not (isinstance(sizes[d], int) and sizes[d] == 1):
+        raise Fallback("repeats along the sequence")
+    return st.at(d)
+
+
+def transpose_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    a, b = (_norm_dim(d, nd) for d in (_arg(node, 1, "dim0"), _arg(node, 2, "dim1")))
+    d = b if st.dim == a else a if st.dim == b else st.dim
+    return st.at(d)
+
+
+def t_rule(w: Sharder, node):
+    st = w.state[node.args[0]]
+    nd = fake(node.args[0]).dim()
+    return st.at(nd - 1 - st.dim) if nd == 2 else st
+
+
+def permute_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    dims = node.args[1:] if not (len(node.args) == 2 and isinstance(node.args[1], (tuple, list))) else node.args[1]
+    if "dims" in node.kwargs:
+        dims = node.kwargs["dims"]
+    dims = [_norm_dim(d, nd) for d in dims]
+    return st.at(dims.index(st.dim))
+
+
+def unsqueeze_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    d = _norm_dim(_arg(node, 1, "dim"), fake(node).dim())
+    return st.at(st.dim + 1 if d <= st.dim else st.dim)
+
+
+def squeeze_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    in_shape = fake(x).shape
+    dims = _arg(node, 1, "dim")
+    if dims is None:
+        dims = [i for i in range(len(in_shape)) if expr(in_shape[i]) == 1]
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = [_norm_dim(d, len(in_shape)) for d in dims if expr(in_shape[_norm_dim(d, len(in_shape))]) == 1]
+    return st.at(st.dim - sum(1 for d in dims if d < st.dim))
+
+
+def movedim_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    src, dst = _arg(node, 1, "source"), _arg(node, 2, "destination")
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    order = [None] * nd
+    for s, t in zip(src, dst):
+        order[_norm_dim(t, nd)] = _norm_dim(s, nd)
+    rest = iter(d for d in range(nd) if d not in {_norm_dim(s, nd) for s in src})
+    order = [o if o is not None else next(rest) for o in order]
+    return st.at(order.index(st.dim))
+
+
+def getitem_rule(w: Sharder, node):
+    x, index = node.args[0], node.args[1]
+    st = w.state[x]
+    if isinstance(st, tuple):
+        return st[index]
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, torch.fx.Node) or isinstance(i, (list, torch.Tensor)) for i in items):
+        raise Fallback("advanced indexing")
+    nd = fake(x).dim()
+    n_consumed = sum(1 for i in items if i is not None and i is not Ellipsis and not isinstance(i, bool))
+    expanded = []
+    for i in items:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (nd - n_consumed))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (nd - sum(1 for i in expanded if i is not None)))
+    in_d = out_d = 0
+    for pos, i in enumerate(expanded):
+        if i is None:
+            out_d += 1
+            continue
+        if in_d == st.dim:
+            return _index_seq(w, node, st, i, pos, out_d, expanded)
+        in_d += 1
+        if not isinstance(i, int):
+            out_d += 1
+    raise AssertionError("sequence dim not reached by the index")
+
+
+def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: list):
+    x = node.args[0]
+    if not _eq(st.outer, 1):
+        raise Fallback("indexes a dim that merges batch and sequence")
+    if isinstance(i, int):
+        if not st.sharded:
+            return None
+        if not w.full(st):
+            raise Fallback("selects a token of a narrowed shard")
+        # pick the token first (one row, replicated), then apply the rest of the index to it
+        sel = w.new(SELECT, x, st.dim, i, *w.comm)
+        w.state[sel] = None
+        node.args = (sel, tuple(r for k, r in enumerate(expanded) if k != pos))
+        w.decisions.append(f"{node.name}: select token {i}")
+        return None
+    if not isinstance(i, slice):
+        raise Fallback(f"index {i!r} on the sequence")
+    if not st.sharded:
+        return Seq(out_d, expr(fake(node).shape[out_d]))
+    if i.step not in (None, 1):
+        raise Fallback("strided slice of the sequence")
+    lo, hi = _slice_bounds(i, st.length)
+    if lo is None:
+        raise Fallback("symbolic slice bounds on the sequence")
+    new_index = list(expanded)
+    new_index[pos] = slice(None)
+    node.args = (x, tuple(new_index))
+    return Seq(out_d, hi - lo, st.outer, st.start + lo, sharded=True)
+
+
+def _slice_bounds(s: slice, length: sympy.Expr):
+    def norm(v, default):
+        if v is None:
+            return default
+        if not isinstance(v, int):
+            return None
+        e = sympy.Integer(v)
+        return length + e if v < 0 else e
+    lo, hi = norm(s.start, sympy.Integer(0)), norm(s.stop, length)
+    if lo is None or hi is None:
+        return None, None
+    if length.is_Integer:
+        lo, hi = sympy.Integer(max(0, min(int(lo), int(length)))), sympy.Integer(max(0, min(int(hi), int(length))))
+    return lo, hi
+
+
+def split_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    name = op_name(node)
+    default = 0
+    d = _norm_dim(_arg(node, 2 if name in ("split", "chunk", "tensor_split") else 1, "dim", default), nd)
+    if name == "unbind":
+        if d == st.dim:
+            raise Fallback("unbinds the sequence")
+        return tuple(st.at(st.dim - (1 if d < st.dim else 0)) for _ in fake(node))
+    if d == st.dim:
+        raise Fallback("splits the sequence")
+    return tuple(st for _ in fake(node))
+
+
+def cat_rule(w: Sharder, node):
+    tensors = list(_arg(node, 0, "tensors"))
+    out = fake(node)
+    d = _norm_dim(_arg(node, 1, "dim", 0), out.dim())
+    sts = [w.state.get(t) for t in tensors]
+    name = op_name(node)
+    seq_dims = {s.dim + (1 if name == "stack" and s.dim >= d else 0) for s in sts if isinstance(s, Seq)}
+    if name == "cat" and d in seq_dims:
+        if any(s is not None and s.sharded for s in sts):
+            raise Fallback("concatenates along the sequence")
+        return Seq(d, expr(out.shape[d]))
+    sharded = [t for t, s in zip(tensors, sts) if s is not None and s.sharded]
+    od = _agree(seq_dims)
+    if not sharded:
+        ref = next(s for s in sts if s is not None)
+        return Seq(od, expr(out.shape[od]) / ref.outer, ref.outer)
+    win = w.state[sharded[0]]
+    new_list = []
+    for t, s in zip(tensors, sts):
+        if s is not None and not s.sharded:
+            t = w.shard(t, s, win if not w.full(win) else None)
+        new_list.append(t)
+    _set_arg(node, 0, "tensors", type(_arg(node, 0, "tensors"))(new_list))
+    return Seq(od, win.length, win.outer, win.start, sharded=True)
+
+
+def pad_rule(w: Sharder, node):
+    x, pads = node.args[0], _arg(node, 1, "pad")
+    st = w.state[x]
+    nd = fake(x).dim()
+    padded = {nd - 1 - k // 2 for k, v in enumerate(pads) if not (isinstance(v, int) and v == 0)}
+    if st.dim in padded:
+        if st.sharded:
+            raise Fallback("pads the sequence of a shard")
+        return Seq(st.dim, expr(fake(node).shape[st.dim]) / st.outer, st.outer)
+    if st.sharded:
+        return st
+    return st  # cheap on replicated values
+
+
+def reduce_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    name = op_name(node)
+    dims = _arg(node, 1, "dim")
+    keepdim = bool(_arg(node, 2, "keepdim", False))
+    if dims is None:
+        dims = list(range(nd))
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = {_norm_dim(d, nd) for d in dims}
+    if st.dim not in dims:
+        return st.at(st.dim if keepdim else st.dim - sum(1 for d in dims if d < st.dim))
+    if not st.sharded:
+        return None
+    if not w.full(st) or name not in ("sum", "mean"):
+        raise Fallback(f"{name} over a {'narrowed ' if not w.full(st) else ''}shard")
+    if _arg(node, 3, "dtype") is not None and name == "mean":
+        raise Fallback("mean with dtype")
+    # Every rank holds the same number of tokens: the global mean is the mean of local means.
+    with w.graph.inserting_after(node):
+        red = tag(w.graph.call_function(ALL_REDUCE, (node, *w.comm[:2])), PASS, node)
+    with w.graph.inserting_after(red):
+        out = tag(w.graph.call_function(operator.truediv, (red, w.p)), PASS, node) if name == "mean" else red
+    node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
+    w.state[red] = w.state[out] = None
+    w.decisions.append(f"{node.name}: all_reduce {name}")
+    return None
+
+
+def cross_entropy_rule(w: Sharder, node):
+    logits, target = node.args[0], _arg(node, 1, "target")
+    sl = w.state.get(logits)
+    if not isinstance(sl, Seq):
+        raise Fallback("sequence only in the targets")
+    weight = _arg(node, 2, "weight")
+    ignore_index = _arg(node, 4, "ignore_index", -100)
+    reduction = _arg(node, 6, "reduction", "mean")
+    smoothing = _arg(node, 7, "label_smoothing", 0.0)
+    if _arg(node, 3, "size_average") is not None or _arg(node, 5, "reduce") is not None:
+        raise Fallback("legacy size_average/reduce arguments")
+    nd = fake(logits).dim()
+    class_dim = 1 if nd > 1 else 0
+    if sl.dim == class_dim:
+        raise Fallback("sequence in the class dim")
+    # target dims are the input dims without the class dim
+    td = sl.dim - (1 if sl.dim > class_dim else 0)
+    if not sl.sharded:
+        w.localize(node, logits, sl, None)
+        sl = replace(sl, sharded=True)
+    win = Seq(td, sl.length, sl.outer, sl.start, sharded=True)
+    st = w.state.get(target)
+    if isinstance(st, Seq) and st.sharded:
+        if (st.start, st.length) != (sl.start, sl.length):
+            raise Fallback("targets and logits shards differ")
+    elif isinstance(st, Seq):
+        w.localize(node, target, st.at(td), win if not w.full(sl) else None, pad_value=ignore_index)
+    else:
+        _meet(w, node, target, td, fake(target).dim(), win, pad_value=ignore_index)
+        if _arg(node, 1, "target") is target:
+            raise Fallback("targets without a sequence dim")
+    if reduction == "none":
+        return Seq(td, sl.length, sl.outer, sl.start, sharded=True)
+    if weight is not None or smoothing not in (0, 0.0):
+        raise Fallback("weighted or label-smoothed mean")
+    # local sum and local count of counted targets, summed over ranks in one all-reduce
+    _set_arg(node, 6, "reduction", "sum")
+    local_target = _arg(node, 1, "target")
+    with w.graph.inserting_after(node):
+        parts = [node]
+        if reduction == "mean":
+            ne = tag(w.graph.call_method("ne", (local_target, ignore_index)), PASS, node)
+            with w.graph.inserting_after(ne):
+                cnt = tag(w.graph.call_method("sum", (ne,)), PASS, node)
+            with w.graph.inserting_after(cnt):
+                cntf = tag(w.graph.call_method("to", (cnt, fake(node).dtype)), PASS, node)
+            parts = [node, cntf]
+            anchor = cntf
+        else:
+            anchor = node
+    with w.graph.inserting_after(anchor):
+        stacked = tag(w.graph.call_function(torch.stack, (parts,)), PASS, node)
+    with w.graph.inserting_after(stacked):
+        red = tag(w.graph.call_function(ALL_REDUCE, (stacked, *w.comm[:2])), PASS, node)
+    with w.graph.inserting_after(red):
+        total = tag(w.graph.call_function(operator.getitem, (red, 0)), PASS, node)
+    out = total
+    if reduction == "mean":
+        with w.graph.inserting_after(total):
+            count = tag(w.graph.call_function(operator.getitem, (red, 1)), PASS, node)
+        with w.graph.inserting_after(count):
+            out = tag(w.graph.call_function(operator.truediv, (total, count)), PASS, node)
+    internal = {stacked}
+    node.replace_all_uses_with(out, delete_user_cb=lambda u: u not in internal)
+    w.decisions.append(f"{node.name}: all_reduce cross_entropy {reduction}")
+    return None
+
+
+def attention_rule(w: Sharder, node):
+    q, k, v, key_valid = node.args[:4]
+    for i, a in enumerate((q, k, v)):
+        st = w.state.get(a)
+        if st is None:
+            st = Seq(2, expr(fake(a).shape[2])) if _eq(fake(a).shape[2], w.n) else None
+        if st is None or st.dim != 2 or not _eq(st.outer, 1):
+            raise ValueError(
+                f"attention site {node.name} at {location(node)}: {'qkv'[i]} has no sequence dim 2 "
+                f"(state {st}); ringcc cannot shard it")
+        if not st.sharded:
+            w.localize(node, a, st, None)
+        elif not w.full(st):
+            raise Fallback("attention over a narrowed shard")
+    if key_valid is not None:
+        st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
+        if st.sharded:
+            raise Fallback("key padding mask computed on shards")
+        w.localize(node, key_valid, st, None)
+    args = list(node.args)
+    args[6:9] = list(w.comm)
+    node.args = tuple(args)
+    w.decisions.append(f"{node.name}: ring {w.layout}")
+    seq = Seq(2, w.n, sharded=True)
+    return (seq, seq)
+
+
+_PW_CHEAP = ("contiguous", "clone", "detach", "to", "type", "type_as", "float", "half", "bfloat16",
+             "double", "long", "int", "bool", "alias", "zeros_like", "ones_like", "empty_like", "full_like")
+_PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "abs", "exp", "log",
+       "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "mish",
+       "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "where", "masked_fill", "eq", "ne",
+       "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "logical_not", "logical_and",
+       "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
+       "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
+       "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid", "sub",
+       "fill_", "masked_fill_", "__and__", "__or__")
+
+RULES: dict[str, Rule] = {
+    **{name: Rule(pointwise(cheap=True)) for name in _PW_CHEAP},
+    **{name: Rule(pointwise(cheap=False)) for name in _PW},
+    "linear": Rule(linear_rule),
+    "layer_norm": Rule(feature_local(_norm_dims)),
+    "rms_norm": Rule(feature_local(_norm_dims)),
+    "softmax": Rule(feature_local(_softmax_dims)),
+    "log_softmax": Rule(feature_local(_softmax_dims)),
+    "embedding": Rule(embedding_rule),
+    "matmul": Rule(matmul_rule),
+    "bmm": Rule(matmul_rule),
+    "view": Rule(view_rule, creates=True, unary=True),
+    "reshape": Rule(view_rule, creates=True, unary=True),
+    "flatten": Rule(flatten_rule, creates=True, unary=True),
+    "expand": Rule(expand_rule, creates=True, unary=True),
+    "repeat": Rule(repeat_rule, unary=True),
+    "transpose": Rule(transpose_rule, unary=True),
+    "swapaxes": Rule(transpose_rule, unary=True),
+    "t": Rule(t_rule, unary=True),
+    "permute": Rule(permute_rule, unary=True),
+    "unsqueeze": Rule(unsqueeze_rule, unary=True),
+    "squeeze": Rule(squeeze_rule, unary=True),
+    "movedim": Rule(movedim_rule, unary=True),
+    "getitem": Rule(getitem_rule, creates=True, unary=True),
+    "split": Rule(split_rule, unary=True),
+    "chunk": Rule(split_rule, unary=True),
+    "unbind": Rule(split_rule, unary=True),
+    "cat": Rule(cat_rule, creates=True),
+    "concat": Rule(cat_rule, creates=True),
+    "stack": Rule(cat_rule),
+    "pad": Rule(pad_rule, unary=True),
+    "sum": Rule(reduce_rule, unary=True),
+    "mean": Rule(reduce_rule, unary=True),
+    "cross_entropy": Rule(cross_entropy_rule),
+    "ringcc::ring_attention": Rule(attention_rule),
+    "arange": Rule(lambda w, node: None, creates=True),
+    "ones": Rule(lambda w, node: None, creates=True),
+    "zeros": Rule(lambda w, node: None, creates=True),
+    "full": Rule(lambda w, node: None, creates=True),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# the pass
+
+
+def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    if "seq" not in ctx.scratch or not ctx.config.shard or ctx.scratch.get("sharded"):
+        return PassResult(False)
+    w = Sharder(gm, ctx)
+    w.run()
+    ctx.scratch["sharded"] = True
+    ctx.scratch["shard_decisions"] = w.decisions
+    gm.graph.eliminate_dead_code()
+    refresh_fakes(gm)
+    return PassResult(True)
+
+
+def refresh_fakes(gm: torch.fx.GraphModule) -> None:
+    """Recompute every node's fake value from the placeholders' (one fake mode, see PITFALLS)."""
+    mode = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            mode = mode or getattr(fake(node), "fake_mode", None)
+    env: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = fake(node)
+            continue
+        if node.op == "output":
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda a: env[a])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env[a])
+        with mode:
+            if node.op == "call_method":
+                val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_function":
+                val = node.target(*args, **kwargs)
+            elif node.op == "get_attr":
+                val = _attr(gm, node.target)
+                val = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
+            else:
+                val = fake(node)
+        env[node] = val
+        node.meta["example_value"] = val
+
+
+def _attr(gm: torch.fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,106 @@
+"""Make every rank end with the single-device gradients of replicated values (parameters)
+that sharded computation consumes.
+
+A weight used by a sharded op receives, on each rank, only its own tokens' share of the
+gradient (Note [Replicated cotangents] in runtime/seqops.py). Each such use is rewired
+through ringcc::sync_grads, an identity whose backward all-reduces the cotangents of a
+whole bucket (Config.bucket_mb) in one flat buffer. Uses by replicated computation keep
+the original value: their gradient is already complete on every rank (a weight sliced by
+ringcc::shard, like ViT's position table, gets the all-gathered gradient from the shard's
+backward, so it is not synced either).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::sync_grads
+
+from .base import PassContext, PassResult, tag
+from .discover_sequence import fake
+from .shard_sequence import STATE_META
+
+PASS = "sync_param_grads"
+SYNC = torch.ops.ringcc.sync_grads.default
+_COMM_OPS = ("shard", "gather", "all_reduce_sum", "seq_select", "sync_grads")
+
+
+def _sharded(state) -> bool:
+    if isinstance(state, tuple):
+        return any(_sharded(s) for s in state)
+    return state is not None and state.sharded
+
+
+def _computes_on_shards(node: torch.fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "ringcc" and t._opname in _COMM_OPS:
+        return False
+    return _sharded(node.meta.get(STATE_META)) or any(_sharded(a.meta.get(STATE_META)) for a in node.all_input_nodes)
+
+
+def _needs_sync(value: torch.fx.Node) -> bool:
+    val = fake(value)
+    return (isinstance(val, torch.Tensor) and val.requires_grad and not _sharded(value.meta.get(STATE_META))
+            and STATE_META not in value.meta)
+
+
+def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    if not ctx.scratch.get("sharded") or ctx.scratch.get("grads_synced") or ctx.world_size == 1:
+        return PassResult(False)
+    ctx.scratch["grads_synced"] = True
+    uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if not _computes_on_shards(node):
+            continue
+        for a in node.all_input_nodes:
+            if _needs_sync(a):
+                uses.setdefault(a, []).append(node)
+    if not uses:
+        return PassResult(False)
+    placeholders = [v for v in uses if v.op == "placeholder"]
+    others = [v for v in uses if v.op != "placeholder"]
+    last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    anchor = last_placeholder
+    for bucket in _buckets(placeholders, ctx.config.bucket_mb):
+        anchor = _sync(gm, ctx, bucket, uses, anchor)
+    for v in others:
+        _sync(gm, ctx, [v], uses, v)
+    ctx.scratch.setdefault("shard_decisions", []).append(
+        f"sync {len(uses)} values in {len(_buckets(placeholders, ctx.config.bucket_mb))} buckets")
+    return PassResult(True)
+
+
+def _buckets(values: list[torch.fx.Node], bucket_mb: float) -> list[list[torch.fx.Node]]:
+    limit = bucket_mb * 2**20
+    out: list[list[torch.fx.Node]] = []
+    size = 0.0
+    for v in values:
+        val = fake(v)
+        nbytes = val.numel() * val.element_size()
+        if not out or (size + nbytes > limit and out[-1]):
+            out.append([])
+            size = 0.0
+        out[-1].append(v)
+        size += nbytes
+    return out
+
+
+def _sync(gm, ctx, bucket, uses, anchor) -> torch.fx.Node:
+    """One sync op for `bucket` after `anchor`; rewires the sharded uses. Returns the last node."""
+    with gm.graph.inserting_after(anchor):
+        op = tag(gm.graph.call_function(SYNC, (list(bucket), ctx.group_name, ctx.world_size)), PASS, bucket[0])
+    op.meta["example_value"] = [torch.empty_like(fake(v), memory_format=torch.contiguous_format) for v in bucket]
+    last = op
+    for i, v in enumerate(bucket):
+        with gm.graph.inserting_after(last):
+            item = tag(gm.graph.call_function(operator.getitem, (op, i)), PASS, v)
+        item.meta["example_value"] = op.meta["example_value"][i]
+        last = item
+        for user in uses[v]:
+            user.replace_input_with(v, item)
+    return last

@@ -1,0 +1,175 @@
+"""Custom ops the sequence-sharding passes insert (besides ringcc::shard / ringcc::gather).
+
+Each op is opaque to dynamo / AOT / inductor and carries the process group as its name and
+p as an argument; fakes never read the rank or the world size from the environment.
+Backward of every op mirrors its forward (Note [Replicated cotangents]):
+
+- all_reduce_sum: forward sums a partial (a local loss sum, a local count) over the group;
+  backward is the identity.
+- seq_select: forward picks global token `index` (its owner contributes, the others add 0);
+  backward puts the cotangent back at that row on the owner and zeros elsewhere.
+- sync_grads: forward is the identity on a bucket of replicated values (parameters) that
+  sharded computation consumes; backward all-reduces their cotangents in one flat buffer.
+
+Note [Replicated cotangents]
+Every rank runs the same graph on the same full inputs and seeds backward with the same
+cotangent for every replicated output (the loss). A replicated value computed from a sum
+over ranks therefore receives the full cotangent on every rank, and each rank's partial gets
+exactly that cotangent: the all-reduce's backward is the identity, not another all-reduce
+(which would give p times the gradient). Conversely a replicated value (a weight) consumed
+by sharded computation receives only its own tokens' share on each rank: its cotangent is
+all-reduced (sync_grads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import layout as L
+from .ops import _group_from
+
+
+def _owner(index: int, n_local: int, world: int, rank: int, layout: str) -> int | None:
+    """Local row of global token `index` on `rank`, or None when another rank holds it."""
+    lay = L.Layout(layout)
+    per = L.chunks_per_rank(lay)
+    c_len = n_local // per
+    n = n_local * world
+    index = index % n
+    chunk, offset = divmod(index, c_len)
+    for slot, c in enumerate(L.local_chunks(rank, world, lay)):
+        if c == chunk:
+            return slot * c_len + offset
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# all_reduce_sum
+
+
+@torch.library.custom_op("ringcc::all_reduce_sum", mutates_args=())
+def all_reduce_sum(x: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    group, _, world = _group_from(group_name, world_size)
+    out = x.clone(memory_format=torch.contiguous_format)
+    if world > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+@all_reduce_sum.register_fake
+def _(x, group_name, world_size):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_backward(ctx, grad):
+    # Note [Replicated cotangents]: identity.
+    return grad, None, None
+
+
+all_reduce_sum.register_autograd(_all_reduce_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---------------------------------------------------------------------------------------
+# seq_select
+
+
+@torch.library.custom_op("ringcc::seq_select", mutates_args=())
+def seq_select(x: torch.Tensor, dim: int, index: int, group_name: str, world_size: int, layout: str) -> torch.Tensor:
+    group, rank, world = _group_from(group_name, world_size)
+    row = _owner(index, x.shape[dim], world, rank, layout)
+    out = x.select(dim, row).clone(memory_format=torch.contiguous_format) if row is not None else \
+        x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+    if world > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+@seq_select.register_fake
+def _(x, dim, index, group_name, world_size, layout):
+    return x.new_empty(x.shape[:dim] + x.shape[dim + 1:])
+
+
+@torch.library.custom_op("ringcc::seq_select_backward", mutates_args=())
+def seq_select_backward(grad: torch.Tensor, dim: int, index: int, n_local: int, group_name: str,
+                        world_size: int, layout: str) -> torch.Tensor:
+    _, rank, world = _group_from(group_name, world_size)
+    shape = list(grad.shape)
+    shape.insert(dim, n_local)
+    out = grad.new_zeros(shape)
+    row = _owner(index, n_local, world, rank, layout)
+    if row is not None:
+        out.select(dim, row).copy_(grad)
+    return out
+
+
+@seq_select_backward.register_fake
+def _(grad, dim, index, n_local, group_name, world_size, layout):
+    shape = list(grad.shape)
+    shape.insert(dim, n_local)
+    return grad.new_empty(shape)
+
+
+def _select_setup(ctx, inputs, output):
+    x, dim, index, group_name, world_size, layout = inputs
+    ctx.args = (dim, index, x.shape[dim], group_name, world_size, layout)
+
+
+def _select_backward(ctx, grad):
+    return seq_select_backward(grad.contiguous(), *ctx.args), None, None, None, None, None
+
+
+seq_select.register_autograd(_select_backward, setup_context=_select_setup)
+
+
+# ---------------------------------------------------------------------------------------
+# sync_grads (one bucket)
+
+
+@torch.library.custom_op("ringcc::sync_grads", mutates_args=())
+def sync_grads(xs: list[torch.Tensor], group_name: str, world_size: int) -> list[torch.Tensor]:
+    return [x.clone(memory_format=torch.contiguous_format) for x in xs]
+
+
+@sync_grads.register_fake
+def _(xs, group_name, world_size):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+@torch.library.custom_op("ringcc::all_reduce_bucket", mutates_args=())
+def all_reduce_bucket(grads: list[torch.Tensor], group_name: str, world_size: int) -> list[torch.Tensor]:
+    group, _, world = _group_from(group_name, world_size)
+    if world == 1:
+        return [g.clone(memory_format=torch.contiguous_format) for g in grads]
+    out: list[torch.Tensor] = [torch.Tensor()] * len(grads)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = torch.cat([grads[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=group)
+        for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+            out[i] = part.view(grads[i].shape).clone(memory_format=torch.contiguous_format)
+    return out
+
+
+@all_reduce_bucket.register_fake
+def _(grads, group_name, world_size):
+    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
+
+
+def _sync_setup(ctx, inputs, output):
+    xs, group_name, world_size = inputs
+    ctx.args = (group_name, world_size)
+    ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+
+
+def _sync_backward(ctx, grads):
+    # Unused outputs arrive as None; every rank has the same graph, so the same ones are None
+    # everywhere and zeros keep the collective's layout identical on all ranks.
+    full = [g if g is not None else torch.zeros(s, dtype=dt, device=dev)
+            for g, (s, dt, dev) in zip(grads, ctx.shapes)]
+    return all_reduce_bucket([g.contiguous() for g in full], *ctx.args), None, None
+
+
+sync_grads.register_autograd(_sync_backward, setup_context=_sync_setup)
