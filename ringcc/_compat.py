@@ -68,3 +68,11 @@ def raise_recompile_limit(limit: int) -> None:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+
+
+def sym_expr(sym):
+    """The sympy expression of a SymInt with the shape environment's known equalities
+    applied (s1 -> s0 after a guard s1 == s0), without installing a guard."""
+    node = sym.node
+    env = getattr(node, "shape_env", None)
+    return env.replace(node.expr) if env is not None and hasattr(env, "replace") else node.expr

@@ -52,6 +52,7 @@ import sympy
 import torch
 import torch.fx
 
+from ringcc import _compat
 from ringcc.passes.base import location
 from ringcc.runtime.workspace import FORMULAS, TensorSize, Workspace
 
@@ -372,7 +373,7 @@ class _SizeMapper:
                 if sharding is not Sharding.SHARDED and d == self.seq_len:
                     return n
             return sympy.Integer(d)
-        e = sympy.sympify(d.node.expr).xreplace(self.symbols)
+        e = sympy.sympify(_compat.sym_expr(d)).xreplace(self.symbols)
         if self.world > 1:
             P = sympy.Integer(self.world)
             e = e.replace(lambda x: isinstance(x, (FloorDiv, CeilDiv)) and x.args[1] == P, lambda x: x.args[0] / p)
@@ -398,7 +399,7 @@ def _graph_symbols(gm: torch.fx.GraphModule) -> dict:
         dims = list(val.shape) if isinstance(val, torch.Tensor) else ([val] if isinstance(val, torch.SymInt) else [])
         for d in dims:
             if isinstance(d, torch.SymInt):
-                for s in d.node.expr.free_symbols:
+                for s in _compat.sym_expr(d).free_symbols:
                     if s not in found:
                         found[s] = _hint(d.node, s)
     return found
@@ -416,19 +417,17 @@ def _default_symbols(gm, seq_len: int | None, world_size: int) -> dict:
     found = _graph_symbols(gm)
     if not found:
         return {}
-    seq = None
-    if seq_len is not None:
-        for s, h in found.items():
-            if h == seq_len:
-                seq = s
-    if seq is None and len(found) == 1:
-        seq = next(iter(found))
-    if seq is None:
+    # Every symbol traced at the sequence length is the sequence (SDPA leaves q's and k's
+    # lengths as separate symbols when nothing equates them).
+    length = seq_len if seq_len is not None else (next(iter(found.values())) if len(set(found.values())) == 1 else None)
+    seqs = [s for s, h in found.items() if length is not None and h == length]
+    if not seqs:
         raise ValueError(
-            f"cannot tell which of the graph symbols {sorted(map(str, found))} is the sequence length; "
-            f"pass symbols={{<symbol>: ringcc.planner.n}} or seq_len=<its traced value>"
+            f"cannot tell which of the graph symbols {sorted(map(str, found))} (traced at "
+            f"{sorted(set(map(str, found.values())))}) is the sequence length; pass "
+            f"symbols={{<symbol>: ringcc.planner.n}} or seq_len=<its traced value>"
         )
-    return {seq: n}
+    return {s: n for s in seqs}
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,8 +472,10 @@ def plan_graph(
             hints[s] = h
     if seq_len is not None:
         hints[n] = seq_len
-    seq_hint = hints.get(n, seq_len)
-    mapper = _SizeMapper(symbols, world_size, seq_hint)
+    # Static shapes only: map ints equal to N (N/P) to n (n/p). With a symbolic sequence an
+    # int equal to N/P is something else (a head dim), never the sequence.
+    static_seq = None if any(v.has(n) for v in symbols.values()) else seq_len
+    mapper = _SizeMapper(symbols, world_size, static_seq)
     builder = _Builder(gm, mapper, world_size)
     return builder.build(graph_name, symbols, hints, training)
 
@@ -797,3 +798,36 @@ def _verdict(candidates, plans: Iterable[NodePlan]):
     if not ok and not any(pl.op == "ringcc::shard" for pl in plans) and not any(pl.sharding is Sharding.SHARDED for pl in plans):
         reasons.append("nothing in the graph is sequence-sharded (no ringcc::shard): every rank holds all n tokens")
     return ok, reasons, culprits
+
+
+# ---------------------------------------------------------------------------------------
+# the backend's entry
+
+
+def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
+    """Plan a graph the pipeline rewrote (the backend calls this after the passes): the
+    sequence length comes from discover_sequence (ctx.scratch["seq"]), the plan goes to
+    ctx.report.plan, and Config(require_linear_memory=True) turns a failed verdict into an
+    error naming the culprits."""
+    seq = ctx.scratch.get("seq")
+    symbols, seq_len = None, None
+    if seq is not None:
+        length = sympy.sympify(seq.n)
+        if length.is_Integer:
+            seq_len = int(length)
+        elif length.is_Symbol:
+            symbols = {length: n}
+    try:
+        plan = plan_graph(gm, world_size=ctx.world_size, symbols=symbols, seq_len=seq_len,
+                          graph_name=ctx.report.graph)
+    except ValueError as e:  # no sequence found: sizes stay constants, say so
+        plan = plan_graph(gm, world_size=ctx.world_size, symbols={}, graph_name=ctx.report.graph)
+        plan.reasons.append(f"no sequence length identified ({e})")
+    ctx.report.plan = plan
+    if ctx.config.require_linear_memory and not plan.verdict:
+        names = "; ".join(str(c) for c in plan.culprits[:MAX_LISTED]) or "; ".join(plan.reasons)
+        raise ValueError(
+            f"Config(require_linear_memory=True): the memory per rank of {ctx.report.graph} is not O(n/p): "
+            f"peak = {plan.peak}; {names}. Remove what grows faster (or set require_linear_memory=False)"
+        )
+    return plan

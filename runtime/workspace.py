@@ -103,31 +103,41 @@ def ring_attention(a: dict, p) -> Workspace:
     return Workspace(forward, backward)
 
 
-def dilated_attention(a: dict, p) -> Workspace:
+def _dilated_branches(a: dict, p):
     from .dilated import DilatedSpec, branch_heads, dilated_comm_rows, dilated_kv_slots
 
     q, k = a["q"], a["k"]
-    b, h, s, d = q.shape
+    h = q.shape[1]
     spec = DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
-    n = s * p
-    comm_rows = dilated_comm_rows(spec, n, p, a.get("layout", "contiguous"))
+    comm_rows = dilated_comm_rows(spec, q.shape[2] * p, p, a.get("layout", "contiguous"))
     slots = dilated_kv_slots(spec, int(h), int(k.shape[1]))
     heads = [len(pairs) for pairs in branch_heads(spec, int(h))]
+    return [(w, r, rows, ns, hq) for (w, r), rows, ns, hq in zip(spec.branches, comm_rows, slots, heads) if hq]
+
+
+def dilated_receive_bytes(a: dict, p) -> tuple:
+    """Per branch: K/V bytes received at once by a rank, at most two compressed blocks of
+    n/p / r rows and never more than the rows the branch sends (`dilated_comm_rows`, O(w/r)):
+    zero when the segment fits the shard."""
+    q, k = a["q"], a["k"]
+    b, s, d = q.shape[0], q.shape[2], q.shape[3]
+    return tuple(sympy.Min(2 * s / r, rows) * 2 * b * ns * d * k.itemsize
+                 for w, r, rows, ns, hq in _dilated_branches(a, p))
+
+
+def dilated_attention(a: dict, p) -> Workspace:
+    q, k = a["q"], a["k"]
+    b, h, s, d = q.shape
     fwd_branches, bwd_branches = [], []
-    for (w, r), rows, ns, hq in zip(spec.branches, comm_rows, slots, heads):
-        if hq == 0:
-            continue
-        per_row_q = b * hq * d
-        per_row_kv = b * ns * d
-        q_c = per_row_q * (s / r) * q.itemsize
-        kv_c = 2 * per_row_kv * (s / r) * k.itemsize
-        # At most two compressed blocks in flight, never more than the branch sends: O(w/r).
-        recv = sympy.Min(2 * s / r, rows) * 2 * per_row_kv * k.itemsize
-        acc = per_row_q * (s / r) * FP32 + b * hq * (s / r) * FP32
-        fwd_branches.append(q_c + kv_c + q_c + 2 * acc + recv)
-        # Backward: compressed dout/out/lse too, block grads, and fp32 dK/dV hops in flight.
-        dkv_hops = sympy.Min(2 * s / r, rows) * 2 * per_row_kv * FP32
-        bwd_branches.append(3 * q_c + kv_c + q_c + kv_c + recv + dkv_hops + acc)
+    for (w, r, rows, ns, hq), recv in zip(_dilated_branches(a, p), dilated_receive_bytes(a, p)):
+        q_c = b * hq * d * (s / r) * q.itemsize  # compressed q (and out, dout) rows
+        kv_c = 2 * b * ns * d * (s / r) * k.itemsize  # compressed K and V
+        acc = b * hq * (s / r) * (d + 1) * FP32  # the branch's fp32 out/lse rows being merged
+        fwd_branches.append(2 * q_c + kv_c + 2 * acc + recv)
+        # Backward: compressed dout/out/lse and q, block grads, fp32 dK/dV hops in flight.
+        dkv_hops = recv * FP32 / k.itemsize
+        bwd_branches.append(4 * q_c + 2 * kv_c + recv + dkv_hops + acc)
+    # Branches run one after another: the largest counts.
     fwd = sympy.Max(*fwd_branches) if fwd_branches else sympy.Integer(0)
     bwd = sympy.Max(*bwd_branches) if bwd_branches else sympy.Integer(0)
     acc_q, acc_k = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
