@@ -1,37 +1,75 @@
-"""Canonicalise every attention form into one SDPA call (see attention_form.py).
+"""Canonicalise every attention form into one SDPA call (the form in attention_form.py).
 
-Forms: F.scaled_dot_product_attention (dynamo's torch-level call or the aten op), and
-more below. Every candidate site gets a report.Site, stored in the canonical node's meta;
-sites that cannot be canonicalised are recorded as skipped here, with their reason.
+Forms, each recorded as a report.Site (its `form`) on the canonical node:
+- "sdpa": F.scaled_dot_product_attention (dynamo's torch-level call) or the aten op
+  (export graphs); its arguments are spelled out.
+- "manual": softmax(scale * q @ k^T [+ mask]) [dropout] @ v, anchored at the softmax (see
+  Note [Manual attention match]).
+- "mha": F.multi_head_attention_forward (nn.MultiheadAttention), decomposed into the
+  in-projection, head split, SDPA and out-projection when its weights output is unused.
+- "encoder": torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fused
+  inference path), decomposed into the layer's math around an SDPA.
+A candidate that cannot be canonicalised is recorded here as skipped, with its reason.
+
+Note [Manual attention match]
+Start at a softmax over the last dim. Forward, its result (through casts and an eval /
+p = 0 dropout) must feed exactly one matmul as the left operand: P @ v. Backward from the
+softmax input, through casts, positive constant scales and at most one mask (add of a float
+mask, masked_fill / where with -inf or a very negative value), we must reach a matmul
+A @ B with A = q (optionally scaled) and B = k^T (optionally scaled). k is B's transpose
+source when B transposes the last two dims, else a new transpose of B. Every intermediate
+must have no other user: a probability or score tensor used elsewhere is not replaced
+(WEIGHTS_USED). Training dropout is left as the user wrote it (reason DROPOUT) so that the
+random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
 import torch.fx
+import torch.nn.functional as F
 
-from ringcc.report import Site
+from ringcc.report import Decision, Site, SkipReason
 
-from .attention_form import FORM_META, SITE_META, SdpaCall, is_aten_graph, is_sdpa
+from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
+                             is_sdpa, static_float)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
+aten = torch.ops.aten
+
+# A masked_fill / where value at or below this acts as -inf: exp(-1e4 + max score) is 0 in
+# every float dtype, so the softmax is the same (rows with no visible key aside).
+VERY_NEGATIVE = -1e4
 
 
 def canonicalize_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
-    aten = is_aten_graph(gm)
+    aten_graph = is_aten_graph(gm)
     for node in list(gm.graph.nodes):
+        if node.graph is not gm.graph or node.op not in ("call_function", "call_method"):
+            continue
         if is_sdpa(node):
-            modified |= _normalise_sdpa(node, aten)
+            modified |= _normalise_sdpa(node, aten_graph)
+        elif _is_softmax(node):
+            modified |= _canonicalise_manual(gm, node, ctx)
+        elif node.op == "call_function" and node.target is F.multi_head_attention_forward:
+            modified |= _canonicalise_mha(gm, node, ctx)
+        elif node.op == "call_function" and node.target in ENCODER_TARGETS:
+            modified |= _canonicalise_encoder(gm, node, ctx)
     for node in gm.graph.nodes:
         if is_sdpa(node):
             _record_site(ctx, node, node.meta.setdefault(FORM_META, "sdpa"))
     return PassResult(modified)
 
 
-def _normalise_sdpa(node: torch.fx.Node, aten: bool) -> bool:
+def _normalise_sdpa(node: torch.fx.Node, aten_graph: bool) -> bool:
     """Spell out every argument so that later passes read one shape of call."""
-    args, kwargs = SdpaCall.of(node).args_kwargs(aten)
+    args, kwargs = SdpaCall.of(node).args_kwargs(aten_graph)
     if node.args == args and dict(node.kwargs) == kwargs:
         return False
     node.args, node.kwargs = args, kwargs
@@ -43,3 +81,474 @@ def _record_site(ctx: PassContext, node: torch.fx.Node, form: str) -> Site:
     ctx.report.sites.append(site)
     node.meta[SITE_META] = site
     return site
+
+
+def _skip_site(ctx: PassContext, node: torch.fx.Node, form: str, reason: SkipReason, detail: str) -> None:
+    ctx.report.sites.append(Site(node=node.name, location=location(node), form=form,
+                                 decision=Decision.SKIPPED, reason=reason, detail=detail))
+
+
+# ---------------------------------------------------------------------------------------
+# op vocabulary (torch-level calls and methods of dynamo graphs, aten ops of export graphs)
+
+SOFTMAX_FUNCS = (F.softmax, torch.softmax, torch.Tensor.softmax, aten.softmax.int, aten._softmax.default)
+MATMUL_FUNCS = (operator.matmul, torch.matmul, torch.bmm, aten.matmul.default, aten.bmm.default)
+MATMUL_METHODS = ("matmul", "bmm", "__matmul__")
+MUL_FUNCS = (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar)
+DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, aten.div.Tensor, aten.div.Scalar)
+ADD_FUNCS = (operator.add, torch.add, aten.add.Tensor)
+MASKED_FILL_FUNCS = (torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
+DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
+CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
+CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
+TRANSPOSE_METHODS = ("transpose", "permute", "mT")
+ENCODER_TARGETS = tuple(t for t in (getattr(torch, "_transformer_encoder_layer_fwd", None),
+                                    aten._transformer_encoder_layer_fwd.default) if t is not None)
+
+
+def _is(node: Any, funcs=(), methods=()) -> bool:
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.op == "call_function":
+        return node.target in funcs
+    return node.op == "call_method" and node.target in methods
+
+
+def _is_softmax(node: torch.fx.Node) -> bool:
+    return _is(node, SOFTMAX_FUNCS, ("softmax",))
+
+
+def _softmax_parts(node: torch.fx.Node) -> tuple[torch.fx.Node, Any, Any]:
+    """(input, dim, dtype) of a softmax node."""
+    args = list(node.args)
+    if node.target is aten._softmax.default:
+        return args[0], args[1], None
+    x = args[0]
+    dim = node.kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dtype = node.kwargs.get("dtype", args[2] if len(args) > 2 and not isinstance(args[2], int) else None)
+    return x, dim, dtype
+
+
+def _is_cast(node: Any) -> bool:
+    """A dtype / layout change that keeps values (a no-op at the precision that matters)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.op == "call_method" and node.target in CAST_METHODS:
+        # .to(device) / .to(dtype) / .to(other): none of them changes shape or values
+        return True
+    return node.op == "call_function" and node.target in CAST_FUNCS
+
+
+def _const(x: Any) -> Optional[float]:
+    """A Python number, or the value of a 0-d tensor node built from a number."""
+    v = static_float(x)
+    if v is not None:
+        return v
+    if isinstance(x, torch.fx.Node) and x.op == "call_function":
+        if x.target in (torch.full, aten.full.default) and len(x.args) >= 2 and not fake(x).shape:
+            return static_float(x.args[1])
+        if x.target in (torch.tensor, torch.scalar_tensor, torch.as_tensor) and x.args:
+            return static_float(x.args[0])
+    return None
+
+
+def _single_user(node: torch.fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _transposed_last_two(node: Any) -> Optional[torch.fx.Node]:
+    """x when node is x with its last two dims swapped (transpose / permute / mT), else None."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
+    x = node.args[0] if node.args else None
+    val = fake(x)
+    if not isinstance(val, torch.Tensor):
+        return None
+    nd = val.dim()
+    if _is(node, (torch.transpose, aten.transpose.int), ("transpose",)) and len(node.args) == 3:
+        dims = sorted(d % nd for d in node.args[1:3])
+        return x if dims == [nd - 2, nd - 1] else None
+    if _is(node, (torch.permute, aten.permute.default), ("permute",)):
+        perm = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        want = list(range(nd - 2)) + [nd - 1, nd - 2]
+        return x if [p % nd for p in perm] == want else None
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
+        return x
+    return None
+
+
+def _scaled(node: Any) -> tuple[Any, float]:
+    """(x, c) when node = x * c or x / c with a positive constant c; else (node, 1.0)."""
+    if not isinstance(node, torch.fx.Node) or not _single_user(node):
+        return node, 1.0
+    if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
+        a, b = node.args
+        for x, c in ((a, b), (b, a)):
+            cv = static_float(c)
+            if cv is not None and cv > 0 and isinstance(x, torch.fx.Node):
+                return x, cv
+    if _is(node, DIV_FUNCS, ("div", "__truediv__")) and len(node.args) == 2 and not node.kwargs:
+        cv = static_float(node.args[1])
+        if cv is not None and cv > 0 and isinstance(node.args[0], torch.fx.Node):
+            return node.args[0], 1.0 / cv
+    return node, 1.0
+
+
+@dataclass
+class _Manual:
+    """A matched manual attention site."""
+
+    out: torch.fx.Node  # the P @ v matmul, replaced by the canonical call
+    q: torch.fx.Node
+    k: Optional[torch.fx.Node]  # None: make k = transpose(kt)
+    kt: torch.fx.Node
+    v: torch.fx.Node
+    scale: float
+    mask: Any = None  # node, or ("not", node) for masks that mark excluded positions
+    dropout: Optional[tuple[float, bool]] = None
+    reused: list[str] = field(default_factory=list)
+    dead: list[torch.fx.Node] = field(default_factory=list)
+
+
+def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: PassContext) -> bool:
+    m = _match_manual(softmax)
+    if m is None:
+        return False
+    if m.reused:
+        _skip_site(ctx, m.out, "manual", SkipReason.WEIGHTS_USED,
+                   "attention " + " and ".join(m.reused) + " used elsewhere; the site is kept")
+        return False
+    if m.dropout is not None and m.dropout[1] and m.dropout[0] > 0:
+        _skip_site(ctx, m.out, "manual", SkipReason.DROPOUT,
+                   f"attention dropout p={m.dropout[0]} in training; kept as written so the random stream is the user's")
+        return False
+    b = Builder(gm, m.out, PASS)
+    try:
+        q, k, v, mask = m.q, m.k, m.v, m.mask
+        if k is None:
+            k = b.call(torch.transpose, m.kt, -2, -1) if not is_aten_graph(gm) else b.call(aten.transpose.int, m.kt, -2, -1)
+        if isinstance(mask, tuple):
+            mask = b.call(torch.logical_not if not is_aten_graph(gm) else aten.logical_not.default, mask[1])
+        three_d = fake(q).dim() == 3
+        if three_d:
+            unsq = (lambda x: b.call(torch.unsqueeze, x, 0)) if not is_aten_graph(gm) else (lambda x: b.call(aten.unsqueeze.default, x, 0))
+            q, k, v = unsq(q), unsq(k), unsq(v)
+            if mask is not None:
+                mask = unsq(mask)
+        call = SdpaCall(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=m.scale, enable_gqa=False)
+        out = b.sdpa(call, "manual")
+        if three_d:
+            out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
+        if fake(out).shape != fake(m.out).shape or fake(out).dtype != fake(m.out).dtype:
+            raise ValueError("canonical attention does not reproduce the site's output")
+    except Exception:  # noqa: BLE001 - shapes SDPA does not take: leave the site to the user's code
+        _erase_new(gm, PASS, m.out)
+        return False
+    m.out.replace_all_uses_with(out)
+    erase_dead(gm, [m.out])
+    return True
+
+
+def _erase_new(gm: torch.fx.GraphModule, pass_name: str, anchor: torch.fx.Node) -> None:
+    for node in reversed(list(gm.graph.nodes)):
+        if node.meta.get("ringcc_pass") == pass_name and node.meta.get("ringcc_from") == anchor.name and not node.users:
+            gm.graph.erase_node(node)
+
+
+def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
+    x, dim, _ = _softmax_parts(softmax)
+    xv = fake(x)
+    if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
+        return None
+    reused: list[str] = []
+    # forward: softmax -> casts / dropout -> P @ v
+    p, dropout = softmax, None
+    while True:
+        users = list(p.users)
+        nxt = [u for u in users if _is_cast(u) or _is(u, DROPOUT_FUNCS, ("dropout",))
+               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p)]
+        if len(nxt) != 1:
+            return None
+        if len(users) > 1:
+            reused.append("probabilities")
+        u = nxt[0]
+        if _is(u, DROPOUT_FUNCS, ("dropout",)):
+            prob, train = _dropout_args(u)
+            if prob is None:
+                return None
+            dropout = (prob, train)
+        elif _is(u, MATMUL_FUNCS, MATMUL_METHODS):
+            out, v = u, u.args[1]
+            break
+        p = u
+    # backward: scores -> casts / scales / one mask -> A @ B
+    s, scale, mask = x, 1.0, None
+    while True:
+        if not isinstance(s, torch.fx.Node):
+            return None
+        if s is not x and not _single_user(s):
+            reused.append("scores")
+        if _is_cast(s) and s.op == "call_method" and s.target in ("to", "float", "type_as", "type", "contiguous"):
+            s = s.args[0]
+            continue
+        inner, c = _scaled(s)
+        if inner is not s:
+            s, scale = inner, scale * c
+            continue
+        if mask is None:
+            found = _mask_of(s)
+            if found is not None:
+                s, mask = found
+                continue
+        if _is(s, MATMUL_FUNCS, MATMUL_METHODS) and len(s.args) == 2:
+            a, bt = s.args
+            break
+        return None
+    q, cq = _scaled(a)
+    kt, ck = _scaled(bt)
+    k = _transposed_last_two(kt)
+    if k is not None:
+        k_inner, ck2 = _scaled(k)
+        k, ck = k_inner, ck * ck2
+    qv, ktv, vv = fake(q), fake(kt), fake(v)
+    if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == xv.dim()):
+        return None
+    if qv.shape[-1] != ktv.shape[-2] or ktv.shape[-1] != vv.shape[-2]:
+        return None
+    return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, dropout=dropout, reused=reused)
+
+
+def _dropout_args(node: torch.fx.Node) -> tuple[Optional[float], bool]:
+    """(p, training) of a dropout call; a training flag that is not a constant counts as True."""
+    args = list(node.args) + [None] * 3
+    if node.target in (torch.dropout, aten.dropout.default):
+        prob, train = node.kwargs.get("p", args[1]), node.kwargs.get("train", args[2])
+    else:  # F.dropout(input, p=0.5, training=True, inplace=False) / Tensor.dropout
+        prob = node.kwargs.get("p", 0.5 if args[1] is None else args[1])
+        train = node.kwargs.get("training", True if args[2] is None else args[2])
+    return static_float(prob), train if isinstance(train, bool) else True
+
+
+def _mask_of(s: torch.fx.Node):
+    """(scores, mask) when s applies a mask to scores: s + m, masked_fill(scores, m, -inf),
+    where(m, scores, -inf). The mask is a node (bool: True = attend, or additive float) or
+    ("not", node) for a bool mask of excluded positions."""
+    sv = fake(s)
+    if _is(s, ADD_FUNCS, ("add", "__add__")) and len(s.args) == 2 and not s.kwargs:
+        a, b = s.args
+        for scores, m in ((a, b), (b, a)):
+            mv = fake(m)
+            if (isinstance(m, torch.fx.Node) and _reaches_matmul(scores) and isinstance(mv, torch.Tensor)
+                    and mv.dtype == sv.dtype):
+                return scores, m
+        return None
+    if _is(s, MASKED_FILL_FUNCS, ("masked_fill",)) and len(s.args) == 3:
+        scores, m, value = s.args
+        if _is_very_negative(value) and isinstance(m, torch.fx.Node):
+            return scores, ("not", m)
+        return None
+    if _is(s, WHERE_FUNCS, ()) and len(s.args) == 3:
+        m, a, b = s.args
+        if _is_very_negative(b) and isinstance(m, torch.fx.Node):
+            return a, m
+        if _is_very_negative(a) and isinstance(m, torch.fx.Node):
+            return b, ("not", m)
+    return None
+
+
+def _is_very_negative(value: Any) -> bool:
+    v = _const(value)
+    return v is not None and v <= VERY_NEGATIVE
+
+
+def _reaches_matmul(node: Any, depth: int = 6) -> bool:
+    """node is (a cast / scale of) a matmul: tells the scores apart from the mask in s + m."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node):
+            return False
+        if _is(node, MATMUL_FUNCS, MATMUL_METHODS):
+            return True
+        inner, c = _scaled(node)
+        if inner is not node:
+            node = inner
+        elif _is_cast(node):
+            node = node.args[0]
+        else:
+            return False
+    return False
+
+
+# ---------------------------------------------------------------------------------------
+# nn.MultiheadAttention: F.multi_head_attention_forward
+
+MHA_PARAMS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+              "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+              "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+              "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+MHA_DEFAULTS = {"training": True, "key_padding_mask": None, "need_weights": True, "attn_mask": None,
+                "use_separate_proj_weight": False, "q_proj_weight": None, "k_proj_weight": None,
+                "v_proj_weight": None, "static_k": None, "static_v": None, "average_attn_weights": True,
+                "is_causal": False}
+
+
+def _canonicalise_mha(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) -> bool:
+    a = dict(MHA_DEFAULTS)
+    a.update(zip(MHA_PARAMS, node.args))
+    a.update(node.kwargs)
+    out_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    weight_users = [u for u in node.users if u not in out_users]
+    if any(u.target is not operator.getitem or u.users for u in weight_users):
+        _skip_site(ctx, node, "mha", SkipReason.WEIGHTS_USED,
+                   f"nn.MultiheadAttention's attention weights are used (need_weights={a['need_weights']})")
+        return False
+    why = _mha_unsupported(a)
+    if why:
+        _skip_site(ctx, node, "mha", SkipReason.OTHER, why)
+        return False
+    dropout_p = static_float(a["dropout_p"]) or 0.0
+    if a["training"] and dropout_p > 0:
+        _skip_site(ctx, node, "mha", SkipReason.DROPOUT,
+                   f"nn.MultiheadAttention dropout={dropout_p} in training; per-block dropout is not in the runtime yet")
+        return False
+    b = Builder(gm, node, PASS)
+    query, key, value = a["query"], a["key"], a["value"]
+    L, N, E = fake(query).shape
+    S = fake(key).shape[0]
+    H = int(a["num_heads"])
+    D = E // H
+    if a["use_separate_proj_weight"]:
+        wq, wk, wv = a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]
+    else:
+        w = b.call(torch.chunk, a["in_proj_weight"], 3)
+        wq, wk, wv = (b.getitem(w, i) for i in range(3))
+    if a["in_proj_bias"] is not None:
+        bias = b.call(torch.chunk, a["in_proj_bias"], 3)
+        bq, bk, bv = (b.getitem(bias, i) for i in range(3))
+    else:
+        bq = bk = bv = None
+
+    def heads(x, wt, bs, length):  # [len, N, E] -> [N, H, len, D]
+        y = b.call(F.linear, x, wt, bs)
+        y = b.method("view", y, length, N, H, D)
+        return b.method("permute", y, 1, 2, 0, 3)
+
+    q, k, v = heads(query, wq, bq, L), heads(key, wk, bk, S), heads(value, wv, bv, S)
+    mask, is_causal = _mha_mask(b, a, N, L, S)
+    call = SdpaCall(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=None, enable_gqa=False)
+    y = b.sdpa(call, "mha")  # [N, H, L, D]
+    y = b.method("permute", y, 2, 0, 1, 3)
+    y = b.method("reshape", y, L, N, E)
+    y = b.call(F.linear, y, a["out_proj_weight"], a["out_proj_bias"])
+    for u in out_users:
+        u.replace_all_uses_with(y)
+        gm.graph.erase_node(u)
+    for u in weight_users:
+        gm.graph.erase_node(u)
+    erase_dead(gm, [node])
+    return True
+
+
+def _mha_unsupported(a: dict) -> str:
+    if any(a[n] is not None for n in ("bias_k", "bias_v", "static_k", "static_v")):
+        return "nn.MultiheadAttention with bias_k/bias_v or static_k/static_v is not canonicalised"
+    if a["add_zero_attn"]:
+        return "nn.MultiheadAttention with add_zero_attn is not canonicalised"
+    qv = fake(a["query"])
+    if not isinstance(qv, torch.Tensor) or qv.dim() != 3 or not isinstance(a["num_heads"], int):
+        return "unbatched nn.MultiheadAttention input"
+    E = qv.shape[-1]
+    if not isinstance(E, int) or E % a["num_heads"] or fake(a["key"]).shape[-1] != E or fake(a["value"]).shape[-1] != E:
+        return "nn.MultiheadAttention with kdim/vdim != embed_dim"
+    for m in (a["attn_mask"], a["key_padding_mask"]):
+        if m is not None and not isinstance(m, torch.fx.Node):
+            return "mask that is not a graph value"
+    am = fake(a["attn_mask"]) if a["attn_mask"] is not None else None
+    if am is not None and am.dim() != 2:
+        return "3-D per-head attn_mask of nn.MultiheadAttention"
+    if a["is_causal"] and a["attn_mask"] is None:
+        return "is_causal without attn_mask"
+    return ""
+
+
+def _mha_mask(b: Builder, a: dict, N, L, S):
+    """The SDPA mask of F.multi_head_attention_forward (same merge: additive float masks;
+    a bool mask marks excluded positions, as in nn.MultiheadAttention)."""
+    attn_mask, kpm = a["attn_mask"], a["key_padding_mask"]
+    if a["is_causal"] and kpm is None:
+        # what F.multi_head_attention_forward does: the mask is the causal hint's own
+        return None, True
+    parts = []
+    if attn_mask is not None:
+        parts.append(b.method("view", _additive(b, attn_mask), 1, 1, L, S))
+    if kpm is not None:
+        parts.append(b.method("view", _additive(b, kpm), N, 1, 1, S))
+    if not parts:
+        return None, False
+    mask = parts[0]
+    for p in parts[1:]:
+        mask = b.call(operator.add, mask, p)
+    return mask, False
+
+
+def _additive(b: Builder, m: torch.fx.Node) -> torch.fx.Node:
+    if fake(m).dtype != torch.bool:
+        return m
+    zeros = b.call(torch.zeros_like, m, dtype=fake(b.anchor.args[0]).dtype)
+    return b.method("masked_fill", zeros, m, float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------
+# nn.TransformerEncoderLayer fast path: torch._transformer_encoder_layer_fwd
+
+ENCODER_PARAMS = ("src", "embed_dim", "num_heads", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "use_gelu",
+                  "norm_first", "eps", "norm_weight_1", "norm_bias_1", "norm_weight_2", "norm_bias_2",
+                  "ffn_weight_1", "ffn_bias_1", "ffn_weight_2", "ffn_bias_2", "mask", "mask_type")
+
+
+def _canonicalise_encoder(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) -> bool:
+    """Decompose the fused layer (batch-first src [N, L, E]; the fast path runs in inference
+    only, so there is no dropout) into its math with the attention as SDPA."""
+    a = dict(zip(ENCODER_PARAMS, node.args))
+    a.update(node.kwargs)
+    src = fake(a["src"])
+    if not isinstance(src, torch.Tensor) or src.dim() != 3 or getattr(src, "is_nested", False):
+        _skip_site(ctx, node, "encoder", SkipReason.ENCODER_FASTPATH, "fused encoder layer on a non-3-D / nested input")
+        return False
+    if a.get("mask") is not None:
+        _skip_site(ctx, node, "encoder", SkipReason.ENCODER_FASTPATH,
+                   "fused encoder layer with a merged mask (use torch.backends.mha.set_fastpath_enabled(False))")
+        return False
+    b = Builder(gm, node, PASS)
+    N, L, E = src.shape
+    H = int(a["num_heads"])
+    D = E // H
+    x = a["src"]
+
+    def norm(y, w, bias):
+        return b.call(F.layer_norm, y, (E,), w, bias, a["eps"])
+
+    def attention(y):
+        qkv = b.call(F.linear, y, a["qkv_weight"], a["qkv_bias"])
+        qkv = b.method("view", qkv, N, L, 3, H, D)
+        qkv = b.method("permute", qkv, 2, 0, 3, 1, 4)
+        q, k, v = (b.getitem(qkv, i) for i in range(3))
+        o = b.sdpa(SdpaCall(q, k, v), "encoder")
+        o = b.method("reshape", b.method("transpose", o, 1, 2), N, L, E)
+        return b.call(F.linear, o, a["proj_weight"], a["proj_bias"])
+
+    def ffn(y):
+        h = b.call(F.linear, y, a["ffn_weight_1"], a["ffn_bias_1"])
+        h = b.call(F.gelu if a["use_gelu"] else F.relu, h)
+        return b.call(F.linear, h, a["ffn_weight_2"], a["ffn_bias_2"])
+
+    if a["norm_first"]:
+        x = b.call(operator.add, x, attention(norm(x, a["norm_weight_1"], a["norm_bias_1"])))
+        x = b.call(operator.add, x, ffn(norm(x, a["norm_weight_2"], a["norm_bias_2"])))
+    else:
+        x = norm(b.call(operator.add, x, attention(x)), a["norm_weight_1"], a["norm_bias_1"])
+        x = norm(b.call(operator.add, x, ffn(x)), a["norm_weight_2"], a["norm_bias_2"])
+    node.replace_all_uses_with(x)
+    erase_dead(gm, [node])
+    return True
+

@@ -22,6 +22,7 @@ import torch.fx
 
 from ringcc.report import Decision, SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
+from ringcc.runtime.dilated import DilatedSpec, dilated_plan
 
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, SdpaCall, erase_dead, fake,
                              is_sdpa, static_float, static_int)
@@ -29,6 +30,8 @@ from .base import PassContext, PassResult
 
 PASS = "rewrite_attention"
 RING_OP = torch.ops.ringcc.ring_attention.default
+DILATED_OP = torch.ops.ringcc.dilated_attention.default
+DILATION_META = "ringcc_dilation"
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -81,15 +84,37 @@ def _check(node: torch.fx.Node, ctx: PassContext):
         return SkipReason.SHAPE, "symbolic head dim with default scale"
     if call.scale is not None and static_float(call.scale) is None:
         return SkipReason.SHAPE, f"scale is not a constant ({call.scale!r})"
-    if ctx.config.dilation is not None:
-        return SkipReason.OTHER, "dilation requested but the dilated ring op (runtime/dilated.py) is not available yet"
+    return _choose_dilation(node, ctx, lifted, q, k)
+
+
+def _choose_dilation(node, ctx: PassContext, lifted, q, k):
+    """Store the site's DilatedSpec (if any) in meta; a spec the site cannot run is a skip."""
+    choice = ctx.config.dilation
+    spec = choice(node.meta[SITE_META]) if callable(choice) and not isinstance(choice, DilatedSpec) else choice
+    if spec is None:
+        return None
+    if not isinstance(spec, DilatedSpec):
+        raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
+    if lifted.key_valid is not None:
+        return SkipReason.UNSUPPORTED_MASK, "key padding with dilation: the dilated op takes no padding mask"
+    n, world = static_int(q.shape[2]), ctx.world_size
+    if n is None or n % world:
+        return SkipReason.SHAPE, f"dilation needs a static length divisible by p={world}; got {q.shape[2]}"
+    layout = ctx.config.layout if ctx.config.layout != "auto" else "contiguous"
+    try:
+        dilated_plan(spec, n // world, int(q.shape[1]), int(k.shape[1]), 0, world, layout)
+    except ValueError as e:
+        return SkipReason.SHAPE, f"{spec!r} does not fit this site: {e}"
+    node.meta[DILATION_META] = spec
+    node.meta[SITE_META].dilation = repr(spec)
     return None
 
 
 def _resolve_layout(ctx: PassContext, accepted: list[torch.fx.Node]) -> str:
     if ctx.config.layout != "auto":
         return ctx.config.layout
-    all_causal = bool(accepted) and all(n.meta[MASK_META].causal for n in accepted)
+    # Zigzag balances causal work of the dense ring; dilated segments are planned contiguous.
+    all_causal = bool(accepted) and all(n.meta[MASK_META].causal and DILATION_META not in n.meta for n in accepted)
     return "zigzag" if ctx.world_size > 1 and all_causal else "contiguous"
 
 
@@ -97,8 +122,13 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     call, lifted = SdpaCall.of(node), node.meta[MASK_META]
     scale = (1.0 / math.sqrt(fake(call.q).shape[-1])) if call.scale is None else float(call.scale)
     b = Builder(gm, node, PASS)
-    op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
-                ctx.group_name, ctx.world_size, layout)
+    spec = node.meta.get(DILATION_META)
+    if spec is None:
+        op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
+                    ctx.group_name, ctx.world_size, layout)
+    else:
+        op = b.call(DILATED_OP, call.q, call.k, call.v, list(spec.segment_lengths), list(spec.dilation_rates),
+                    spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
     out = b.call(operator.getitem, op, 0)
     node.replace_all_uses_with(out)
     site = node.meta[SITE_META]

@@ -3,13 +3,15 @@ gradients within 1e-5, with the report showing which sites were rewritten."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import ringcc
-from ringcc.report import Decision
+from ringcc.report import Decision, SkipReason
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -84,3 +86,140 @@ def test_sdpa_parity_inductor():
     model = SdpaBlock(causal=True, kv_heads=2)
     report = assert_parity(model, [torch.randn(2, 16, 32)], inner="inductor")
     assert decisions(report) == [("sdpa", Decision.REWRITTEN, None)]
+
+
+# ---------------------------------------------------------------------------------------
+# hand-written attention
+
+
+class ManualGPT(nn.Module):
+    """A tiny GPT whose attention is written out: q @ k^T, scale, causal mask, softmax, @ v."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, mask_style="masked_fill", dropout=0.0):
+        super().__init__()
+        self.heads, self.mask_style = heads, mask_style
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(ln=nn.LayerNorm(dim), qkv=nn.Linear(dim, 3 * dim), proj=nn.Linear(dim, dim),
+                               ln2=nn.LayerNorm(dim), mlp=nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))))
+            for _ in range(layers))
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(dim, vocab)
+
+    def attend(self, x, blk):
+        b, n, c = x.shape
+        q, k, v = blk["qkv"](x).split(c, dim=2)
+        q, k, v = (t.view(b, n, self.heads, c // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        i = torch.arange(n, device=x.device)
+        if self.mask_style == "masked_fill":
+            att = att.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        elif self.mask_style == "additive":
+            att = att + torch.full((n, n), float("-inf"), device=x.device).triu(1)
+        elif self.mask_style == "where":
+            att = torch.where(torch.ones(n, n, dtype=torch.bool).tril(), att, torch.finfo(att.dtype).min)
+        att = self.drop(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, n, c)
+        return blk["proj"](y)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = x + self.attend(blk["ln"](x), blk)
+            x = x + blk["mlp"](blk["ln2"](x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mask_style", ["masked_fill", "additive", "where"])
+def test_manual_gpt_parity(mask_style):
+    torch.manual_seed(0)
+    model = ManualGPT(mask_style=mask_style)
+    report = assert_parity(model, [torch.randint(0, 64, (2, 16))])
+    assert decisions(report) == [("manual", Decision.REWRITTEN, None)] * 2
+    assert all(s.mask["causal"] for s in report.sites)
+
+
+def test_manual_attention_dropout_in_training_is_skipped_with_reason():
+    torch.manual_seed(0)
+    model = ManualGPT(dropout=0.1).train()
+    compile_ringcc(model)(torch.randint(0, 64, (2, 16)))
+    assert decisions(ringcc.last_report()) == [("manual", Decision.SKIPPED, SkipReason.DROPOUT)] * 2
+    model.eval()  # eval: dropout is the identity and the sites are rewritten
+    report = assert_parity(model, [torch.randint(0, 64, (2, 16))])
+    assert decisions(report) == [("manual", Decision.REWRITTEN, None)] * 2
+
+
+# ---------------------------------------------------------------------------------------
+# nn.MultiheadAttention and nn.TransformerEncoder
+
+
+class MHAModel(nn.Module):
+    def __init__(self, dim=32, heads=4, causal=False, batch_first=True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=batch_first)
+        self.causal, self.batch_first = causal, batch_first
+
+    def forward(self, x, key_padding_mask=None):
+        n = x.shape[1] if self.batch_first else x.shape[0]
+        # bool like the padding mask: mixed mask types make MHA warn, a graph break
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1) if self.causal else None
+        y, _ = self.attn(x, x, x, key_padding_mask=key_padding_mask, attn_mask=mask, need_weights=False,
+                         is_causal=self.causal)
+        return y
+
+
+@pytest.mark.parametrize("causal,batch_first,padded", [(False, True, False), (True, True, False),
+                                                       (False, False, True), (True, True, True)])
+def test_multihead_attention_parity(causal, batch_first, padded):
+    torch.manual_seed(0)
+    model = MHAModel(causal=causal, batch_first=batch_first)
+    x = torch.randn(2, 8, 32) if batch_first else torch.randn(8, 2, 32)
+    inputs = [x]
+    if padded:
+        pad = torch.zeros(2, 8, dtype=torch.bool)
+        pad[1, 5:] = True
+        inputs.append(pad)
+    report = assert_parity(model, inputs)
+    assert decisions(report) == [("mha", Decision.REWRITTEN, None)]
+    assert report.sites[0].mask["causal"] is causal
+    assert (report.sites[0].mask["key_padding"] is not None) is padded
+
+
+def test_multihead_attention_weights_used_is_skipped():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+        def forward(self, x):
+            y, w = self.attn(x, x, x)
+            return y + w.sum()
+
+    model = M()
+    report = assert_parity(model, [torch.randn(2, 8, 32)])
+    assert decisions(report) == [("mha", Decision.SKIPPED, SkipReason.WEIGHTS_USED)]
+
+
+def _encoder(norm_first=False, activation="relu"):
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                       norm_first=norm_first, activation=activation)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_transformer_encoder_parity(train):
+    torch.manual_seed(0)
+    model = _encoder().train(train)
+    report = assert_parity(model, [torch.randn(2, 8, 32)])
+    assert decisions(report) == [("mha", Decision.REWRITTEN, None)] * 2
+
+
+def test_transformer_encoder_fast_path_is_decomposed():
+    torch.manual_seed(0)
+    model = _encoder(activation="gelu").eval()
+    x = torch.randn(2, 8, 32)
+    compiled = compile_ringcc(model)
+    with torch.no_grad():
+        out_c, out_e = compiled(x), model(x)
+    torch.testing.assert_close(out_c, out_e, **TOL)
+    assert decisions(ringcc.last_report()) == [("encoder", Decision.REWRITTEN, None)] * 2

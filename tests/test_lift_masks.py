@@ -1,0 +1,156 @@
+"""Structural tests of mask lifting: in-graph masks -> LiftedMask spec (or a recorded reason),
+and GQA repeats undone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from graphs import dynamo_graph, run, targets
+
+from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
+from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.report import SkipReason
+
+PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks)]
+N = 8
+
+
+def qkv(b=2, h=4, g=4, n=N, d=16):
+    return torch.randn(b, h, n, d), torch.randn(b, g, n, d), torch.randn(b, g, n, d)
+
+
+def lifted(fn, *extra, q=None):
+    q, k, v = q or qkv()
+    gm = dynamo_graph(fn, q, k, v, *extra)
+    run(gm, PASSES)
+    (node,) = [n for n in gm.graph.nodes if is_sdpa(n)]
+    return gm, node
+
+
+def spec(fn, *extra):
+    _, node = lifted(fn, *extra)
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    return node.meta[MASK_META]
+
+
+def skip(fn, *extra):
+    _, node = lifted(fn, *extra)
+    assert MASK_META not in node.meta
+    reason, detail = node.meta[SKIP_META]
+    assert reason == SkipReason.UNLIFTABLE_MASK
+    return detail
+
+
+def sdpa_mask(mask):
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask(q))
+
+
+def ar(q):
+    return torch.arange(q.shape[2])
+
+
+CAUSAL_BUILDERS = {
+    "arange_le": lambda q: ar(q)[None, :] <= ar(q)[:, None],
+    "arange_ge_swapped": lambda q: ar(q)[:, None] >= ar(q)[None, :],
+    "tril_ones": lambda q: torch.ones(N, N, dtype=torch.bool).tril(),
+    "not_triu": lambda q: ~torch.ones(N, N, dtype=torch.bool).triu(1),
+    "additive_triu": lambda q: torch.full((N, N), float("-inf")).triu(1),
+    "where_additive": lambda q: torch.where(ar(q)[None] <= ar(q)[:, None], 0.0, float("-inf")),
+    "masked_fill_additive": lambda q: torch.zeros(N, N).masked_fill(ar(q)[None] > ar(q)[:, None], float("-inf")),
+    "unsqueezed_4d": lambda q: (ar(q).unsqueeze(0) <= ar(q).unsqueeze(1)).view(1, 1, N, N),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_BUILDERS))
+def test_causal_masks_lift(name):
+    s = spec(sdpa_mask(CAUSAL_BUILDERS[name]))
+    assert (s.causal, s.window, s.key_valid) == (True, None, None)
+
+
+def test_no_mask_and_is_causal():
+    assert spec(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)).causal is True
+    assert spec(lambda q, k, v: F.scaled_dot_product_attention(q, k, v)).causal is False
+
+
+def test_sliding_windows_lift():
+    s = spec(sdpa_mask(lambda q: (ar(q)[:, None] - ar(q)[None, :]).abs() < 3))
+    assert (s.causal, s.window) == (False, 3)
+    i, j = lambda q: ar(q)[:, None], lambda q: ar(q)[None, :]
+    s = spec(sdpa_mask(lambda q: (j(q) <= i(q)) & (i(q) - j(q) < 4)))
+    assert (s.causal, s.window) == (True, 4)
+
+
+def test_key_padding_from_bn_tensor():
+    def f(q, k, v, pad):  # pad: bool [b, n], True = padding (nn.MultiheadAttention convention)
+        causal = torch.arange(N)[None, :] <= torch.arange(N)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~pad[:, None, None, :])
+
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    gm, node = lifted(f, pad)
+    s = node.meta[MASK_META]
+    assert s.causal is True and s.key_valid is not None
+    kv = s.key_valid
+    assert tuple(kv.meta["example_value"].shape) == (2, N) and kv.meta["example_value"].dtype == torch.bool
+    # key_valid = (pad == 0): True where attending
+    assert kv.args[0].op == "placeholder" and kv.meta["ringcc_pass"] == "lift_masks"
+
+
+def test_hf_style_int_mask_lookup():
+    def f(q, k, v, am):  # HF: 1 = keep, long [b, n]; mask[b_idx, kv_idx] lookup
+        m = am.to(dtype=torch.bool)
+        b_idx = torch.arange(2)[:, None, None, None]
+        q_idx = torch.arange(N)[None, None, :, None]
+        kv_idx = torch.arange(N)[None, None, None, :]
+        mask = q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx) & m[b_idx, kv_idx]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(2, -1, N, N))
+
+    s = spec(f, torch.ones(2, N, dtype=torch.long))
+    assert s.causal is True and s.key_valid is not None
+
+
+@pytest.mark.parametrize("name,mask", [
+    ("dense input", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+    ("upper triangle", sdpa_mask(lambda q: torch.ones(N, N, dtype=torch.bool).triu())),
+    ("diagonal", sdpa_mask(lambda q: ar(q)[None] == ar(q)[:, None])),
+    ("causal or window", sdpa_mask(lambda q: (ar(q)[None] <= ar(q)[:, None]) | ((ar(q)[None] - ar(q)[:, None]).abs() < 2))),
+    ("shifted causal", sdpa_mask(lambda q: ar(q)[None] <= ar(q)[:, None] + 1)),
+    ("mask times data", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(ar(q)[None] <= ar(q)[:, None]) & (m > 0))),
+])
+def test_unliftable_masks_record_why(name, mask):
+    fn = mask if mask.__code__.co_argcount == 4 else (lambda q, k, v, m: mask(q, k, v))
+    detail = skip(fn, torch.randn(N, N))
+    assert detail
+
+
+def test_gqa_repeat_interleave_is_undone():
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
+
+    gm, node = lifted(f, q=qkv(g=2))
+    call = SdpaCall.of(node)
+    assert call.k.op == "placeholder" and call.v.op == "placeholder" and call.enable_gqa is True
+    assert "repeat_interleave" not in targets(gm)
+
+
+def test_gqa_expand_reshape_is_undone():
+    def f(q, k, v):
+        b, g, n, d = k.shape
+        k2 = k[:, :, None, :, :].expand(b, g, 2, n, d).reshape(b, g * 2, n, d)
+        v2 = v[:, :, None, :, :].expand(b, g, 2, n, d).reshape(b, g * 2, n, d)
+        return F.scaled_dot_product_attention(q, k2, v2, is_causal=True)
+
+    gm, node = lifted(f, q=qkv(g=2))
+    call = SdpaCall.of(node)
+    assert call.k.op == "placeholder" and call.enable_gqa is True
+    assert "expand" not in targets(gm) and "reshape" not in targets(gm)
+
+
+def test_head_tiling_repeat_is_not_gqa():
+    # k.repeat(1, 2, 1, 1) puts head h on kv head h % g, not h // r: must stay as is
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
+
+    gm, node = lifted(f, q=qkv(g=2))
+    assert SdpaCall.of(node).enable_gqa is False and "repeat" in targets(gm)
