@@ -432,7 +432,9 @@ def dilated_attention(
     _check_inputs(q, k, v, None)
     lay = L.parse_layout(layout)
     name, world, rank = _group_args(group)
-    dilated_plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)  # validates early
+    # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).
+    plan = dilated_plan.__wrapped__ if torch.compiler.is_compiling() else dilated_plan
+    plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)
     _check_same_length(q.shape[2], resolve_world(group)[0], world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = dilated_attention_op(

@@ -7,6 +7,7 @@ import pytest
 import sympy
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import ringcc
 from ringcc import reference
@@ -96,6 +97,23 @@ def test_single_branch_full_segment_is_dense_attention():
         torch.testing.assert_close(lse, ref_lse, **TOL)
 
 
+def test_strided_inputs_scale_and_zigzag_at_p1():
+    # q/k/v as models make them ([b, n, h, d] transposed), a custom scale, and zigzag at p = 1
+    # (both chunks in natural order, so every spec is allowed).
+    spec = ringcc.DilatedSpec(*LONGNET[1], offsets="head_groups")
+    q, k, v, dout = _inputs(9, 2, 4, 2, 8, 4)
+    qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    out, lse = ringcc.dilated_attention(qs, ks, vs, spec, is_causal=True, scale=0.3, layout="zigzag", return_lse=True)
+    out.backward(dout)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=True, scale=0.3)
+    ref_out.backward(dout)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    for got, ref in ((qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_branches_mix_as_one_softmax_with_duplicates():
     # Branches (4, 1) and (8, 1): one softmax over the 8 keys plus, again, the 4 of the
     # query's own short segment, i.e. dense attention over [k, k] with that mask.
@@ -112,6 +130,39 @@ def _dup_mask(n):
     full = torch.ones(n, n, dtype=torch.bool)
     seg4 = (t // 4)[:, None] == (t // 4)[None, :]
     return torch.cat([seg4, full], 1)
+
+
+class _Recorder(TorchFunctionMode):
+    """Largest tensor any torch call returns, and the shapes the attention kernel sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel, self.kernel_calls = 0, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.kernel_calls.append((args[0].shape, args[1].shape))
+        return out
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_memory_linear_and_flops_sparse(is_causal):
+    b, h, n, d = 1, 2, 512, 4
+    spec = ringcc.DilatedSpec([16, 64, 512], [1, 4, 16])
+    q, k, v, dout = _inputs(8, b, h, h, n, d)
+    setup = D.DilatedSetup(None, 0, 1, D.dilated_plan(spec, n, h, h, 0, 1, "contiguous"), is_causal, 0.5)
+    with _Recorder() as rec:
+        out, lse = D.dilated_forward(q, k, v, setup)
+        D.dilated_backward(dout, q, k, v, out, lse, setup)
+    # Nothing bigger than one activation (an n x n score tensor would be 512 times larger).
+    assert rec.max_numel <= b * h * n * d
+    # Score entries computed: per branch, n / w segments of (w / r)^2 per head = n w / r^2.
+    scores = sum(qs[0] * qs[1] * qs[2] * ks[2] for qs, ks in rec.kernel_calls)
+    assert scores == sum(b * h * n * w // r**2 for w, r in spec.branches)
 
 
 # ---------------------------------------------------------------------------------------
