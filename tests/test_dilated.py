@@ -114,6 +114,30 @@ def test_strided_inputs_scale_and_zigzag_at_p1():
         torch.testing.assert_close(got, ref, **TOL)
 
 
+def test_gqa_slots_shared_and_uneven():
+    # h=8, h_kv=2, r=2: each kv head serves offsets {0, 1}, two query heads each: 4 slots.
+    (even,) = D.dilated_plan(ringcc.DilatedSpec([8], [2]), 8, 8, 2, 0, 1, "contiguous")
+    assert even.slot_kv == (0, 0, 1, 1) and even.slot_offsets == (0, 1, 0, 1)
+    assert even.q_heads == (0, 2, 1, 3, 4, 6, 5, 7)  # slot-major
+    # h=6, h_kv=2, r=2: kv head 0 serves offset 0 twice (heads 0, 2) but offset 1 once:
+    # unequal sharing, so every query head gets its own slot; the result stays exact.
+    spec = ringcc.DilatedSpec([4, 8], [1, 2])
+    plans = D.dilated_plan(spec, 8, 6, 2, 0, 1, "contiguous")
+    assert len(plans[1].slot_kv) == 6 and plans[1].slot_kv == (0, 0, 0, 1, 1, 1)
+    q, k, v, dout = _inputs(10, 2, 6, 2, 8, 4)
+    for is_causal in (False, True):
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
+        out.backward(dout)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
+        ref_out.backward(dout)
+        torch.testing.assert_close(out, ref_out, **TOL)
+        torch.testing.assert_close(lse, ref_lse, **TOL)
+        for got, ref in ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
+            torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_branches_mix_as_one_softmax_with_duplicates():
     # Branches (4, 1) and (8, 1): one softmax over the 8 keys plus, again, the 4 of the
     # query's own short segment, i.e. dense attention over [k, k] with that mask.
