@@ -334,6 +334,17 @@ def _schema_names(node: torch.fx.Node) -> list[str] | None:
 # symbolic sizes
 
 
+def _location(node: torch.fx.Node) -> str:
+    """The node's source line, or (for nodes a pass made without one) its input's."""
+    loc = location(node)
+    if not loc.startswith("<"):
+        return loc
+    for a in node.all_input_nodes:
+        if a.op != "placeholder" and not location(a).startswith("<"):
+            return f"{location(a)} (input {a.name})"
+    return loc
+
+
 def _meta(node: torch.fx.Node):
     val = node.meta.get("val")
     return node.meta.get("example_value") if val is None else val
@@ -575,7 +586,7 @@ class _Builder:
                                     src.itemsize)]
             self.sizes[node] = sizes
             requires_grad |= any(t.requires_grad for t in ts)
-            np_ = NodePlan(name=node.name, op=name, location=location(node),
+            np_ = NodePlan(name=node.name, op=name, location=_location(node),
                            shape=tuple(s.shape for s in sizes), nbytes=_ZERO, start=i, end=i, sharding=sh)
             plans[node] = np_
             if node in param_nodes:

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
     parser.add_argument("--inference", action="store_true", help="plan the forward only (no backward)")
+    parser.add_argument("--static", action="store_true",
+                        help="trace with constant shapes (sizes equal to N or N/P are taken as the sequence)")
 
 
 def load_factory(target: str):
@@ -76,7 +78,7 @@ def build(factory, seq_len: int):
 
 
 def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int = 1, options=None,
-                training: bool | None = None):
+                training: bool | None = None, dynamic: bool = True):
     """Trace `model(*inputs)` (sequence dim dynamic), rewrite it for `world_size` ranks and
     plan every graph dynamo produces. Returns (plans, reports)."""
     import torch
@@ -91,7 +93,8 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
     marked = 0
     for x in inputs:
         if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] == trace_len:
-            torch._dynamo.mark_dynamic(x, seq_dim)
+            if dynamic:
+                torch._dynamo.mark_dynamic(x, seq_dim)
             marked += 1
     if not marked:
         raise ValueError(f"no tensor input has length {trace_len} at dim {seq_dim}; pass --seq-dim or check the factory's seq_len")
@@ -206,11 +209,13 @@ def run(args) -> int:
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
-    trace_len = args.trace_len or default_trace_len(args.seq_len, args.world_size)
+    # Static shapes are read at the traced length: trace at N itself so that the concrete
+    # sizes are exact (a dim equal to N/P is taken as the sequence there).
+    trace_len = args.trace_len or (args.seq_len if args.static else default_trace_len(args.seq_len, args.world_size))
     model, inputs, options = build(load_factory(args.target), trace_len)
     plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
                                  seq_dim=args.seq_dim, options=options,
-                                 training=False if args.inference else None)
+                                 training=False if args.inference else None, dynamic=not args.static)
     if not plans:
         raise ValueError(f"{args.target}: dynamo produced no graph to plan")
     for report, plan in zip(reports, plans):
