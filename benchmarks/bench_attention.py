@@ -1,0 +1,1191 @@
+"""Attention benchmark: single-GPU kernels, PyTorch context parallel and ringcc, side by side.
+
+Everything (one launcher: one torchrun per world size, then the report; see README.md):
+    python benchmarks/bench_attention.py --worlds 1,4,2 --out OUT --max-minutes 11
+One world size (what the launcher runs; writes a part file):
+    torchrun --nproc-per-node 4 benchmarks/bench_attention.py phase --part part_p4.json
+Report (table, JSON, plots, RESULTS.md section) from saved results:
+    python benchmarks/bench_attention.py report OUT/results.json --out OUT --results-md benchmarks/RESULTS.md
+CPU smoke (gloo, fp32, tiny sizes; what CI runs):
+    python benchmarks/bench_attention.py --smoke --out OUT
+
+Legend: tensors are [b, heads, n_local, d]; n is the total (global) length, p the world size,
+n_local = n / p. "mha" is h = h_kv = 16; "gqa" is h = 32, h_kv = 8; d = 128, b = 1, bf16.
+
+Note [Benchmark metrics]
+- time: median over the timed iterations; each iteration starts after a barrier and is timed
+  with CUDA events (perf_counter on CPU); an iteration's time is the slowest rank's. Warm-up is
+  excluded: the memory run (below) is the first warm-up, cheap cells get one more.
+- FLOPs: 4*b*h*n^2*d per forward (h = query heads), halved when causal, x3.5 for forward +
+  backward. Dilated attention counts its own: sum_i 4*b*h*n*w_i*d / r_i^2 (halved when causal).
+  TFLOP/s per GPU = FLOPs / p / time.
+- efficiency: per-GPU TFLOP/s over single-GPU cuDNN SDPA's at the same total length, heads,
+  mask and mode (computed in the report, across the per-world runs of one launch).
+- peak memory per rank: max_memory_allocated during one iteration (after a reset) minus what
+  was allocated before it, plus this rank's input bytes (q, k, v, and dout for fwd+bwd; also
+  reported alone). Setup leftovers (context parallel keeps its sharded buffers' full-length
+  storage) are not counted, so every method is measured the same way. Largest over ranks.
+- bytes communicated per rank per iteration: ringcc measured (RingComm.bytes_sent during the
+  memory run); context parallel from its schedule (K/V all-gather or all-to-all ring, dK/dV in
+  fp32 around the ring in backward), marked "model".
+- largest length: doubling from the largest measured length, then bisection, for one method
+  per world size; each probe is one fwd+bwd. Probes cost O(n^2) time, so a probe whose estimated
+  time exceeds --probe-seconds is not run and the result is a lower bound ("time cap"). The
+  report adds a model estimate from the measured peaks (peak = a + b*n fitted per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+T0 = time.monotonic()
+HERE = Path(__file__).resolve().parent
+GiB, MiB = 2**30, 2**20
+B = 1
+BASELINE = "sdpa-cudnn"  # efficiency and ideal memory are relative to it (sdpa-math in smoke mode)
+RESULTS_BEGIN = "<!-- bench_attention:begin -->"
+RESULTS_END = "<!-- bench_attention:end -->"
+
+
+# ---------------------------------------------------------------------------------------
+# settings
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in str(text).split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", nargs="?", default="all", choices=["all", "phase", "report"],
+                    help="all: launch one torchrun per world size, then report (default); "
+                         "phase: run under torchrun for its world size; report: from saved JSON")
+    ap.add_argument("inputs", nargs="*", help="report: results.json or part files")
+    ap.add_argument("--smoke", action="store_true", help="CPU/gloo, fp32, tiny sizes (CI)")
+    ap.add_argument("--worlds", default=None, help="world sizes to launch, in order (default 1,4,2; smoke 1,2)")
+    ap.add_argument("--lengths", default=None, help="total lengths of the dense cells (default 65536,262144,1048576)")
+    ap.add_argument("--dilated-lengths", default=None, help="total lengths of the dilated cells (default 262144,1048576,4194304)")
+    ap.add_argument("--dilated-base", type=int, default=None, help="LongNet first segment (default 2048; smoke 32)")
+    ap.add_argument("--attn", default="mha,gqa", help="mha (h=16) and/or gqa (h=32, h_kv=8)")
+    ap.add_argument("--causal", default="both", choices=["both", "causal", "noncausal"])
+    ap.add_argument("--methods", default="all", help="comma list of method names (see --list)")
+    ap.add_argument("--modes", default="fwdbwd,fwd", help="fwdbwd and/or fwd")
+    ap.add_argument("--list", action="store_true", help="print the methods and exit")
+    ap.add_argument("--max-minutes", type=float, default=11.0, help="wall-clock budget (launcher: all phases)")
+    ap.add_argument("--reps", type=int, default=None, help="most timed iterations per cell and mode (default 5; smoke 2)")
+    ap.add_argument("--target-seconds", type=float, default=2.5, help="timed work per cell and mode")
+    ap.add_argument("--max-iter-seconds", type=float, default=8.0,
+                    help="a mode whose estimated iteration is longer is not run")
+    ap.add_argument("--maxlen-methods", default="sdpa-cudnn,ring-zigzag,cp-cudnn-alltoall",
+                    help="methods whose largest length is searched (MHA, causal, fwd+bwd); '' for none")
+    ap.add_argument("--probe-seconds", type=float, default=15.0, help="longest estimated single probe")
+    ap.add_argument("--out", default="bench_out", help="report folder (results.json, table.txt, PNGs, RESULTS.md)")
+    ap.add_argument("--work-dir", default=None, help="part files of the phases (default: a temp folder)")
+    ap.add_argument("--part", default=None, help="phase: where to write this world size's results")
+    ap.add_argument("--results-md", default=None, help="also update this RESULTS.md in place (its bench section)")
+    ap.add_argument("--nccl-timeout", type=int, default=300, help="seconds before a stuck collective fails")
+    return ap
+
+
+def finish_args(args) -> argparse.Namespace:
+    """Fill the defaults that depend on --smoke."""
+    smoke = args.smoke
+    args.worlds = _ints(args.worlds or ("1,2" if smoke else "1,4,2"))
+    args.lengths = _ints(args.lengths or ("256,512" if smoke else "65536,262144,1048576"))
+    args.dilated_lengths = _ints(args.dilated_lengths or ("256,512" if smoke else "262144,1048576,4194304"))
+    args.dilated_base = args.dilated_base or (32 if smoke else 2048)
+    args.reps = args.reps or (2 if smoke else 5)
+    args.attn = _names(args.attn)
+    args.causals = {"both": [True, False], "causal": [True], "noncausal": [False]}[args.causal]
+    args.modes = _names(args.modes)
+    args.maxlen_methods = _names(args.maxlen_methods)
+    bad = [m for m in args.modes if m not in ("fwdbwd", "fwd")] + [a for a in args.attn if a not in ("mha", "gqa")]
+    if bad:
+        raise SystemExit(f"unknown mode/attn {bad}; modes: fwdbwd, fwd; attn: mha, gqa")
+    names = list(METHODS) if args.methods == "all" else _names(args.methods)
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; available: {', '.join(METHODS)}")
+    args.method_names = names
+    return args
+
+
+# ---------------------------------------------------------------------------------------
+# the process group and device of one phase
+
+
+class Env:
+    def __init__(self, args):
+        self.args = args
+        self.smoke = args.smoke
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.smoke:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        else:
+            if not torch.cuda.is_available():
+                raise SystemExit("no CUDA device: run with --smoke on CPU")
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            backend = "nccl"
+        if "RANK" in os.environ and not dist.is_initialized():
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.nccl_timeout))
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.float32 if self.smoke else torch.bfloat16
+        self.d = 16 if self.smoke else 128
+        self.heads = {"mha": (2, 2), "gqa": (4, 2)} if self.smoke else {"mha": (16, 16), "gqa": (32, 8)}
+        self.baseline = "sdpa-math" if self.smoke else BASELINE
+        self.deadline = T0 + 60.0 * args.max_minutes
+        self.rates: dict[tuple[str, str], float] = {}  # (method, mode) -> measured FLOP/s per GPU
+        self._mesh = None
+
+    # Collectives on small tensors; every rank calls them in the same order.
+    def _reduce(self, values: list[float], op) -> list[float]:
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def all_max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def agree(self, flag: bool) -> bool:
+        """True only if every rank says True (so all ranks take the same branch)."""
+        return bool(self._reduce([1.0 if flag else 0.0], dist.ReduceOp.MIN)[0])
+
+    def barrier(self) -> None:
+        self._reduce([0.0], dist.ReduceOp.MAX)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def mesh(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return self._mesh
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[p={self.world} {time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+    def meta(self) -> dict:
+        m = {
+            "world": self.world, "torch": torch.__version__, "python": sys.version.split()[0],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "smoke": self.smoke, "dtype": str(self.dtype).replace("torch.", ""), "d": self.d, "b": B,
+            "heads": self.heads, "argv": sys.argv[1:],
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL")},
+        }
+        try:
+            import ringcc
+
+            m["ringcc"] = ringcc.__version__
+        except Exception as e:  # noqa: BLE001 - recorded, the phase still runs its other methods
+            m["ringcc"] = f"not importable: {e}"
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.device)
+            m.update(device=torch.cuda.get_device_name(self.device), device_total_memory=props.total_memory,
+                     gpus_visible=torch.cuda.device_count(), cuda=torch.version.cuda)
+            with contextlib.suppress(Exception):
+                m["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        else:
+            m.update(device="cpu", device_total_memory=None)
+        return m
+
+
+# ---------------------------------------------------------------------------------------
+# methods: each is a context manager (cell, env) -> Bench; the table METHODS names them
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    method: str
+    attn: str
+    causal: bool
+    n: int
+    p: int
+
+
+@dataclasses.dataclass
+class Bench:
+    """One method set up for one cell: `attn()` returns this rank's output."""
+
+    attn: Callable
+    q: object
+    k: object
+    v: object
+    dout: object
+    notes: dict
+    comm_model: Callable[[bool], int] | None = None  # bytes per rank per iteration, when not measured
+
+    def step(self, backward: bool) -> None:
+        if backward:
+            out = self.attn()
+            torch.autograd.grad(out, (self.q, self.k, self.v), self.dout)
+        else:
+            with torch.no_grad():
+                self.attn()
+
+    def input_bytes(self, backward: bool) -> int:
+        ts = (self.q, self.k, self.v) + ((self.dout,) if backward else ())
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def make_inputs(env: Env, cell: Cell, n_local: int):
+    h, h_kv = env.heads[cell.attn]
+    gen = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
+
+    def rand(heads, grad):
+        t = torch.randn(B, heads, n_local, env.d, device=env.device, dtype=env.dtype, generator=gen)
+        return t.requires_grad_(grad)
+
+    return rand(h, True), rand(h_kv, True), rand(h_kv, True), rand(h, False)
+
+
+@contextlib.contextmanager
+def _env_var(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _sdpa_backend(kernel: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[kernel]
+
+
+@functools.lru_cache(maxsize=None)
+def _native_gqa(kernel: str, device: str, dtype_name: str) -> bool:
+    """Whether SDPA with this backend takes K/V with fewer heads (enable_gqa) on this device."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    dtype = getattr(torch, dtype_name)
+    q = torch.randn(1, 4, 256, 64 if device == "cpu" else 128, device=device, dtype=dtype)
+    k = torch.randn(1, 2, 256, q.shape[-1], device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(_sdpa_backend(kernel)):
+            F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+GQA_EXPANDED = "K/V expanded to h heads (backend rejects enable_gqa)"
+
+
+def _sdpa_call(kernel: str, env: Env, h: int, h_kv: int):
+    """(fn(q, k, v, causal), note): SDPA with GQA native where the backend takes it, else K/V
+    expanded to h heads first (what a user of that backend has to do; it is timed)."""
+    import torch.nn.functional as F
+
+    if h == h_kv:
+        return (lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)), "mha"
+    if _native_gqa(kernel, env.device.type, str(env.dtype).replace("torch.", "")):
+        return (lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=True)), "native enable_gqa"
+    rep = h // h_kv
+    return (
+        lambda q, k, v, c: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=c)
+    ), GQA_EXPANDED
+
+
+def sdpa_method(kernel: str):
+    @contextlib.contextmanager
+    def make(cell: Cell, env: Env):
+        from torch.nn.attention import sdpa_kernel
+
+        q, k, v, dout = make_inputs(env, cell, cell.n)
+        call, gqa = _sdpa_call(kernel, env, q.shape[1], k.shape[1])
+        with sdpa_kernel(_sdpa_backend(kernel)):
+            yield Bench(lambda: call(q, k, v, cell.causal), q, k, v, dout, {"kernel": kernel, "gqa": gqa})
+
+    return make
+
+
+def _causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ringcc import _compat
+
+    _compat.raise_recompile_limit(64)  # one variant per shape and mask
+    # create_block_mask uncompiled materialises an n x n mask: compile it too.
+    return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask, dynamic=False)
+
+
+@contextlib.contextmanager
+def flex_method(cell: Cell, env: Env):
+    flex, block_mask_fn = _compiled_flex()
+    q, k, v, dout = make_inputs(env, cell, cell.n)
+    mask = block_mask_fn(_causal_mod, None, None, cell.n, cell.n, device=env.device) if cell.causal else None
+    gqa = q.shape[1] != k.shape[1]
+    yield Bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa), q, k, v, dout,
+                {"kernel": "flex_attention (torch.compile)", "gqa": "native enable_gqa" if gqa else "mha"})
+
+
+def cp_comm_bytes(cell: Cell, h_kv: int, d: int, elt: int, backward: bool) -> int:
+    """Bytes one rank sends per iteration in torch context parallel's schedule: K/V reach the
+    p - 1 other ranks (all-gather or all-to-all ring alike); backward sends K/V again and rotates
+    dK/dV in fp32 p times (convert_to_f32)."""
+    shard = B * h_kv * (cell.n // cell.p) * d
+    fwd = (cell.p - 1) * 2 * shard * elt
+    return fwd if not backward else 2 * fwd + cell.p * 2 * shard * 4
+
+
+def cp_method(kernel: str, rotate: str):
+    @contextlib.contextmanager
+    def make(cell: Cell, env: Env):
+        import torch
+        from torch.nn.attention import sdpa_kernel
+
+        from ringcc import _compat
+
+        context_parallel, set_rotate_method, cp_options = _compat.context_parallel_api()
+        h, h_kv = env.heads[cell.attn]
+        call, gqa = _sdpa_call(kernel, env, h, h_kv)  # probe outside the patched SDPA
+        old_rotate = getattr(cp_options, "rotate_method", None)
+        lb_field = "enable_load_balance" if hasattr(cp_options, "enable_load_balance") else None
+        old_lb = getattr(cp_options, lb_field) if lb_field else None
+        set_rotate_method(rotate)
+        if lb_field:
+            # Its head-tail balancer rejects non-causal attention: off there, on for causal.
+            setattr(cp_options, lb_field, cell.causal)
+        # context_parallel shards the buffers it is given and sizes its load balancer from the
+        # first one; a position buffer of length n does both without full-length q/k/v copies.
+        # Local q/k/v are then made at n/p directly (values do not matter for timing).
+        positions = torch.arange(cell.n, device=env.device)
+        try:
+            with context_parallel(env.mesh(), buffers=[positions], buffer_seq_dims=[0],
+                                  no_restore_buffers={positions}), sdpa_kernel(_sdpa_backend(kernel)):
+                notes = {"kernel": kernel, "rotate": rotate, "gqa": gqa,
+                         "load_balance": getattr(cp_options, lb_field) if lb_field else "no enable_load_balance option"}
+                q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
+                h_kv_sent = h if gqa == GQA_EXPANDED else h_kv
+                yield Bench(lambda: call(q, k, v, cell.causal), q, k, v, dout, notes,
+                            comm_model=lambda bwd: cp_comm_bytes(cell, h_kv_sent, env.d, q.element_size(), bwd))
+        finally:
+            if old_rotate is not None:
+                cp_options.rotate_method = old_rotate
+            if lb_field:
+                setattr(cp_options, lb_field, old_lb)
+
+    return make
+
+
+def ring_method(layout: str, skip_comm: bool):
+    @contextlib.contextmanager
+    def make(cell: Cell, env: Env):
+        import ringcc
+
+        # Read by ringcc.runtime.ring at each call: same schedule, transfers skipped.
+        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"):
+            q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
+            notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash"}
+            yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
+
+    return make
+
+
+def longnet_schedule(n: int, base: int) -> tuple[list[int], list[int]]:
+    """LongNet: w_i = base * 4^i, r_i = 2^i; the last segment is clipped to n (w = n covers the
+    whole sequence, sparsely)."""
+    ws, rs = [], []
+    w, r = base, 1
+    while True:
+        ws.append(min(w, n))
+        rs.append(r)
+        if w >= n:
+            return ws, rs
+        w, r = 4 * w, 2 * r
+
+
+def dilated_available() -> str | None:
+    """None when ringcc.dilated_attention is importable, else why not."""
+    try:
+        import ringcc
+
+        ringcc.DilatedSpec, ringcc.dilated_attention  # noqa: B018
+        return None
+    except (ImportError, AttributeError) as e:
+        return f"ringcc.dilated_attention not importable ({e})"
+
+
+@contextlib.contextmanager
+def dilated_method(cell: Cell, env: Env):
+    import ringcc
+
+    ws, rs = longnet_schedule(cell.n, env.args.dilated_base)
+    spec = ringcc.DilatedSpec(ws, rs)
+    q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
+    notes = {"layout": "contiguous", "segment_lengths": ws, "dilation_rates": rs}
+    yield Bench(lambda: ringcc.dilated_attention(q, k, v, spec, is_causal=cell.causal, layout="contiguous"),
+                q, k, v, dout, notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    make: Callable
+    family: str  # single | cp | ring | ring-nocomm | dilated
+    worlds: str  # "1": single device only; "multi": p >= 2; "any"
+    cpu: bool  # runs in the CPU smoke mode
+    gpu: bool = True
+
+
+METHODS: dict[str, Method] = {
+    "sdpa-cudnn": Method(sdpa_method("cudnn"), "single", "1", cpu=False),
+    "sdpa-flash": Method(sdpa_method("flash"), "single", "1", cpu=False),
+    "flex": Method(flex_method, "single", "1", cpu=False),
+    "sdpa-math": Method(sdpa_method("math"), "single", "1", cpu=True, gpu=False),
+    "cp-cudnn-allgather": Method(cp_method("cudnn", "allgather"), "cp", "multi", cpu=False),
+    "cp-cudnn-alltoall": Method(cp_method("cudnn", "alltoall"), "cp", "multi", cpu=False),
+    "cp-flash-allgather": Method(cp_method("flash", "allgather"), "cp", "multi", cpu=False),
+    "cp-flash-alltoall": Method(cp_method("flash", "alltoall"), "cp", "multi", cpu=False),
+    "ring-zigzag": Method(ring_method("zigzag", False), "ring", "any", cpu=True),
+    "ring-contiguous": Method(ring_method("contiguous", False), "ring", "any", cpu=True),
+    "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
+    "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
+    "dilated": Method(dilated_method, "dilated", "any", cpu=True),
+}
+FAMILY_ORDER = ["single", "cp", "ring", "ring-nocomm", "dilated"]
+
+
+def headline_ring(causal: bool) -> str:
+    """ringcc's method for the targets: zigzag balances causal work; contiguous otherwise."""
+    return "ring-zigzag" if causal else "ring-contiguous"
+
+
+def skip_reason(cell: Cell, env: Env) -> str | None:
+    m = METHODS[cell.method]
+    if m.worlds == "1" and cell.p != 1:
+        return "single-device method"
+    if m.worlds == "multi" and cell.p == 1:
+        return "needs p >= 2"
+    if env.smoke and not m.cpu:
+        return "CPU" if m.family == "cp" else "GPU only"
+    if not env.smoke and not m.gpu:
+        return "CPU smoke only"
+    if cell.n % (2 * cell.p):
+        return f"n={cell.n} not divisible by 2p={2 * cell.p}"
+    if m.family == "dilated":
+        return dilated_available()
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# FLOPs, bytes, timing, memory
+
+
+def cell_flops(cell: Cell, env: Env, backward: bool) -> float:
+    h = env.heads[cell.attn][0]
+    if METHODS[cell.method].family == "dilated":
+        ws, rs = longnet_schedule(cell.n, env.args.dilated_base)
+        f = sum(4.0 * B * h * cell.n * w * env.d / r**2 for w, r in zip(ws, rs))
+    else:
+        f = 4.0 * B * h * cell.n**2 * env.d
+    f *= 0.5 if cell.causal else 1.0
+    return f * (3.5 if backward else 1.0)
+
+
+@contextlib.contextmanager
+def count_ring_bytes():
+    """Bytes this rank queues through RingComm (its own bytes_sent counter) while inside."""
+    from ringcc.runtime.comm import RingComm
+
+    counter = {"bytes": 0}
+    original = RingComm.send_recv
+
+    def send_recv(self, tensors, recv_buffers=None):
+        before = self.bytes_sent
+        out = original(self, tensors, recv_buffers)
+        counter["bytes"] += self.bytes_sent - before
+        return out
+
+    RingComm.send_recv = send_recv
+    try:
+        yield counter
+    finally:
+        RingComm.send_recv = original
+
+
+def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env) -> list[float]:
+    """Per-iteration milliseconds (slowest rank), warm-up excluded."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        env.barrier()
+        if env.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t))
+    return env.all_max(times)
+
+
+def peak_memory(step: Callable[[], None], env: Env) -> int | None:
+    """Bytes allocated at the peak of one `step` above what was allocated before it (None on CPU)."""
+    if not env.cuda:
+        step()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+DEFAULT_RATE = {"cpu": 2e9, "single": 2.5e14, "cp": 2.0e14, "ring": 2.5e14, "ring-nocomm": 2.5e14, "dilated": 5e13}
+
+
+def est_seconds(cell: Cell, env: Env, mode: str) -> float:
+    """Estimated seconds of one iteration: measured FLOP/s of this method (any length), else a default."""
+    rate = env.rates.get((cell.method, mode))
+    if rate is None:
+        rate = DEFAULT_RATE["cpu"] if not env.cuda else DEFAULT_RATE[METHODS[cell.method].family]
+    return cell_flops(cell, env, mode == "fwdbwd") / cell.p / rate
+
+
+def plan_iters(t_iter: float, args) -> tuple[int, int]:
+    """(extra warm-up, timed iterations): the memory run is the first warm-up."""
+    warm = 1 if t_iter < 1.0 else 0
+    return warm, max(1, min(args.reps, int(args.target_seconds / max(t_iter, 1e-9))))
+
+
+def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
+    backward = mode == "fwdbwd"
+    step = functools.partial(bench.step, backward)
+    warm, iters = plan_iters(est_seconds(cell, env, mode), env.args)
+    with count_ring_bytes() as sent:
+        extra = peak_memory(step, env)
+    times = time_ms(step, warm, iters, env)
+    ms = statistics.median(times)
+    flops = cell_flops(cell, env, backward)
+    tflops = flops / cell.p / (ms * 1e-3) / 1e12
+    env.rates[(cell.method, mode)] = tflops * 1e12
+    inputs = bench.input_bytes(backward)
+    peak = None if extra is None else int(env.all_max([extra + inputs])[0])
+    if bench.comm_model is not None:
+        comm, source = bench.comm_model(backward), "model"
+    else:
+        comm, source = int(env.all_max([sent["bytes"]])[0]), "measured (RingComm.bytes_sent)"
+    return dict(status="ok", ms=ms, ms_iters=times, warmup=1 + warm, iters=iters, flops=flops,
+                tflops_per_gpu=tflops, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
+                comm_source=source, notes=bench.notes)
+
+
+# ---------------------------------------------------------------------------------------
+# one phase: every cell for this world size, in priority order, within the time budget
+
+
+def plan_cells(env: Env) -> list[Cell]:
+    args, p = env.args, env.world
+    cells = []
+    for name in args.method_names:
+        lengths = args.dilated_lengths if METHODS[name].family == "dilated" else args.lengths
+        for attn in args.attn:
+            for causal in args.causals:
+                cells += [Cell(name, attn, causal, n, p) for n in lengths]
+    order = list(METHODS)
+    small = min(args.lengths)
+
+    def priority(c: Cell):
+        # Headline first (MHA at the target lengths), then GQA at the smallest length, then the
+        # dilated series with the dense 1M ring it is compared with; the rest by size. Cells
+        # that do not fit the budget are skipped from the end.
+        fam = METHODS[c.method].family
+        if fam == "ring" and c.p == 1:
+            tier = 3  # ringcc's overhead at p = 1: useful, not a target
+        elif c.attn == "mha" and c.n <= 262144 and fam != "dilated":
+            tier = 0
+        elif c.attn == "gqa" and c.n == small:
+            tier = 1
+        elif c.attn == "mha" and (fam == "dilated" or (fam == "ring" and c.method == headline_ring(c.causal))):
+            tier = 2
+        else:
+            tier = 3
+        return (tier, c.n, not c.causal, order.index(c.method))
+
+    return sorted(cells, key=priority)
+
+
+def base_record(cell: Cell, env: Env, mode: str | None) -> dict:
+    h, h_kv = env.heads[cell.attn]
+    return dict(method=cell.method, family=METHODS[cell.method].family, attn=cell.attn, h=h, h_kv=h_kv,
+                d=env.d, b=B, n=cell.n, p=cell.p, causal=cell.causal, mode=mode)
+
+
+def run_cell(cell: Cell, env: Env) -> list[dict]:
+    reason = skip_reason(cell, env)
+    if reason:
+        return [dict(base_record(cell, env, None), status="skipped", reason=reason)]
+    records, modes = [], []
+    for mode in env.args.modes:
+        t = est_seconds(cell, env, mode)
+        if t > env.args.max_iter_seconds:
+            records.append(dict(base_record(cell, env, mode), status="skipped",
+                                reason=f"estimated iteration {t:.1f} s > --max-iter-seconds"))
+        else:
+            modes.append(mode)
+    cost = 0.0
+    for mode in modes:
+        t = est_seconds(cell, env, mode)
+        warm, iters = plan_iters(t, env.args)
+        cost += t * (1 + warm + iters)
+    if modes and not env.agree(cost <= env.left()):
+        reason = f"time budget (estimated {cost:.0f} s, {max(env.left(), 0):.0f} s left)"
+        return records + [dict(base_record(cell, env, m), status="skipped", reason=reason) for m in modes]
+    for mode in modes:
+        rec = base_record(cell, env, mode)
+        try:
+            with METHODS[cell.method].make(cell, env) as bench:
+                rec.update(measure(bench, cell, mode, env))
+        except Exception as e:  # noqa: BLE001 - a failing configuration is a result, not a crash
+            oom = env.cuda and isinstance(e, torch.cuda.OutOfMemoryError)
+            rec.update(status="oom" if oom else "failed", reason=f"{type(e).__name__}: {str(e)[:400]}")
+        ok = env.agree(rec["status"] == "ok")
+        if not ok and rec["status"] == "ok":
+            rec.update(status="failed", reason="failed on another rank")
+        records.append(rec)
+        if env.cuda:  # give the next cell (and the largest-length probes) an unfragmented pool
+            gc.collect()
+            torch.cuda.empty_cache()
+        env.log(describe(rec))
+    return records
+
+
+def describe(rec: dict) -> str:
+    head = f"{rec['method']:<22} {rec['attn']} {'causal' if rec['causal'] else 'full  '} n={rec['n']:<8} {rec['mode'] or '-':<6}"
+    if rec["status"] != "ok":
+        return f"{head} {rec['status']}: {rec.get('reason', '')}"
+    peak = "" if rec["peak_bytes"] is None else f" peak {rec['peak_bytes'] / GiB:.2f} GiB"
+    return f"{head} {rec['ms']:9.2f} ms {rec['tflops_per_gpu']:7.1f} TF/s/GPU{peak} comm {rec['comm_bytes'] / MiB:.1f} MiB"
+
+
+def search_max_length(fits: Callable[[int], bool | None], start: int, step: int, max_probes: int) -> dict:
+    """Largest n (a multiple of `step`) with fits(n) True: doubling from `start` (known to fit),
+    then bisection. fits returns None when a probe is not run (too long, or predicted to fail
+    where failing is unsafe): the search stops there and the answer is a lower bound."""
+    lo, hi, probes, stopped = start, None, [], "probe limit"
+    while len(probes) < max_probes:
+        n = 2 * lo if hi is None else (lo + hi) // 2 // step * step
+        if hi is not None and n <= lo:
+            stopped = "converged"
+            break
+        ok = fits(n)
+        probes.append([n, ok])
+        if ok is None:
+            stopped = "not probed"
+            break
+        if ok:
+            lo = n
+        else:
+            hi = n
+    return {"max_fit": lo, "first_fail": hi, "stopped_by": stopped, "probes": probes}
+
+
+def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
+    """Largest MHA causal fwd+bwd length per method of --maxlen-methods that runs at this p."""
+    results = []
+    for name in env.args.maxlen_methods:
+        if name not in METHODS:
+            continue
+        probe_cell = Cell(name, "mha", True, 0, env.world)
+        if skip_reason(dataclasses.replace(probe_cell, n=2 * env.world), env):
+            continue
+        done = [r for r in records if r["method"] == name and r["attn"] == "mha" and r["causal"]
+                and r["mode"] == "fwdbwd" and r["status"] == "ok"]
+        if not done or not env.cuda:
+            results.append({"method": name, "p": env.world, "status": "skipped",
+                            "reason": "no measured fwd+bwd cell" if env.cuda else "CPU"})
+            continue
+        start = max(r["n"] for r in done)
+        step = 2 * env.world * 8192
+        peaks = [(r["n"], r["peak_bytes"]) for r in done if r.get("peak_bytes")]
+        capacity = torch.cuda.get_device_properties(env.device).total_memory
+        why = {}
+
+        def fits(n: int) -> bool | None:
+            cell = dataclasses.replace(probe_cell, n=n)
+            t = est_seconds(cell, env, "fwdbwd")
+            if not env.agree(t <= env.args.probe_seconds):
+                why["stop"] = f"time cap (probe at n={n} estimated {t:.0f} s > --probe-seconds)"
+                return None
+            if not env.agree(3 * t < env.left()):
+                why["stop"] = "time budget"
+                return None
+            if env.world > 1:
+                # An OOM on one rank in the middle of the ring would leave its peers waiting in
+                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit.
+                predicted = model_max_length(peaks, 0.92 * capacity, 1)
+                if not env.agree(predicted is not None and n <= predicted):
+                    why["stop"] = f"memory model predicts OOM at n={n} (not probed with p > 1)"
+                    return None
+            ok = True
+            try:
+                with METHODS[name].make(cell, env) as bench:
+                    bench.step(True)
+                    torch.cuda.synchronize()
+            except torch.cuda.OutOfMemoryError:
+                ok = False
+            gc.collect()
+            torch.cuda.empty_cache()
+            ok = env.agree(ok)
+            env.log(f"max-length probe {name} n={n}: {'fits' if ok else 'OOM'}")
+            return ok
+
+        res = search_max_length(fits, start, step, max_probes=6)
+        res["stopped_by"] = why.get("stop", res["stopped_by"])
+        results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok", **res})
+        env.log(f"max length {name}: >= {res['max_fit']} ({res['stopped_by']})")
+    return results
+
+
+def run_phase(args) -> None:
+    env = Env(args)
+    part_path = Path(args.part or f"part_p{env.world}.json")
+    part = {"phases": [env.meta()], "records": [], "maxlen": []}
+
+    def save():
+        if env.rank == 0:
+            tmp = part_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(part, indent=1))
+            tmp.replace(part_path)
+
+    env.log(f"{part['phases'][0].get('device')} torch {torch.__version__}; budget {args.max_minutes:.1f} min")
+    for cell in plan_cells(env):
+        part["records"] += run_cell(cell, env)
+        save()
+    if args.maxlen_methods:
+        part["maxlen"] = run_maxlen(env, part["records"])
+        save()
+    env.log(f"phase done in {time.monotonic() - T0:.0f} s")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# report: derived metrics, targets, table, plots, RESULTS.md
+
+
+def load_results(paths: list[Path]) -> dict:
+    res = {"phases": [], "records": [], "maxlen": []}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for key in res:
+            res[key] += data.get(key, [])
+    return res
+
+
+def derive(res: dict) -> None:
+    """Efficiency and memory vs the single-GPU baseline, and model max lengths, in place."""
+    smoke = any(ph.get("smoke") for ph in res["phases"])
+    baseline = "sdpa-math" if smoke else BASELINE
+    ok = [r for r in res["records"] if r["status"] == "ok"]
+    base = {(r["attn"], r["causal"], r["n"], r["mode"]): r for r in ok if r["method"] == baseline and r["p"] == 1}
+    for r in ok:
+        b = base.get((r["attn"], r["causal"], r["n"], r["mode"]))
+        dense = r["family"] != "dilated"
+        r["efficiency"] = r["tflops_per_gpu"] / b["tflops_per_gpu"] if b and dense else None
+        ideal = b["peak_bytes"] / r["p"] if b and b.get("peak_bytes") else None
+        r["ideal_peak_bytes"] = ideal
+        r["peak_vs_ideal"] = r["peak_bytes"] / ideal if ideal and r.get("peak_bytes") else None
+    capacity = {ph["world"]: ph.get("device_total_memory") for ph in res["phases"]}
+    for m in res["maxlen"]:
+        pts = [(r["n"], r["peak_bytes"]) for r in ok if r["method"] == m["method"] and r["p"] == m["p"]
+               and r["attn"] == "mha" and r["causal"] and r["mode"] == "fwdbwd" and r.get("peak_bytes")]
+        cap = capacity.get(m["p"])
+        m["max_model"] = model_max_length(pts, 0.95 * cap, 2 * m["p"] * 8192) if cap and pts else None
+
+
+def model_max_length(points: list[tuple[int, int]], capacity: float, step: int) -> int | None:
+    """Largest n (multiple of step) with a + b*n <= capacity, a, b fitted to the measured peaks."""
+    if len(points) == 1:
+        a, b = 0.0, points[0][1] / points[0][0]
+    else:
+        mn = sum(n for n, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        var = sum((n - mn) ** 2 for n, _ in points)
+        b = sum((n - mn) * (y - my) for n, y in points) / var
+        a = my - b * mn
+    if b <= 0:
+        return None
+    return int((capacity - a) / b) // step * step
+
+
+def _find(res, **kw) -> dict | None:
+    for r in res["records"]:
+        if r["status"] == "ok" and all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def check_targets(res: dict) -> list[str]:
+    """One line per target: PASS / MISS / n/a with the measured numbers (MHA unless said)."""
+    lines = []
+    ps = sorted({r["p"] for r in res["records"] if r["p"] > 1})
+    if not ps:
+        return ["n/a: no multi-rank results"]
+    p = ps[-1]
+
+    def verdict(ok):
+        return "PASS" if ok else "MISS"
+
+    for causal in (True, False):
+        ring = headline_ring(causal)
+        tag = f"{ring} {'causal' if causal else 'non-causal'} p={p}"
+        for per_gpu, goal in ((16384, 0.95), (65536, 0.97)):
+            r = _find(res, method=ring, attn="mha", causal=causal, n=per_gpu * p, p=p, mode="fwdbwd")
+            if r is None or r.get("efficiency") is None:
+                lines.append(f"n/a   {tag}: efficiency at {per_gpu // 1024}K/GPU (not measured)")
+            else:
+                lines.append(f"{verdict(r['efficiency'] >= goal)}  {tag}: {r['efficiency']:.1%} of 1-GPU cuDNN at "
+                             f"{per_gpu // 1024}K/GPU (target >= {goal:.0%})")
+    beat, worst = [], None
+    for r in res["records"]:
+        if r["status"] != "ok" or r["family"] != "ring" or r["method"] != headline_ring(r["causal"]) or r["p"] < 2:
+            continue
+        peers = [c for c in res["records"] if c["status"] == "ok" and c["family"] == "cp" and
+                 all(c[k] == r[k] for k in ("attn", "causal", "n", "p", "mode"))]
+        if peers:
+            best = max(peers, key=lambda c: c["tflops_per_gpu"])
+            ratio = r["tflops_per_gpu"] / best["tflops_per_gpu"]
+            beat.append(ratio >= 1.0)
+            if worst is None or ratio < worst[0]:
+                worst = (ratio, r, best)
+    if worst:
+        ratio, r, best = worst
+        lines.append(f"{verdict(all(beat))}  ring >= best context-parallel config in every cell: {sum(beat)}/{len(beat)}; "
+                     f"worst {ratio:.2f}x ({r['attn']} {'causal' if r['causal'] else 'full'} n={r['n']} p={r['p']} "
+                     f"{r['mode']} vs {best['method']})")
+    else:
+        lines.append("n/a   ring vs context parallel: no cell with both")
+    mem = []
+    for r in res["records"]:
+        if r["status"] == "ok" and r["method"] == headline_ring(r["causal"]) and r["p"] == p and r["mode"] == "fwdbwd" \
+                and r.get("ideal_peak_bytes"):
+            mem.append((r["peak_bytes"] <= 1.1 * r["ideal_peak_bytes"] + 256 * MiB, r))
+    if mem:
+        worst = max(mem, key=lambda x: x[1]["peak_vs_ideal"])[1]
+        lines.append(f"{verdict(all(ok for ok, _ in mem))}  ring peak <= 1.1 x (1-GPU peak / p) + 256 MiB: "
+                     f"{sum(ok for ok, _ in mem)}/{len(mem)} cells; worst {worst['peak_vs_ideal']:.2f}x ideal "
+                     f"({worst['attn']} n={worst['n']})")
+        cps = [c for c in res["records"] if c["status"] == "ok" and c["family"] == "cp" and c.get("peak_vs_ideal")]
+        if cps:
+            lines.append(f"info  context parallel peak: {min(c['peak_vs_ideal'] for c in cps):.2f}-"
+                         f"{max(c['peak_vs_ideal'] for c in cps):.2f}x ideal")
+    single = next((m for m in res["maxlen"] if m["method"] == BASELINE and m["p"] == 1 and m["status"] == "ok"), None)
+    multi = next((m for m in res["maxlen"] if m["method"] == headline_ring(True) and m["p"] == p and m["status"] == "ok"), None)
+    if single and multi:
+        v = multi["max_fit"] / single["max_fit"]
+        exact = single["first_fail"] is not None and multi["first_fail"] is not None  # both bracketed by an OOM
+        model = ""
+        if single.get("max_model") and multi.get("max_model"):
+            model = f"; model from measured peaks {multi['max_model'] / single['max_model']:.2f}x " \
+                    f"({multi['max_model']} vs {single['max_model']})"
+        lines.append(f"{verdict(v >= 3.8) if exact else 'n/a  '}  longest fwd+bwd p={p} / 1 GPU: verified "
+                     f"{multi['max_fit']} / {single['max_fit']} = {v:.2f}x (searches {multi['stopped_by']} / "
+                     f"{single['stopped_by']}){model} (target >= 3.8x)")
+    else:
+        lines.append("n/a   longest sequence: no max-length search for both")
+    hidden = []
+    for r in res["records"]:
+        if r["status"] == "ok" and r["family"] == "ring" and r["p"] > 1:
+            nc = _find(res, method=r["method"] + "-nocomm", attn=r["attn"], causal=r["causal"], n=r["n"], p=r["p"], mode=r["mode"])
+            if nc:
+                hidden.append((r["ms"] / nc["ms"], r))
+    if hidden:
+        worst = max(hidden, key=lambda x: x[0])
+        lines.append(f"{verdict(worst[0] <= 1.05)}  communication hidden (ring / same schedule without transfers "
+                     f"<= 1.05): worst {worst[0]:.3f} ({worst[1]['method']} {worst[1]['attn']} n={worst[1]['n']} "
+                     f"p={worst[1]['p']} {worst[1]['mode']}); {sum(x <= 1.05 for x, _ in hidden)}/{len(hidden)} cells")
+    for causal in (True, False):
+        for mode in ("fwdbwd", "fwd"):
+            ds = sorted((r for r in res["records"] if r["status"] == "ok" and r["family"] == "dilated" and r["p"] == p
+                         and r["attn"] == "mha" and r["causal"] == causal and r["mode"] == mode), key=lambda r: r["n"])
+            pairs = [(a, b) for a, b in zip(ds, ds[1:]) if b["n"] == 4 * a["n"]]
+            if pairs:
+                txt = ", ".join(f"{a['n'] // 1024}K->{b['n'] // 1024}K {b['ms'] / a['ms']:.2f}x" for a, b in pairs)
+                lines.append(f"{verdict(all(b['ms'] <= 4.6 * a['ms'] for a, b in pairs))}  dilated time(4n) <= 4.6 x "
+                             f"time(n), {'causal' if causal else 'full'} {mode}: {txt}")
+            d1 = next((r for r in ds if r["n"] == 1048576), None)
+            dense = _find(res, method=headline_ring(causal), attn="mha", causal=causal, n=1048576, p=p, mode=mode)
+            if d1 and dense:
+                sp = dense["ms"] / d1["ms"]
+                lines.append(f"{verdict(sp >= 10)}  dilated vs dense ring at 1M, {'causal' if causal else 'full'} "
+                             f"{mode}: {sp:.1f}x faster (target >= 10x)")
+    for r in res["records"]:
+        if r["status"] == "ok" and r["family"] == "ring" and r["attn"] == "gqa" and r["p"] > 1 and r["mode"] == "fwdbwd":
+            m = _find(res, method=r["method"], attn="mha", causal=r["causal"], n=r["n"], p=r["p"], mode="fwdbwd")
+            if m and m["comm_bytes"]:
+                # MHA with the GQA model's h query heads would send h/h_mha times the MHA bytes.
+                ratio = r["comm_bytes"] / (m["comm_bytes"] * r["h"] / m["h"])
+                goal = r["h_kv"] / r["h"]
+                lines.append(f"{verdict(abs(ratio - goal) < 1e-6)}  GQA K/V bytes / MHA's at h={r['h']}: {ratio:.4f} "
+                             f"(target h_kv/h = {goal:.4f}; {r['method']} n={r['n']} p={r['p']}, measured)")
+                break
+    return lines
+
+
+def _fmt(v, spec, missing="-"):
+    return missing if v is None else format(v, spec)
+
+
+TABLE_COLUMNS = [
+    ("attn", 4, lambda r: r["attn"]), ("mask", 6, lambda r: "causal" if r["causal"] else "full"),
+    ("n", 8, lambda r: str(r["n"])), ("p", 2, lambda r: str(r["p"])), ("method", 22, lambda r: r["method"]),
+    ("mode", 6, lambda r: r["mode"] or "-"), ("ms", 10, lambda r: _fmt(r.get("ms"), ".2f")),
+    ("TF/s/GPU", 8, lambda r: _fmt(r.get("tflops_per_gpu"), ".1f")),
+    ("eff", 6, lambda r: _fmt(r.get("efficiency"), ".1%")),
+    ("peak GiB", 8, lambda r: _fmt(None if r.get("peak_bytes") is None else r["peak_bytes"] / GiB, ".2f")),
+    ("x ideal", 7, lambda r: _fmt(r.get("peak_vs_ideal"), ".2f")),
+    ("comm MiB", 9, lambda r: _fmt(None if r.get("comm_bytes") is None else r["comm_bytes"] / MiB, ".1f")),
+    ("status", 0, lambda r: r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')[:70]}"),
+]
+
+
+def format_table(res: dict) -> str:
+    fam = {f: i for i, f in enumerate(FAMILY_ORDER)}
+    order = list(METHODS)
+    rows = sorted(res["records"], key=lambda r: (r["attn"], not r["causal"], r["n"], r["p"], fam[r["family"]],
+                                                 order.index(r["method"]), r["mode"] or ""))
+    # Static skips (wrong world size for the method) are noise in the table; JSON keeps them.
+    rows = [r for r in rows if not (r["status"] == "skipped" and r["reason"] in ("single-device method", "needs p >= 2"))]
+    line = lambda vals: " ".join(v.rjust(w) if w and i not in (0, 1, 4, 5) else v.ljust(w)  # noqa: E731
+                                 for i, (v, (_, w, _)) in enumerate(zip(vals, TABLE_COLUMNS))).rstrip()
+    out = [line([c[0] for c in TABLE_COLUMNS]), "-" * 120]
+    out += [line([c[2](r) for c in TABLE_COLUMNS]) for r in rows]
+    if res["maxlen"]:
+        out += ["", "largest length (MHA, causal, fwd+bwd): verified by probes; model = fit of measured peaks"]
+        for m in res["maxlen"]:
+            if m["status"] == "ok":
+                out.append(f"  {m['method']:<22} p={m['p']}: fits {m['max_fit']}, first OOM {m['first_fail'] or '-'}, "
+                           f"stopped by {m['stopped_by']}; model {m.get('max_model') or '-'}")
+            else:
+                out.append(f"  {m['method']:<22} p={m['p']}: {m['status']} ({m.get('reason', '')})")
+    return "\n".join(out)
+
+
+def header(res: dict) -> str:
+    ph = res["phases"]
+    if not ph:
+        return "no phases"
+    dev = {(x.get("device"), x.get("gpus_visible")) for x in ph}
+    return (f"device: {', '.join(f'{d} (x{g} visible)' if g else str(d) for d, g in dev)}; torch {ph[0]['torch']}; "
+            f"ringcc {ph[0].get('ringcc')}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
+            f"date {max(x['date'] for x in ph)}; worlds {sorted(x['world'] for x in ph)}; "
+            f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}")
+
+
+def plot(res: dict, out: Path) -> list[str]:
+    """TFLOP/s and peak memory vs n, one panel per (mask, p), MHA, fwd+bwd. Returns messages."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["matplotlib not available: no plots"]
+    ok = [r for r in res["records"] if r["status"] == "ok" and r["attn"] == "mha" and r["mode"] == "fwdbwd"]
+    ps = sorted({r["p"] for r in ok}) or [1]
+    for key, ylabel, fname in (("tflops_per_gpu", "TFLOP/s per GPU", "tflops.png"),
+                               ("peak_bytes", "peak GiB per rank", "memory.png")):
+        fig, axes = plt.subplots(2, len(ps), figsize=(5 * len(ps), 8), squeeze=False)
+        for row, causal in enumerate((True, False)):
+            for col, p in enumerate(ps):
+                ax = axes[row][col]
+                cell = [r for r in ok if r["p"] == p and r["causal"] == causal and r.get(key) is not None]
+                for name in METHODS:
+                    pts = sorted((r["n"], r[key] / (GiB if key == "peak_bytes" else 1)) for r in cell if r["method"] == name)
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=name)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"{'causal' if causal else 'non-causal'}, p={p}")
+                ax.set_xlabel("total n")
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+                if cell:
+                    ax.legend(fontsize=7)
+        fig.suptitle(f"MHA fwd+bwd — {header(res)[:110]}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=90)
+        plt.close(fig)
+    return [f"plots: {out / 'tflops.png'}, {out / 'memory.png'}"]
+
+
+def results_section(res: dict, table: str, targets: list[str]) -> str:
+    cmd = " ".join(res["phases"][0].get("argv", [])) if res["phases"] else ""
+    return "\n".join([
+        RESULTS_BEGIN,
+        f"## {max((p['date'] for p in res['phases']), default='?')[:10]} — attention benchmark "
+        "(benchmarks/bench_attention.py)",
+        header(res) + ".",
+        f"Phase arguments: `{cmd}`. Metric definitions: Note [Benchmark metrics] in bench_attention.py.",
+        "", "Targets:", "```", *targets, "```", "", "```", table, "```", RESULTS_END,
+    ])
+
+
+def update_results_md(text: str, section: str) -> str:
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        before, rest = text.split(RESULTS_BEGIN, 1)
+        return before + section + rest.split(RESULTS_END, 1)[1]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
+def report(paths: list[Path], out: Path, results_md: str | None) -> str:
+    res = load_results(paths)
+    derive(res)
+    res["targets"] = check_targets(res)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    table = format_table(res)
+    text = "\n".join([header(res), "", "targets:", *res["targets"], "", table])
+    (out / "table.txt").write_text(text + "\n")
+    msgs = plot(res, out)
+    section = results_section(res, table, res["targets"])
+    repo_md = HERE / "RESULTS.md"
+    src = Path(results_md) if results_md else repo_md
+    (out / "RESULTS.md").write_text(update_results_md(src.read_text() if src.exists() else "# Measured results\n", section))
+    if results_md:
+        Path(results_md).write_text((out / "RESULTS.md").read_text())
+        msgs.append(f"updated {results_md}")
+    return "\n".join(msgs + ["", text])
+
+
+# ---------------------------------------------------------------------------------------
+# launcher: one torchrun per world size, budget shared, report after each
+
+
+PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "reps", "target_seconds",
+               "max_iter_seconds", "probe_seconds", "nccl_timeout"]
+PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
+
+
+def phase_argv(args) -> list[str]:
+    argv = ["--attn", ",".join(args.attn), "--modes", ",".join(args.modes),
+            "--maxlen-methods", ",".join(args.maxlen_methods)]
+    for name in PHASE_FLAGS:
+        v = getattr(args, name)
+        argv += [f"--{name.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    return argv + (["--smoke"] if args.smoke else [])
+
+
+def launch_all(args) -> int:
+    import tempfile
+
+    out = Path(args.out)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ringcc_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = T0 + 60.0 * args.max_minutes
+    reserve = 20.0  # for the report
+    gpus = None
+    if not args.smoke:
+        gpus = torch.cuda.device_count()
+    parts, worlds = [], list(args.worlds)
+    for i, p in enumerate(worlds):
+        if gpus is not None and p > gpus:
+            print(f"skip p={p}: {gpus} GPUs visible", flush=True)
+            continue
+        rest = worlds[i:]
+        share = (deadline - time.monotonic() - reserve) * PHASE_WEIGHT.get(p, 0.3) / sum(PHASE_WEIGHT.get(w, 0.3) for w in rest)
+        if share < 30:
+            print(f"skip p={p}: {share:.0f} s of budget left", flush=True)
+            continue
+        part = work / f"part_p{p}.json"
+        part.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}",
+               str(Path(__file__).resolve()), "phase", "--part", str(part), "--max-minutes", f"{share / 60:.3f}",
+               *phase_argv(args)]
+        print(f"=== p={p}: budget {share:.0f} s: {' '.join(cmd[3:])}", flush=True)
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=share + 90)
+        except subprocess.TimeoutExpired:
+            print(f"p={p}: past its budget + 90 s; stopping it (its finished cells are kept)", flush=True)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                rc = proc.wait()
+        if rc:
+            print(f"p={p}: exit code {rc}", flush=True)
+        if part.exists():
+            parts.append(part)
+            if i + 1 < len(worlds) and not args.smoke:
+                report(parts, out, None)  # so that a run cut short still leaves results
+    if not parts:
+        print("no phase produced results", flush=True)
+        return 1
+    print(report(parts, out, args.results_md), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = finish_args(build_parser().parse_args(argv))
+    if args.list:
+        for name, m in METHODS.items():
+            print(f"{name:<24} family={m.family:<12} worlds={m.worlds:<6} cpu={m.cpu} gpu={m.gpu}")
+        return 0
+    if args.command == "phase":
+        run_phase(args)
+        return 0
+    if args.command == "report":
+        if not args.inputs:
+            raise SystemExit("report needs results.json or part files")
+        print(report([Path(p) for p in args.inputs], Path(args.out), args.results_md))
+        return 0
+    return launch_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
