@@ -89,7 +89,10 @@ class DilatedSpec:
         object.__setattr__(self, "offsets", offsets)
 
     def __repr__(self) -> str:
-        return f"DilatedSpec(segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, offsets={self.offsets!r})"
+        return (
+            f"DilatedSpec(segment_lengths={list(self.segment_lengths)}, "
+            f"dilation_rates={list(self.dilation_rates)}, offsets={self.offsets!r})"
+        )
 
     @property
     def branches(self) -> tuple[tuple[int, int], ...]:
@@ -133,8 +136,8 @@ def _branch_mode(w: int, r: int, n: int, world: int, layout: L.Layout) -> tuple[
     we = min(w, n)  # LongNet's w = N convention for segments longer than the sequence
     if n % we or we % r:
         raise ValueError(
-            f"dilated segment length {w}{f' (clipped to {we})' if we != w else ''} with rate {r} does not tile the sequence of "
-            f"length {n}: the sequence must be a multiple of the segment length and the segment a "
+            f"dilated segment length {w}{f' (clipped to {we})' if we != w else ''} with rate {r} does not "
+            f"tile the sequence of length {n}: the sequence must be a multiple of the segment length and the segment a "
             f"multiple of the rate; pad the sequence (to a multiple of {math.lcm(we, r)}) or change the spec"
         )
     if we <= chunk:
@@ -230,7 +233,8 @@ def dilated_comm_rows(spec: DilatedSpec, n, p, layout: str = "contiguous") -> tu
 
 def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int) -> tuple[int, ...]:
     """Per branch: how many K/V head slots travel (kv_heads for MHA with per_head offsets)."""
-    return tuple(len(_slots(pairs, num_heads // kv_heads)[2]) if pairs else 0 for pairs in branch_heads(spec, num_heads))
+    rep = num_heads // kv_heads
+    return tuple(len(_slots(pairs, rep)[2]) if pairs else 0 for pairs in branch_heads(spec, num_heads))
 
 
 # ---------------------------------------------------------------------------------------
@@ -390,9 +394,10 @@ def dilated_attention_backward_op(
 
 
 @dilated_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
+def _(dout, q, k, v, out, lse, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size,
+      layout):
     cf = torch.contiguous_format
-    return torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+    return tuple(torch.empty_like(t, memory_format=cf) for t in (q, k, v))
 
 
 def _dilated_setup_context(ctx, inputs, output):

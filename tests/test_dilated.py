@@ -30,7 +30,8 @@ HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA, GQA, MQA
 
 def _inputs(seed, b, h, g, n, d, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in ((b, h, n, d), (b, g, n, d), (b, g, n, d), (b, h, n, d)))
+    shapes = ((b, h, n, d), (b, g, n, d), (b, g, n, d), (b, h, n, d))  # q, k, v, dout
+    return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
 
 
 def _check(rank, world, spec, is_causal, h, g, layout="contiguous", n_local=N_LOCAL, seed=0):
