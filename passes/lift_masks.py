@@ -50,6 +50,7 @@ VERY_NEGATIVE = -1e4
 
 def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
+    key_nodes: dict = {}  # one key_valid node per padding mask, shared by every layer
     for node in list(gm.graph.nodes):
         if not is_sdpa(node) or SITE_META not in node.meta:
             continue
@@ -62,7 +63,7 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if call.attn_mask is None:
             lifted: Union[LiftedMask, str] = LiftedMask(causal=call.is_causal)
         else:
-            lifted = _lift(gm, node, call)
+            lifted = _lift(gm, node, call, key_nodes)
         if isinstance(lifted, str):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, lifted)
             continue
@@ -211,7 +212,7 @@ class Unliftable(Exception):
     pass
 
 
-def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall) -> Union[LiftedMask, str]:
+def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nodes: dict) -> Union[LiftedMask, str]:
     qv, kv = fake(call.q), fake(call.k)
     n_q, n_k = static_int(qv.shape[-2]), static_int(kv.shape[-2])
     if n_q is None or n_k is None or qv.dim() != 4:
@@ -237,7 +238,11 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall) -> Unio
     except Unliftable as e:
         return str(e)
     if lifted.key_valid is not None:
-        lifted.key_valid = _key_valid_node(gm, sdpa, lifted.key_valid)
+        key = lifted.key_valid
+        ident = (key.node, key.truth, key.ops)
+        if ident not in key_nodes:
+            key_nodes[ident] = _key_valid_node(gm, sdpa, key)
+        lifted.key_valid = key_nodes[ident]
     return lifted
 
 
@@ -392,6 +397,8 @@ CAST_BOOL = {"bool"}
 CAST_FLOAT = {"float", "half", "bfloat16", "double"}
 CAST_INT = {"int", "long"}
 EXPAND = {"expand", "expand_as", aten.expand.default, "broadcast_to", torch.broadcast_to}
+DIFF = {torch.diff, "diff", aten.diff.default}
+CUMSUM = {torch.cumsum, "cumsum", aten.cumsum.default}
 ARANGE = {torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
@@ -419,6 +426,13 @@ class _Interp:
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
             raise Unliftable(f"mask is read from a tensor input ({node.name}, shape {shape}), not built from positions")
         return Data(node)
+
+    def _data_op(self, x: Data, op: tuple, node: torch.fx.Node) -> Data:
+        """x after an elementwise op. While x is still its own [b, n] tensor, the op's node is
+        that tensor (no need to replay anything); once placed, the op is recorded."""
+        if x.dims == (-2, -1) and not x.ops and fake(node).dim() == 2:
+            return Data(node)
+        return Data(x.node, x.dims, x.ops + (op,))
 
     def _ndim(self, node: torch.fx.Node) -> int:
         v = fake(node)
@@ -467,7 +481,7 @@ class _Interp:
             if isinstance(x, Ind) and isinstance(x.on, bool):
                 return Ind(x.pred, not x.on, not x.off, x.ndim)
             if isinstance(x, Data) and fake(node).dtype == torch.bool:
-                return Data(x.node, x.dims, x.ops + (("not",),))
+                return self._data_op(x, ("not",), node)
             raise Unliftable("logical not of a non-bool mask")
         if t in ADD or t in SUB or t in RSUB:
             a, b = self.eval(args[0]), self.eval(args[1] if len(args) > 1 else kw.get("other"))
@@ -484,6 +498,13 @@ class _Interp:
             if isinstance(x, Lin):
                 return ("abs", x)
             raise Unliftable("abs of a non-position value")
+        if t in DIFF:
+            return self._diff(node)
+        if t in CUMSUM:
+            x = self.eval(args[0])
+            if isinstance(x, Ind) and x.on == x.off and not x.on:
+                return Ind(TRUE, 0.0, 0.0, x.ndim)  # a running sum of zeros
+            raise Unliftable("cumsum of a non-zero mask value (e.g. packed-sequence ids from data)")
         if t in TRIL or t in TRIU:
             return self._band(node, upper=t in TRIU)
         if t in MASKED_FILL:
@@ -521,7 +542,10 @@ class _Interp:
         if isinstance(x, Ind):
             return Ind(x.pred, self._cast_const(x.on, node), self._cast_const(x.off, node), x.ndim)
         if isinstance(x, Data):
-            return Data(x.node, x.dims, x.ops + (("cast", v.dtype),))
+            src = fake(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(src, torch.Tensor) and src.dtype == v.dtype:
+                return x  # .to(device) / .contiguous(): same values
+            return self._data_op(x, ("cast", v.dtype), node)
         if isinstance(x, Lin) and v.dtype in (torch.bool,):
             raise Unliftable("position cast to bool")
         return x
@@ -602,12 +626,23 @@ class _Interp:
         return self._apply_map(x, self._dim_map(node, in_nd, mapping), node)
 
     def _advanced_index(self, x: Any, base: torch.fx.Node, idx: tuple, node: torch.fx.Node) -> Any:
-        """HF: mask2d[batch_arange[:, None, None, None], kv_arange[None, None, None, :]]."""
-        if not isinstance(x, Data) or len(idx) != 2 or fake(base).dim() != 2:
-            raise Unliftable("advanced indexing that is not a [b, n] padding lookup")
+        """HF: t2d[batch_arange[:, None, None, None], kv_arange[None, None, None, :]] for a
+        [b, n] padding mask, a position table or a constant."""
+        if len(idx) != 2 or fake(base).dim() != 2:
+            raise Unliftable("advanced indexing that is not a [b, n] lookup")
         bi, ki = self.eval(idx[0]), self.eval(idx[1])
         if not (isinstance(bi, Lin) and isinstance(ki, Lin)):
-            raise Unliftable("padding lookup with non-arange indices")
+            raise Unliftable("lookup with non-arange indices")
+        nd = self._ndim(node)
+        if isinstance(x, Ind) and x.on == x.off:
+            return Ind(TRUE, x.on, x.off, nd)
+        if isinstance(x, Lin):  # positions that depend on the column only: pos[b, k] = c + a * k
+            coefs = dict(x.coefs)
+            if set(coefs) - {-1}:
+                raise Unliftable("position table that varies along the batch")
+            return _lin_add(_const_lin(x.const), _lin_scale(ki, coefs.get(-1, 0)))
+        if not isinstance(x, Data):
+            raise Unliftable("advanced indexing that is not a [b, n] padding lookup")
         bsz, n = fake(base).shape
         if bi.coefs != ((-4, 1),) or bi.const != 0 or ki.coefs != ((-1, 1),) or ki.const != 0:
             raise Unliftable("padding lookup that is not mask[b, j]")
@@ -648,7 +683,7 @@ class _Interp:
                 raise Unliftable("comparison of data with a non-constant")
             if data is b:
                 op = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}.get(op, op)
-            return Data(data.node, data.dims, data.ops + (("cmp", op, other),))
+            return self._data_op(data, ("cmp", op, other), node)
         if isinstance(a, tuple) or isinstance(b, tuple):  # abs(lin) < c
             (tag_, lin), c, flip = (a, b, False) if isinstance(a, tuple) else (b, a, True)
             c = static_int(c)
@@ -663,6 +698,11 @@ class _Interp:
                 bound = c if op == "gt" else c - 1  # |x| > bound
                 return Ind(Or((Rel(_lin_scale(lin, -1, bound + 1)), Rel(_lin_add(lin, _const_lin(-bound - 1), -1)))), True, False, nd)
             raise Unliftable("abs with == / !=")
+        if isinstance(a, Ind) and isinstance(b, Ind) and a.on == a.off and b.on == b.off:
+            ops = {"eq": operator.eq, "ne": operator.ne, "le": operator.le, "lt": operator.lt,
+                   "ge": operator.ge, "gt": operator.gt}
+            r = bool(ops[op](a.on, b.on))
+            return Ind(TRUE, r, r, nd)
         la, lb = _as_lin(a), _as_lin(b)
         if la is None or lb is None:
             if isinstance(a, Ind) and isinstance(b, (int, float, bool)) and op in ("eq", "ne"):
@@ -742,6 +782,26 @@ class _Interp:
         if x.off != zero:
             raise Unliftable("tril / triu of a mask that is not zero outside its condition")
         return Ind(And((x.pred, keep)), x.on, zero, x.ndim)
+
+    def _diff(self, node: torch.fx.Node) -> Any:
+        """diff(pos, dim=-1, prepend=pos[..., :1] - a) of positions c + a * k: a everywhere
+        (HF's packed-sequence detection on position ids that are a plain arange)."""
+        x = self.eval(node.args[0])
+        dim = node.kwargs.get("dim", -1)
+        prepend = node.kwargs.get("prepend")
+        if node.kwargs.get("n", 1) != 1 or node.kwargs.get("append") is not None or len(node.args) > 1:
+            raise Unliftable("diff with n / append")
+        if not isinstance(x, Lin) or dim % self._ndim(node) != self._ndim(node) - 1 or prepend is None:
+            raise Unliftable("diff of something other than positions")
+        coefs = dict(x.coefs)
+        if set(coefs) - {-1}:
+            raise Unliftable("diff of positions that vary along the batch")
+        a = coefs.get(-1, 0)
+        p = self.eval(prepend)
+        pv = fake(prepend)
+        if not isinstance(p, Lin) or pv.shape[-1] != 1 or p.const + dict(p.coefs).get(-1, 0) * 0 != x.const - a:
+            raise Unliftable("diff with a prepend that is not the first position minus the step")
+        return Ind(TRUE, float(a), float(a), self._ndim(node))
 
     def _masked_fill(self, node: torch.fx.Node) -> Any:
         x, m, value = node.args[0], node.args[1], node.args[2]

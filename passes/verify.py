@@ -2,7 +2,9 @@
 
 1. The graph lints (fx's own checks: defs before uses, one output).
 2. Every node that computes a tensor has a fake value in meta ("example_value" in dynamo
-   graphs, "val" in aot/export graphs) -- passes keep meta current.
+   graphs, "val" in aot/export graphs) -- passes keep meta current. (Dynamo leaves calls
+   made for their side effect, e.g. _log_api_usage_once, without one: unused nodes that
+   ringcc did not make are exempt.)
 3. Nodes ringcc created carry meta["ringcc_pass"].
 4. Communication is visible: every ringcc op is called directly from the graph (no
    Python callable hiding a collective).
@@ -28,7 +30,8 @@ def verify_graph(gm: torch.fx.GraphModule, *, after: str = "") -> None:
     except Exception as e:  # noqa: BLE001 - re-raised with the pass name
         raise GraphInvariantError(f"graph does not lint{where}: {e}") from e
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module") and not _has_fake(node):
+        side_effect_only = not node.users and "ringcc_pass" not in node.meta
+        if node.op in ("call_function", "call_method", "call_module") and not _has_fake(node) and not side_effect_only:
             raise GraphInvariantError(f"node {node.name} ({node.target}) has no fake value in meta{where}")
         target = str(node.target)
         if target.startswith("ringcc.") and node.op == "call_function" and "ringcc_pass" not in node.meta:

@@ -223,3 +223,54 @@ def test_transformer_encoder_fast_path_is_decomposed():
         out_c, out_e = compiled(x), model(x)
     torch.testing.assert_close(out_c, out_e, **TOL)
     assert decisions(ringcc.last_report()) == [("encoder", Decision.REWRITTEN, None)] * 2
+
+
+# ---------------------------------------------------------------------------------------
+# tiny Hugging Face models from configs (random weights, no downloads)
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(name):
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       use_cache=False)
+        return transformers.LlamaForCausalLM(cfg)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
+                                  hidden_dropout_prob=0.0)
+    return transformers.BertModel(cfg)
+
+
+class _Logits(nn.Module):
+    """HF output -> one tensor (the parity helper differentiates a tensor)."""
+
+    def __init__(self, model, padded):
+        super().__init__()
+        self.model, self.padded = model, padded
+
+    def forward(self, ids, attention_mask=None):
+        out = self.model(ids, attention_mask=attention_mask)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True)])
+def test_hugging_face_parity(name, padded):
+    model = _Logits(_hf(name), padded)
+    ids = torch.randint(0, 64, (2, 16))
+    inputs = [ids]
+    if padded:
+        am = torch.ones(2, 16, dtype=torch.long)
+        am[1, 12:] = 0  # right padding: every query row still sees a key
+        inputs.append(am)
+    report = assert_parity(model, inputs)
+    assert [(s.form, s.decision, s.reason) for s in report.sites] == [("sdpa", Decision.REWRITTEN, None)] * 2
+    for s in report.sites:
+        assert s.mask["causal"] is (name != "bert")
+        assert (s.mask["key_padding"] is not None) is padded
