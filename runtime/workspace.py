@@ -9,13 +9,14 @@ formulas follow the schedules they describe (read them next to ring.py / dilated
 Forward ring (Note [Ring attention schedule]): K/V (and the key mask) are double buffered:
 at most min(2, p - 1) received sets are alive at once (the held block and the one in
 flight; none at p = 1). Outputs accumulate in fp32: for fp32 inputs the accumulator *is* the
-output, for bf16/fp16 it is an extra fp32 [b, h, s, d]. One block's partial result (q dtype)
-and the merge's fp32 temporaries (weighted block, a few [b, h, s] weights) are alive during
-a merge.
+output, for bf16/fp16 it is an extra fp32 [b, h, s, d] and the output is cast from it after
+the last merge. Per step, the larger of the kernel phase (GQA-expanded K/V, the block's out)
+and the merge phase (block out, its fp32 cast, the weighted product, a few fp32 rows).
 
-Backward ring: fp32 dQ, dK, dV accumulators, the dK/dV accumulators in flight to the next
-rank (one more set when p > 1), the K/V receive buffers as in forward, and one block's
-gradients (q dtype); the CUDA flash/cuDNN backward keeps an fp32 dQ accumulator of its own.
+Backward ring: fp32 dQ, dK, dV accumulators (extra for bf16/fp16 only), the dK/dV
+accumulators in flight to the next rank (one more set when p > 1), the K/V receive buffers
+as in forward, dout made contiguous, and one block's gradients (q-headed), the kernel's own
+fp32 dQ accumulator and row sums, and the GQA-reduced dK/dV.
 
 Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
 compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
@@ -90,16 +91,28 @@ def ring_attention(a: dict, p) -> Workspace:
     q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
     b, h, s, d = q.shape
     rows_f32 = sympy.Integer(FP32) * b * h * s  # one [b, h, s] fp32 tensor
+    q32, k32 = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
+    low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
     received = _kv_in_flight(p) * (k.nbytes + v.nbytes + _nbytes(kv_mask))
-    block = q.nbytes + _expanded_kv(q, k)
-    merge = q.with_itemsize(FP32).nbytes + 4 * rows_f32
-    forward = received + _acc_extra(q) + block + merge
 
-    acc_q, acc_k = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
-    dkv_in_flight = sympy.Min(1, p - 1) * 2 * acc_k
-    block_grads = q.nbytes + 2 * k.nbytes + 2 * _expanded_kv(q, k)
-    kernel = acc_q + rows_f32  # flash/cuDNN backward: fp32 dQ accumulator and softmax sums
-    backward = (acc_q + 2 * acc_k) + dkv_in_flight + received + block_grads + kernel
+    # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase (block
+    # out, its fp32 cast, the weighted product, a few fp32 row vectors).
+    kernel = _expanded_kv(q, k) + q.nbytes + rows_f32
+    merge = q.nbytes + (q32 if low else 0) + q32 + 4 * rows_f32
+    # A low-precision output is allocated after the last merge, when the block temporaries
+    # are gone: the planner counts it already, so the overlap is taken off.
+    forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
+
+    # Backward: fp32 dQ/dK/dV accumulators (for fp32 inputs they are the gradients the
+    # planner counts), dK/dV accumulators in flight, received K/V, dout made contiguous, and
+    # per block expanded K/V, the kernel's q-headed grads, its fp32 dQ accumulator and
+    # softmax sums, and the GQA-reduced dK/dV.
+    acc = (q32 + 2 * k32) if low else 0
+    dkv_in_flight = sympy.Min(1, p - 1) * 2 * k32
+    grads_late = (q.nbytes + 2 * k.nbytes) if low else 0
+    block = (_expanded_kv(q, k) + q.nbytes + 2 * TensorSize((b, h, s, d), k.itemsize).nbytes
+             + q32 + 2 * rows_f32 + (2 * k.nbytes if k.shape[1] != h else 0))
+    backward = acc + dkv_in_flight + received + q.nbytes + block - grads_late
     return Workspace(forward, backward)
 
 
