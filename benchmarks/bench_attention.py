@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work-dir", default=None, help="part files of the phases (default: a temp folder)")
     ap.add_argument("--part", default=None, help="phase: where to write this world size's results")
     ap.add_argument("--results-md", default=None, help="also update this RESULTS.md in place (its bench section)")
-    ap.add_argument("--nccl-timeout", type=int, default=300, help="seconds before a stuck collective fails")
+    ap.add_argument("--nccl-timeout", type=int, default=120, help="seconds before a stuck collective fails")
     return ap
 
 
@@ -158,7 +158,6 @@ class Env:
         self.dtype = torch.float32 if self.smoke else torch.bfloat16
         self.d = 16 if self.smoke else 128
         self.heads = {"mha": (2, 2), "gqa": (4, 2)} if self.smoke else {"mha": (16, 16), "gqa": (32, 8)}
-        self.baseline = "sdpa-math" if self.smoke else BASELINE
         self.deadline = T0 + 60.0 * args.max_minutes
         self.rates: dict[tuple[str, str], float] = {}  # (method, mode) -> measured FLOP/s per GPU
         self._mesh = None
@@ -472,12 +471,13 @@ class Method:
     worlds: str  # "1": single device only; "multi": p >= 2; "any"
     cpu: bool  # runs in the CPU smoke mode
     gpu: bool = True
+    setup_s: float = 0.0  # budgeted per cell on top of the iterations (compilation)
 
 
 METHODS: dict[str, Method] = {
     "sdpa-cudnn": Method(sdpa_method("cudnn"), "single", "1", cpu=False),
     "sdpa-flash": Method(sdpa_method("flash"), "single", "1", cpu=False),
-    "flex": Method(flex_method, "single", "1", cpu=False),
+    "flex": Method(flex_method, "single", "1", cpu=False, setup_s=40.0),
     "sdpa-math": Method(sdpa_method("math"), "single", "1", cpu=True, gpu=False),
     "cp-cudnn-allgather": Method(cp_method("cudnn", "allgather"), "cp", "multi", cpu=False),
     "cp-cudnn-alltoall": Method(cp_method("cudnn", "alltoall"), "cp", "multi", cpu=False),
@@ -645,6 +645,8 @@ def plan_cells(env: Env) -> list[Cell]:
         fam = METHODS[c.method].family
         if fam == "ring" and c.p == 1:
             tier = 3  # ringcc's overhead at p = 1: useful, not a target
+        elif c.method == "flex":
+            tier = 1  # a reference; each shape compiles (tens of seconds)
         elif c.attn == "mha" and c.n <= 262144 and fam != "dilated":
             tier = 0
         elif c.attn == "gqa" and c.n == small:
@@ -664,26 +666,46 @@ def base_record(cell: Cell, env: Env, mode: str | None) -> dict:
                 d=env.d, b=B, n=cell.n, p=cell.p, causal=cell.causal, mode=mode)
 
 
-def run_cell(cell: Cell, env: Env) -> list[dict]:
+def predicted_peak(cell: Cell, mode: str, done: list[dict]) -> float | None:
+    """Peak bytes per rank at cell.n from this method's measured peaks at smaller n (a + b*n)."""
+    pts = [(r["n"], r["peak_bytes"]) for r in done if r["status"] == "ok" and r.get("peak_bytes")
+           and r["n"] < cell.n and all(r[k] == v for k, v in (("method", cell.method), ("attn", cell.attn),
+                                                               ("causal", cell.causal), ("mode", mode)))]
+    if not pts:
+        return None
+    a, b = fit_line(pts)
+    return a + b * cell.n
+
+
+def run_cell(cell: Cell, env: Env, done: list[dict]) -> list[dict]:
     reason = skip_reason(cell, env)
     if reason:
         return [dict(base_record(cell, env, None), status="skipped", reason=reason)]
     records, modes = [], []
+    capacity = torch.cuda.get_device_properties(env.device).total_memory if env.cuda else None
     for mode in env.args.modes:
         t = est_seconds(cell, env, mode)
+        peak = predicted_peak(cell, mode, done) if capacity and cell.p > 1 else None
         if t > env.args.max_iter_seconds:
-            records.append(dict(base_record(cell, env, mode), status="skipped",
-                                reason=f"estimated iteration {t:.1f} s > --max-iter-seconds"))
+            reason = f"estimated iteration {t:.1f} s > --max-iter-seconds"
+        elif peak is not None and not env.agree(peak <= 0.92 * capacity):
+            # An OOM on one rank in the middle of a ring leaves its peers waiting in NCCL.
+            reason = f"measured peaks predict {peak / GiB:.0f} GiB per rank (> 92% of the device)"
         else:
             modes.append(mode)
-    cost = 0.0
+            continue
+        records.append(dict(base_record(cell, env, mode), status="skipped", reason=reason))
+        env.log(describe(records[-1]))
+    cost = METHODS[cell.method].setup_s if env.cuda else 0.0
     for mode in modes:
         t = est_seconds(cell, env, mode)
         warm, iters = plan_iters(t, env.args)
         cost += t * (1 + warm + iters)
     if modes and not env.agree(cost <= env.left()):
         reason = f"time budget (estimated {cost:.0f} s, {max(env.left(), 0):.0f} s left)"
-        return records + [dict(base_record(cell, env, m), status="skipped", reason=reason) for m in modes]
+        records += [dict(base_record(cell, env, m), status="skipped", reason=reason) for m in modes]
+        env.log(describe(records[-1]))
+        return records
     for mode in modes:
         rec = base_record(cell, env, mode)
         try:
@@ -803,7 +825,7 @@ def run_phase(args) -> None:
 
     env.log(f"{part['phases'][0].get('device')} torch {torch.__version__}; budget {args.max_minutes:.1f} min")
     for cell in plan_cells(env):
-        part["records"] += run_cell(cell, env)
+        part["records"] += run_cell(cell, env, part["records"])
         save()
     if args.maxlen_methods:
         part["maxlen"] = run_maxlen(env, part["records"])
@@ -847,16 +869,21 @@ def derive(res: dict) -> None:
         m["max_model"] = model_max_length(pts, 0.95 * cap, 2 * m["p"] * 8192) if cap and pts else None
 
 
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of y = a + b*n by least squares; through the origin for a single length."""
+    ns = {n for n, _ in points}
+    if len(ns) == 1:
+        n0 = next(iter(ns))
+        return 0.0, max(y for _, y in points) / n0
+    mn = sum(n for n, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    b = sum((n - mn) * (y - my) for n, y in points) / sum((n - mn) ** 2 for n, _ in points)
+    return my - b * mn, b
+
+
 def model_max_length(points: list[tuple[int, int]], capacity: float, step: int) -> int | None:
     """Largest n (multiple of step) with a + b*n <= capacity, a, b fitted to the measured peaks."""
-    if len(points) == 1:
-        a, b = 0.0, points[0][1] / points[0][0]
-    else:
-        mn = sum(n for n, _ in points) / len(points)
-        my = sum(y for _, y in points) / len(points)
-        var = sum((n - mn) ** 2 for n, _ in points)
-        b = sum((n - mn) * (y - my) for n, y in points) / var
-        a = my - b * mn
+    a, b = fit_line(points)
     if b <= 0:
         return None
     return int((capacity - a) / b) // step * step
@@ -1037,6 +1064,8 @@ def plot(res: dict, out: Path) -> list[str]:
         return ["matplotlib not available: no plots"]
     ok = [r for r in res["records"] if r["status"] == "ok" and r["attn"] == "mha" and r["mode"] == "fwdbwd"]
     ps = sorted({r["p"] for r in ok}) or [1]
+    smoke = any(ph.get("smoke") for ph in res["phases"])
+    baseline = "sdpa-math" if smoke else BASELINE
     for key, ylabel, fname in (("tflops_per_gpu", "TFLOP/s per GPU", "tflops.png"),
                                ("peak_bytes", "peak GiB per rank", "memory.png")):
         fig, axes = plt.subplots(2, len(ps), figsize=(5 * len(ps), 8), squeeze=False)
@@ -1048,6 +1077,12 @@ def plot(res: dict, out: Path) -> list[str]:
                     pts = sorted((r["n"], r[key] / (GiB if key == "peak_bytes" else 1)) for r in cell if r["method"] == name)
                     if pts:
                         ax.plot(*zip(*pts), marker="o", label=name)
+                base = sorted((r["n"], r[key] / GiB / p if key == "peak_bytes" else r[key]) for r in ok
+                              if r["method"] == baseline and r["p"] == 1 and r["causal"] == causal and r.get(key))
+                if base and p > 1:
+                    # The single-GPU kernel per GPU: its rate, or its peak divided by p (the ideal).
+                    label = f"1-GPU {baseline}" if key == "tflops_per_gpu" else f"1-GPU {baseline} peak / p"
+                    ax.plot(*zip(*base), "kx--", label=label)
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"{'causal' if causal else 'non-causal'}, p={p}")
                 ax.set_xlabel("total n")

@@ -117,3 +117,11 @@ def test_search_and_memory_model():
     assert bench.update_results_md(old, section) == "# R\n\nintro\n\n" + section + "\n\n## later\n"
     assert bench.update_results_md("# R\n", section) == "# R\n\n" + section + "\n"
     assert bench.longnet_schedule(65536, 2048) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
+    # Cells the measured peaks predict not to fit are skipped before a multi-rank OOM can hang.
+    rec = dict(status="ok", method="ring-zigzag", attn="mha", causal=True, mode="fwdbwd")
+    done = [dict(rec, n=1000, peak_bytes=1100), dict(rec, n=2000, peak_bytes=2100),
+            dict(rec, n=2000, peak_bytes=9999, mode="fwd")]
+    cell = bench.Cell("ring-zigzag", "mha", True, 8000, 4)
+    assert bench.predicted_peak(cell, "fwdbwd", done) == pytest.approx(8100)
+    assert bench.predicted_peak(cell, "fwdbwd", done[:1]) == pytest.approx(8800)
+    assert bench.predicted_peak(bench.Cell("ring-zigzag", "gqa", True, 8000, 4), "fwdbwd", done) is None
