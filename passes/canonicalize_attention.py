@@ -102,6 +102,7 @@ WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.
 DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
+BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
 TRANSPOSE_METHODS = ("transpose", "permute", "mT")
 ENCODER_TARGETS = tuple(t for t in (getattr(torch, "_transformer_encoder_layer_fwd", None),
                                     aten._transformer_encoder_layer_fwd.default) if t is not None)
@@ -206,6 +207,7 @@ class _Manual:
     v: torch.fx.Node
     scale: float
     mask: Any = None  # node, or ("not", node) for masks that mark excluded positions
+    mask_scale: float = 1.0  # scales applied after an additive mask (they scale it too)
     dropout: Optional[tuple[float, bool]] = None
     reused: list[str] = field(default_factory=list)
     dead: list[torch.fx.Node] = field(default_factory=list)
@@ -230,6 +232,8 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             k = b.call(torch.transpose, m.kt, -2, -1) if not is_aten_graph(gm) else b.call(aten.transpose.int, m.kt, -2, -1)
         if isinstance(mask, tuple):
             mask = b.call(torch.logical_not if not is_aten_graph(gm) else aten.logical_not.default, mask[1])
+        elif mask is not None and fake(mask).dtype != torch.bool and m.mask_scale != 1.0:
+            mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale)
         three_d = fake(q).dim() == 3
         if three_d:
             unsq = (lambda x: b.call(torch.unsqueeze, x, 0)) if not is_aten_graph(gm) else (lambda x: b.call(aten.unsqueeze.default, x, 0))
@@ -283,7 +287,7 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
             break
         p = u
     # backward: scores -> casts / scales / one mask -> A @ B
-    s, scale, mask = x, 1.0, None
+    s, scale, mask, mask_scale = x, 1.0, None, 1.0
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
@@ -299,10 +303,19 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
         if mask is None:
             found = _mask_of(s)
             if found is not None:
-                s, mask = found
+                (s, mask), mask_scale = found, scale  # scales seen so far apply to the mask too
                 continue
         if _is(s, MATMUL_FUNCS, MATMUL_METHODS) and len(s.args) == 2:
             a, bt = s.args
+            break
+        if _is(s, BADDBMM_FUNCS, ("baddbmm",)):
+            found = _baddbmm(s, mask)
+            if found is None:
+                return None
+            if found[3] is not mask:
+                mask_scale = scale
+            a, bt, alpha, mask = found
+            scale *= alpha
             break
         return None
     q, cq = _scaled(a)
@@ -316,7 +329,25 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
         return None
     if qv.shape[-1] != ktv.shape[-2] or ktv.shape[-1] != vv.shape[-2]:
         return None
-    return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, dropout=dropout, reused=reused)
+    return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, mask_scale=mask_scale,
+                   dropout=dropout, reused=reused)
+
+
+def _baddbmm(node: torch.fx.Node, mask: Any):
+    """(a, b, alpha, mask) of baddbmm(input, a, b, beta=, alpha=) = beta * input + alpha * a @ b:
+    beta = 0 ignores input (HF's empty-buffer idiom); beta = 1 adds it as a float mask."""
+    args = list(node.args) + [None] * 2
+    inp, a, bt = args[0], args[1], args[2]
+    beta = static_float(node.kwargs.get("beta", 1.0))
+    alpha = static_float(node.kwargs.get("alpha", 1.0))
+    if beta is None or alpha is None or alpha <= 0 or not isinstance(a, torch.fx.Node) or not isinstance(bt, torch.fx.Node):
+        return None
+    if beta == 0:
+        return a, bt, alpha, mask
+    if beta == 1 and mask is None and isinstance(inp, torch.fx.Node) and fake(inp).dtype == fake(node).dtype:
+        # softmax(alpha * (a @ b) + input) = SDPA with scale alpha and additive mask input
+        return a, bt, alpha, inp
+    return None
 
 
 def _dropout_args(node: torch.fx.Node) -> tuple[Optional[float], bool]:

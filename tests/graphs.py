@@ -10,18 +10,19 @@ from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport
 
 
-def dynamo_graph(fn, *inputs) -> torch.fx.GraphModule:
-    """The (single) torch-level graph dynamo hands a backend for fn(*inputs)."""
+def dynamo_graph(fn, *inputs, with_inputs: bool = False):
+    """The (single) torch-level graph dynamo hands a backend for fn(*inputs) (and the
+    example inputs it was given, in placeholder order, when with_inputs)."""
     graphs = []
 
     def capture(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, list(example_inputs)))
         return gm.forward
 
     torch._dynamo.reset()
     torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
     assert len(graphs) == 1
-    return graphs[0]
+    return graphs[0] if with_inputs else graphs[0][0]
 
 
 def export_graph(module, *inputs) -> torch.fx.GraphModule:
