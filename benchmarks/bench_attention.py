@@ -292,7 +292,6 @@ def _sdpa_backend(kernel: str):
 @functools.lru_cache(maxsize=None)
 def _native_gqa(kernel: str, device: str, dtype_name: str) -> bool:
     """Whether SDPA with this backend takes K/V with fewer heads (enable_gqa) on this device."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
@@ -345,7 +344,6 @@ def _causal_mod(b, h, q_idx, kv_idx):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
-    import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from ringcc import _compat
@@ -377,7 +375,6 @@ def cp_comm_bytes(cell: Cell, h_kv: int, d: int, elt: int, backward: bool) -> in
 def cp_method(kernel: str, rotate: str):
     @contextlib.contextmanager
     def make(cell: Cell, env: Env):
-        import torch
         from torch.nn.attention import sdpa_kernel
 
         from ringcc import _compat
@@ -759,7 +756,8 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
     """Largest MHA causal fwd+bwd length per method of --maxlen-methods that runs at this p."""
     results = []
     for name in env.args.maxlen_methods:
-        if name not in METHODS:
+        # The target compares the single-GPU kernel with the distributed methods.
+        if name not in METHODS or (env.world == 1) != (METHODS[name].family == "single"):
             continue
         probe_cell = Cell(name, "mha", True, 0, env.world)
         if skip_reason(dataclasses.replace(probe_cell, n=2 * env.world), env):

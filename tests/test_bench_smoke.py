@@ -125,3 +125,63 @@ def test_search_and_memory_model():
     assert bench.predicted_peak(cell, "fwdbwd", done) == pytest.approx(8100)
     assert bench.predicted_peak(cell, "fwdbwd", done[:1]) == pytest.approx(8800)
     assert bench.predicted_peak(bench.Cell("ring-zigzag", "gqa", True, 8000, 4), "fwdbwd", done) is None
+
+
+def _rec(method, family, n, p, ms, *, causal=True, attn="mha", mode="fwdbwd", peak=None, comm=0, h=16, h_kv=16):
+    flops = 4.0 * h * n * n * 128 * (0.5 if causal else 1.0) * (3.5 if mode == "fwdbwd" else 1.0)
+    return dict(method=method, family=family, attn=attn, h=h, h_kv=h_kv, d=128, b=1, n=n, p=p, causal=causal,
+                mode=mode, status="ok", ms=ms, flops=flops, tflops_per_gpu=flops / p / (ms * 1e-3) / 1e12,
+                peak_bytes=peak, comm_bytes=comm)
+
+
+def test_targets_on_gpu_shaped_results():
+    """The report's target checks on hand-made 1- and 4-GPU records: each verdict follows the
+    numbers (the CPU smoke run cannot produce cuDNN, context-parallel or memory figures)."""
+    bench = _load_bench()
+    K, G = 1024, 2**30
+    recs = [
+        _rec("sdpa-cudnn", "single", 64 * K, 1, 100.0, peak=4 * G),
+        _rec("sdpa-cudnn", "single", 256 * K, 1, 1600.0, peak=16 * G),
+        # 16K/GPU: 100/4/26 = 96% (>= 95%); 64K/GPU: 1600/4/415 = 96.4% (< 97%).
+        _rec("ring-zigzag", "ring", 64 * K, 4, 26.0, peak=int(1.2 * G), comm=3 * 2**20),
+        _rec("ring-zigzag", "ring", 256 * K, 4, 415.0, peak=8 * G, comm=12 * 2**20),
+        _rec("ring-zigzag-nocomm", "ring-nocomm", 64 * K, 4, 25.0),
+        _rec("ring-zigzag-nocomm", "ring-nocomm", 256 * K, 4, 414.0),
+        _rec("cp-cudnn-alltoall", "cp", 64 * K, 4, 30.0, peak=3 * G),
+        _rec("cp-cudnn-allgather", "cp", 256 * K, 4, 400.0, peak=12 * G),
+        _rec("ring-zigzag", "ring", 64 * K, 4, 30.0, attn="gqa", h=32, h_kv=8, comm=3 * 2**19),
+        _rec("dilated", "dilated", 256 * K, 4, 10.0),
+        _rec("dilated", "dilated", 1024 * K, 4, 45.0),
+        _rec("ring-zigzag", "ring", 1024 * K, 4, 9000.0),
+    ]
+    res = {"phases": [{"world": 1, "device_total_memory": 80 * G, "smoke": False},
+                      {"world": 4, "device_total_memory": 80 * G, "smoke": False}],
+           "records": recs,
+           "maxlen": [{"method": "sdpa-cudnn", "p": 1, "status": "ok", "max_fit": 2 * K * K, "first_fail": 2304 * K,
+                       "stopped_by": "converged"},
+                      {"method": "ring-zigzag", "p": 4, "status": "ok", "max_fit": 7 * K * K, "first_fail": None,
+                       "stopped_by": "time cap"}]}
+    bench.derive(res)
+    lines = bench.check_targets(res)
+    text = "\n".join(lines)
+    assert "PASS  ring-zigzag causal p=4: 96.2% of 1-GPU cuDNN at 16K/GPU" in text
+    assert "MISS  ring-zigzag causal p=4: 96.4% of 1-GPU cuDNN at 64K/GPU" in text
+    assert "n/a   ring-contiguous non-causal p=4: efficiency at 16K/GPU (not measured)" in text
+    # 26 ms vs 30 ms and 415 vs 400 ms: the ring loses the 256K cell.
+    assert any(x.startswith("MISS  ring >= best context-parallel config in every cell: 1/2") for x in lines)
+    # ideal = 16 GiB / 4 = 4 GiB: 8 GiB > 1.1 * 4 GiB + 256 MiB.
+    assert any(x.startswith("MISS  ring peak <= 1.1 x (1-GPU peak / p) + 256 MiB: 1/2 cells; worst 2.00x") for x in lines)
+    assert "info  context parallel peak: 3.00-3.00x ideal" in text
+    # Without an OOM bracketing the 4-GPU search, the ratio is a lower bound: n/a, not PASS/MISS.
+    assert any(x.startswith("n/a    longest fwd+bwd p=4 / 1 GPU: verified 7340032 / 2097152 = 3.50x") for x in lines)
+    assert any(x.startswith("PASS  communication hidden") and "worst 1.040" in x for x in lines)
+    assert "PASS  dilated time(4n) <= 4.6 x time(n), causal fwdbwd: 256K->1024K 4.50x" in text
+    assert "PASS  dilated vs dense ring at 1M, causal fwdbwd: 200.0x faster (target >= 10x)" in text
+    # GQA (h=32, h_kv=8) sends half of MHA h=16's bytes = a quarter of MHA at h=32.
+    assert "PASS  GQA K/V bytes / MHA's at h=32: 0.2500 (target h_kv/h = 0.2500" in text
+    table = bench.format_table(res)
+    assert len(table.splitlines()) == 2 + len(recs) + 2 + len(res["maxlen"])  # header, rows, max-length lines
+    (ring256,) = [r for r in recs if r["method"] == "ring-zigzag" and r["n"] == 256 * K]
+    assert ring256["efficiency"] == pytest.approx(1600 / 4 / 415) and ring256["peak_vs_ideal"] == pytest.approx(2.0)
+    single = next(m for m in res["maxlen"] if m["p"] == 1)
+    assert single["max_model"] == (int(0.95 * 80 * G / (16 * G / (256 * K))) // (2 * 8192)) * 2 * 8192
