@@ -42,13 +42,17 @@ def fake(node):
 
 def expr(size) -> sympy.Expr:
     """A size (int or SymInt) as a sympy expression, without installing guards."""
+    if isinstance(size, sympy.Basic):
+        return size
     if isinstance(size, torch.SymInt):
         return sympy.sympify(size.node.expr)
     return sympy.Integer(int(size))
 
 
 def same(a, b) -> bool:
-    return sympy.simplify(expr(a) - expr(b)) == 0 if not (isinstance(a, int) and isinstance(b, int)) else a == b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return sympy.simplify(expr(a) - expr(b)) == 0
 
 
 def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -166,9 +166,10 @@ class Sharder:
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (int(st.outer), -1), method=True), d + 1
         if front or back:
-            nd = fake(src).dim() + (0 if _eq(st.outer, 1) else 1)
-            pads = [0, 0] * (nd - 1 - d) + [int(front), int(back)]
-            x = self.new(F.pad, x, pads, "constant", pad_value)
+            # cat with filled blocks, not F.pad: F.pad's fake guards on the (symbolic) length
+            pieces = ([self._fill(x, d, int(front), pad_value)] if front else []) + [x] + \
+                ([self._fill(x, d, int(back), pad_value)] if back else [])
+            x = self.new(torch.cat, pieces, d)
         x = self.new(SHARD, x, d, *self.comm)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
@@ -176,6 +177,11 @@ class Sharder:
         self.state[x] = Seq(st.dim, st.length, st.outer, sharded=True)
         self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
         return x
+
+    def _fill(self, x: torch.fx.Node, d: int, k: int, value) -> torch.fx.Node:
+        """k rows of `value` shaped like x's rows along d."""
+        rows = self.new("narrow", x, d, 0, k, method=True)
+        return self.new(torch.full_like, rows, value)
 
     def gather(self, src: torch.fx.Node, st: Seq, why: str) -> torch.fx.Node:
         """The full value of sharded `src` on every rank (O(n): recorded)."""
