@@ -7,6 +7,8 @@
 exact_ring: a small causal LM trained on its loss: every activation is sharded and attention
 is exact ring attention, so the peak per rank is O(n/p).
 dilated: the same LM with LongNet dilated attention (the options' `dilation` spec).
+(Vocabularies are not powers of two so that no model dim equals a traced length: the
+dilated example is traced with constant shapes, where such a dim would be read as n.)
 full_logits: the same LM returning its logits: ringcc gathers outputs to full length, so
 every rank holds [b, n, vocab] - the planner names that gather as the culprit.
 """
@@ -40,7 +42,7 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 1024, dim: int = 64, heads: int = 4, layers: int = 2, return_logits: bool = False):
+    def __init__(self, vocab: int = 1000, dim: int = 64, heads: int = 4, layers: int = 2, return_logits: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -66,16 +68,15 @@ def _inputs(seq_len: int, vocab: int, batch: int = 2):
 
 def exact_ring(seq_len: int = 256):
     torch.manual_seed(0)
-    return TinyLM(), _inputs(seq_len, 1024)
+    return TinyLM(), _inputs(seq_len, 1000)
 
 
 def dilated(seq_len: int = 256):
     torch.manual_seed(0)
     spec = DilatedSpec(segment_lengths=(16, 64), dilation_rates=(1, 4))
-    return TinyLM(), _inputs(seq_len, 1024), {"dilation": spec}
+    return TinyLM(), _inputs(seq_len, 1000), {"dilation": spec}
 
 
 def full_logits(seq_len: int = 256):
     torch.manual_seed(0)
-    # A vocabulary that is not a power of two never equals a traced length (see --static).
     return TinyLM(vocab=8000, return_logits=True), _inputs(seq_len, 8000)

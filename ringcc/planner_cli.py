@@ -77,6 +77,13 @@ def build(factory, seq_len: int):
     return model, inputs, dict(options)
 
 
+def build_options(factory) -> dict:
+    """The options a factory returns, without building its inputs at full length."""
+    params = inspect.signature(factory).parameters
+    made = factory(seq_len=64) if "seq_len" in params else factory()
+    return dict(made[2]) if isinstance(made, tuple) and len(made) == 3 else {}
+
+
 def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int = 1, options=None,
                 training: bool | None = None, dynamic: bool = True):
     """Trace `model(*inputs)` (sequence dim dynamic), rewrite it for `world_size` ranks and
@@ -211,11 +218,15 @@ def run(args) -> int:
         raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
     # Static shapes are read at the traced length: trace at N itself so that the concrete
     # sizes are exact (a dim equal to N/P is taken as the sequence there).
-    trace_len = args.trace_len or (args.seq_len if args.static else default_trace_len(args.seq_len, args.world_size))
-    model, inputs, options = build(load_factory(args.target), trace_len)
+    factory = load_factory(args.target)
+    static = args.static
+    if not static and "dilation" in build_options(factory):
+        static = True  # the dilated rewrite plans its segments from a static length
+    trace_len = args.trace_len or (args.seq_len if static else default_trace_len(args.seq_len, args.world_size))
+    model, inputs, options = build(factory, trace_len)
     plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
                                  seq_dim=args.seq_dim, options=options,
-                                 training=False if args.inference else None, dynamic=not args.static)
+                                 training=False if args.inference else None, dynamic=not static)
     if not plans:
         raise ValueError(f"{args.target}: dynamo produced no graph to plan")
     for report, plan in zip(reports, plans):
