@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--maxlen-methods", default="sdpa-cudnn,ring-zigzag,cp-cudnn-alltoall",
                     help="methods whose largest length is searched (MHA, causal, fwd+bwd); '' for none")
     ap.add_argument("--probe-seconds", type=float, default=15.0, help="longest estimated single probe")
+    ap.add_argument("--profile", default="", help="METHOD@N,...: also profile one iteration of those cells "
+                    "(top kernels by device time, rank 0, into the log and the JSON)")
     ap.add_argument("--out", default="bench_out", help="report folder (results.json, table.txt, PNGs, RESULTS.md)")
     ap.add_argument("--work-dir", default=None, help="part files of the phases (default: a temp folder)")
     ap.add_argument("--part", default=None, help="phase: where to write this world size's results")
@@ -121,6 +123,7 @@ def finish_args(args) -> argparse.Namespace:
     args.causals = {"both": [True, False], "causal": [True], "noncausal": [False]}[args.causal]
     args.modes = _names(args.modes)
     args.maxlen_methods = _names(args.maxlen_methods)
+    args.profile_cells = {(m, int(n)) for m, n in (x.split("@") for x in _names(args.profile))}
     bad = [m for m in args.modes if m not in ("fwdbwd", "fwd")] + [a for a in args.attn if a not in ("mha", "gqa")]
     if bad:
         raise SystemExit(f"unknown mode/attn {bad}; modes: fwdbwd, fwd; attn: mha, gqa")
@@ -615,9 +618,27 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
         comm, source = bench.comm_model(backward), "model"
     else:
         comm, source = int(env.all_max([sent["bytes"]])[0]), "measured (RingComm.bytes_sent)"
-    return dict(status="ok", ms=ms, ms_iters=times, warmup=1 + warm, iters=iters, flops=flops,
-                tflops_per_gpu=tflops, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
-                comm_source=source, notes=bench.notes)
+    rec = dict(status="ok", ms=ms, ms_iters=times, warmup=1 + warm, iters=iters, flops=flops,
+               tflops_per_gpu=tflops, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
+               comm_source=source, notes=bench.notes)
+    if (cell.method, cell.n) in env.args.profile_cells:
+        rec["profile"] = profile_table(step, env)
+        env.log(f"profile of {cell.method} n={cell.n} {mode} (rank 0):\n{rec['profile']}")
+    return rec
+
+
+def profile_table(step: Callable[[], None], env: Env, rows: int = 20) -> str:
+    """Top ops of one iteration by self device time (CPU time on CPU): where the time goes, and
+    whether communication kernels run beside the attention kernels or add to them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
+    env.barrier()
+    with profile(activities=acts) as prof:
+        step()
+        env.barrier()
+    key = "self_device_time_total" if env.cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1139,7 +1160,7 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 
 
 PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "reps", "target_seconds",
-               "max_iter_seconds", "probe_seconds", "nccl_timeout"]
+               "max_iter_seconds", "probe_seconds", "nccl_timeout", "profile"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 
 

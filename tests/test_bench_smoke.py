@@ -30,7 +30,7 @@ def smoke(tmp_path_factory):
     before = repo_md.read_text() if repo_md.exists() else None
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(BENCH), "--smoke", "--worlds", "1,2", "--lengths", "256",
-           "--dilated-lengths", "256,1024", "--out", str(tmp / "out"), "--work-dir", str(tmp / "work")]
+           "--dilated-lengths", "256,1024", "--profile", "ring-zigzag@256", "--out", str(tmp / "out"), "--work-dir", str(tmp / "work")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     after = repo_md.read_text() if repo_md.exists() else None
@@ -100,6 +100,9 @@ def test_report_outputs(smoke):
     md = (out / "RESULTS.md").read_text()
     assert md.count("<!-- bench_attention:begin -->") == 1 and "torch" in md
     assert repo_md_untouched  # smoke mode never edits benchmarks/RESULTS.md
+    profiled = [r for r in res["records"] if "profile" in r]
+    assert profiled and all(r["method"] == "ring-zigzag" and r["n"] == 256 for r in profiled)
+    assert all("ringcc::ring_attention" in r["profile"] for r in profiled)
     pytest.importorskip("matplotlib")
     assert (out / "tflops.png").stat().st_size > 0 and (out / "memory.png").stat().st_size > 0
 
