@@ -37,12 +37,28 @@ def _world(config: Config) -> tuple[int, str]:
     return dist.get_world_size(group), _compat.group_name(group)
 
 
+def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
+    """Memory plan of the rewritten graph into ctx.report.plan; Config(require_linear_memory=True)
+    makes a failed O(n/p) verdict an error. Without that setting a planner failure is a note,
+    never a failed compile."""
+    from ringcc import planner
+
+    if ctx.config.require_linear_memory:
+        planner.plan_for_context(gm, ctx)
+        return
+    try:
+        planner.plan_for_context(gm, ctx)
+    except Exception as e:  # the plan is a report; the compile must not depend on it
+        ctx.report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     world, name = _world(config)
     report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
     ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
                       example_inputs=list(example_inputs))
     gm = run_pipeline(gm, ctx)
+    _plan(gm, ctx)
     record(report)
     compiled = _inner(gm, example_inputs, config)
     decisions = list(ctx.scratch.get("shard_decisions", ()))

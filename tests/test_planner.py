@@ -324,3 +324,33 @@ def test_require_linear_memory_error_names_culprit():
     with pytest.raises(ValueError, match=r"require_linear_memory=True.*mask at test_planner.py"):
         planner.plan_for_context(gm, ctx)
     assert ctx.report.plan is not None and ctx.report.plan.verdict is False
+
+
+# ---------------------------------------------------------------------------------------
+# the backend stores a plan per graph
+
+
+class AttentionAndDistances(nn.Module):
+    def forward(self, x):
+        b, s, dim = x.shape
+        q = x.view(b, s, 2, dim // 2).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return a.sum() + torch.cdist(x, x).sum()  # cdist: [b, n, n]
+
+
+def test_backend_stores_plan_and_require_linear_memory_raises():
+    import ringcc
+
+    x = torch.randn(1, 24, 8)
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    torch.compile(AttentionAndDistances(), backend="ringcc", options={"inner": "eager"})(x)
+    plan = ringcc.last_report().plan
+    assert isinstance(plan, planner.MemoryPlan) and plan.verdict is False
+    assert any(c.growth == "n**2" and "test_planner.py" in c.location for c in plan.culprits)
+    assert "memory:" in ringcc.last_report().format()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"require_linear_memory=True.*not O\(n/p\).*test_planner.py"):
+        torch.compile(AttentionAndDistances(), backend="ringcc",
+                      options={"inner": "eager", "require_linear_memory": True})(x)
+    torch._dynamo.reset()
