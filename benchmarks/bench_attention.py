@@ -153,6 +153,8 @@ class Env:
             torch.cuda.set_device(local)
             self.device = torch.device("cuda", local)
             backend = "nccl"
+        # NVLink multicast stays off on the lent machines (run_gpu.sh sets it; direct runs too).
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         if "RANK" in os.environ and not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.nccl_timeout))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -622,7 +624,10 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
                tflops_per_gpu=tflops, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
                comm_source=source, notes=bench.notes)
     if (cell.method, cell.n) in env.args.profile_cells:
-        rec["profile"] = profile_table(step, env)
+        try:
+            rec["profile"] = profile_table(step, env)
+        except Exception as e:  # noqa: BLE001 - a profiler problem must not void the measurement
+            rec["profile"] = f"profiler failed: {type(e).__name__}: {e}"
         env.log(f"profile of {cell.method} n={cell.n} {mode} (rank 0):\n{rec['profile']}")
     return rec
 
@@ -1176,6 +1181,7 @@ def phase_argv(args) -> list[str]:
 def launch_all(args) -> int:
     import tempfile
 
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by every phase
     out = Path(args.out)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ringcc_bench_"))
     work.mkdir(parents=True, exist_ok=True)
