@@ -43,7 +43,6 @@ import datetime
 import functools
 import gc
 import json
-import math
 import os
 import signal
 import statistics
