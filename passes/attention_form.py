@@ -25,6 +25,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ringcc import _compat
+
 from .base import tag
 
 SDPA_TORCH_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -182,6 +184,23 @@ def static_int(x: Any) -> Optional[int]:
     if isinstance(x, int):
         return x
     return None
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """a == b for sizes (ints or SymInts) without installing a guard; False when unknown."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    ea = a if isinstance(a, int) else _compat.sym_expr(a)
+    eb = b if isinstance(b, int) else _compat.sym_expr(b)
+    return bool(ea == eb)
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def is_one(x: Any) -> bool:
+    return isinstance(x, int) and x == 1
 
 
 def static_float(x: Any) -> Optional[float]:

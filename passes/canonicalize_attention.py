@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ringcc.report import Decision, Site, SkipReason
 
 from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
-                             is_sdpa, static_float)
+                             is_sdpa, same_shape, same_size, static_float)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -244,7 +244,7 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         out = b.sdpa(call, "manual")
         if three_d:
             out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
-        if fake(out).shape != fake(m.out).shape or fake(out).dtype != fake(m.out).dtype:
+        if not same_shape(fake(out).shape, fake(m.out).shape) or fake(out).dtype != fake(m.out).dtype:
             raise ValueError("canonical attention does not reproduce the site's output")
     except Exception:  # noqa: BLE001 - shapes SDPA does not take: leave the site to the user's code
         _erase_new(gm, PASS, m.out)
@@ -327,7 +327,7 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
     qv, ktv, vv = fake(q), fake(kt), fake(v)
     if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == xv.dim()):
         return None
-    if qv.shape[-1] != ktv.shape[-2] or ktv.shape[-1] != vv.shape[-2]:
+    if not same_size(qv.shape[-1], ktv.shape[-2]) or not same_size(ktv.shape[-1], vv.shape[-2]):
         return None
     return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, mask_scale=mask_scale,
                    dropout=dropout, reused=reused)
@@ -444,8 +444,7 @@ def _canonicalise_mha(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassCo
         return False
     b = Builder(gm, node, PASS)
     query, key, value = a["query"], a["key"], a["value"]
-    L, N, E = fake(query).shape
-    S = fake(key).shape[0]
+    E = fake(query).shape[-1]
     H = int(a["num_heads"])
     D = E // H
     if a["use_separate_proj_weight"]:
@@ -459,17 +458,18 @@ def _canonicalise_mha(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassCo
     else:
         bq = bk = bv = None
 
-    def heads(x, wt, bs, length):  # [len, N, E] -> [N, H, len, D]
+    # sizes other than H and D may be symbolic: unflatten / flatten keep them out of the graph
+    def heads(x, wt, bs):  # [len, N, E] -> [N, H, len, D]
         y = b.call(F.linear, x, wt, bs)
-        y = b.method("view", y, length, N, H, D)
+        y = b.method("unflatten", y, -1, (H, D))
         return b.method("permute", y, 1, 2, 0, 3)
 
-    q, k, v = heads(query, wq, bq, L), heads(key, wk, bk, S), heads(value, wv, bv, S)
-    mask, is_causal = _mha_mask(b, a, N, L, S)
+    q, k, v = heads(query, wq, bq), heads(key, wk, bk), heads(value, wv, bv)
+    mask, is_causal = _mha_mask(b, a)
     call = SdpaCall(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=None, enable_gqa=False)
     y = b.sdpa(call, "mha")  # [N, H, L, D]
     y = b.method("permute", y, 2, 0, 1, 3)
-    y = b.method("reshape", y, L, N, E)
+    y = b.method("flatten", y, -2)
     y = b.call(F.linear, y, a["out_proj_weight"], a["out_proj_bias"])
     for u in out_users:
         u.replace_all_uses_with(y)
@@ -502,7 +502,7 @@ def _mha_unsupported(a: dict) -> str:
     return ""
 
 
-def _mha_mask(b: Builder, a: dict, N, L, S):
+def _mha_mask(b: Builder, a: dict):
     """The SDPA mask of F.multi_head_attention_forward (same merge: additive float masks;
     a bool mask marks excluded positions, as in nn.MultiheadAttention)."""
     attn_mask, kpm = a["attn_mask"], a["key_padding_mask"]
@@ -511,9 +511,9 @@ def _mha_mask(b: Builder, a: dict, N, L, S):
         return None, True
     parts = []
     if attn_mask is not None:
-        parts.append(b.method("view", _additive(b, attn_mask), 1, 1, L, S))
+        parts.append(b.getitem(_additive(b, attn_mask), (None, None)))  # [L, S] -> [1, 1, L, S]
     if kpm is not None:
-        parts.append(b.method("view", _additive(b, kpm), N, 1, 1, S))
+        parts.append(b.getitem(_additive(b, kpm), (slice(None), None, None)))  # [N, S] -> [N, 1, 1, S]
     if not parts:
         return None, False
     mask = parts[0]
@@ -551,7 +551,7 @@ def _canonicalise_encoder(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: Pa
                    "fused encoder layer with a merged mask (use torch.backends.mha.set_fastpath_enabled(False))")
         return False
     b = Builder(gm, node, PASS)
-    N, L, E = src.shape
+    E = src.shape[-1]
     H = int(a["num_heads"])
     D = E // H
     x = a["src"]
@@ -561,11 +561,11 @@ def _canonicalise_encoder(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: Pa
 
     def attention(y):
         qkv = b.call(F.linear, y, a["qkv_weight"], a["qkv_bias"])
-        qkv = b.method("view", qkv, N, L, 3, H, D)
+        qkv = b.method("unflatten", qkv, -1, (3, H, D))
         qkv = b.method("permute", qkv, 2, 0, 3, 1, 4)
         q, k, v = (b.getitem(qkv, i) for i in range(3))
         o = b.sdpa(SdpaCall(q, k, v), "encoder")
-        o = b.method("reshape", b.method("transpose", o, 1, 2), N, L, E)
+        o = b.method("flatten", b.method("transpose", o, 1, 2), -2)
         return b.call(F.linear, o, a["proj_weight"], a["proj_bias"])
 
     def ffn(y):

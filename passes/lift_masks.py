@@ -40,7 +40,7 @@ import torch.fx
 from ringcc.report import SkipReason
 
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
-                             fake, is_aten_graph, is_sdpa, static_float, static_int)
+                             fake, is_aten_graph, is_one, is_sdpa, same_size, static_float, static_int)
 from .base import PassContext, PassResult
 
 PASS = "lift_masks"
@@ -214,9 +214,9 @@ class Unliftable(Exception):
 
 def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nodes: dict) -> Union[LiftedMask, str]:
     qv, kv = fake(call.q), fake(call.k)
-    n_q, n_k = static_int(qv.shape[-2]), static_int(kv.shape[-2])
-    if n_q is None or n_k is None or qv.dim() != 4:
-        return "mask lifting needs static 4-D shapes"
+    if qv.dim() != 4 or kv.dim() != 4:
+        return "mask lifting needs 4-D q / k"
+    n_q, n_k = qv.shape[-2], kv.shape[-2]
     try:
         val = _Interp(n_q, n_k).eval(call.attn_mask)
         if isinstance(val, Data):
@@ -271,8 +271,11 @@ def _conjunction(p) -> list:
     return [p]
 
 
-def _spec(atoms: list, n_q: int, n_k: int, is_causal: bool) -> LiftedMask:
-    hi, lo = n_k - 1, -(n_q - 1)  # bounds on d = j - i; these ones hold everywhere
+def _spec(atoms: list, n_q: Any, n_k: Any, is_causal: bool) -> LiftedMask:
+    """Bounds lo <= j - i <= hi (None: unbounded) and key atoms -> LiftedMask. n_q / n_k
+    may be symbolic: bounds that need the length to decide are then unliftable."""
+    hi: Optional[int] = None
+    lo: Optional[int] = None
     keys = []
     for a in atoms:
         if isinstance(a, Key):
@@ -290,23 +293,31 @@ def _spec(atoms: list, n_q: int, n_k: int, is_causal: bool) -> LiftedMask:
             raise Unliftable("mask is always false")
         if ci == -cj:  # cj * (j - i) + c <= 0
             if cj > 0:
-                hi = min(hi, (-c) // cj)
+                hi = (-c) // cj if hi is None else min(hi, (-c) // cj)
             else:
-                lo = max(lo, -((-c) // (-cj)))
+                bound = -((-c) // (-cj))
+                lo = bound if lo is None else max(lo, bound)
             continue
-        if ci == 0 or cj == 0:  # a bound on i or j alone: fine when it holds at every position
+        if ci == 0 or cj == 0:  # coef * idx + c <= 0 must hold for every idx in [0, n)
             coef, n = (cj, n_k) if ci == 0 else (ci, n_q)
-            if max(c, coef * (n - 1) + c) <= 0:
+            if coef < 0 and c <= 0:
+                continue
+            if coef > 0 and isinstance(n, int) and coef * (n - 1) + c <= 0:
                 continue
         raise Unliftable("mask condition is not a function of j - i (e.g. a document or block mask)")
+    # bounds the sequence itself already imposes say nothing
+    if hi is not None and isinstance(n_k, int) and hi >= n_k - 1:
+        hi = None
+    if lo is not None and isinstance(n_q, int) and lo <= -(n_q - 1):
+        lo = None
     lifted = LiftedMask(causal=is_causal)
-    if hi == 0 and n_q == n_k:
+    if hi == 0 and same_size(n_q, n_k):
         lifted.causal = True
-        if lo > -(n_q - 1):
+        if lo is not None:
             lifted.window = 1 - lo
-    elif hi >= n_k - 1 and lo <= -(n_q - 1):
+    elif hi is None and lo is None:
         pass
-    elif hi == -lo and hi > 0 and not is_causal and n_q == n_k:
+    elif hi is not None and lo == -hi and hi > 0 and not is_causal and same_size(n_q, n_k):
         lifted.window = hi + 1
     else:
         raise Unliftable(f"mask allows {lo} <= j - i <= {hi}: neither causal nor a (causal or symmetric) window")
@@ -346,17 +357,11 @@ def _lin_add(a: Lin, b: Lin, sign: int = 1) -> Lin:
         coefs[d] = coefs.get(d, 0) + sign * c
     lengths = dict(a.lengths)
     for d, n in b.lengths:
-        if d in lengths and not _same(lengths[d], n):
+        if d in lengths and not same_size(lengths[d], n):
             raise Unliftable("aranges of different lengths on one dim")
         lengths[d] = n
     return Lin(tuple(sorted((d, c) for d, c in coefs.items() if c)), a.const + sign * b.const,
                max(a.ndim, b.ndim), tuple(sorted(lengths.items())))
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return str(a) == str(b)
 
 
 # ---------------------------------------------------------------------------------------
@@ -646,7 +651,7 @@ class _Interp:
         bsz, n = fake(base).shape
         if bi.coefs != ((-4, 1),) or bi.const != 0 or ki.coefs != ((-1, 1),) or ki.const != 0:
             raise Unliftable("padding lookup that is not mask[b, j]")
-        if not (_same(dict(bi.lengths)[-4], bsz) and _same(dict(ki.lengths)[-1], n)):
+        if not (same_size(dict(bi.lengths)[-4], bsz) and same_size(dict(ki.lengths)[-1], n)):
             raise Unliftable("padding lookup over part of the mask")
         if fake(node).dim() != 4 or x.dims != (-2, -1):
             raise Unliftable("padding lookup that is not 4-D")
@@ -661,12 +666,12 @@ class _Interp:
         mapping: list[Optional[int]] = []
         j = 0
         for k, size in enumerate(s_in):
-            while j < len(s_out) and s_out[j] == 1 and size != 1:
+            while j < len(s_out) and is_one(s_out[j]) and not is_one(size):
                 j += 1
-            if size == 1 and (j >= len(s_out) or s_out[j] != 1):
+            if is_one(size) and (j >= len(s_out) or not is_one(s_out[j])):
                 mapping.append(None)
                 continue
-            if j >= len(s_out) or not _same(s_out[j], size):
+            if j >= len(s_out) or not same_size(s_out[j], size):
                 raise Unliftable("a reshape that merges or splits mask dims")
             mapping.append(j)
             j += 1
@@ -799,7 +804,7 @@ class _Interp:
         a = coefs.get(-1, 0)
         p = self.eval(prepend)
         pv = fake(prepend)
-        if not isinstance(p, Lin) or pv.shape[-1] != 1 or p.const + dict(p.coefs).get(-1, 0) * 0 != x.const - a:
+        if not isinstance(p, Lin) or not is_one(pv.shape[-1]) or p.const != x.const - a:
             raise Unliftable("diff with a prepend that is not the first position minus the step")
         return Ind(TRUE, float(a), float(a), self._ndim(node))
 

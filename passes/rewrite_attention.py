@@ -25,7 +25,7 @@ from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.
 from ringcc.runtime.dilated import DilatedSpec, dilated_plan
 
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, SdpaCall, erase_dead, fake,
-                             is_sdpa, static_float, static_int)
+                             is_sdpa, same_shape, same_size, static_float, static_int)
 from .base import PassContext, PassResult
 
 PASS = "rewrite_attention"
@@ -71,9 +71,9 @@ def _check(node: torch.fx.Node, ctx: PassContext):
     if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (q, k, v)):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
         return SkipReason.SHAPE, f"q/k/v must be 4-D [b, h, n, d]; got {shapes}"
-    if q.shape[2] != k.shape[2]:
+    if not same_size(q.shape[2], k.shape[2]):
         return SkipReason.CROSS_ATTENTION, f"query length {q.shape[2]} != key length {k.shape[2]}"
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if not same_shape(k.shape, v.shape) or not same_size(q.shape[0], k.shape[0]) or not same_size(q.shape[3], k.shape[3]):
         return SkipReason.SHAPE, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [b,h,n,d]/[b,g,n,d]"
     h, g = static_int(q.shape[1]), static_int(k.shape[1])
     if h is None or g is None or h % g or (h != g and not call.enable_gqa):
