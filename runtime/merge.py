@@ -32,7 +32,7 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     global _fused_merge
     if out_acc.is_cuda:
         if _fused_merge is None:
-            _fused_merge = torch.compile(_merge_into, dynamic=False, fullgraph=True)
+            _fused_merge = torch.compile(_merge_into, fullgraph=True)
         _fused_merge(out_acc, lse_acc, out_blk, lse_blk)
     else:
         _merge_into(out_acc, lse_acc, out_blk, lse_blk)

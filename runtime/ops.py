@@ -218,15 +218,19 @@ _CHECKED_LENGTHS: set[tuple[str, int]] = set()
 
 
 def _check_same_length(n_local: int, group, world: int) -> None:
-    """Every rank must hold a shard of the same length (else the ring would hang). Checked
-    once per (group, length): the check is a collective plus a host sync."""
+    """Every rank must hold a shard of the same length (else the ring would hang).
+
+    The check is a collective plus a host sync. On gloo it runs on every call (cheap next to
+    CPU attention). On NCCL it runs once per (group, length), since a host sync per call
+    stalls the GPU pipeline; a rank that later changes length alone is then not caught here.
+    """
     if world == 1:
         return
     key = (_compat.group_name(group), n_local)
-    if key in _CHECKED_LENGTHS:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and key in _CHECKED_LENGTHS:
         return
     t = torch.tensor([n_local, -n_local], dtype=torch.int64)
-    backend = dist.get_backend(group)
     if backend == "nccl":
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
