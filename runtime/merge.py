@@ -7,6 +7,8 @@ lse = -inf and out = 0, and stays NaN-free through any number of merges.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -30,12 +32,16 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     fp32 accumulator, which shows at 16K tokens per GPU); elsewhere it runs eagerly.
     """
     global _fused_merge
-    if out_acc.is_cuda:
+    if out_acc.is_cuda and _fused_merge is not False:
         if _fused_merge is None:
             _fused_merge = torch.compile(_merge_into, fullgraph=True)
-        _fused_merge(out_acc, lse_acc, out_blk, lse_blk)
-    else:
-        _merge_into(out_acc, lse_acc, out_blk, lse_blk)
+        try:
+            _fused_merge(out_acc, lse_acc, out_blk, lse_blk)
+            return
+        except Exception as e:  # noqa: BLE001 - compilation failed (e.g. recompile limit): stay eager
+            warnings.warn(f"ringcc: fused LSE merge unavailable ({type(e).__name__}: {e}); using the eager merge")
+            _fused_merge = False
+    _merge_into(out_acc, lse_acc, out_blk, lse_blk)
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
