@@ -23,7 +23,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import sys
 
@@ -32,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import ringcc
 from ringcc import planner
 from ringcc.backend import _inner, _world
 from ringcc.config import Config

@@ -43,10 +43,8 @@ Note [Memory plan]
 from __future__ import annotations
 
 import enum
-import math
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import sympy
 import torch
@@ -117,8 +115,10 @@ class Culprit:
 @dataclass
 class MemoryPlan:
     """Peak bytes per rank of one graph. Invariants: `peak` = `static` + Max(`candidates`);
-    every candidate is the live sum at some program point; `verdict` is False iff some
-    candidate fails the O(n/p) test, and then `culprits` is not empty."""
+    every candidate is the live sum at some program point, and no candidate was dropped
+    unless another dominates it term by term; `verdict` is False iff the live sum of what
+    the graph allocates (graph inputs excluded) fails the O(n/p) test at some point; a
+    failing verdict has culprits or says in `reasons` that only the sum grows too fast."""
 
     graph: str
     world_size: int  # the P the graph was built for
@@ -208,7 +208,7 @@ class MemoryPlan:
             "reasons": list(self.reasons),
             "culprits": [{"name": c.name, "location": c.location, "size": c.size, "growth": c.growth, "what": c.what}
                          for c in self.culprits],
-            "peak_formula": sympy.srepr(self.peak) if False else str(self.peak),
+            "peak_formula": str(self.peak),  # sympy.sympify reads it back (symbols n, p)
             "static_bytes": _evaluate(self.static, self._subs()),
             "peak_bytes": self.peak_bytes(),
             "peak_point": self.peak_point(),

@@ -12,7 +12,6 @@ import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ringcc import planner
 from ringcc.planner import n, p
