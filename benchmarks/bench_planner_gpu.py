@@ -6,8 +6,8 @@
 For an attention layer and a small Llama block (RMSNorm, GQA attention with RoPE, SwiGLU)
 at several n and p = 1, 2, 4 (sub-groups of the launched ranks; ranks outside a group wait),
 every rank compiles the model with the ringcc backend (inner "eager": the rewritten graph
-runs op by op, as the planner models it), plans the rewritten graph with the same pipeline
-context, runs one training step (forward + backward) and compares:
+runs op by op, as the planner models it), takes the plan the backend stored in each graph's
+report, runs one training step (forward + backward) and compares:
 
   measured  = torch.cuda.max_memory_allocated() during the step - memory_allocated() before it
   planned   = plan peak - resident bytes (parameters, gradients, graph inputs)
@@ -31,12 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import ringcc
 from ringcc import planner
-from ringcc.backend import _inner, _world
 from ringcc.config import Config
-from ringcc.passes.base import PassContext
-from ringcc.passes.pipeline import run_pipeline
-from ringcc.report import GraphReport
 
 # ---------------------------------------------------------------------------------------
 # models (hidden sizes never equal a shard length: sizes are planned from constant shapes)
@@ -122,21 +119,6 @@ def make(model: str, n: int, device, dtype, smoke: bool):
 # one measurement
 
 
-def planning_backend(config: Config, plans: list):
-    """The ringcc backend with the plan of every graph kept (same pipeline, same context)."""
-
-    def backend(gm, example_inputs, **kwargs):
-        world, name = _world(config)
-        report = GraphReport(graph=f"graph{len(plans)}", world_size=world)
-        ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
-                          example_inputs=list(example_inputs))
-        gm = run_pipeline(gm, ctx)
-        plans.append(planner.plan_for_context(gm, ctx))
-        return _inner(gm, example_inputs, config)
-
-    return backend
-
-
 def resident(plan: planner.MemoryPlan) -> int:
     """Bytes alive before the step: parameters (and gradients), graph inputs."""
     inputs = sum(nd.bytes_at(plan.hints) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
@@ -146,11 +128,15 @@ def resident(plan: planner.MemoryPlan) -> int:
 def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
     world = dist.get_world_size(group)
     m, inputs = make(model_name, n, device, dtype, smoke)
-    plans: list = []
     config = Config(group=group, inner="eager", world_size=world)
     torch._dynamo.reset()
-    compiled = torch.compile(m, backend=planning_backend(config, plans), dynamic=False)
+    ringcc.reset_reports()
+    compiled = torch.compile(m, backend=ringcc.backend(config), dynamic=False)
     compiled(*inputs).backward()  # compile + warm-up; gradients now exist (resident)
+    plans = [r.plan for r in ringcc.reports() if r.plan is not None]
+    if not plans:
+        raise RuntimeError("the ringcc backend stored no memory plan: " + "; ".join(
+            note for r in ringcc.reports() for note in r.notes))
     m.zero_grad(set_to_none=False)
     gc.collect()
     row = {"model": model_name, "n": n, "p": world, "graphs": len(plans),
