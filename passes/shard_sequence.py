@@ -462,6 +462,18 @@ def matmul_rule(w: Sharder, node):
     return Seq(d, ref.length, ref.outer, ref.start, sharded=True)
 
 
+def addmm_rule(w: Sharder, node):
+    """addmm(bias, x, weight) (HF GPT-2's Conv1D): rows of x are tokens."""
+    bias, x, weight = node.args[:3]
+    st = w.state.get(x)
+    if not isinstance(st, Seq) or st.dim != 0 or any(isinstance(w.state.get(a), Seq) for a in (bias, weight)):
+        raise Fallback("sequence outside the rows of mat1")
+    if not st.sharded:
+        w.localize(node, x, st, None)
+        st = replace(st, sharded=True)
+    return st
+
+
 def linear_rule(w: Sharder, node):
     return feature_local(_last_dim)(w, node)
 
@@ -536,6 +548,28 @@ def flatten_rule(w: Sharder, node):
     del start, end  # the generic view map decides; flatten has no sizes to rebuild
     new = Seq(j, st.length, outer, st.start, st.sharded)
     return new if st.sharded else replace(new, length=expr(fake(node).shape[j]) / outer)
+
+
+def unflatten_rule(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    nd = fake(x).dim()
+    d = _norm_dim(_arg(node, 1, "dim"), nd)
+    sizes = list(_arg(node, 2, "sizes"))
+    j, outer = _view_map(fake(x).shape, st, fake(node).shape)
+    if st.sharded and d <= j < d + len(sizes):
+        sizes = [(-1 if i == j - d else (s if not (isinstance(s, int) and s == -1) else _static(fake(node).shape[d + i])))
+                 for i, s in enumerate(sizes)]
+        _set_arg(node, 2, "sizes", tuple(sizes))
+    new = Seq(j, st.length, outer, st.start, st.sharded)
+    return new if st.sharded else replace(new, length=expr(fake(node).shape[j]) / outer)
+
+
+def _static(size) -> int:
+    e = expr(size)
+    if not e.is_Integer:
+        raise Fallback("a symbolic size besides the sequence")
+    return int(e)
 
 
 def expand_rule(w: Sharder, node):
@@ -894,6 +928,7 @@ RULES: dict[str, Rule] = {
     **{name: Rule(pointwise(cheap=True)) for name in _PW_CHEAP},
     **{name: Rule(pointwise(cheap=False)) for name in _PW},
     "linear": Rule(linear_rule),
+    "addmm": Rule(addmm_rule),
     "layer_norm": Rule(feature_local(_norm_dims)),
     "rms_norm": Rule(feature_local(_norm_dims)),
     "softmax": Rule(feature_local(_softmax_dims)),
@@ -905,6 +940,7 @@ RULES: dict[str, Rule] = {
     "reshape": Rule(view_rule, creates=True, unary=True),
     "flatten": Rule(flatten_rule, creates=True, unary=True),
     "expand": Rule(expand_rule, creates=True, unary=True),
+    "unflatten": Rule(unflatten_rule, unary=True),
     "repeat": Rule(repeat_rule, unary=True),
     "transpose": Rule(transpose_rule, unary=True),
     "swapaxes": Rule(transpose_rule, unary=True),
@@ -941,6 +977,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(False)
     w = Sharder(gm, ctx)
     w.run()
+    gm.meta["ringcc_seq_len"] = w.n
     ctx.scratch["sharded"] = True
     ctx.scratch["shard_decisions"] = w.decisions
     gm.graph.eliminate_dead_code()

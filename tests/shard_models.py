@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import ringcc
 
 VOCAB = 64
-HF_MODELS = ("llama", "gpt2", "bert")
 
 
 class Block(nn.Module):
@@ -103,11 +102,12 @@ def _rel(a, b) -> float:
 
 
 def parity(rank, world, name, lengths=(24,), inner="aot_eager", options=None, dynamic=False):
-    """Per length: max relative error of loss, outputs and every parameter gradient vs eager."""
+    """Per length: max relative error of loss, outputs and every parameter gradient vs eager;
+    then the report facts and the structural checks of every rewritten graph."""
     ref_model, model = build(name), build(name)
-    # the verifier trips on the `_log_api_usage_once` node HF graphs carry (no fake value at all)
-    cfg = ringcc.Config(inner=inner, verify=name not in HF_MODELS, **(options or {}))
-    compiled = torch.compile(model, backend=ringcc.backend(cfg), dynamic=dynamic)
+    cfg = ringcc.Config(inner=inner, verify=True, **(options or {}))
+    backend, graphs = capturing(cfg)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     ringcc.reset_reports()
     results = []
     for n in lengths:
@@ -129,10 +129,117 @@ def parity(rank, world, name, lengths=(24,), inner="aot_eager", options=None, dy
                 continue
             errs[pname] = _rel(p.grad, r)
         results.append(errs)
-    reps = ringcc.reports()
-    facts = [dict(sites=len(r.sites), rewritten=len(r.rewritten),
-                  gathers=[(g.location, g.why) for g in r.gathers]) for r in reps]
-    return results, facts
+    return results, facts(graphs, world)
+
+
+def capturing(cfg):
+    """A ringcc backend that also keeps every rewritten graph module."""
+    inner = ringcc.backend(cfg)
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        out = inner(gm, example_inputs, **kwargs)
+        graphs.append(gm)  # the passes rewrite gm in place
+        return out
+
+    return backend, graphs
+
+
+def facts(graphs, world) -> list[dict]:
+    """What the tests assert per graph: the report, and the shapes of the rewritten graph."""
+    out = []
+    for gm, rep in zip(graphs, ringcc.reports()):
+        out.append(dict(
+            sites=len(rep.sites), rewritten=len(rep.rewritten),
+            gathers=[(g.location, g.why) for g in rep.gathers],
+            bad_rows=shard_row_violations(gm, world),
+            full_after_attention=full_length_after_attention(gm),
+            nxn=square_sequence_values(gm, world),
+        ))
+    return out
+
+
+def _states(node):
+    from ringcc.passes.shard_sequence import STATE_META
+
+    st = node.meta.get(STATE_META)
+    val = node.meta.get("example_value")
+    if isinstance(st, tuple):
+        return list(zip(st, val))
+    return [(st, val)] if st is not None else []
+
+
+def _expr(size):
+    from ringcc.passes.discover_sequence import expr
+
+    return expr(size)
+
+
+def shard_row_violations(gm, world) -> list[str]:
+    """Sharded values whose sequence dim does not hold n/p rows (times merged batch)."""
+    if "ringcc_seq_len" not in gm.meta:
+        return []
+    n = gm.meta["ringcc_seq_len"]
+    bad = []
+    for node in gm.graph.nodes:
+        for st, val in _states(node):
+            if st is not None and st.sharded and (_expr(val.shape[st.dim]) - st.outer * n / world).simplify() != 0:
+                bad.append(f"{node.name} {tuple(val.shape)} dim {st.dim}")
+    return bad
+
+
+def full_length_after_attention(gm) -> list[str]:
+    """Float values downstream of an attention site that carry the full sequence with
+    features (replicated activations), except the recorded gathers and what they feed."""
+    from ringcc.passes.discover_sequence import attention_nodes
+
+    seen, stack = set(), list(attention_nodes(gm))
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    bad = []
+    for node in seen:
+        if node.target is torch.ops.ringcc.gather.default or node.meta.get("ringcc_pass") == "shard_sequence" \
+                and any(a.target is torch.ops.ringcc.gather.default for a in node.all_input_nodes):
+            continue
+        if any(a.target is torch.ops.ringcc.gather.default for a in _ancestors(node)):
+            continue
+        for st, val in _states(node):
+            if st is not None and not st.sharded and val.is_floating_point() and val.dim() > st.dim + 1:
+                bad.append(f"{node.name} {tuple(val.shape)}")
+    return bad
+
+
+def _ancestors(node):
+    seen, stack = set(), [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def square_sequence_values(gm, world) -> list[str]:
+    """Tensors with the full sequence length in one dim and n or n/p in another (an n x n
+    or (n/p) x n mask): none may be left."""
+    if "ringcc_seq_len" not in gm.meta:
+        return []
+    n = gm.meta["ringcc_seq_len"]
+    bad = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value")
+        if not isinstance(val, torch.Tensor):
+            continue
+        sizes = [_expr(s) for s in val.shape]
+        full = sum(1 for s in sizes if (s - n).simplify() == 0)
+        seqish = sum(1 for s in sizes if (s - n).simplify() == 0 or (s - n / world).simplify() == 0)
+        if full >= 1 and seqish >= 2:
+            bad.append(f"{node.name} {tuple(val.shape)}")
+    return bad
 
 
 def _hf_llama():
