@@ -76,3 +76,11 @@ def sym_expr(sym):
     node = sym.node
     env = getattr(node, "shape_env", None)
     return env.replace(node.expr) if env is not None and hasattr(env, "replace") else node.expr
+
+
+def mem_tracker():
+    """torch's MemTracker (a dispatch mode that records the peak of live tensor bytes on any
+    device, CPU included), for checking the memory planner without a GPU."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker

@@ -294,6 +294,10 @@ VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "s
             "_unsafe_view", "alias", "contiguous", "as_strided", "unbind"}
 
 
+# Views that take part of their base: their backward writes into a base-sized zero gradient.
+PARTIAL_VIEW_OPS = {"getitem", "select", "slice", "narrow", "unbind", "split", "chunk", "split_with_sizes"}
+
+
 def op_name(node: torch.fx.Node) -> str:
     """A normalised op name: "ringcc::ring_attention", "linear", "view", ..."""
     t = node.target
@@ -685,6 +689,23 @@ class _Builder:
                     continue
                 first = 2 * F - 1 - last_user.get(node, self.index[node])
                 ev.append((min(first, 2 * F - 1 - self.index[node]), 2 * F - 1 - self.index[node], pl.nbytes, False))
+            # A view that takes part of its base (select, slice, unbind, split) has a backward
+            # that materialises a base-sized gradient, accumulated into the base's.
+            for node, pl in plans.items():
+                if pl.alias_of is None or op_name(node) not in PARTIAL_VIEW_OPS:
+                    continue
+                ts = _tensors(_meta(node))
+                if not ts or not ts[0].requires_grad or not isinstance(_meta(node.all_input_nodes[0]), torch.Tensor):
+                    continue
+                base = plans[owner[node]]
+                mine = sum((s.nbytes for s in self.sizes[node]), _ZERO)
+                if op_name(node) in ("unbind", "split", "chunk", "split_with_sizes") or sympy.simplify(base.nbytes - mine) != 0:
+                    i = 2 * F - 1 - self.index[node]
+                    ev.append((i, i, base.nbytes, False))
+                    # and the part's own incoming gradient, until that backward consumes it
+                    users = [self.index[u] for u in node.users]
+                    if users and op_name(node) not in ("unbind", "split", "chunk", "split_with_sizes"):
+                        ev.append((2 * F - 1 - max(users), i, mine, False))
         return ev
 
 
