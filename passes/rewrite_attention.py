@@ -82,7 +82,7 @@ def _check(node: torch.fx.Node, ctx: PassContext):
         return SkipReason.SHAPE, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
     if call.scale is None and static_int(q.shape[3]) is None:
         return SkipReason.SHAPE, "symbolic head dim with default scale"
-    if call.scale is not None and static_float(call.scale) is None:
+    if call.scale is not None and static_float(call.scale) is None and not _symbolic_float(call.scale):
         return SkipReason.SHAPE, f"scale is not a constant ({call.scale!r})"
     return _choose_dilation(node, ctx, lifted, q, k)
 
@@ -110,6 +110,12 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
     return None
 
 
+def _symbolic_float(x) -> bool:
+    """A graph value holding a Python float (dynamo makes module floats such as HF's
+    `self.scaling` symbolic under dynamic=True): the op takes it as its float argument."""
+    return isinstance(x, torch.fx.Node) and isinstance(fake(x), torch.SymFloat)
+
+
 def _resolve_layout(ctx: PassContext, accepted: list[torch.fx.Node]) -> str:
     if ctx.config.layout != "auto":
         return ctx.config.layout
@@ -120,7 +126,8 @@ def _resolve_layout(ctx: PassContext, accepted: list[torch.fx.Node]) -> str:
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, layout: str) -> torch.fx.Node:
     call, lifted = SdpaCall.of(node), node.meta[MASK_META]
-    scale = (1.0 / math.sqrt(fake(call.q).shape[-1])) if call.scale is None else float(call.scale)
+    scale = (1.0 / math.sqrt(fake(call.q).shape[-1])) if call.scale is None else \
+        call.scale if _symbolic_float(call.scale) else float(call.scale)
     b = Builder(gm, node, PASS)
     spec = node.meta.get(DILATION_META)
     if spec is None:

@@ -274,3 +274,115 @@ def test_hugging_face_parity(name, padded):
     for s in report.sites:
         assert s.mask["causal"] is (name != "bert")
         assert (s.mask["key_padding"] is not None) is padded
+
+
+def test_hugging_face_llama_dynamic_shapes():
+    """Under dynamic=True HF's scale is a symbolic float and lengths are symbols: still rewritten."""
+    model = _Logits(_hf("llama"), False).eval()
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    compiled = torch.compile(model, backend="ringcc", options=dict(inner="aot_eager", verify=True), dynamic=True)
+    for n in (16, 24):
+        ids = torch.randint(0, 64, (2, n))
+        torch.testing.assert_close(compiled(ids), model(ids), **TOL)
+    assert ringcc.reports() and all(len(r.rewritten) == 2 == len(r.sites) for r in ringcc.reports())
+
+
+# ---------------------------------------------------------------------------------------
+# backend surface: settings, graph breaks, strict, dump, report
+
+
+def test_graph_break_gives_one_report_per_graph():
+    class TwoHalves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = SdpaBlock(), SdpaBlock(causal=False)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    torch.manual_seed(0)
+    model = TwoHalves()
+    assert_parity(model, [torch.randn(2, 16, 32)])
+    reports = [r for r in ringcc.reports() if r.sites]
+    assert [[(s.decision, s.mask["causal"]) for s in r.sites] for r in reports] == [
+        [(Decision.REWRITTEN, True)], [(Decision.REWRITTEN, False)]]
+
+
+def test_backend_callable_with_config_and_strict_error():
+    torch.manual_seed(0)
+    model = ManualGPT(dropout=0.1).train()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    with pytest.raises(Exception, match=r"strict=True.*manual site at test_backend.py:\d+.*dropout"):
+        compiled(torch.randint(0, 64, (2, 16)))
+
+
+def test_dump_dir_writes_graph_before_and_after_each_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGCC_DUMP_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    compile_ringcc(SdpaBlock())(torch.randn(2, 16, 32))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    graph = ringcc.last_report().graph
+    assert f"{graph}_00_input.txt" in names and f"{graph}_03_rewrite_attention.txt" in names
+    assert "scaled_dot_product_attention" in (tmp_path / f"{graph}_00_input.txt").read_text()
+    assert "ringcc.ring_attention" in (tmp_path / f"{graph}_03_rewrite_attention.txt").read_text()
+
+
+def test_report_lists_pass_times_and_formats():
+    torch.manual_seed(0)
+    compile_ringcc(SdpaBlock())(torch.randn(2, 16, 32))
+    report = ringcc.last_report()
+    assert {"canonicalize_attention", "lift_masks", "rewrite_attention"} <= set(report.pass_seconds)
+    d = report.to_dict()
+    assert d["sites"][0]["decision"] == "rewritten" and d["sites"][0]["form"] == "sdpa"
+    assert "1/1 attention sites rewritten" in report.format()
+
+
+def test_entry_point_needs_no_import(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "m.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "f = lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+        "q = torch.randn(1, 2, 8, 4)\n"
+        "out = torch.compile(f, backend='ringcc', options={'inner': 'eager'})(q)\n"
+        "torch.testing.assert_close(out, f(q), atol=1e-5, rtol=1e-5)\n"
+        "import sys, ringcc\n"
+        "print(ringcc.last_report().rewritten[0].form)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("sdpa")
+
+
+def test_dilated_parity_against_dilated_reference():
+    from ringcc.runtime.dilated import DilatedSpec, dilated_attention
+
+    spec = DilatedSpec([4, 16], [1, 2])
+
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, q, k, v):
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    class Dilated(Dense):
+        def forward(self, q, k, v):
+            return self.proj(dilated_attention(q, k, v, spec, is_causal=True))
+
+    torch.manual_seed(0)
+    dense, dilated = Dense(), Dilated()
+    dilated.load_state_dict(dense.state_dict())
+    inputs = [torch.randn(2, 4, 16, 16) for _ in range(3)]
+    compiled = compile_ringcc(dense, dilation=spec)
+    # the compiled dense model computes what the explicitly dilated model computes
+    out_c, out_e = compiled(*inputs), dilated(*inputs)
+    torch.testing.assert_close(out_c, out_e, **TOL)
+    (site,) = ringcc.last_report().sites
+    assert site.decision == Decision.REWRITTEN and site.dilation == repr(spec)

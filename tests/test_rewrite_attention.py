@@ -121,3 +121,59 @@ def test_strict_names_the_site_and_reason():
     gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2), *qkv())
     with pytest.raises(ValueError, match=r"strict=True.*sdpa site at .*dropout"):
         run(gm, ATTN_PASSES, Config(strict=True))
+
+
+def test_dilation_rewrites_to_dilated_op_per_site():
+    from ringcc.passes.rewrite_attention import DILATED_OP
+    from ringcc.runtime.dilated import DilatedSpec
+
+    spec = DilatedSpec([4, 8], [1, 2])
+
+    def f(q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(a, k, v)
+
+    def choose(site):  # first site only: the callable sees each report.Site
+        return spec if site.node == "a" else None
+
+    gm = dynamo_graph(f, *qkv())
+    ctx = run(gm, ATTN_PASSES, Config(dilation=choose, verify=True))
+    dil = [n for n in gm.graph.nodes if n.target == DILATED_OP]
+    assert len(dil) == 1 and len(ring_nodes(gm)) == 1
+    q, k, v, seg, rates, offsets, is_causal, scale, group, world, layout = dil[0].args
+    assert (seg, rates, offsets, is_causal, layout) == ([4, 8], [1, 2], "per_head", True, "contiguous")
+    assert [s.dilation for s in ctx.report.sites] == [repr(spec), None]
+
+
+def test_dilation_that_does_not_fit_is_skipped():
+    from ringcc.runtime.dilated import DilatedSpec
+
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *qkv(n=12))
+    ctx = run(gm, ATTN_PASSES, Config(dilation=DilatedSpec([8], [2])))
+    (site,) = ctx.report.sites
+    assert site.reason == SkipReason.SHAPE and "does not fit" in site.detail
+
+
+def test_sliding_window_is_lifted_but_skipped():
+    def f(q, k, v):
+        i = torch.arange(8)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None] <= i[:, None]) & (i[:, None] - i[None] < 3))
+
+    gm = dynamo_graph(f, *qkv())
+    ctx = run(gm, ATTN_PASSES)
+    (site,) = ctx.report.sites
+    assert (site.reason, site.mask["window"], site.mask["causal"]) == (SkipReason.UNSUPPORTED_MASK, 3, True)
+    assert "sliding window" in site.detail and not ring_nodes(gm)
+
+
+def test_lifted_mask_is_dropped_from_the_graph():
+    def f(q, k, v, pad):
+        i = torch.arange(8)
+        m = (i[None, :] <= i[:, None]) & ~pad[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    gm = dynamo_graph(f, *qkv(), torch.zeros(2, 8, dtype=torch.bool))
+    run(gm, ATTN_PASSES)
+    (op,) = ring_nodes(gm)
+    assert op.args[4] is True and op.args[3] is not None
+    assert "arange" not in [getattr(t, "__name__", t) for t in targets(gm)]
