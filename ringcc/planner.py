@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Iterable, Optional
 
 import sympy
@@ -726,29 +727,36 @@ def _candidates(events, points: int) -> list[tuple[int, sympy.Expr]]:
 
 
 def _terms(e: sympy.Expr) -> dict | None:
-    e = sympy.expand(e)
+    """Monomial -> exact coefficient (Fraction), or None when e is not a plain polynomial."""
     if e.has(sympy.Min, sympy.Max):
         return None
-    d = e.as_coefficients_dict()
-    if any(not c.is_number for c in d.values()):
-        return None
+    d = {}
+    for m, c in sympy.expand(e).as_coefficients_dict().items():
+        if not c.is_Rational:
+            return None
+        d[m] = Fraction(int(c.p), int(c.q))
     return d
 
 
+def _dominates(big: dict, small: dict) -> bool:
+    return all(big.get(m, 0) >= small.get(m, 0) for m in set(big) | set(small))
+
+
 def _prune(sums):
+    """Keep the program points whose live sum no other dominates term by term (monomials of
+    positive symbols are positive, so a term-wise larger polynomial is larger everywhere)."""
     first: dict = {}
     for t, e in sums:
         first.setdefault(e, t)
-    items = [(t, e, _terms(e)) for e, t in first.items()]
-    keep = []
-    for t, e, d in items:
-        dominated = d is not None and any(
-            d2 is not None and e2 != e and all(d2.get(m, 0) >= d.get(m, 0) for m in set(d) | set(d2))
-            for _, e2, d2 in items
-        )
-        if not dominated:
-            keep.append((t, e))
-    return sorted(keep, key=lambda c: c[0])
+    front: list[tuple[int, sympy.Expr, dict | None]] = []
+    for e, t in first.items():
+        d = _terms(e)
+        if d is not None and any(d2 is not None and _dominates(d2, d) for _, _, d2 in front):
+            continue
+        if d is not None:
+            front = [f for f in front if f[2] is None or not _dominates(d, f[2])]
+        front.append((t, e, d))
+    return sorted(((t, e) for t, e, _ in front), key=lambda c: c[0])
 
 
 # ---------------------------------------------------------------------------------------
