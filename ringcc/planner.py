@@ -19,25 +19,30 @@ Note [Memory plan]
 2. Storage. A node that aliases an earlier node's storage (same fake storage; or, without
    fake storages, a view op by name) adds no bytes: it extends the owner's live range.
 3. Live ranges (program points = graph order). Forward: a storage lives from its producer
-   to its last use (through any alias); graph inputs and outputs live the whole program
-   (the caller holds them); parameters and buffers are static. Backward (when any value
-   requires grad) runs the nodes in reverse: point 2F-1-i is node i's backward.
+   to its last use (through any alias); graph inputs live the whole program (the caller
+   holds them); parameters and buffers are static. Backward (when any value requires grad,
+   or training=True) runs the nodes in reverse: point 2F-1-i is node i's backward.
    Saved activations - the rule: a differentiable node saves the tensors its derivative
    reads, from a table by op (`SAVES`: matmul/linear save their activation inputs,
    softmax/exp/sigmoid their output, the ringcc attention ops q, k, v, key mask, out and
    lse, views and additions nothing; unknown ops save their inputs, which over-counts
    rather than under-counts). A saved storage lives until the backward of the earliest
    node that saved it. The gradient of a storage lives from the backward of its last user
-   to the backward of its producer. Parameters' gradients are static (accumulated).
+   to the backward of its producer; a view that takes part of its base (select, slice,
+   unbind) adds, at its backward, a base-sized gradient (autograd writes the part into
+   zeros) and its own incoming gradient. Parameters' gradients are static (they exist
+   before the step and are accumulated into). Checked on CPU against the tensors autograd
+   saves and against the peak of live tensor bytes (tests/test_planner.py).
 4. Workspace. Each custom op declares its transient bytes, forward and backward, in
    runtime/workspace.py (`FORMULAS`), counted at its own program point.
 5. Peak per rank = static + max over program points of the live sum, kept as a Max of the
    candidates that no other candidate dominates term by term.
-6. Verdict. O(n/p) holds iff peak / (n/p) is bounded as n -> oo, by a bound independent of
-   p (so a graph that never divides by p, or gathers something to full length, fails).
-   It is decided by degree analysis of the rational function in n and p (after bounding
-   Min/Max terms from above), not by sampling. Culprits are the nodes whose own size or
-   workspace fails the same test, with their source lines.
+6. Verdict. O(n/p) holds iff the graph's own live sum (graph inputs excluded: the execution
+   model hands every rank the full inputs) divided by n/p is bounded as n -> oo by a bound
+   independent of p (so a graph that never divides by p, or gathers something to full
+   length, fails). It is decided by degree analysis of the rational function in n and p
+   (after bounding Min/Max terms from above), not by sampling. Culprits are the nodes whose
+   own size or workspace fails the same test, with their source lines.
 """
 
 from __future__ import annotations
