@@ -6,6 +6,7 @@ from ringcc.config import Config
 from ringcc.report import last_report, reports, reset_reports
 from ringcc.runtime.ops import gather_sequence, ring_attention, shard_sequence
 from ringcc.runtime.dilated import DilatedSpec, dilated_attention
+from ringcc.mark import mark_sequence
 
 __all__ = [
     "Config", "backend", "last_report", "reports", "reset_reports",

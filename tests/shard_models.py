@@ -175,6 +175,14 @@ def _expr(size):
     return expr(size)
 
 
+def _same(size, want) -> bool:
+    """size == want, reading the fake's floor division n // p as n / p (p divides n)."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    got = _expr(size).replace(FloorDiv, lambda a, b: a / b)
+    return (got - want).simplify() == 0
+
+
 def shard_row_violations(gm, world) -> list[str]:
     """Sharded values whose sequence dim does not hold n/p rows (times merged batch)."""
     if "ringcc_seq_len" not in gm.meta:
@@ -183,7 +191,7 @@ def shard_row_violations(gm, world) -> list[str]:
     bad = []
     for node in gm.graph.nodes:
         for st, val in _states(node):
-            if st is not None and st.sharded and (_expr(val.shape[st.dim]) - st.outer * n / world).simplify() != 0:
+            if st is not None and st.sharded and not _same(val.shape[st.dim], st.outer * n / world):
                 bad.append(f"{node.name} {tuple(val.shape)} dim {st.dim}")
     return bad
 
@@ -234,9 +242,9 @@ def square_sequence_values(gm, world) -> list[str]:
         val = node.meta.get("example_value")
         if not isinstance(val, torch.Tensor):
             continue
-        sizes = [_expr(s) for s in val.shape]
-        full = sum(1 for s in sizes if (s - n).simplify() == 0)
-        seqish = sum(1 for s in sizes if (s - n).simplify() == 0 or (s - n / world).simplify() == 0)
+        sizes = list(val.shape)
+        full = sum(1 for s in sizes if _same(s, n))
+        seqish = sum(1 for s in sizes if _same(s, n) or _same(s, n / world))
         if full >= 1 and seqish >= 2:
             bad.append(f"{node.name} {tuple(val.shape)}")
     return bad
