@@ -160,11 +160,14 @@ class MemoryPlan:
         subs = self._subs(seq_len, world_size)
         return max(self.candidates, key=lambda c: _evaluate(c[1], subs))[0] if self.candidates else 0
 
-    def max_sequence(self, budget_bytes: int, world_size: int | None = None) -> int:
-        """The largest n (a multiple of `divisor`) whose peak per rank fits `budget_bytes`,
-        solved from the formula: the peak is non-decreasing in n, so the boundary is found by
-        bisection on the exact formula. 0 when not even one block of n fits."""
-        subs = self._subs(world_size=world_size)
+    def max_sequence(self, budget_bytes: int, p: int | None = None) -> int:
+        """The largest n (a multiple of `divisor`) whose peak per rank on `p` ranks (default:
+        the planned P) fits `budget_bytes`, solved from the formula: the peak is
+        non-decreasing in n, so the boundary is found by bisection on the exact formula.
+        0 when not even one block of n fits."""
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0; got {budget_bytes}")
+        subs = self._subs(world_size=p)
         unit = int(_evaluate(self.divisor, subs))
         peak = self.peak.subs({k: v for k, v in subs.items() if k != n})
 
