@@ -290,7 +290,7 @@ def _int_or_expr(e):
 def _resolve_layout(ctx: PassContext, sites) -> str:
     if ctx.config.layout != "auto":
         return ctx.config.layout
-    causal = bool(sites) and all(s.args[4] is True for s in sites)
+    causal = bool(sites) and all(s.args[_ATTENTION_ARGS[op_name(s)]["causal"]] is True for s in sites)
     return "zigzag" if ctx.world_size > 1 and causal else "contiguous"
 
 
@@ -886,8 +886,17 @@ def cross_entropy_rule(w: Sharder, node):
     return None
 
 
+# where the communication arguments (group_name, world_size, layout), the key mask and the
+# causal flag sit in each attention op's schema
+_ATTENTION_ARGS = {
+    "ringcc::ring_attention": dict(comm=slice(6, 9), key_valid=3, causal=4),
+    "ringcc::dilated_attention": dict(comm=slice(8, 11), key_valid=None, causal=6),
+}
+
+
 def attention_rule(w: Sharder, node):
-    q, k, v, key_valid = node.args[:4]
+    spec = _ATTENTION_ARGS[op_name(node)]
+    q, k, v = node.args[:3]
     for i, a in enumerate((q, k, v)):
         st = w.state.get(a)
         if st is None:
@@ -900,15 +909,16 @@ def attention_rule(w: Sharder, node):
             w.localize(node, a, st, None)
         elif not w.full(st):
             raise Fallback("attention over a narrowed shard")
+    key_valid = node.args[spec["key_valid"]] if spec["key_valid"] is not None else None
     if key_valid is not None:
         st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
         if st.sharded:
             raise Fallback("key padding mask computed on shards")
         w.localize(node, key_valid, st, None)
     args = list(node.args)
-    args[6:9] = list(w.comm)
+    args[spec["comm"]] = list(w.comm)
     node.args = tuple(args)
-    w.decisions.append(f"{node.name}: ring {w.layout}")
+    w.decisions.append(f"{node.name}: {op_name(node)} {w.layout}")
     seq = Seq(2, w.n, sharded=True)
     return (seq, seq)
 
@@ -961,6 +971,7 @@ RULES: dict[str, Rule] = {
     "mean": Rule(reduce_rule, unary=True),
     "cross_entropy": Rule(cross_entropy_rule),
     "ringcc::ring_attention": Rule(attention_rule),
+    "ringcc::dilated_attention": Rule(attention_rule),
     "arange": Rule(lambda w, node: None, creates=True),
     "ones": Rule(lambda w, node: None, creates=True),
     "zeros": Rule(lambda w, node: None, creates=True),

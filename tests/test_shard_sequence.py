@@ -1,0 +1,125 @@
+"""The sharding passes on tiny graphs, single process (tier 1): the graph is rewritten for
+p = 2 or 4 offline (Config(world_size=...)) and inspected; numbers are checked in the
+distributed tests."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringcc
+import shard_models
+from ringcc.passes.shard_sequence import STATE_META
+
+SHARD = torch.ops.ringcc.shard.default
+GATHER = torch.ops.ringcc.gather.default
+ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
+SELECT = torch.ops.ringcc.seq_select.default
+SYNC = torch.ops.ringcc.sync_grads.default
+
+
+def rewrite(model, *inputs, world=2, **options):
+    """The rewritten graph and its report (running it needs a process group: not done here)."""
+    graphs = []
+    inner = ringcc.backend(ringcc.Config(world_size=world, inner="eager", verify=True, **options))
+
+    def backend(gm, example_inputs):
+        out = inner(gm, example_inputs)
+        graphs.append(gm)
+        return out
+
+    ringcc.reset_reports()
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="no process group is initialised"):
+        torch.compile(model, backend=backend, dynamic=False)(*inputs)
+    return graphs[0], ringcc.reports()[0]
+
+
+def count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is target)
+
+
+class Pooled(nn.Module):
+    """Non-causal attention, then a mean over tokens, the first token, and a cumsum."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        if self.what == "mean":
+            return y.mean()
+        if self.what == "first":
+            return y[:, 0].sum()
+        return y.cumsum(1).sum()
+
+
+def test_gpt_graph_shards_inputs_and_keeps_the_label_shift():
+    gm, rep = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), world=4)
+    assert len(rep.rewritten) == 2
+    # ids, positions (arange) and the shifted labels are sliced; nothing else is
+    sharded = sorted(n.args[0].name for n in gm.graph.nodes if n.target is SHARD)
+    assert len(sharded) == 3, sharded
+    # the labels shifted left are padded with ignore_index at the end before slicing
+    fills = [n for n in gm.graph.nodes if n.target is torch.full_like]
+    assert [n.args[1] for n in fills] == [-100]
+    # one all-reduce of (loss sum, target count); logits are the one gather (an output)
+    assert count(gm, ALL_REDUCE) == 1
+    assert count(gm, GATHER) == 1 and rep.gathers[0].why.startswith("graph output")
+    # every parameter's gradient is synced, in one bucket at this size
+    assert count(gm, SYNC) == 1
+    # p travels as an op argument, never read in a fake
+    assert {n.args[3] for n in gm.graph.nodes if n.target is SHARD} == {4}
+
+
+def test_length_not_divisible_is_a_clear_error():
+    with pytest.raises(Exception, match=r"sequence length 26 is not divisible by 8 \(world size 4, layout 'zigzag'\)"):
+        rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 26), world=4)
+
+
+def test_mean_over_tokens_is_a_local_mean_and_an_all_reduce():
+    gm, rep = rewrite(Pooled("mean"), torch.randn(2, 8, 16))
+    assert count(gm, ALL_REDUCE) == 1 and count(gm, GATHER) == 0 and rep.gathers == []
+
+
+def test_selecting_a_token_reads_it_from_its_owner():
+    gm, rep = rewrite(Pooled("first"), torch.randn(2, 8, 16))
+    assert count(gm, SELECT) == 1 and count(gm, GATHER) == 0
+
+
+def test_unknown_sequence_op_is_gathered_and_recorded():
+    gm, rep = rewrite(Pooled("cumsum"), torch.randn(2, 8, 16))
+    assert count(gm, GATHER) == 1
+    (g,) = rep.gathers
+    assert "cumsum" in g.why and "test_shard_sequence.py" in g.location
+
+
+def test_sharded_values_have_n_over_p_rows():
+    gm, _ = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), world=4)
+    assert shard_models.shard_row_violations(gm, 4) == []
+    states = [n.meta[STATE_META] for n in gm.graph.nodes if STATE_META in n.meta]
+    assert sum(1 for s in states if not isinstance(s, tuple) and s.sharded) > 20
+
+
+def test_batch_equal_to_length_needs_a_mark():
+    """With batch == n the ids' sequence dim is ambiguous: the note says so, and the
+    embedding output is sliced where it meets the positions (correct, but computed in
+    full); marking the dim slices the ids before the embedding."""
+    model = shard_models.build("gpt")
+    idx, labels = (torch.randint(0, shard_models.VOCAB, (8, 8)) for _ in range(2))
+    gm, rep = rewrite(model, idx, labels)
+    assert any("several dims of size n=8" in note for note in rep.notes)
+    ringcc.mark_sequence(idx, 1)
+    ringcc.mark_sequence(labels, 1)
+    gm, rep = rewrite(model, idx, labels)
+    first_shard = next(n for n in gm.graph.nodes if n.target is SHARD)
+    assert first_shard.args[0].op == "placeholder" and first_shard.args[1] == 1
+    assert [g.why for g in rep.gathers] == ["graph output (Config(gather_outputs=True))"]
+
+
+def test_mark_sequence_rejects_bad_dims():
+    with pytest.raises(ValueError, match="out of range"):
+        ringcc.mark_sequence(torch.zeros(2, 3), 2)
