@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     use_cuda = torch.cuda.is_available() and not args.smoke
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     rank, size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
