@@ -581,8 +581,9 @@ class _Builder:
                 param_nodes.add(node)
             elif node.op == "placeholder":
                 val = _meta(node)
-                if isinstance(val, torch.nn.Parameter) or (isinstance(val, torch.Tensor) and val.requires_grad
-                                                           and val.is_leaf and "param" in node.name.lower()):
+                # Leaves that require grad are parameters (dynamo lifts them to inputs); their
+                # bytes and gradients are resident, not live ranges.
+                if isinstance(val, torch.Tensor) and val.requires_grad and val.is_leaf:
                     param_nodes.add(node)
 
         for i, node in enumerate(self.nodes):

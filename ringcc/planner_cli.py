@@ -224,6 +224,12 @@ def run(args) -> int:
         static = True  # the dilated rewrite plans its segments from a static length
     trace_len = args.trace_len or (args.seq_len if static else default_trace_len(args.seq_len, args.world_size))
     model, inputs, options = build(factory, trace_len)
+    if "seq_len" not in inspect.signature(factory).parameters:
+        # The factory fixes its own length: trace at that one (evaluate at --seq-len).
+        lengths = [x.shape[args.seq_dim] for x in inputs if hasattr(x, "dim") and x.dim() > args.seq_dim]
+        if not lengths:
+            raise ValueError(f"{args.target} returned no tensor input with a dim {args.seq_dim}; pass --seq-dim")
+        trace_len = lengths[0]
     plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
                                  seq_dim=args.seq_dim, options=options,
                                  training=False if args.inference else None, dynamic=not static)
