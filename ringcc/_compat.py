@@ -84,3 +84,14 @@ def mem_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker
+
+
+def sympy_divisions():
+    """The sympy functions torch writes integer division of sizes with: (FloorDiv, CeilDiv)."""
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv
+
+    return FloorDiv, CeilDiv
+
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket

@@ -316,11 +316,11 @@ def op_name(node: torch.fx.Node) -> str:
         return type(node.graph.owning_module.get_submodule(t)).__name__.lower()
     if node.op != "call_function":
         return node.op
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, _compat.OpOverload):
         ns, name = t.name().split("::", 1)
         name = name.split(".")[0]
         return name if ns in ("aten", "prims") else f"{ns}::{name}"
-    if isinstance(t, torch._ops.OpOverloadPacket):
+    if isinstance(t, _compat.OpOverloadPacket):
         ns, name = t._qualified_op_name.split("::", 1)
         return name if ns in ("aten", "prims") else f"{ns}::{name}"
     return getattr(t, "__name__", str(t))
@@ -328,9 +328,9 @@ def op_name(node: torch.fx.Node) -> str:
 
 def _schema_names(node: torch.fx.Node) -> list[str] | None:
     t = node.target
-    if isinstance(t, torch._ops.OpOverloadPacket):
+    if isinstance(t, _compat.OpOverloadPacket):
         t = t.default
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, _compat.OpOverload):
         return [a.name for a in t._schema.arguments]
     name = op_name(node)
     if name == "scaled_dot_product_attention":
@@ -387,7 +387,7 @@ class _SizeMapper:
         self.seq_len = seq_len
 
     def dim(self, d, sharding: Sharding) -> sympy.Expr:
-        from torch.utils._sympy.functions import CeilDiv, FloorDiv
+        FloorDiv, CeilDiv = _compat.sympy_divisions()
 
         if not isinstance(d, torch.SymInt):
             d = int(d)
