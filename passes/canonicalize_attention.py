@@ -506,9 +506,16 @@ def _mha_mask(b: Builder, a: dict):
     """The SDPA mask of F.multi_head_attention_forward (same merge: additive float masks;
     a bool mask marks excluded positions, as in nn.MultiheadAttention)."""
     attn_mask, kpm = a["attn_mask"], a["key_padding_mask"]
-    if a["is_causal"] and kpm is None:
-        # what F.multi_head_attention_forward does: the mask is the causal hint's own
-        return None, True
+    if a["is_causal"]:
+        # is_causal is nn.MultiheadAttention's promise that attn_mask is the causal mask
+        # (F.multi_head_attention_forward drops the mask on its strength when there is no
+        # padding); keep the promise as positions, so that mask lifting can read it.
+        if kpm is None:
+            return None, True
+        device = fake(a["query"]).device
+        i = b.call(torch.arange, b.method("size", a["query"], 0), device=device)
+        j = b.call(torch.arange, b.method("size", a["key"], 0), device=device)
+        attn_mask = b.call(operator.gt, b.getitem(j, (None, slice(None))), b.getitem(i, (slice(None), None)))
     parts = []
     if attn_mask is not None:
         parts.append(b.getitem(_additive(b, attn_mask), (None, None)))  # [L, S] -> [1, 1, L, S]

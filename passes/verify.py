@@ -8,10 +8,16 @@
 3. Nodes ringcc created carry meta["ringcc_pass"].
 4. Communication is visible: every ringcc op is called directly from the graph (no
    Python callable hiding a collective).
+5. Every ringcc.ring_attention / dilated_attention node keeps the attention contract: 4-D
+   q [b, h, n, d] and k / v [b, h_kv, n, d] with h % h_kv == 0, key_valid None or a bool
+   [b, n] value, and only getitem users (0: output, 1: LSE).
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx
 
 
@@ -36,3 +42,27 @@ def verify_graph(gm: torch.fx.GraphModule, *, after: str = "") -> None:
         target = str(node.target)
         if target.startswith("ringcc.") and node.op == "call_function" and "ringcc_pass" not in node.meta:
             raise GraphInvariantError(f"ringcc node {node.name} does not record the pass that made it{where}")
+        if target.startswith(("ringcc.ring_attention.", "ringcc.dilated_attention.")):
+            problem = _attention_contract(node)
+            if problem:
+                raise GraphInvariantError(f"attention op {node.name}: {problem}{where}")
+
+
+def _fake(x):
+    return x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+
+
+def _attention_contract(node: torch.fx.Node) -> str:
+    q, k, v = (_fake(a) for a in node.args[:3])
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q / k / v are not 4-D tensors"
+    h, g = q.shape[1], k.shape[1]
+    if isinstance(h, int) and isinstance(g, int) and (h % g or k.shape[1] != v.shape[1]):
+        return f"q has {h} heads, k / v {g} / {v.shape[1]}: not a GQA grouping"
+    if "ring_attention" in str(node.target) and node.args[3] is not None:
+        kv = _fake(node.args[3])
+        if not isinstance(kv, torch.Tensor) or kv.dtype != torch.bool or kv.dim() != 2:
+            return "key_valid is not a bool [b, n] tensor"
+    if any(u.target is not operator.getitem for u in node.users):
+        return "used other than through getitem"
+    return ""

@@ -206,12 +206,29 @@ def _encoder(norm_first=False, activation="relu"):
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_transformer_encoder_parity(train):
+class _CausalPaddedEncoder(nn.Module):
+    def __init__(self, encoder, n):
+        super().__init__()
+        self.encoder = encoder
+        self.register_buffer("mask", torch.ones(n, n, dtype=torch.bool).triu(1))  # True = not allowed
+
+    def forward(self, x, pad):
+        return self.encoder(x, mask=self.mask, src_key_padding_mask=pad, is_causal=True)
+
+
+@pytest.mark.parametrize("train,masked", [(True, False), (True, True), (False, True)])
+def test_transformer_encoder_parity(train, masked):
     torch.manual_seed(0)
     model = _encoder().train(train)
-    report = assert_parity(model, [torch.randn(2, 8, 32)])
+    x = torch.randn(2, 8, 32)
+    if masked:
+        pad = torch.zeros(2, 8, dtype=torch.bool)
+        pad[1, 6:] = True
+        report = assert_parity(_CausalPaddedEncoder(model, 8), [x, pad])
+    else:
+        report = assert_parity(model, [x])
     assert decisions(report) == [("mha", Decision.REWRITTEN, None)] * 2
+    assert all(s.mask["causal"] is masked and (s.mask["key_padding"] is not None) is masked for s in report.sites)
 
 
 def test_transformer_encoder_fast_path_is_decomposed():

@@ -177,3 +177,29 @@ def test_lifted_mask_is_dropped_from_the_graph():
     (op,) = ring_nodes(gm)
     assert op.args[4] is True and op.args[3] is not None
     assert "arange" not in [getattr(t, "__name__", t) for t in targets(gm)]
+
+
+def test_manual_and_masked_sites_are_idempotent_through_all_passes():
+    def f(q, k, v, pad):
+        i = torch.arange(8)
+        s = (q @ k.transpose(-2, -1) * 0.25).masked_fill((i[None] > i[:, None]) | pad[:, None, None, :], float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+    gm = dynamo_graph(f, *qkv(), torch.zeros(2, 8, dtype=torch.bool))
+    ctx = run(gm, ATTN_PASSES)
+    assert len(ring_nodes(gm)) == 1 and ctx.report.sites[0].decision == Decision.REWRITTEN
+    code = gm.code
+    make_ctx_and_run_twice(gm)
+    assert gm.code == code
+
+
+def test_verifier_rejects_a_broken_attention_contract():
+    from ringcc.passes.verify import GraphInvariantError, verify_graph
+
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *qkv())
+    run(gm, ATTN_PASSES)
+    (op,) = ring_nodes(gm)
+    q = op.args[0]
+    op.args = (q, q, q, q) + op.args[4:]  # key_valid must be a bool [b, n] tensor
+    with pytest.raises(GraphInvariantError, match="key_valid"):
+        verify_graph(gm, after="test")
