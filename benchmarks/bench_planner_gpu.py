@@ -143,7 +143,8 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
            "verdict": all(pl.verdict for pl in plans),
            "planned_peak_bytes": max(pl.peak_bytes() for pl in plans),
            "planned_step_bytes": max(pl.peak_bytes() - resident(pl) for pl in plans),
-           "peak_formula": str(plans[0].peak) if plans else ""}
+           "peak_formula": str(plans[0].peak) if plans else "",
+           "planned_peak_at": [pl.point_name(pl.peak_point()) for pl in plans]}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

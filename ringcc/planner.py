@@ -160,6 +160,11 @@ class MemoryPlan:
         subs = self._subs(seq_len, world_size)
         return max(self.candidates, key=lambda c: _evaluate(c[1], subs))[0] if self.candidates else 0
 
+    def point_name(self, t: int) -> str:
+        """Which node runs at program point t ("linear" or "backward of linear")."""
+        F = len(self.nodes)
+        return self.nodes[t].name if t < F else f"backward of {self.nodes[2 * F - 1 - t].name}"
+
     def max_sequence(self, budget_bytes: int, p: int | None = None) -> int:
         """The largest n (a multiple of `divisor`) whose peak per rank on `p` ranks (default:
         the planned P) fits `budget_bytes`, solved from the formula: the peak is
@@ -221,6 +226,7 @@ class MemoryPlan:
             "static_bytes": _evaluate(self.static, self._subs()),
             "peak_bytes": self.peak_bytes(),
             "peak_point": self.peak_point(),
+            "peak_at": self.point_name(self.peak_point()),
             "nodes": self.node_rows(),
         }
 
@@ -249,7 +255,7 @@ class MemoryPlan:
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
         lines.append(f"  peak per rank = {self.peak}")
         lines.append(f"                = {_fmt_bytes(self.peak_bytes())} at n = {subs.get(n)}, p = {subs.get(p)} "
-                     f"(program point {self.peak_point()})")
+                     f"(program point {self.peak_point()}: {self.point_name(self.peak_point())})")
         lines.append(f"  verdict: {'O(n/p) holds' if self.verdict else 'O(n/p) does NOT hold'}")
         lines.extend(f"    - {r}" for r in self.reasons)
         lines.extend(f"    culprit: {c}" for c in self.culprits[:MAX_LISTED])
