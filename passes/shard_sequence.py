@@ -787,6 +787,26 @@ def pad_rule(w: Sharder, node):
     return st  # cheap on replicated values
 
 
+def size_rule(w: Sharder, node):
+    """x.size(d) of a shard along the sequence is the global length: n_local * p."""
+    x = node.args[0]
+    st = w.state[x]
+    d = _arg(node, 1, "dim")
+    if d is None:
+        if st.sharded:
+            raise Fallback("the whole size of a shard")
+        return None
+    if not st.sharded or _norm_dim(d, fake(x).dim()) != st.dim:
+        return None
+    if not (w.full(st) and _eq(st.outer, 1)):
+        raise Fallback("the length of a narrowed shard")
+    with w.graph.inserting_after(node):
+        scaled = tag(w.graph.call_function(operator.mul, (node, w.p)), PASS, node)
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    w.state[scaled] = None
+    return None
+
+
 def reduce_rule(w: Sharder, node):
     x = node.args[0]
     st = w.state[x]
@@ -968,6 +988,8 @@ RULES: dict[str, Rule] = {
     "stack": Rule(cat_rule),
     "pad": Rule(pad_rule, unary=True),
     "sum": Rule(reduce_rule, unary=True),
+    "size": Rule(size_rule, unary=True),
+    "sym_size": Rule(size_rule, unary=True),
     "mean": Rule(reduce_rule, unary=True),
     "cross_entropy": Rule(cross_entropy_rule),
     "ringcc::ring_attention": Rule(attention_rule),

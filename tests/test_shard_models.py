@@ -37,8 +37,13 @@ def _check(results, world, masks=True):
     assert all(r[0][0]["loss"] == results[0][0][0]["loss"] for r in results)
 
 
-@pytest.mark.parametrize("name,world,n", [(m, p, n) for m, ws, n in CASES for p in ws],
-                         ids=lambda v: str(v))
+# the longest cases beyond one per model and world-size class run under -m slow too
+SLOW = {("llama", 3), ("gpt2", 4)}
+
+
+@pytest.mark.parametrize("name,world,n", [
+    pytest.param(m, p, n, marks=[pytest.mark.slow] if (m, p) in SLOW else [])
+    for m, ws, n in CASES for p in ws], ids=lambda v: str(v))
 def test_model_matches_eager(pools, name, world, n):
     _check(pools(world).run(shard_models.parity, name, (n,), timeout=300), world)
 
