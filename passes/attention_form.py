@@ -29,7 +29,7 @@ from ringcc import _compat
 
 from .base import tag
 
-SDPA_TORCH_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+SDPA_TORCH_TARGETS = (F.scaled_dot_product_attention,)  # the same builtin dynamo records
 SDPA_ATEN_TARGET = torch.ops.aten.scaled_dot_product_attention.default
 SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}

@@ -33,6 +33,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
 from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
@@ -104,7 +105,7 @@ CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", 
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
 TRANSPOSE_METHODS = ("transpose", "permute", "mT")
-ENCODER_TARGETS = tuple(t for t in (getattr(torch, "_transformer_encoder_layer_fwd", None),
+ENCODER_TARGETS = tuple(t for t in (_compat.transformer_encoder_layer_fwd(),
                                     aten._transformer_encoder_layer_fwd.default) if t is not None)
 
 

@@ -95,3 +95,9 @@ def sympy_divisions():
 
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def transformer_encoder_layer_fwd():
+    """torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fused inference
+    path, one opaque call in dynamo graphs), or None where it does not exist."""
+    return getattr(torch, "_transformer_encoder_layer_fwd", None)

@@ -248,20 +248,25 @@ def test_transformer_encoder_fast_path_is_decomposed():
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(name):
+def _hf(name, **extra):
+    """Tiny model from a config; name "<model>_eager" picks HF's hand-written attention."""
     torch.manual_seed(0)
+    name, _, impl = name.partition("_")
+    if impl:
+        extra["attn_implementation"] = impl
     if name == "llama":
         cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       use_cache=False)
+                                       use_cache=False, **extra)
         return transformers.LlamaForCausalLM(cfg)
     if name == "gpt2":
+        extra = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, **extra}
         cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+                                      **extra)
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, max_position_embeddings=64, attention_probs_dropout_prob=0.0,
-                                  hidden_dropout_prob=0.0)
+                                  hidden_dropout_prob=0.0, **extra)
     return transformers.BertModel(cfg)
 
 
@@ -277,7 +282,8 @@ class _Logits(nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-@pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True)])
+@pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True),
+                                         ("llama_eager", True), ("gpt2_eager", False)])
 def test_hugging_face_parity(name, padded):
     model = _Logits(_hf(name), padded)
     ids = torch.randint(0, 64, (2, 16))
@@ -287,9 +293,10 @@ def test_hugging_face_parity(name, padded):
         am[1, 12:] = 0  # right padding: every query row still sees a key
         inputs.append(am)
     report = assert_parity(model, inputs)
-    assert [(s.form, s.decision, s.reason) for s in report.sites] == [("sdpa", Decision.REWRITTEN, None)] * 2
+    form = "manual" if name.endswith("_eager") else "sdpa"
+    assert [(s.form, s.decision, s.reason) for s in report.sites] == [(form, Decision.REWRITTEN, None)] * 2
     for s in report.sites:
-        assert s.mask["causal"] is (name != "bert")
+        assert s.mask["causal"] is (not name.startswith("bert"))
         assert (s.mask["key_padding"] is not None) is padded
 
 
@@ -403,3 +410,12 @@ def test_dilated_parity_against_dilated_reference():
     torch.testing.assert_close(out_c, out_e, **TOL)
     (site,) = ringcc.last_report().sites
     assert site.decision == Decision.REWRITTEN and site.dilation == repr(spec)
+
+
+@pytest.mark.parametrize("mode", ["per_block", "skip"])
+def test_gpt2_default_attention_dropout_in_training_is_skipped(mode):
+    model = _Logits(_hf("gpt2", attn_pdrop=0.1), False).train()
+    compile_ringcc(model, dropout=mode)(torch.randint(0, 64, (2, 16)))
+    sites = ringcc.last_report().sites
+    assert [(s.decision, s.reason) for s in sites] == [(Decision.SKIPPED, SkipReason.DROPOUT)] * 2
+    assert f"Config.dropout={mode!r}" in sites[0].detail
