@@ -20,7 +20,8 @@ Note [Memory plan]
    fake storages, a view op by name) adds no bytes: it extends the owner's live range.
 3. Live ranges (program points = graph order). Forward: a storage lives from its producer
    to its last use (through any alias); graph inputs live the whole program (the caller
-   holds them); parameters and buffers are static. Backward (when any value requires grad,
+   holds them), and so do, in training, the graph's outputs; parameters and buffers are
+   static. Backward (when any value requires grad,
    or training=True) runs the nodes in reverse: point 2F-1-i is node i's backward.
    Saved activations - the rule: a differentiable node saves the tensors its derivative
    reads, from a table by op (`SAVES`: matmul/linear save their activation inputs,
@@ -662,6 +663,11 @@ class _Builder:
             for node in self.nodes:
                 if node.op == "placeholder" and not plans[node].static:
                     plans[node].end = 2 * F - 1  # the caller holds its inputs through backward
+                if node.op == "output":  # ... and what the graph returns (a loss, logits)
+                    for a in node.all_input_nodes:
+                        o = owner.get(a, a)
+                        if not plans[o].static:
+                            plans[o].end = 2 * F - 1
         events = self._events(plans, owner, F, training)
         points = 2 * F if training else F
         candidates = _candidates(events, points)
