@@ -52,7 +52,7 @@ def expr(size) -> sympy.Expr:
 def same(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    return sympy.simplify(expr(a) - expr(b)) == 0
+    return sympy.expand(expr(a) - expr(b)) == 0
 
 
 def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

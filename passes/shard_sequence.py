@@ -78,7 +78,8 @@ class Fallback(Exception):
 
 
 def _zero(e) -> bool:
-    return sympy.simplify(sympy.sympify(e)) == 0
+    e = sympy.sympify(e)
+    return e == 0 if e.is_Number else sympy.expand(e) == 0  # expand: simplify is slow on many sizes
 
 
 def _eq(a, b) -> bool:
@@ -530,7 +531,7 @@ def _view_map(in_shape, st: Seq, out_shape) -> tuple[int, sympy.Expr]:
     for j in range(len(out_shape)):
         if not _zero(_prod(out_shape[j + 1:]) - after):
             continue
-        outer = sympy.simplify(expr(out_shape[j]) / length)
+        outer = sympy.cancel(expr(out_shape[j]) / length)
         if not (outer.is_Integer and outer > 0):
             continue
         if _zero(_prod(out_shape[:j]) * outer - before):

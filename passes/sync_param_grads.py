@@ -21,7 +21,7 @@ import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::sync_grads
 
 from .base import PassContext, PassResult, tag
 from .discover_sequence import fake
-from .shard_sequence import STATE_META, refresh_fakes
+from .shard_sequence import STATE_META
 
 PASS = "sync_param_grads"
 SYNC = torch.ops.ringcc.sync_grads.default
@@ -72,7 +72,6 @@ def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         _sync(gm, ctx, [v], uses, v)
     ctx.scratch.setdefault("shard_decisions", []).append(
         f"sync {len(uses)} values in {len(_buckets(placeholders, ctx.config.bucket_mb))} buckets")
-    refresh_fakes(gm)
     return PassResult(True)
 
 
@@ -95,10 +94,14 @@ def _sync(gm, ctx, bucket, uses, anchor) -> torch.fx.Node:
     """One sync op for `bucket` after `anchor`; rewires the sharded uses. Returns the last node."""
     with gm.graph.inserting_after(anchor):
         op = tag(gm.graph.call_function(SYNC, (list(bucket), ctx.group_name, ctx.world_size)), PASS, bucket[0])
+    mode = fake(bucket[0]).fake_mode
+    with mode:
+        op.meta["example_value"] = SYNC([fake(v) for v in bucket], ctx.group_name, ctx.world_size)
     last = op
     for i, v in enumerate(bucket):
         with gm.graph.inserting_after(last):
             item = tag(gm.graph.call_function(operator.getitem, (op, i)), PASS, v)
+        item.meta["example_value"] = op.meta["example_value"][i]
         last = item
         for user in uses[v]:
             user.replace_input_with(v, item)
