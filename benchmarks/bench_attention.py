@@ -155,7 +155,13 @@ class Env:
         # NVLink multicast stays off on the lent machines (run_gpu.sh sets it; direct runs too).
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         if "RANK" in os.environ and not dist.is_initialized():
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.nccl_timeout))
+            pg_options = None
+            if backend == "nccl" and os.environ.get("BENCH_NCCL_HIGH_PRIORITY") == "1":
+                # NCCL kernels on a high-priority stream get SMs ahead of queued attention CTAs,
+                # so ring transfers are not starved by the compute they should overlap.
+                pg_options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.nccl_timeout),
+                                    pg_options=pg_options)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.cuda = self.device.type == "cuda"

@@ -8,7 +8,8 @@ overlaps it (the receive buffers are fresh each step: double buffering). Each st
 partial (out, lse) is merged into fp32 accumulators by the one LSE merge.
 In backward, K/V travel the same way together with their fp32 dK/dV accumulators, which
 trail one step behind: after its step-i compute, a rank passes the accumulator of the block
-it holds to rank+1, which holds that block at step i+1. After p hops every accumulator is
+it holds to rank+1, which holds that block at step i+1 and waits for it only after its own
+step-(i+1) kernels, so that transfer overlaps them too. After p hops every accumulator is
 home. dQ stays local. Per block, the kernel's backward is fed the global (out, lse).
 Causality is decided per (query chunk, key chunk) pair in global chunk ids: earlier key
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
@@ -151,12 +152,9 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         if kv_comm is not None and step + 1 < world:
             nxt = kv_comm.send_recv(held)
             kv_comm.commit()
-        if dkv_pending is not None:
-            dkv_comm.wait()
-            dk_acc, dv_acc = dkv_pending
-            dkv_pending = None
         kk, vv = held[0], held[1]
         kv_mask = held[2] if key_valid is not None else None
+        kv_grads = []
         for c in setup.calls(s, src):
             dq_c, dk_c, dv_c = kernels.block_bwd(
                 dout[:, :, c.q0:c.q1], q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
@@ -165,8 +163,16 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1],
             )
             dq[:, :, c.q0:c.q1] += dq_c
+            kv_grads.append((c, dk_c, dv_c))
+        # Wait for the incoming accumulator only now, so its transfer overlaps this step's kernels.
+        if dkv_pending is not None:
+            dkv_comm.wait()
+            dk_acc, dv_acc = dkv_pending
+            dkv_pending = None
+        for c, dk_c, dv_c in kv_grads:
             dk_acc[:, :, c.k0:c.k1] += dk_c
             dv_acc[:, :, c.k0:c.k1] += dv_c
+        del kv_grads
         if use_comm:
             # The accumulator of the block held now goes to rank+1 (it holds it next step;
             # after the last step this hop brings every accumulator home).
