@@ -152,6 +152,15 @@ class Builder:
         return node
 
 
+# export graphs check tensor metadata with nodes that use a value without computing from it
+ASSERT_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def real_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """node's users other than export's metadata assertions."""
+    return [u for u in node.users if u.target not in ASSERT_TARGETS]
+
+
 def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
     """Erase `roots` (replaced nodes, unused) and, transitively, their inputs once nothing
     uses them (pure ops only)."""
@@ -160,11 +169,13 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
     erased: set[torch.fx.Node] = set()
     while stack:
         node = stack.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+        if node in erased or real_users(node) or node.op not in ("call_function", "call_method"):
             continue
         if node not in root_set and node.op == "call_function" and _impure(node):
             continue
         inputs = list(node.all_input_nodes)
+        for check in list(node.users):
+            gm.graph.erase_node(check)
         gm.graph.erase_node(node)
         erased.add(node)
         stack.extend(inputs)

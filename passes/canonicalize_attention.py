@@ -37,7 +37,7 @@ from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
 from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
-                             is_sdpa, same_shape, same_size, static_float)
+                             is_sdpa, real_users, same_shape, same_size, static_float)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -156,7 +156,7 @@ def _const(x: Any) -> Optional[float]:
 
 
 def _single_user(node: torch.fx.Node) -> bool:
-    return len(node.users) == 1
+    return len(real_users(node)) == 1
 
 
 def _transposed_last_two(node: Any) -> Optional[torch.fx.Node]:
@@ -270,7 +270,7 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
     # forward: softmax -> casts / dropout -> P @ v
     p, dropout = softmax, None
     while True:
-        users = list(p.users)
+        users = real_users(p)
         nxt = [u for u in users if _is_cast(u) or _is(u, DROPOUT_FUNCS, ("dropout",))
                or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p)]
         if len(nxt) != 1:

@@ -376,9 +376,9 @@ CMP = {operator.le: "le", operator.lt: "lt", operator.ge: "ge", operator.gt: "gt
        "__eq__": "eq", "__ne__": "ne", aten.eq.Scalar: "eq", aten.ne.Scalar: "ne", aten.eq.Tensor: "eq",
        aten.ne.Tensor: "ne"}
 AND = {operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "bitwise_and", "__and__",
-       aten.logical_and.default, aten.bitwise_and.Tensor}
+       aten.logical_and.default, aten.bitwise_and.Tensor, aten.__and__.Tensor}
 OR = {operator.or_, torch.logical_or, torch.bitwise_or, "logical_or", "bitwise_or", "__or__",
-      aten.logical_or.default, aten.bitwise_or.Tensor}
+      aten.logical_or.default, aten.bitwise_or.Tensor, aten.__or__.Tensor}
 NOT = {operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__",
        aten.logical_not.default, aten.bitwise_not.default}
 ADD = {operator.add, torch.add, "add", "__add__", aten.add.Tensor, aten.add.Scalar}
@@ -389,6 +389,7 @@ NEG = {operator.neg, torch.neg, "neg", aten.neg.default}
 ABS = {torch.abs, "abs", operator.abs, aten.abs.default}
 FACTORY_FULL = {torch.ones: 1.0, torch.zeros: 0.0, torch.ones_like: 1.0, torch.zeros_like: 0.0,
                 "new_ones": 1.0, "new_zeros": 0.0, aten.ones.default: 1.0, aten.zeros.default: 0.0,
+                aten.new_ones.default: 1.0, aten.new_zeros.default: 0.0,
                 aten.ones_like.default: 1.0, aten.zeros_like.default: 0.0}
 FULL = {torch.full, "new_full", torch.full_like, aten.full.default, aten.full_like.default}
 TRIL = {torch.tril, "tril", aten.tril.default}
@@ -472,6 +473,10 @@ class _Interp:
             return self._broadcast(self.eval(args[0]), node)
         if t is operator.getitem:
             return self._getitem(node)
+        if t is aten.index.Tensor:  # export's spelling of x[i, j] with tensor indices
+            return self._advanced_index(self.eval(args[0]), args[0], tuple(args[1]), node)
+        if t is aten.slice.Tensor:
+            return self._full_slice(node)
         if t in ("unsqueeze", torch.unsqueeze, aten.unsqueeze.default, "view", "reshape", torch.reshape,
                  aten.view.default, aten.reshape.default, "squeeze", aten.squeeze.dim):
             return self._reshape(node)
@@ -629,6 +634,15 @@ class _Interp:
             mapping.append(out_pos)
             out_pos += 1
         return self._apply_map(x, self._dim_map(node, in_nd, mapping), node)
+
+    def _full_slice(self, node: torch.fx.Node) -> Any:
+        """aten.slice(x, dim, start, end) that keeps every element (export's x[:, :n])."""
+        args = list(node.args) + [0, 0, None, None, 1][len(node.args):]
+        x, dim, start, end, step = args[:5]
+        size = fake(x).shape[dim]
+        if start in (None, 0) and step == 1 and (end is None or same_size(fake(node).shape[dim], size)):
+            return self.eval(x)
+        raise Unliftable("a slice that drops mask positions")
 
     def _advanced_index(self, x: Any, base: torch.fx.Node, idx: tuple, node: torch.fx.Node) -> Any:
         """HF: t2d[batch_arange[:, None, None, None], kv_arange[None, None, None, :]] for a

@@ -203,3 +203,23 @@ def test_verifier_rejects_a_broken_attention_contract():
     op.args = (q, q, q, q) + op.args[4:]  # key_valid must be a bool [b, n] tensor
     with pytest.raises(GraphInvariantError, match="key_valid"):
         verify_graph(gm, after="test")
+
+
+def test_exported_hf_llama_with_padding_is_rewritten_and_runs():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    ep = torch.export.export(model, (ids,), {"attention_mask": mask})
+    ctx = run(ep.graph_module, ATTN_PASSES)
+    assert [(s.form, s.decision) for s in ctx.report.sites] == [("manual", Decision.REWRITTEN)] * 2
+    assert all(s.mask["causal"] and s.mask["key_padding"] for s in ctx.report.sites)
+    ops = ring_nodes(ep.graph_module)
+    assert all("val" in op.meta and op.args[1].meta["val"].shape[1] == 2 for op in ops)  # K/V keep 2 heads
+    torch.testing.assert_close(ep.module()(ids, attention_mask=mask).logits,
+                               model(ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
