@@ -20,6 +20,14 @@ Sizes are sympy expressions (the sequence length n may be a symbol under dynamic
 sequence dims are followed through the shape flow, never found by "a dim equal to n" inside
 the graph (only for values created from no sequence input: factories, buffer slices, cats).
 
+Note [Padding]
+With Config(pad=True) a static length n that the layout does not divide (p, or 2p for
+zigzag) is padded to N, the next multiple: shards hold N/p rows and every value's window is
+[0, n), so the padded rows are garbage rows as above. Attention masks the padded keys
+(causal attention never sees them from a real query; otherwise a key_valid mask is added
+or extended with False), reductions zero the rows outside the window, cross_entropy
+ignores them, and outputs are narrowed back to n after the gather.
+
 Rules (RULES below) say for each op how states map from inputs to the output and what the
 op needs: token-local ops keep a shard; reductions over the sequence become a local
 reduction + ringcc::all_reduce_sum (mean = global sum / global count, cross_entropy with
@@ -129,10 +137,11 @@ class Sharder:
     def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
         info = ctx.scratch["seq"]
         self.gm, self.ctx, self.graph = gm, ctx, gm.graph
-        self.n: sympy.Expr = info.n
+        self.n: sympy.Expr = info.n  # the sequence length
         self.sources = info.sources
         self.p = ctx.world_size
         self.layout = ctx.scratch.get("layout") or _resolve_layout(ctx, attention_nodes(gm))
+        self.N: sympy.Expr = self._padded_length(ctx)  # rows held by all ranks together
         ctx.scratch["layout"] = self.layout
         self.comm = (ctx.group_name, ctx.world_size, self.layout)
         self.state: dict[torch.fx.Node, Any] = {}
@@ -143,8 +152,23 @@ class Sharder:
 
     # -- helpers used by rules ------------------------------------------------------
 
+    def _padded_length(self, ctx: PassContext) -> sympy.Expr:
+        """n, or n rounded up to the layout's divisor under Config(pad=True) (Note [Padding])."""
+        div = L.divisor(self.p, L.Layout(self.layout))
+        if not self.n.is_Integer or int(self.n) % div == 0:
+            return self.n  # a symbolic n is checked at run time by ringcc::shard
+        if not ctx.config.pad:
+            raise ValueError(
+                f"sequence length {int(self.n)} is not divisible by {div} (world size {self.p}, layout "
+                f"{self.layout!r}); use a length that is a multiple of {div}, or Config(pad=True) to pad "
+                f"it with masked tokens")
+        padded = -(-int(self.n) // div) * div
+        ctx.report.notes.append(f"sequence of {int(self.n)} tokens padded to {padded} (a multiple of {div})")
+        return sympy.Integer(padded)
+
     def full(self, st: Seq) -> bool:
-        return _zero(st.start) and _eq(st.length, self.n)
+        """Every row of the shard is a token of the value (no garbage rows)."""
+        return _zero(st.start) and _eq(st.length, self.N)
 
     def new(self, target, *args, method: bool = False, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.cur):
@@ -157,7 +181,7 @@ class Sharder:
         start = window.start if window is not None else sympy.Integer(0)
         if window is not None and not _eq(window.length, st.length):
             raise Fallback(f"lengths {st.length} and {window.length} do not match")
-        front, back = start, self.n - start - st.length
+        front, back = start, self.N - start - st.length
         if not (front.is_Integer and back.is_Integer) or front < 0 or back < 0:
             raise Fallback(f"a replicated value of length {st.length} cannot be aligned with the shards")
         key = (src, st.dim, int(front), int(back), pad_value)
@@ -218,14 +242,6 @@ class Sharder:
     # -- the walk --------------------------------------------------------------------
 
     def run(self) -> None:
-        n_hint = self.n
-        if n_hint.is_Integer:
-            div = L.divisor(self.p, L.Layout(self.layout))
-            if int(n_hint) % div:
-                raise ValueError(
-                    f"sequence length {int(n_hint)} is not divisible by {div} (world size {self.p}, layout "
-                    f"{self.layout!r}); use a length that is a multiple of {div}, or another world size "
-                    f"(Config(pad=True) is not supported yet)")
         for node in list(self.graph.nodes):
             self.cur = node
             if node.op == "placeholder":
@@ -428,8 +444,7 @@ def embedding_rule(w: Sharder, node):
     if not isinstance(st, Seq) or isinstance(w.state.get(weight), Seq):
         raise Fallback("sequence in the embedding table")
     if not st.sharded:
-        full = _eq(st.length, w.n)
-        w.localize(node, idx, st, None if full else Seq(st.dim, st.length, st.outer, sharded=True))
+        w.localize(node, idx, st, None)
         st = Seq(st.dim, st.length, st.outer, sharded=True)
     return st
 
@@ -693,10 +708,11 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
     if isinstance(i, int):
         if not st.sharded:
             return None
-        if not w.full(st):
-            raise Fallback("selects a token of a narrowed shard")
+        if not st.length.is_Integer and (i < 0 or not _zero(st.start)):
+            raise Fallback("selects a token counted from the end of a symbolic length")
+        token = st.start + (i % st.length if st.length.is_Integer else i)  # a global row
         # pick the token first (one row, replicated), then apply the rest of the index to it
-        sel = w.new(SELECT, x, st.dim, i, *w.comm)
+        sel = w.new(SELECT, x, st.dim, int(token), *w.comm)
         w.state[sel] = None
         node.args = (sel, tuple(r for k, r in enumerate(expanded) if k != pos))
         w.decisions.append(f"{node.name}: select token {i}")
@@ -824,15 +840,29 @@ def reduce_rule(w: Sharder, node):
         return st.at(st.dim if keepdim else st.dim - sum(1 for d in dims if d < st.dim))
     if not st.sharded:
         return None
-    if not w.full(st) or name not in ("sum", "mean"):
-        raise Fallback(f"{name} over a {'narrowed ' if not w.full(st) else ''}shard")
-    if _arg(node, 3, "dtype") is not None and name == "mean":
-        raise Fallback("mean with dtype")
-    # Every rank holds the same number of tokens: the global mean is the mean of local means.
+    if name not in ("sum", "mean") or (_arg(node, 3, "dtype") is not None and name == "mean"):
+        raise Fallback(f"{name} over the sequence")
+    if w.full(st):
+        # Every rank holds the same number of tokens: the global mean is the mean of local means.
+        divisor = w.p
+    else:
+        # rows outside the window are garbage: zero them, and divide by the logical count
+        count = _prod(fake(x).shape[d] for d in dims)
+        if not count.is_Integer:
+            raise Fallback("a mean over a narrowed shard of symbolic length")
+        if not _eq(st.outer, 1):
+            raise Fallback("a masked reduction over merged batch and sequence")
+        rows = w.new(torch.ones, (_static(st.length),), dtype=fake(x).dtype)
+        rows = w.shard(rows, Seq(0, st.length), st)  # 1 on the window's rows, 0 elsewhere
+        shape = [-1 if d == st.dim else 1 for d in range(nd)]
+        node.replace_input_with(x, w.new(operator.mul, x, w.new("view", rows, *shape, method=True)))
+        if name == "mean":
+            node.target = "sum" if node.op == "call_method" else torch.sum
+        divisor = int(count)
     with w.graph.inserting_after(node):
         red = tag(w.graph.call_function(ALL_REDUCE, (node, *w.comm[:2])), PASS, node)
     with w.graph.inserting_after(red):
-        out = tag(w.graph.call_function(operator.truediv, (red, w.p)), PASS, node) if name == "mean" else red
+        out = tag(w.graph.call_function(operator.truediv, (red, divisor)), PASS, node) if name == "mean" else red
     node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
     w.state[red] = w.state[out] = None
     w.decisions.append(f"{node.name}: all_reduce {name}")
@@ -928,14 +958,25 @@ def attention_rule(w: Sharder, node):
                 f"(state {st}); ringcc cannot shard it")
         if not st.sharded:
             w.localize(node, a, st, None)
-        elif not w.full(st):
+        elif not (w.full(st) or (_zero(st.start) and _eq(st.length, w.n))):
             raise Fallback("attention over a narrowed shard")
+    padded = not _eq(w.n, w.N)
+    causal = node.args[spec["causal"]] is True
     key_valid = node.args[spec["key_valid"]] if spec["key_valid"] is not None else None
+    if padded and key_valid is None and not causal:
+        if spec["key_valid"] is None:
+            raise ValueError(f"attention site {node.name} at {location(node)}: Config(pad=True) needs a key "
+                             f"mask, which {op_name(node)} does not take; use a length divisible by the layout")
+        # Note [Padding]: the padded keys must not be attended to
+        b = _static(fake(q).shape[0])
+        key_valid = w.new(torch.ones, (b, int(w.n)), dtype=torch.bool)
+        w.state[key_valid] = Seq(1, w.n)
+        _set_arg(node, spec["key_valid"], "key_valid", key_valid)
     if key_valid is not None:
         st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
         if st.sharded:
             raise Fallback("key padding mask computed on shards")
-        w.localize(node, key_valid, st, None)
+        w.localize(node, key_valid, st, None, pad_value=False)
     args = list(node.args)
     args[spec["comm"]] = list(w.comm)
     node.args = tuple(args)
@@ -1011,7 +1052,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(False)
     w = Sharder(gm, ctx)
     w.run()
-    gm.meta["ringcc_seq_len"] = w.n
+    gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
     ctx.scratch["sharded"] = True
     ctx.scratch["shard_decisions"] = w.decisions
     gm.graph.eliminate_dead_code()

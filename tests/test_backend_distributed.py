@@ -95,3 +95,15 @@ def test_fingerprint_is_stable(world):
     from ringcc.backend import fingerprint
 
     assert fingerprint(["a", "b"]) == fingerprint(["a", "b"]) != fingerprint(["b", "a"])
+
+
+@pytest.mark.parametrize("name,n", [("gpt", 26), ("bert", 25)])
+def test_pad_lengths_the_layout_does_not_divide(pools, name, n):
+    """p = 2: 26 tokens pad to 28 (zigzag, causal GPT: shifted labels), 25 to 26 (contiguous,
+    BERT: masked keys, a mean over tokens, the pooled first token)."""
+    results = pools(2).run(shard_models.parity, name, (n,), "aot_eager", {"pad": True}, timeout=300)
+    errors, facts = results[0]
+    assert max(errors[0].values()) < 1e-5, errors
+    assert facts[0]["rewritten"] == facts[0]["sites"] > 0
+    assert all(why.startswith("graph output") for _, why in facts[0]["gathers"]), facts[0]["gathers"]
+    assert facts[0]["bad_rows"] == []

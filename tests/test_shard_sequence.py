@@ -2,6 +2,8 @@
 p = 2 or 4 offline (Config(world_size=...)) and inspected; numbers are checked in the
 distributed tests."""
 
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -76,8 +78,20 @@ def test_gpt_graph_shards_inputs_and_keeps_the_label_shift():
 
 
 def test_length_not_divisible_is_a_clear_error():
-    with pytest.raises(Exception, match=r"sequence length 26 is not divisible by 8 \(world size 4, layout 'zigzag'\)"):
+    with pytest.raises(Exception, match=r"sequence length 26 is not divisible by 8 \(world size 4, layout "
+                       r"'zigzag'\); .* or Config\(pad=True\)"):
         rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 26), world=4)
+
+
+def test_padding_masks_the_padded_keys_of_non_causal_attention():
+    gm, rep = rewrite(Pooled("mean"), torch.randn(2, 7, 16), world=2, pad=True)
+    assert rep.notes == ["sequence of 7 tokens padded to 8 (a multiple of 2)"]
+    (site,) = [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default]
+    key_valid = site.args[3]
+    assert key_valid.target is SHARD and tuple(key_valid.meta["example_value"].shape) == (2, 4)
+    # the mean zeroes the padded row and divides by the 7 real tokens (x 2 x 16 features)
+    assert count(gm, ALL_REDUCE) == 1
+    assert any(n.target is operator.truediv and n.args[1] == 7 * 2 * 16 for n in gm.graph.nodes)
 
 
 def test_mean_over_tokens_is_a_local_mean_and_an_all_reduce():
