@@ -15,7 +15,10 @@ Note [Memory plan]
    put back to P there, which leaves n), else REPLICATED. For a plan at P = 1, SHARDED nodes
    hold n/p tokens where the trace shows n. Static (int) shapes map a dim equal to the
    `seq_len` hint (N/P in sharded nodes) to n (n/p): a best effort, since a head dim equal to
-   n would be mistaken; trace with a dynamic sequence dim to avoid it.
+   n would be mistaken; trace with a dynamic sequence dim to avoid it. When the sharding pass
+   ran, it says which dim of each value is the sequence (meta["ringcc_seq"]): that dim is
+   mapped, and besides it only dims equal to the full N (the second n of an n x n value), so
+   a model dim equal to N/P stays a constant.
 2. Storage. A node that aliases an earlier node's storage (same fake storage; or, without
    fake storages, a view op by name) adds no bytes: it extends the owner's live range.
 3. Live ranges (program points = graph order). Forward: a storage lives from its producer
@@ -310,6 +313,11 @@ VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "s
             "_unsafe_view", "alias", "contiguous", "as_strided", "unbind"}
 
 
+# What passes/shard_sequence.py records: each value's sequence state (Seq: dim, outer,
+# length, sharded) and the graph's sequence length.
+SEQ_STATE_META = "ringcc_seq"
+SEQ_LEN_META = "ringcc_seq_len"
+
 # Views that take part of their base: their backward writes into a base-sized zero gradient.
 PARTIAL_VIEW_OPS = {"getitem", "select", "slice", "narrow", "unbind", "split", "chunk", "split_with_sizes"}
 
@@ -388,21 +396,31 @@ def _storage_key(t: torch.Tensor):
 class _SizeMapper:
     """Turns a fake tensor's dims into planner expressions (Note [Memory plan], 1)."""
 
-    def __init__(self, symbols: dict, world_size: int, seq_len: int | None):
+    def __init__(self, symbols: dict, world_size: int, seq_len: int | None, tracked: bool = False):
         self.symbols = symbols
         self.world = world_size
         self.seq_len = seq_len
+        self.tracked = tracked  # the sharding pass recorded every value's sequence dim
 
-    def dim(self, d, sharding: Sharding) -> sympy.Expr:
+    def dim(self, d, sharding: Sharding, seq=None) -> sympy.Expr:
+        """seq: the sharding pass's state of this dim when it is the sequence dim, else None."""
         FloorDiv, CeilDiv = _compat.sympy_divisions()
 
         if not isinstance(d, torch.SymInt):
             d = int(d)
-            if self.seq_len is not None:
-                if sharding is Sharding.SHARDED and d == self.seq_len // self.world:
-                    return n / p
-                if sharding is not Sharding.SHARDED and d == self.seq_len:
-                    return n
+            if self.seq_len is None:
+                return sympy.Integer(d)
+            if self.tracked:  # the pass says which dim is the sequence ...
+                if seq is not None:
+                    return self._tracked(d, seq)
+                # ... and a second full-length dim (an n x n value) is the sequence too; a
+                # dim equal to n/p elsewhere is a model dim.
+                full = d == self.seq_len and (sharding is not Sharding.SHARDED or self.world == 1)
+                return n if full else sympy.Integer(d)
+            if sharding is Sharding.SHARDED and d == self.seq_len // self.world:
+                return n / p
+            if sharding is not Sharding.SHARDED and d == self.seq_len:
+                return n
             return sympy.Integer(d)
         e = sympy.sympify(_compat.sym_expr(d)).xreplace(self.symbols)
         if self.world > 1:
@@ -416,8 +434,23 @@ class _SizeMapper:
             e = e.subs(n, n / p)
         return e
 
-    def tensor(self, t: torch.Tensor, sharding: Sharding) -> TensorSize:
-        return TensorSize(tuple(self.dim(d, sharding) for d in t.shape), t.element_size())
+    def _tracked(self, d: int, seq) -> sympy.Expr:
+        """A constant sequence dim with its state (shard_sequence's Seq): a shard holds
+        outer * n/p rows; a replicated value outer * length, length = n + (L - N)."""
+        outer = int(seq.outer) if sympy.sympify(seq.outer).is_Integer else None
+        if outer is None:
+            return sympy.Integer(d)
+        if seq.sharded and d == outer * (self.seq_len // self.world):
+            return outer * n / p
+        length = sympy.sympify(seq.length)
+        if not seq.sharded and length.is_Integer and d == outer * int(length):
+            return outer * (n + int(length) - self.seq_len)
+        return sympy.Integer(d)
+
+    def tensor(self, t: torch.Tensor, sharding: Sharding, seq=None) -> TensorSize:
+        seq_dim = getattr(seq, "dim", None)
+        return TensorSize(tuple(self.dim(d, sharding, seq if j == seq_dim else None) for j, d in enumerate(t.shape)),
+                          t.element_size())
 
 
 def _graph_symbols(gm: torch.fx.GraphModule) -> dict:
@@ -505,8 +538,11 @@ def plan_graph(
         hints[n] = seq_len
     # Static shapes only: map ints equal to N (N/P) to n (n/p). With a symbolic sequence an
     # int equal to N/P is something else (a head dim), never the sequence.
+    if seq_len is None and isinstance(gm.meta.get(SEQ_LEN_META), int):
+        seq_len = hints[n] = gm.meta[SEQ_LEN_META]
     static_seq = None if any(v.has(n) for v in symbols.values()) else seq_len
-    mapper = _SizeMapper(symbols, world_size, static_seq)
+    tracked = any(SEQ_STATE_META in nd.meta for nd in gm.graph.nodes)
+    mapper = _SizeMapper(symbols, world_size, static_seq, tracked)
     builder = _Builder(gm, mapper, world_size)
     return builder.build(graph_name, symbols, hints, training)
 
@@ -598,7 +634,9 @@ class _Builder:
             ts = _tensors(val)
             sh = self._sharding(node) if node.op not in ("placeholder", "get_attr") else Sharding.REPLICATED
             self.sharding[node] = sh
-            sizes = [self.mapper.tensor(t, sh) for t in ts]
+            states = node.meta.get(SEQ_STATE_META)
+            states = list(states) if isinstance(states, (tuple, list)) else [states] * len(ts)
+            sizes = [self.mapper.tensor(t, sh, st) for t, st in zip(ts, states + [None] * (len(ts) - len(states)))]
             name = op_name(node)
             if name == "ringcc::gather":  # the op's semantics, not the trace's P (Note [Memory plan], 1)
                 a = self._bound_args(node)

@@ -343,10 +343,12 @@ def test_cli_full_length_logits_example_names_the_gather(tmp_path):
     assert sympy.sympify(culprit["size"], locals={"n": n}) == 2 * 8000 * 4 * n  # [b, n, vocab] fp32
 
 
-@pytest.mark.xfail(strict=True, reason="shard_sequence has no sharding rule for ringcc::dilated_attention yet "
-                                       "(it gathers q/k/v around the op)")
 def test_cli_dilated_example_is_linear(tmp_path):
-    assert _plan_example(tmp_path, "dilated")["verdict"] is True
+    data = _plan_example(tmp_path, "dilated")
+    assert data["verdict"] is True, data["culprits"]
+    (graph,) = data["graphs"]
+    ops = {row["op"] for row in graph["nodes"]}
+    assert "ringcc::dilated_attention" in ops and "ringcc::gather" not in ops
 
 
 def test_budget_parse_errors():
