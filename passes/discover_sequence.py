@@ -20,6 +20,7 @@ import sympy
 import torch
 import torch.fx
 
+from ringcc import _compat
 from ringcc.mark import marked_dim
 
 from .base import PassContext, PassResult
@@ -57,7 +58,7 @@ def same(a, b) -> bool:
 
 def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"
-            and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "ringcc"
+            and isinstance(n.target, _compat.OpOverload) and n.target.namespace == "ringcc"
             and n.target._opname in ATTENTION_OPS]
 
 

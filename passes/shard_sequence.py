@@ -38,7 +38,6 @@ unless Config(gather_outputs=False).
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -46,9 +45,9 @@ from typing import Any, Callable, Optional
 import sympy
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::all_reduce_sum, seq_select, sync_grads
+from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
@@ -105,7 +104,7 @@ def op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return node.target
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, _compat.OpOverload):
         return f"{t.namespace}::{t._opname}" if t.namespace == "ringcc" else t._opname
     return getattr(t, "__name__", str(t))
 
@@ -555,13 +554,10 @@ def _view_map(in_shape, st: Seq, out_shape) -> tuple[int, sympy.Expr]:
 
 
 def flatten_rule(w: Sharder, node):
+    """A view without sizes: the shape flow alone says where the sequence goes."""
     x = node.args[0]
     st = w.state[x]
-    nd = fake(x).dim()
-    start = _norm_dim(_arg(node, 1, "start_dim", 0), nd)
-    end = _norm_dim(_arg(node, 2, "end_dim", -1), nd)
     j, outer = _view_map(fake(x).shape, st, fake(node).shape)
-    del start, end  # the generic view map decides; flatten has no sizes to rebuild
     new = Seq(j, st.length, outer, st.start, st.sharded)
     return new if st.sharded else replace(new, length=expr(fake(node).shape[j]) / outer)
 
@@ -799,9 +795,7 @@ def pad_rule(w: Sharder, node):
         if st.sharded:
             raise Fallback("pads the sequence of a shard")
         return Seq(st.dim, expr(fake(node).shape[st.dim]) / st.outer, st.outer)
-    if st.sharded:
-        return st
-    return st  # cheap on replicated values
+    return st  # padding features is token-local; on replicated values it stays cheap
 
 
 def size_rule(w: Sharder, node):
@@ -985,6 +979,9 @@ def attention_rule(w: Sharder, node):
     return (seq, seq)
 
 
+# Token-local ops, by how they treat replicated inputs. Copies and casts stay cheap (ids,
+# positions, masks pass through them replicated); the others are per-token work, where a
+# replicated value gets sliced (integer/bool results stay cheap too: label shifts, masks).
 _PW_CHEAP = ("contiguous", "clone", "detach", "to", "type", "type_as", "float", "half", "bfloat16",
              "double", "long", "int", "bool", "alias", "zeros_like", "ones_like", "empty_like", "full_like")
 _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "abs", "exp", "log",
@@ -993,12 +990,18 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "
        "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "logical_not", "logical_and",
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
-       "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid", "sub",
+       "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
        "fill_", "masked_fill_", "__and__", "__or__")
 
+# The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
+# that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
+# propagation rules are keyed by aten overloads and know nothing of windows or of replicated
+# values that stay cheap, so they do not fit dynamo's torch-level graph.
 RULES: dict[str, Rule] = {
+    # token-local, broadcasting
     **{name: Rule(pointwise(cheap=True)) for name in _PW_CHEAP},
     **{name: Rule(pointwise(cheap=False)) for name in _PW},
+    # token-local, mixing features only
     "linear": Rule(linear_rule),
     "addmm": Rule(addmm_rule),
     "layer_norm": Rule(feature_local(_norm_dims)),
@@ -1008,6 +1011,7 @@ RULES: dict[str, Rule] = {
     "embedding": Rule(embedding_rule),
     "matmul": Rule(matmul_rule),
     "bmm": Rule(matmul_rule),
+    # layout: the sequence dim moves with the shape flow
     "view": Rule(view_rule, creates=True, unary=True),
     "reshape": Rule(view_rule, creates=True, unary=True),
     "flatten": Rule(flatten_rule, creates=True, unary=True),
@@ -1029,13 +1033,16 @@ RULES: dict[str, Rule] = {
     "concat": Rule(cat_rule, creates=True),
     "stack": Rule(cat_rule),
     "pad": Rule(pad_rule, unary=True),
-    "sum": Rule(reduce_rule, unary=True),
     "size": Rule(size_rule, unary=True),
     "sym_size": Rule(size_rule, unary=True),
+    # reductions over the sequence: local reduction + all-reduce
+    "sum": Rule(reduce_rule, unary=True),
     "mean": Rule(reduce_rule, unary=True),
     "cross_entropy": Rule(cross_entropy_rule),
+    # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),
+    # factories: a dim of length n makes a replicated sequence value
     "arange": Rule(lambda w, node: None, creates=True),
     "ones": Rule(lambda w, node: None, creates=True),
     "zeros": Rule(lambda w, node: None, creates=True),
@@ -1048,7 +1055,7 @@ RULES: dict[str, Rule] = {
 
 
 def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    if "seq" not in ctx.scratch or not ctx.config.shard or ctx.scratch.get("sharded"):
+    if "seq" not in ctx.scratch or not ctx.config.shard or _already_sharded(gm):
         return PassResult(False)
     w = Sharder(gm, ctx)
     w.run()
@@ -1058,6 +1065,10 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     gm.graph.eliminate_dead_code()
     refresh_fakes(gm)
     return PassResult(True)
+
+
+def _already_sharded(gm: torch.fx.GraphModule) -> bool:
+    return any(node.meta.get("ringcc_pass") == PASS for node in gm.graph.nodes)
 
 
 def refresh_fakes(gm: torch.fx.GraphModule) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::sync_grads
+from ringcc import _compat
 
 from .base import PassContext, PassResult, tag
 from .discover_sequence import fake
@@ -38,7 +39,7 @@ def _computes_on_shards(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     t = node.target
-    if isinstance(t, torch._ops.OpOverload) and t.namespace == "ringcc" and t._opname in _COMM_OPS:
+    if isinstance(t, _compat.OpOverload) and t.namespace == "ringcc" and t._opname in _COMM_OPS:
         return False
     return _sharded(node.meta.get(STATE_META)) or any(_sharded(a.meta.get(STATE_META)) for a in node.all_input_nodes)
 
@@ -50,9 +51,8 @@ def _needs_sync(value: torch.fx.Node) -> bool:
 
 
 def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not ctx.scratch.get("sharded") or ctx.scratch.get("grads_synced") or ctx.world_size == 1:
+    if not ctx.scratch.get("sharded") or ctx.world_size == 1 or any(n.target is SYNC for n in gm.graph.nodes):
         return PassResult(False)
-    ctx.scratch["grads_synced"] = True
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if not _computes_on_shards(node):
