@@ -137,3 +137,17 @@ def test_batch_equal_to_length_needs_a_mark():
 def test_mark_sequence_rejects_bad_dims():
     with pytest.raises(ValueError, match="out of range"):
         ringcc.mark_sequence(torch.zeros(2, 3), 2)
+
+
+def test_parameter_gradients_sync_in_buckets():
+    """Weights used by sharded ops go through ringcc::sync_grads, bucket_mb at a time; the
+    all-reduce happens once per bucket in backward, not once per parameter."""
+    model = shard_models.build("gpt")
+    n_params = len(list(model.parameters()))  # the tied head counts once
+    gm, _ = rewrite(model, *shard_models.batch("gpt", 24), bucket_mb=0.02)
+    syncs = [n for n in gm.graph.nodes if n.target is SYNC]
+    assert 1 < len(syncs) < n_params
+    assert sum(len(n.args[0]) for n in syncs) == n_params
+    for n in syncs:
+        sizes = [a.meta["example_value"].numel() * 4 for a in n.args[0]]
+        assert len(sizes) == 1 or sum(sizes) <= 0.02 * 2**20
