@@ -1093,7 +1093,8 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                 val = node.target(*args, **kwargs)
             elif node.op == "get_attr":
                 val = _attr(gm, node.target)
-                val = mode.from_tensor(val) if isinstance(val, torch.Tensor) else val
+                # static: a shape env (export's) would otherwise give parameters symbolic sizes
+                val = mode.from_tensor(val, static_shapes=True) if isinstance(val, torch.Tensor) else val
             else:
                 val = fake(node)
         env[node] = val

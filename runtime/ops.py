@@ -30,7 +30,9 @@ def _group_from(group_name: str, world_size: int):
             f"ringcc op was built for world size {world_size} but no process group is "
             "initialised in this process; call torch.distributed.init_process_group first"
         )
-    group = _compat.resolve_group(group_name)
+    # "" is the default group of the process that runs the op: offline programs
+    # (`ringcc rewrite`) are saved with it, since real group names are process-local.
+    group = dist.group.WORLD if group_name == "" else _compat.resolve_group(group_name)
     world = dist.get_world_size(group)
     if world != world_size:
         raise ValueError(

@@ -1,0 +1,213 @@
+"""`ringcc rewrite MODULE:FACTORY -o OUT_DIR`: the offline rewrite.
+
+FACTORY (a function in a module or a .py file, as for `ringcc plan`) returns
+(model, example_inputs) or (model, example_inputs, options), options being ringcc Config
+fields. The model is captured with torch.export (the sequence dim dynamic with
+--dynamic-seq), rewritten by the backend's pipeline for P ranks, and saved:
+
+    OUT_DIR/program.pt2   the rewritten ExportedProgram (torch.export.save)
+    OUT_DIR/program.py    its readable code
+    OUT_DIR/report.txt, report.json   the rewrite report (the backend's GraphReport)
+    OUT_DIR/plan.txt, plan.json       the memory plan of the rewritten graph
+
+Note [Offline program contract]
+The saved program is the whole model, not one rank's part: every rank loads it, calls it
+with the same full inputs the eager model takes, and gets the full outputs (sharding,
+ring attention, loss all-reduces and output gathers are ops inside the program, as in the
+backend). It must run on exactly P ranks of the default process group: the communication
+ops carry the group name "" (= WORLD of the process that runs them), since real group
+names are process-local. P = 1 needs no process group. Loading needs the ringcc ops
+registered first:
+
+    import ringcc, torch
+    model = torch.export.load("OUT_DIR/program.pt2").module()
+    loss = model(*inputs)            # on each of the P ranks, after init_process_group
+
+Capture and retrace. The pipeline runs on `ExportedProgram.module()` (an aten graph,
+before run_decompositions(), so SDPA is still one op; parameters are attributes, inputs
+are the placeholders). The rewritten module is exported again: that retrace recomputes
+every meta["val"] and the graph signature, and turns the torch-level calls some passes
+insert into aten ops.
+
+Exit codes: 0 rewritten, 2 bad arguments (with what to change), 3 no attention site was
+rewritten (the report's reasons are printed and saved; no program is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+
+EXIT_OK, EXIT_BAD_ARGS, EXIT_NOTHING_REWRITTEN = 0, 2, 3
+
+
+class BadArguments(ValueError):
+    """User input the command cannot take (exit code 2)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, inputs[, options])")
+    parser.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for program.pt2, program.py, report, plan")
+    parser.add_argument("--world-size", type=int, default=2, help="number of ranks P the program runs on (default 2)")
+    parser.add_argument("--dilation", default=None, metavar="W1,W2:R1,R2",
+                        help='LongNet dilated attention at every site: segment lengths and dilation rates, e.g. "16,64:1,4"')
+    parser.add_argument("--dynamic-seq", action="store_true",
+                        help="export with a symbolic sequence length (one program for every length the layout divides)")
+    parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
+    parser.add_argument("--seq-len", type=int, default=None, help="pass seq_len=N to a factory that takes it")
+
+
+def parse_dilation(text: str):
+    """A DilatedSpec from "w1,w2:r1,r2"."""
+    from ringcc.runtime.dilated import DilatedSpec
+
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError("expected one ':'")
+        w, r = ([int(x) for x in part.split(",")] for part in parts)
+    except ValueError:
+        raise BadArguments(f'--dilation {text!r} is not "w1,w2,...:r1,r2,..." (segment lengths, then as many '
+                           'dilation rates, all integers); e.g. --dilation "16,64:1,4"') from None
+    try:
+        return DilatedSpec(w, r)
+    except ValueError as e:
+        raise BadArguments(f"--dilation {text!r}: {e}") from None
+
+
+def load(target: str, seq_len: int | None):
+    """(model, inputs, options) from MODULE:FACTORY."""
+    from ringcc.planner_cli import load_factory
+
+    try:
+        factory = load_factory(target)
+    except (ValueError, ImportError) as e:
+        raise BadArguments(f"cannot load {target!r}: {e}") from None
+    takes_len = "seq_len" in inspect.signature(factory).parameters
+    if seq_len is not None and not takes_len:
+        raise BadArguments(f"--seq-len {seq_len} given but {target} takes no seq_len argument; drop --seq-len")
+    made = factory(seq_len=seq_len) if seq_len is not None else factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise BadArguments(f"{target} must return (model, example_inputs) or (model, example_inputs, options); "
+                           f"got {type(made).__name__}")
+    inputs = made[1] if isinstance(made[1], (list, tuple)) else (made[1],)
+    return made[0], tuple(inputs), dict(made[2]) if len(made) == 3 else {}
+
+
+def dynamic_shapes(inputs, seq_dim: int, unit: int = 1):
+    """The sequence dim of every tensor input that has the first such input's length, as
+    `unit * Dim("seq_chunks")` (the sharded program runs on lengths its layout divides)."""
+    import torch
+    from torch.export import Dim
+
+    lengths = [x.shape[seq_dim] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > seq_dim]
+    if not lengths:
+        raise BadArguments(f"--dynamic-seq: no tensor input has a dim {seq_dim}; pass --seq-dim")
+    if lengths[0] % unit or lengths[0] // unit < 2:
+        raise BadArguments(f"--dynamic-seq: the example length {lengths[0]} must be a multiple of {unit} "
+                           f"(the layout's unit for this world size), at least {2 * unit}; change the factory's inputs")
+    # min=2: export specialises a length of one chunk per rank
+    seq = Dim("seq", min=2) if unit == 1 else unit * Dim("seq_chunks", min=2)
+    return tuple({seq_dim: seq} if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] == lengths[0]
+                 else None for x in inputs)
+
+
+def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dynamic: bool = False,
+            seq_dim: int = 1, graph_name: str = "program"):
+    """Export `model(*inputs)`, rewrite it for `world_size` ranks and export the result.
+
+    Returns (exported_program, report); exported_program is None when no attention site was
+    rewritten. The report carries the memory plan (or a note saying why there is none).
+    See Note [Offline program contract] for what the program expects.
+    """
+    import torch
+
+    from ringcc import planner
+    from ringcc.config import Config
+    from ringcc.passes.base import PassContext
+    from ringcc.passes.pipeline import run_pipeline
+    from ringcc.report import GraphReport
+
+    config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
+    gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
+    report = GraphReport(graph=graph_name, world_size=world_size)
+    ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
+                      example_inputs=list(inputs))
+    gm = run_pipeline(gm, ctx)
+    if not report.rewritten:
+        return None, report
+    try:
+        planner.plan_for_context(gm, ctx)
+    except Exception as e:  # the plan is a report; the rewrite must not depend on it
+        report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
+    shapes = None
+    if dynamic:
+        sharded = ctx.scratch.get("sharded") and world_size > 1
+        unit = world_size * (2 if ctx.scratch.get("layout") == "zigzag" else 1) if sharded else 1
+        shapes = dynamic_shapes(inputs, seq_dim, unit)
+    return torch.export.export(gm, inputs, dynamic_shapes=shapes), report
+
+
+def save(ep, report, out_dir: str) -> dict[str, str]:
+    """Write the program, its code, the report and the plan into out_dir; returns kind -> path."""
+    import torch
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+
+    def write(name: str, text: str) -> None:
+        paths[name] = os.path.join(out_dir, name)
+        with open(paths[name], "w") as f:
+            f.write(text)
+
+    write("report.txt", report.format() + "\n")
+    write("report.json", json.dumps(report.to_dict(), indent=2) + "\n")
+    if report.plan is not None:
+        write("plan.txt", report.plan.format() + "\n")
+        write("plan.json", json.dumps(report.plan.to_dict(), indent=2) + "\n")
+    if ep is not None:
+        paths["program.pt2"] = os.path.join(out_dir, "program.pt2")
+        torch.export.save(ep, paths["program.pt2"])
+        header = (f'"""ringcc rewrite of {report.graph} for {report.world_size} rank(s); readable code of program.pt2.\n\n'
+                  "Load with `import ringcc; torch.export.load(path).module()` and call it on every rank with the\n"
+                  "full inputs (see Note [Offline program contract] in ringcc/rewrite.py).\n"
+                  '"""\n\nimport torch\n\n\n')
+        write("program.py", header + ep.graph_module.print_readable(print_output=False) + "\n")
+    return paths
+
+
+def run(args) -> int:
+    try:
+        if args.world_size < 1:
+            raise BadArguments(f"--world-size must be >= 1; got {args.world_size}")
+        model, inputs, options = load(args.target, args.seq_len)
+        if args.dilation is not None:
+            options["dilation"] = parse_dilation(args.dilation)
+        from ringcc.config import Config
+
+        try:
+            Config.from_options(options)
+        except ValueError as e:
+            raise BadArguments(f"{args.target} returned options ringcc does not take: {e}") from None
+        ep, report = rewrite(model, inputs, world_size=args.world_size, options=options,
+                             dynamic=args.dynamic_seq, seq_dim=args.seq_dim,
+                             graph_name=args.target.rsplit(":", 1)[1])
+    except BadArguments as e:
+        print(f"ringcc rewrite: error: {e}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    paths = save(ep, report, args.out)
+    print(report.format())
+    if ep is None:
+        reasons = [f"{s.location}: {s.reason.value} ({s.detail})" for s in report.skipped] or \
+                  ["no attention site found in the exported graph (SDPA, manual softmax attention, MHA)"]
+        print("nothing rewritten:\n  " + "\n  ".join(reasons), file=sys.stderr)
+        print(f"report written to {paths['report.txt']}", file=sys.stderr)
+        return EXIT_NOTHING_REWRITTEN
+    if report.plan is not None:
+        print(f"memory: {report.plan.summary()}")
+    for name, path in paths.items():
+        print(f"wrote {path}")
+    return EXIT_OK
