@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx
@@ -180,21 +180,57 @@ def _transposed_last_two(node: Any) -> Optional[torch.fx.Node]:
     return None
 
 
-def _scaled(node: Any) -> tuple[Any, float]:
-    """(x, c) when node = x * c or x / c with a positive constant c; else (node, 1.0)."""
+@dataclass(frozen=True)
+class _Scale:
+    """const * prod(symbolic factors): a module float such as HF's `self.scaling` is a
+    symbolic Python float under dynamic=True, a graph value rather than a number."""
+
+    const: float = 1.0
+    syms: tuple = ()  # ((node, inverse), ...)
+
+    def __mul__(self, other: "_Scale") -> "_Scale":
+        return _Scale(self.const * other.const, self.syms + other.syms)
+
+    @property
+    def is_one(self) -> bool:
+        return self.const == 1.0 and not self.syms
+
+    def build(self, b: Builder):
+        """The scale as SDPA's argument: a float, or a node computing the symbolic float."""
+        value: Any = self.const
+        for node, inverse in self.syms:
+            value = b.call(operator.truediv if inverse else operator.mul, value, node)
+        return value
+
+
+ONE = _Scale()
+
+
+def _symbolic_scalar(x: Any) -> bool:
+    return isinstance(x, torch.fx.Node) and isinstance(fake(x), (torch.SymFloat, torch.SymInt))
+
+
+def _scaled(node: Any) -> tuple[Any, _Scale]:
+    """(x, c) when node = x * c or x / c with a positive constant (or a symbolic scalar) c;
+    else (node, 1)."""
     if not isinstance(node, torch.fx.Node) or not _single_user(node):
-        return node, 1.0
+        return node, ONE
     if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
         a, b = node.args
         for x, c in ((a, b), (b, a)):
             cv = static_float(c)
             if cv is not None and cv > 0 and isinstance(x, torch.fx.Node):
-                return x, cv
+                return x, _Scale(cv)
+            if _symbolic_scalar(c) and isinstance(x, torch.fx.Node) and isinstance(fake(x), torch.Tensor):
+                return x, _Scale(1.0, ((c, False),))
     if _is(node, DIV_FUNCS, ("div", "__truediv__")) and len(node.args) == 2 and not node.kwargs:
-        cv = static_float(node.args[1])
-        if cv is not None and cv > 0 and isinstance(node.args[0], torch.fx.Node):
-            return node.args[0], 1.0 / cv
-    return node, 1.0
+        x, c = node.args
+        cv = static_float(c)
+        if cv is not None and cv > 0 and isinstance(x, torch.fx.Node):
+            return x, _Scale(1.0 / cv)
+        if _symbolic_scalar(c) and isinstance(x, torch.fx.Node):
+            return x, _Scale(1.0, ((c, True),))
+    return node, ONE
 
 
 @dataclass
@@ -206,9 +242,9 @@ class _Manual:
     k: Optional[torch.fx.Node]  # None: make k = transpose(kt)
     kt: torch.fx.Node
     v: torch.fx.Node
-    scale: float
+    scale: _Scale
     mask: Any = None  # node, or ("not", node) for masks that mark excluded positions
-    mask_scale: float = 1.0  # scales applied after an additive mask (they scale it too)
+    mask_scale: _Scale = ONE  # scales applied after an additive mask (they scale it too)
     dropout: Optional[tuple[float, bool]] = None
     reused: list[str] = field(default_factory=list)
     dead: list[torch.fx.Node] = field(default_factory=list)
@@ -217,6 +253,9 @@ class _Manual:
 def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: PassContext) -> bool:
     m = _match_manual(softmax)
     if m is None:
+        return False
+    if isinstance(m, str):
+        _skip_site(ctx, softmax, "manual", SkipReason.OTHER, m)
         return False
     if m.reused:
         _skip_site(ctx, m.out, "manual", SkipReason.WEIGHTS_USED,
@@ -233,22 +272,26 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             k = b.call(torch.transpose, m.kt, -2, -1) if not is_aten_graph(gm) else b.call(aten.transpose.int, m.kt, -2, -1)
         if isinstance(mask, tuple):
             mask = b.call(torch.logical_not if not is_aten_graph(gm) else aten.logical_not.default, mask[1])
-        elif mask is not None and fake(mask).dtype != torch.bool and m.mask_scale != 1.0:
-            mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale)
+        elif mask is not None and fake(mask).dtype != torch.bool and not m.mask_scale.is_one:
+            if m.mask_scale.syms:
+                raise ValueError("an additive mask under a symbolic scale")
+            mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale.const)
         three_d = fake(q).dim() == 3
         if three_d:
             unsq = (lambda x: b.call(torch.unsqueeze, x, 0)) if not is_aten_graph(gm) else (lambda x: b.call(aten.unsqueeze.default, x, 0))
             q, k, v = unsq(q), unsq(k), unsq(v)
             if mask is not None:
                 mask = unsq(mask)
-        call = SdpaCall(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=m.scale, enable_gqa=False)
+        call = SdpaCall(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=m.scale.build(b),
+                        enable_gqa=False)
         out = b.sdpa(call, "manual")
         if three_d:
             out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
         if not same_shape(fake(out).shape, fake(m.out).shape) or fake(out).dtype != fake(m.out).dtype:
             raise ValueError("canonical attention does not reproduce the site's output")
-    except Exception:  # noqa: BLE001 - shapes SDPA does not take: leave the site to the user's code
+    except Exception as e:  # noqa: BLE001 - what SDPA does not take stays the user's code, recorded
         _erase_new(gm, PASS, m.out)
+        _skip_site(ctx, m.out, "manual", SkipReason.SHAPE, f"not expressible as one SDPA call: {e}"[:300])
         return False
     m.out.replace_all_uses_with(out)
     erase_dead(gm, [m.out])
@@ -261,7 +304,16 @@ def _erase_new(gm: torch.fx.GraphModule, pass_name: str, anchor: torch.fx.Node) 
             gm.graph.erase_node(node)
 
 
-def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
+def _upstream_matmul(node: torch.fx.Node, depth: int = 4) -> bool:
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [i for n in frontier for i in n.all_input_nodes]
+        if any(_is(n, MATMUL_FUNCS + BADDBMM_FUNCS, MATMUL_METHODS) for n in frontier):
+            return True
+    return False
+
+
+def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
     x, dim, _ = _softmax_parts(softmax)
     xv = fake(x)
     if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
@@ -288,7 +340,7 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
             break
         p = u
     # backward: scores -> casts / scales / one mask -> A @ B
-    s, scale, mask, mask_scale = x, 1.0, None, 1.0
+    s, scale, mask, mask_scale = x, ONE, None, ONE
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
@@ -316,8 +368,11 @@ def _match_manual(softmax: torch.fx.Node) -> Optional[_Manual]:
             if found[3] is not mask:
                 mask_scale = scale
             a, bt, alpha, mask = found
-            scale *= alpha
+            scale = scale * _Scale(alpha)
             break
+        if _upstream_matmul(s):  # softmax(f(q @ k^T)) @ v with an f we do not read: a candidate
+            what = s.target if isinstance(s.target, str) else getattr(s.target, "__name__", str(s.target))
+            return f"attention scores go through {what}, which is not a constant scale, a mask or a cast"
         return None
     q, cq = _scaled(a)
     kt, ck = _scaled(bt)

@@ -300,9 +300,10 @@ def test_hugging_face_parity(name, padded):
         assert (s.mask["key_padding"] is not None) is padded
 
 
-def test_hugging_face_llama_dynamic_shapes():
+@pytest.mark.parametrize("name", ["llama", "llama_eager"])
+def test_hugging_face_llama_dynamic_shapes(name):
     """Under dynamic=True HF's scale is a symbolic float and lengths are symbols: still rewritten."""
-    model = _Logits(_hf("llama"), False).eval()
+    model = _Logits(_hf(name), False).eval()
     torch._dynamo.reset()
     ringcc.reset_reports()
     compiled = torch.compile(model, backend="ringcc", options=dict(inner="aot_eager", verify=True), dynamic=True)

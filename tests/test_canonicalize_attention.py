@@ -95,6 +95,13 @@ def test_non_attention_does_not_match(name):
     assert sdpas == [] and report.sites == []
 
 
+def test_attention_with_unread_score_transform_is_recorded():
+    gm, sdpas, report = canonical(lambda q, k, v: F.softmax(torch.tanh(q @ k.mT) * 0.5, dim=-1) @ v, *qkv())
+    assert sdpas == []
+    (site,) = report.sites
+    assert (site.form, site.reason) == ("manual", SkipReason.OTHER) and "tanh" in site.detail
+
+
 def test_reused_probabilities_are_recorded_not_rewritten():
     def f(q, k, v):
         p = F.softmax(q @ k.mT * 0.25, dim=-1)
