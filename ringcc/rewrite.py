@@ -136,9 +136,15 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                       example_inputs=list(inputs))
+    _torch_level_spellings(gm)
     gm = run_pipeline(gm, ctx)
     if not report.rewritten:
         return None, report
+    # The passes keep meta["example_value"] current (dynamo's key); "val" (export's key, which
+    # the planner reads first) still holds the pre-rewrite shapes: align it before planning.
+    for node in gm.graph.nodes:
+        if "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
     try:
         planner.plan_for_context(gm, ctx)
     except Exception as e:  # the plan is a report; the rewrite must not depend on it
@@ -149,6 +155,42 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
         unit = world_size * (2 if ctx.scratch.get("layout") == "zigzag" else 1) if sharded else 1
         shapes = dynamic_shapes(inputs, seq_dim, unit)
     return torch.export.export(gm, inputs, dynamic_shapes=shapes), report
+
+
+def _torch_level_spellings(gm) -> None:
+    """Respell the aten ops whose export form the sharding rules do not read as the torch
+    calls dynamo records (the re-export lowers them back to the same aten ops):
+    aten.embedding takes (weight, indices), F.embedding (indices, weight); aten's
+    cross_entropy_loss takes the reduction as an enum int. Without this both still run
+    correctly, but on full-length values (the memory plan names them)."""
+    import torch
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+    reductions = {0: "none", 1: "mean", 2: "sum"}
+    for node in list(gm.graph.nodes):
+        if node.target is aten.embedding.default:
+            weight, indices, *options = node.args  # padding_idx, scale_grad_by_freq, sparse
+            if node.kwargs or any(a != default for a, default in zip(options, (-1, False, False))):
+                continue
+            new = (F.embedding, (indices, weight), {})
+        elif node.target is aten.cross_entropy_loss.default:
+            names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+            bound = dict(zip(names, node.args), **node.kwargs)
+            reduction = reductions[bound.get("reduction", 1)]
+            new = (F.cross_entropy, (bound["input"], bound["target"]),
+                   dict(weight=bound.get("weight"), ignore_index=bound.get("ignore_index", -100),
+                        reduction=reduction, label_smoothing=bound.get("label_smoothing", 0.0)))
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            repl = gm.graph.call_function(*new)
+        repl.meta.update(node.meta)
+        repl.meta["ringcc_pass"] = "rewrite (export spelling)"
+        repl.meta["ringcc_from"] = node.name
+        node.replace_all_uses_with(repl)
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def save(ep, report, out_dir: str) -> dict[str, str]:
@@ -206,8 +248,6 @@ def run(args) -> int:
         print("nothing rewritten:\n  " + "\n  ".join(reasons), file=sys.stderr)
         print(f"report written to {paths['report.txt']}", file=sys.stderr)
         return EXIT_NOTHING_REWRITTEN
-    if report.plan is not None:
-        print(f"memory: {report.plan.summary()}")
     for name, path in paths.items():
         print(f"wrote {path}")
     return EXIT_OK
