@@ -104,7 +104,6 @@ DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
-TRANSPOSE_METHODS = ("transpose", "permute", "mT")
 ENCODER_TARGETS = tuple(t for t in (_compat.transformer_encoder_layer_fwd(),
                                     aten._transformer_encoder_layer_fwd.default) if t is not None)
 
@@ -133,13 +132,9 @@ def _softmax_parts(node: torch.fx.Node) -> tuple[torch.fx.Node, Any, Any]:
 
 
 def _is_cast(node: Any) -> bool:
-    """A dtype / layout change that keeps values (a no-op at the precision that matters)."""
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if node.op == "call_method" and node.target in CAST_METHODS:
-        # .to(device) / .to(dtype) / .to(other): none of them changes shape or values
-        return True
-    return node.op == "call_function" and node.target in CAST_FUNCS
+    """A dtype / device / layout change. Scores upcast for the softmax and probabilities cast
+    back (HF's eager attention) are what SDPA does inside, in the model's dtype."""
+    return _is(node, CAST_FUNCS, CAST_METHODS)
 
 
 def _const(x: Any) -> Optional[float]:
@@ -346,7 +341,7 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
             return None
         if s is not x and not _single_user(s):
             reused.append("scores")
-        if _is_cast(s) and s.op == "call_method" and s.target in ("to", "float", "type_as", "type", "contiguous"):
+        if _is_cast(s):
             s = s.args[0]
             continue
         inner, c = _scaled(s)

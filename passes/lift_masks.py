@@ -219,6 +219,8 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
     n_q, n_k = qv.shape[-2], kv.shape[-2]
     try:
         val = _Interp(n_q, n_k).eval(call.attn_mask)
+        if isinstance(val, Data) and fake(call.attn_mask).dtype == torch.bool:  # a padding mask alone
+            val = Ind(Key(val.node, True, val.dims, val.ops), True, False, fake(call.attn_mask).dim())
         if isinstance(val, Data):
             raise Unliftable(f"mask is a tensor computed from data ({call.attn_mask.name}), not from positions")
         if not isinstance(val, Ind):
@@ -239,6 +241,9 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
         return str(e)
     if lifted.key_valid is not None:
         key = lifted.key_valid
+        kb, kn = fake(key.node).shape
+        if not same_size(kn, n_k) or not (same_size(kb, qv.shape[0]) or is_one(kb) and isinstance(qv.shape[0], int)):
+            return f"padding mask of shape {tuple(fake(key.node).shape)} for keys [{qv.shape[0]}, {n_k}]"
         ident = (key.node, key.truth, key.ops)
         if ident not in key_nodes:
             key_nodes[ident] = _key_valid_node(gm, sdpa, key)
@@ -287,6 +292,9 @@ def _spec(atoms: list, n_q: Any, n_k: Any, is_causal: bool) -> LiftedMask:
         if set(coefs) - {-1, -2}:
             raise Unliftable("mask compares positions along a dim that is not query / key")
         ci, cj = coefs.get(-2, 0), coefs.get(-1, 0)
+        for d, size in a.lin.lengths:
+            if not same_size(size, n_q if d == -2 else n_k):
+                raise Unliftable(f"positions along dim {d} span {size}, the attention {n_q} x {n_k}")
         if ci == 0 and cj == 0:
             if c <= 0:
                 continue
@@ -344,6 +352,9 @@ def _key_valid_node(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, key: Key) -> 
             x = b.call(aten._to_copy.default, x, dtype=op[1]) if at else b.method("to", x, op[1])
     if fake(x).dtype != torch.bool or not key.truth:
         x = b.call((aten.ne.Scalar if key.truth else aten.eq.Scalar) if at else (operator.ne if key.truth else operator.eq), x, 0)
+    batch = fake(SdpaCall.of(sdpa).q).shape[0]
+    if not same_size(fake(x).shape[0], batch):  # one padding row shared by the batch
+        x = b.call(aten.expand.default, x, [batch, -1]) if at else b.method("expand", x, batch, -1)
     return x
 
 
@@ -408,10 +419,6 @@ CUMSUM = {torch.cumsum, "cumsum", aten.cumsum.default}
 ARANGE = {torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
-def _target(node: torch.fx.Node):
-    return node.target
-
-
 class _Interp:
     def __init__(self, n_q: int, n_k: int):
         self.n_q, self.n_k = n_q, n_k
@@ -420,11 +427,30 @@ class _Interp:
     def eval(self, x: Any) -> Any:
         if isinstance(x, torch.fx.Node):
             if x not in self.memo:
-                self.memo[x] = self._node(x)
+                val = self._node(x)
+                self.memo[x] = self._fit(val, x) if isinstance(val, Lin) else val
             return self.memo[x]
         if isinstance(x, (bool, int, float)):
             return x
         raise Unliftable(f"mask uses a constant of type {type(x).__name__}")
+
+    def _fit(self, lin: Lin, node: torch.fx.Node) -> Lin:
+        """Positions read off the tensor's actual sizes: along a dim of size 1 an index is
+        always 0 (arange(1), x[:1], before an expand), so its term drops out."""
+        v = fake(node)
+        if not isinstance(v, torch.Tensor):
+            return lin
+        nd = v.dim()
+        coefs, lengths = [], []
+        for d, c in lin.coefs:
+            if -d > nd:
+                raise Unliftable("positions on a dim the tensor does not have")
+            size = v.shape[d]
+            if is_one(size):
+                continue
+            coefs.append((d, c))
+            lengths.append((d, size))
+        return Lin(tuple(coefs), lin.const, nd, tuple(lengths))
 
     def _data(self, node: torch.fx.Node) -> Data:
         v = fake(node)
@@ -445,7 +471,7 @@ class _Interp:
         return v.dim() if isinstance(v, torch.Tensor) else 0
 
     def _node(self, node: torch.fx.Node) -> Any:
-        t = _target(node)
+        t = node.target
         if node.op == "placeholder" or node.op == "get_attr":
             return self._data(node)
         if node.op not in ("call_function", "call_method"):

@@ -97,6 +97,15 @@ def test_key_padding_from_bn_tensor():
     assert kv.args[0].op == "placeholder" and kv.meta["ringcc_pass"] == "lift_masks"
 
 
+def test_padding_row_shared_by_the_batch_is_expanded():
+    def f(q, k, v, pad):  # pad [1, n]: one padding row for every batch element
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :])
+
+    pad = torch.zeros(1, N, dtype=torch.bool)
+    s = spec(f, pad)
+    assert tuple(s.key_valid.meta["example_value"].shape) == (2, N)
+
+
 def test_hf_style_int_mask_lookup():
     def f(q, k, v, am):  # HF: 1 = keep, long [b, n]; mask[b_idx, kv_idx] lookup
         m = am.to(dtype=torch.bool)
@@ -116,6 +125,8 @@ def test_hf_style_int_mask_lookup():
     ("diagonal", sdpa_mask(lambda q: ar(q)[None] == ar(q)[:, None])),
     ("causal or window", sdpa_mask(lambda q: (ar(q)[None] <= ar(q)[:, None]) | ((ar(q)[None] - ar(q)[:, None]).abs() < 2))),
     ("shifted causal", sdpa_mask(lambda q: ar(q)[None] <= ar(q)[:, None] + 1)),
+    ("first row only", sdpa_mask(lambda q: ar(q)[None, :] <= torch.arange(1)[:, None])),
+    ("sliced positions", sdpa_mask(lambda q: ar(q)[None, :] <= ar(q)[:1, None])),
     ("mask times data", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(ar(q)[None] <= ar(q)[:, None]) & (m > 0))),
 ])
 def test_unliftable_masks_record_why(name, mask):
