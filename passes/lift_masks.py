@@ -40,7 +40,8 @@ import torch.fx
 from ringcc.report import SkipReason
 
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
-                             fake, is_aten_graph, is_one, is_sdpa, same_size, static_float, static_int)
+                             fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size, static_float,
+                             static_int)
 from .base import PassContext, PassResult
 
 PASS = "lift_masks"
@@ -118,7 +119,7 @@ def _repeat_source(x: Any) -> Optional[tuple[torch.fx.Node, int]]:
         if src is None:
             return None
         b, g, r, n, d = ev.shape
-        if tuple(xv.shape) != (b, g * r, n, d):
+        if not isinstance(g, int) or not isinstance(r, int) or not same_shape(xv.shape, (b, g * r, n, d)):
             return None
         return src, r
     return None
