@@ -148,6 +148,9 @@ class Sharder:
         self._shards: dict[tuple, torch.fx.Node] = {}
         self._gathers: dict[torch.fx.Node, torch.fx.Node] = {}
         self.decisions: list[str] = []
+        # dynamo passes every symbol as a SymInt input: sizes rebuilt in the graph use them
+        self._symbols = {expr(fake(p)): p for p in gm.graph.nodes
+                         if p.op == "placeholder" and isinstance(fake(p), torch.SymInt)}
 
     # -- helpers used by rules ------------------------------------------------------
 
@@ -169,6 +172,24 @@ class Sharder:
         """Every row of the shard is a token of the value (no garbage rows)."""
         return _zero(st.start) and _eq(st.length, self.N)
 
+    def size(self, e) -> "int | torch.fx.Node":
+        """A size for a graph argument: an int, or nodes computing it from the SymInt inputs."""
+        e = expr(e)
+        if e.is_Integer:
+            return int(e)
+        if e in self._symbols:
+            return self._symbols[e]
+        ops = {sympy.Mul: operator.mul, sympy.Add: operator.add}
+        if type(e) in ops:
+            args = [self.size(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = self.new(ops[type(e)], out, a)
+            return out
+        if type(e).__name__ == "FloorDiv":
+            return self.new(operator.floordiv, self.size(e.args[0]), self.size(e.args[1]))
+        raise Fallback(f"no graph input gives the size {e}")
+
     def new(self, target, *args, method: bool = False, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.cur):
             node = (self.graph.call_method(target, args, kwargs) if method
@@ -188,7 +209,7 @@ class Sharder:
             return self._shards[key]
         x, d = src, st.dim
         if not _eq(st.outer, 1):
-            x, d = self.new("unflatten", x, d, (int(st.outer), -1), method=True), d + 1
+            x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
         if front or back:
             # cat with filled blocks, not F.pad: F.pad's fake guards on the (symbolic) length
             pieces = ([self._fill(x, d, int(front), pad_value)] if front else []) + [x] + \
@@ -213,10 +234,10 @@ class Sharder:
             return self._gathers[src]
         x, d = src, st.dim
         if not _eq(st.outer, 1):
-            x, d = self.new("unflatten", x, d, (int(st.outer), -1), method=True), d + 1
+            x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
         x = self.new(GATHER, x, d, *self.comm)
         if not self.full(st):
-            x = self.new("narrow", x, d, _int_or_expr(st.start), _int_or_expr(st.length), method=True)
+            x = self.new("narrow", x, d, self.size(st.start), self.size(st.length), method=True)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
         self._gathers[src] = x
@@ -297,10 +318,6 @@ class Sharder:
             return a
 
         node.args = torch.fx.node.map_aggregate(node.args, visit)
-
-
-def _int_or_expr(e):
-    return int(e) if sympy.sympify(e).is_Integer else e
 
 
 def _resolve_layout(ctx: PassContext, sites) -> str:
@@ -524,17 +541,13 @@ def view_rule(w: Sharder, node):
             if i == j:
                 fixed.append(-1)
             elif isinstance(s, int) and s == -1:
-                fixed.append(_int_or_expr(expr(out_shape[i])) if expr(out_shape[i]).is_Integer else _no_sym())
+                fixed.append(w.size(out_shape[i]))
             else:
                 fixed.append(s)
         set_sizes(fixed)
     else:
         new = replace(new, length=expr(out_shape[j]) / outer)
     return new
-
-
-def _no_sym():
-    raise Fallback("a symbolic size besides the sequence")
 
 
 def _view_map(in_shape, st: Seq, out_shape) -> tuple[int, sympy.Expr]:
@@ -546,8 +559,8 @@ def _view_map(in_shape, st: Seq, out_shape) -> tuple[int, sympy.Expr]:
         if not _zero(_prod(out_shape[j + 1:]) - after):
             continue
         outer = sympy.cancel(expr(out_shape[j]) / length)
-        if not (outer.is_Integer and outer > 0):
-            continue
+        if not (outer.is_integer and outer.is_positive):  # a count of batch elements (dynamo's
+            continue                                         # size symbols are positive integers)
         if _zero(_prod(out_shape[:j]) * outer - before):
             return j, outer
     raise Fallback(f"a view splits the sequence ({tuple(in_shape)} -> {tuple(out_shape)})")
@@ -570,18 +583,11 @@ def unflatten_rule(w: Sharder, node):
     sizes = list(_arg(node, 2, "sizes"))
     j, outer = _view_map(fake(x).shape, st, fake(node).shape)
     if st.sharded and d <= j < d + len(sizes):
-        sizes = [(-1 if i == j - d else (s if not (isinstance(s, int) and s == -1) else _static(fake(node).shape[d + i])))
+        sizes = [(-1 if i == j - d else (s if not (isinstance(s, int) and s == -1) else w.size(fake(node).shape[d + i])))
                  for i, s in enumerate(sizes)]
         _set_arg(node, 2, "sizes", tuple(sizes))
     new = Seq(j, st.length, outer, st.start, st.sharded)
     return new if st.sharded else replace(new, length=expr(fake(node).shape[j]) / outer)
-
-
-def _static(size) -> int:
-    e = expr(size)
-    if not e.is_Integer:
-        raise Fallback("a symbolic size besides the sequence")
-    return int(e)
 
 
 def expand_rule(w: Sharder, node):
@@ -846,7 +852,7 @@ def reduce_rule(w: Sharder, node):
             raise Fallback("a mean over a narrowed shard of symbolic length")
         if not _eq(st.outer, 1):
             raise Fallback("a masked reduction over merged batch and sequence")
-        rows = w.new(torch.ones, (_static(st.length),), dtype=fake(x).dtype)
+        rows = w.new(torch.ones, (w.size(st.length),), dtype=fake(x).dtype)
         rows = w.shard(rows, Seq(0, st.length), st)  # 1 on the window's rows, 0 elsewhere
         shape = [-1 if d == st.dim else 1 for d in range(nd)]
         node.replace_input_with(x, w.new(operator.mul, x, w.new("view", rows, *shape, method=True)))
@@ -962,8 +968,7 @@ def attention_rule(w: Sharder, node):
             raise ValueError(f"attention site {node.name} at {location(node)}: Config(pad=True) needs a key "
                              f"mask, which {op_name(node)} does not take; use a length divisible by the layout")
         # Note [Padding]: the padded keys must not be attended to
-        b = _static(fake(q).shape[0])
-        key_valid = w.new(torch.ones, (b, int(w.n)), dtype=torch.bool)
+        key_valid = w.new(torch.ones, (w.size(fake(q).shape[0]), w.size(w.n)), dtype=torch.bool)
         w.state[key_valid] = Seq(1, w.n)
         _set_arg(node, spec["key_valid"], "key_valid", key_valid)
     if key_valid is not None:

@@ -49,6 +49,13 @@ def test_one_compiled_llama_serves_several_lengths(pools):
         assert f["bad_rows"] == [] and f["nxn"] == []
 
 
+def test_dynamic_true_shards_with_a_symbolic_batch_too(pools):
+    """dynamic=True: batch and n are both symbols (logits.view(-1, V) merges them)."""
+    errors, facts = pools(2).run(shard_models.parity, "gpt", (24, 32), "aot_eager", None, True, timeout=300)[0]
+    assert max(max(e.values()) for e in errors) < 1e-5, errors
+    assert len(facts) == 1 and facts[0]["bad_rows"] == [] and len(facts[0]["gathers"]) == 1
+
+
 def case_sharded_outputs(rank, world):
     ref, model = shard_models.build("gpt"), shard_models.build("gpt")
     compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager", gather_outputs=False))
