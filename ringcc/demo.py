@@ -39,6 +39,8 @@ def run(args) -> int:
     if args.world_size < 1:
         raise SystemExit(f"--world-size must be >= 1; got {args.world_size}")
     div = 2 * args.world_size
+    if not 0 < args.seq_len <= MAX_POSITIONS:
+        raise SystemExit(f"--seq-len must be in 1..{MAX_POSITIONS} (the demo model's position table); got {args.seq_len}")
     if args.seq_len % div:
         raise SystemExit(
             f"--seq-len {args.seq_len} must be divisible by 2 x world size = {div} (zigzag layout); "
@@ -159,8 +161,12 @@ def _summarise(args, per_rank) -> int:
 # training
 
 
-def build_model(seq_len: int, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4):
-    """A small GPT written as ordinary PyTorch (no ringcc in it)."""
+MAX_POSITIONS = 16384
+
+
+def build_model(max_positions: int = MAX_POSITIONS, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4):
+    """A small GPT written as ordinary PyTorch (no ringcc in it). Its learned position table
+    has a fixed size, as in real models, so that its memory does not grow with the sequence."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -183,7 +189,7 @@ def build_model(seq_len: int, vocab: int = 256, dim: int = 64, layers: int = 2, 
     class GPT(nn.Module):
         def __init__(self):
             super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq_len, dim)
+            self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_positions, dim)
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
@@ -208,8 +214,8 @@ def _train_worker(rank, world, port, args, results):
     _init(rank, world, port)
     n, steps = args["seq_len"], args["steps"]
     tokens = text_tokens(max(n * 8, n + 1))
-    model = build_model(n)
-    eager = build_model(n) if rank == 0 else None
+    model = build_model()
+    eager = build_model() if rank == 0 else None
     ringcc.reset_reports()
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args["inner"])))
     opt = torch.optim.AdamW(model.parameters(), lr=args["lr"])
