@@ -314,18 +314,19 @@ def test_training_peak_matches_live_tensor_bytes_on_cpu(model, tolerance):
 # the CLI
 
 
-def _plan_example(tmp_path, factory: str, world: int = 2) -> dict:
+def _plan_example(tmp_path, factory: str, world: int = 2, *extra) -> dict:
     from ringcc.cli import main
 
     out = tmp_path / f"{factory}.json"
     rc = main(["plan", f"{EXAMPLES}:{factory}", "--seq-len", "512", "--world-size", str(world),
-               "--budget", "1GiB", "--json", str(out)])
+               "--budget", "1GiB", "--json", str(out), *extra])
     assert rc == 0
     return json.loads(out.read_text())
 
 
 def test_cli_exact_ring_example_is_linear_and_json_round_trips(tmp_path, capsys):
-    data = _plan_example(tmp_path, "exact_ring")
+    data = _plan_example(tmp_path, "exact_ring", 2, "--plot", str(tmp_path / "peak.png"))
+    assert (tmp_path / "peak.png").read_bytes()[:4] == b"\x89PNG"
     for key in ("verdict", "peak_formula", "culprits", "peak_bytes", "max_seq_len"):
         assert key in data
     assert data["verdict"] is True and data["culprits"] == []
