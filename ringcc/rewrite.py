@@ -151,8 +151,9 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
         report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
     shapes = None
     if dynamic:
-        sharded = ctx.scratch.get("sharded") and world_size > 1
-        unit = world_size * (2 if ctx.scratch.get("layout") == "zigzag" else 1) if sharded else 1
+        # Config(pad=True) pads any length to the layout's multiple inside the program
+        divides = ctx.scratch.get("sharded") and world_size > 1 and not config.pad
+        unit = world_size * (2 if ctx.scratch.get("layout") == "zigzag" else 1) if divides else 1
         shapes = dynamic_shapes(inputs, seq_dim, unit)
     return torch.export.export(gm, inputs, dynamic_shapes=shapes), report
 
