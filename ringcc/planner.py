@@ -65,6 +65,7 @@ from ringcc.passes.base import location
 from ringcc.runtime.workspace import FORMULAS, TensorSize, Workspace
 
 n, p = sympy.symbols("n p", positive=True, integer=True)
+P_SYMBOL = p  # for methods whose argument is named p
 
 _ZERO = sympy.Integer(0)
 MAX_LISTED = 8  # culprits printed by format()
@@ -160,6 +161,12 @@ class MemoryPlan:
         """Peak bytes per rank at n = seq_len, p = world_size (default: the traced values)."""
         return _evaluate(self.peak, self._subs(seq_len, world_size))
 
+    def peak_function(self):
+        """A fast float function (n, p) -> peak bytes per rank (other symbols at their
+        hints), for plots and searches; exact values come from peak_bytes."""
+        rest = {k: v for k, v in self.hints.items() if k not in (n, p)}
+        return sympy.lambdify((n, p), self.peak.subs(rest), modules=[{"Max": max, "Min": min}, "math"])
+
     def peak_point(self, seq_len: int | None = None, world_size: int | None = None) -> int:
         subs = self._subs(seq_len, world_size)
         return max(self.candidates, key=lambda c: _evaluate(c[1], subs))[0] if self.candidates else 0
@@ -177,11 +184,15 @@ class MemoryPlan:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0; got {budget_bytes}")
         subs = self._subs(world_size=p)
+        world = subs[P_SYMBOL]
         unit = int(_evaluate(self.divisor, subs))
-        peak = self.peak.subs({k: v for k, v in subs.items() if k != n})
+        fast = self.peak_function()
 
         def fits(k: int) -> bool:
-            return int(peak.subs(n, k * unit)) <= budget_bytes
+            return fast(k * unit, world) <= budget_bytes
+
+        def fits_exactly(k: int) -> bool:
+            return k == 0 or self.peak_bytes(k * unit, world) <= budget_bytes
 
         if not fits(1):
             return 0
@@ -194,6 +205,11 @@ class MemoryPlan:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        # The search ran in floats: settle the boundary on the exact formula.
+        while not fits_exactly(lo):
+            lo -= 1
+        while fits_exactly(lo + 1):
+            lo += 1
         return lo * unit
 
     def summary(self) -> str:

@@ -189,8 +189,9 @@ def plot(plans, path: str, seq_len: int, budget: int | None) -> None:
 
     ns = np.unique(np.geomspace(max(64, seq_len // 64), seq_len * 64, 40).astype(np.int64) // 64 * 64)
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    peaks = [pl.peak_function() for pl in plans]
     for world in (1, 2, 4, 8):
-        ys = [max(pl.peak_bytes(int(k), world) for pl in plans) / 2**30 for k in ns]
+        ys = [max(f(int(k), world) for f in peaks) / 2**30 for k in ns]
         ax.loglog(ns, ys, label=f"p = {world}")
     if budget is not None:
         ax.axhline(budget / 2**30, color="k", linestyle="--", label="budget")
