@@ -147,7 +147,9 @@ class MemoryPlan:
     @property
     def peak(self) -> sympy.Expr:
         sums = [c for _, c in self.candidates] or [_ZERO]
-        return self.static + (sympy.Max(*sums) if len(sums) > 1 else sums[0])
+        # evaluate=False: the candidates are already pruned, and sympy's own Max
+        # simplification of symbolic arguments is slow.
+        return self.static + (sympy.Max(*sums, evaluate=False) if len(sums) > 1 else sums[0])
 
     def _subs(self, seq_len: int | None = None, world_size: int | None = None) -> dict:
         subs = dict(self.hints)
@@ -295,7 +297,8 @@ def _fmt_bytes(x: int) -> str:
 
 
 def _evaluate(expr, subs: dict) -> int:
-    val = sympy.sympify(expr).subs(subs)
+    # xreplace puts every value in at once, so Min/Max only ever compare numbers.
+    val = sympy.sympify(expr).xreplace({k: sympy.Integer(v) for k, v in subs.items()})
     if val.free_symbols:
         raise ValueError(f"cannot evaluate {expr} at {subs}: no value for {sorted(map(str, val.free_symbols))}")
     return int(sympy.ceiling(val))
@@ -802,9 +805,9 @@ def _candidates(events, points: int) -> list[tuple[int, sympy.Expr]]:
 
 
 def _terms(e: sympy.Expr) -> dict | None:
-    """Monomial -> exact coefficient (Fraction), or None when e is not a plain polynomial."""
-    if e.has(sympy.Min, sympy.Max):
-        return None
+    """Monomial -> exact coefficient (Fraction), or None when a coefficient is not a number.
+    A Min/Max factor counts as part of its monomial: every one the formulas write is
+    non-negative (of sizes, or of Max(0, ...)), so monomials stay non-negative."""
     d = {}
     for m, c in sympy.expand(e).as_coefficients_dict().items():
         if not c.is_Rational:
