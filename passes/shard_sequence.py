@@ -1065,6 +1065,9 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     w = Sharder(gm, ctx)
     w.run()
     gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
+    ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
+                            f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
+                            f"{len(ctx.report.gathers)} gathered")
     ctx.scratch["sharded"] = True
     ctx.scratch["shard_decisions"] = w.decisions
     gm.graph.eliminate_dead_code()

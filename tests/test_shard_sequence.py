@@ -85,7 +85,7 @@ def test_length_not_divisible_is_a_clear_error():
 
 def test_padding_masks_the_padded_keys_of_non_causal_attention():
     gm, rep = rewrite(Pooled("mean"), torch.randn(2, 7, 16), world=2, pad=True)
-    assert rep.notes == ["sequence of 7 tokens padded to 8 (a multiple of 2)"]
+    assert "sequence of 7 tokens padded to 8 (a multiple of 2)" in rep.notes
     (site,) = [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default]
     key_valid = site.args[3]
     assert key_valid.target is SHARD and tuple(key_valid.meta["example_value"].shape) == (2, 4)
