@@ -11,11 +11,12 @@ in ringcc/rewrite.py). With --dynamic-seq one program serves every length the la
 
 CPU, self-spawned gloo processes:
     python examples/offline_rewrite.py --world-size 2 --out rewritten/
-CPU under torchrun (gloo), after rewriting once with the line above:
+CPU under torchrun (gloo), after rewriting once (the CLI line above, or --rewrite-only):
     torchrun --nproc-per-node 2 examples/offline_rewrite.py --out rewritten/ --load-only
-GPUs (NCCL): move the loaded module and the inputs to the rank's GPU (`.to("cuda")`), e.g.
+GPUs (NCCL; `run` moves the loaded module and the inputs to the rank's GPU), after rewriting
+for 8 ranks once (the program is built for one P):
+    python examples/offline_rewrite.py --world-size 8 --out rewritten/ --rewrite-only
     torchrun --nproc-per-node 8 examples/offline_rewrite.py --world-size 8 --out rewritten/ --load-only
-(rewrite with --world-size 8 first: the program is built for one P).
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ def make_model(seq_len: int = 256):
 def run(rank: int, world: int, path: str, lengths=(256,)) -> dict:
     """Load the program (the process group, if world > 1, is already initialised) and
     compare its loss with the eager model's at each length."""
-    program = torch.export.load(path).module()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    program = torch.export.load(path).module().to(device)
     errs = []
     for n in lengths:
         model, inputs = make_model(n)
+        model, inputs = model.to(device), tuple(x.to(device) for x in inputs)
         program.load_state_dict(model.state_dict())  # the weights are the same; this makes it explicit
         with torch.no_grad():
             errs.append(abs(float(program(*inputs)) - float(model(*inputs))))
@@ -116,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="rewritten", help="folder for program.pt2, program.py, report, plan")
     parser.add_argument("--seq-len", type=int, default=256, help="example length for the export")
     parser.add_argument("--load-only", action="store_true", help="load an existing OUT/program.pt2")
+    parser.add_argument("--rewrite-only", action="store_true", help="write OUT/program.pt2 and stop")
     args = parser.parse_args(argv)
     if not args.load_only:
+        if "RANK" in os.environ:
+            parser.error("under torchrun pass --load-only: rewrite once first, without torchrun (every rank would write OUT)")
         model, inputs = make_model(args.seq_len)
         program, report = rewrite(model, inputs, world_size=args.world_size, dynamic=True)
         print(report.format())
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         for path in save(program, report, args.out).values():
             print(f"wrote {path}")
+        if args.rewrite_only:
+            return 0
     lengths = (args.seq_len, args.seq_len + 4 * args.world_size)  # one dynamic program, two lengths
     results = launch(args.world_size, (os.path.join(args.out, "program.pt2"), lengths))
     for r in results:
