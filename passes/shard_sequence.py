@@ -313,8 +313,12 @@ class Sharder:
             if not isinstance(a, torch.fx.Node):
                 return a
             st = self.state.get(a)
-            if isinstance(st, Seq) and st.sharded and self.ctx.config.gather_outputs:
+            if not (isinstance(st, Seq) and st.sharded):
+                return a
+            if self.ctx.config.gather_outputs:
                 return self.gather(a, st, "graph output (Config(gather_outputs=True))")
+            if not self.full(st):  # a shard with garbage rows would be unreadable to the caller
+                return self.gather(a, st, "graph output narrowed along the sequence (a slice or padding)")
             return a
 
         node.args = torch.fx.node.map_aggregate(node.args, visit)
