@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-import ringcc
+import ringcc  # noqa: F401 - registers the ringcc ops that a loaded program calls
 from ringcc.rewrite import rewrite, save
 
 
