@@ -26,11 +26,16 @@ def masked_attention(q, k, v, allowed, *, scale=None):
     return torch.matmul(p, v), lse
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None):
+def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None, window=None):
+    """window: key j visible to query i iff |i - j| < window (i - j < window when causal)."""
     n, n_k = q.shape[2], k.shape[2]
     allowed = torch.ones(n, n_k, dtype=torch.bool, device=q.device)
     if is_causal:
         allowed = allowed.tril()
+    if window is not None:
+        i = torch.arange(n, device=q.device)
+        diff = i[:, None] - torch.arange(n_k, device=q.device)[None, :]
+        allowed = allowed & (diff.abs() < window)
     allowed = allowed[None, None]
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]

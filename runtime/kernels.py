@@ -5,12 +5,13 @@ key_valid_bs [b, Lk] bool (True = key may be attended). lse is natural-log, [b, 
 in the accumulator dtype (fp32; fp64 for fp64 inputs).
 
 A block is either unmasked, causal on its diagonal (square, top-left aligned: the query and
-key chunks are the same global chunk), and optionally key-padded. Rows with no valid key
+key chunks are the same global chunk), optionally key-padded, and optionally restricted by a
+position mask (sliding windows). Rows with no valid key
 give out = 0, lse = -inf. The backward takes the *global* (out, lse) of the row, as
 flash-attention's backward expects, which yields this block's exact share of the gradient.
 
 Kernel choice: CPU -> aten's CPU flash op (takes masks). CUDA -> cuDNN (default) or flash
-SDPA ops for unmasked / causal blocks; key-padded blocks on CUDA use the exact math path.
+SDPA ops for unmasked / causal blocks; masked blocks on CUDA use the exact math path.
 `RINGCC_CUDA_KERNEL=flash|cudnn` overrides the CUDA choice.
 """
 
@@ -37,14 +38,6 @@ def _reduce_kv_grad(dk_bhsd: torch.Tensor, g: int) -> torch.Tensor:
     return dk_bhsd if g == h else dk_bhsd.view(b, g, h // g, s, d).sum(2)
 
 
-def _row_valid(key_valid_bs: torch.Tensor, causal: bool, lq: int) -> torch.Tensor:
-    """[b, 1, Lq] bool: the row sees at least one valid key."""
-    if causal:
-        seen = torch.cummax(key_valid_bs.to(torch.int8), dim=-1).values.bool()
-        return seen[:, None, :lq]
-    return key_valid_bs.any(-1)[:, None, None].expand(-1, 1, lq)
-
-
 def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int, device) -> torch.Tensor:
     """[b or 1, 1, Lq, Lk] bool mask, True = attend."""
     m = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=device)
@@ -53,6 +46,19 @@ def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int
     if causal:
         m = m & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()[None, None]
     return m
+
+
+def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None):
+    """The block's combined bool mask [b or 1, 1, Lq, Lk] (True = attend), or None when the
+    block needs none (unmasked, or a plain causal diagonal that the kernels do themselves)."""
+    if key_valid_bs is None and allowed_qk is None:
+        return None
+    m = _bool_mask(key_valid_bs, causal, lq, lk, device)
+    return m if allowed_qk is None else m & allowed_qk[None, None]
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _cuda_kernel() -> str:
@@ -81,20 +87,19 @@ def _math_bwd(dout, q, k, v, out, lse, scale, mask):
     return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
 
 
-def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None):
+def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
+    """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     dev = q_bhsd.device
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
     if dev.type == "cpu":
-        mask = None
-        if key_valid_bs is not None:
-            mask = torch.zeros(_bool_mask(key_valid_bs, causal, lq, lk, dev).shape, dtype=q_bhsd.dtype, device=dev)
-            mask.masked_fill_(~_bool_mask(key_valid_bs, causal, lq, lk, dev), float("-inf"))
         out, lse = _compat.cpu_flash_fwd(
-            q_bhsd, k, v, 0.0, causal and mask is None, attn_mask=mask, scale=scale
+            q_bhsd, k, v, 0.0, causal and mask is None,
+            attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
         )
-    elif key_valid_bs is not None:
-        out, lse = _math_fwd(q_bhsd, k, v, scale, _bool_mask(key_valid_bs, causal, lq, lk, dev))
+    elif mask is not None:
+        out, lse = _math_fwd(q_bhsd, k, v, scale, mask)
     elif _cuda_kernel() == "cudnn":
         res = _compat.cuda_cudnn_fwd(q_bhsd, k, v, None, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1)
@@ -102,31 +107,30 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
         res = _compat.cuda_flash_fwd(q_bhsd, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
     lse = lse.to(acc_dtype(q_bhsd.dtype))
-    if key_valid_bs is not None:
-        valid = _row_valid(key_valid_bs, causal, lq)
+    if mask is not None:
+        # Rows with no visible key: the kernels return lse = 0 there; the contract is -inf.
+        valid = mask.any(-1)  # [b or 1, 1, Lq]
         lse = lse.masked_fill(~valid, float("-inf"))
         out = out.masked_fill(~valid[..., None], 0.0)
     return out, lse
 
 
-def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool, key_valid_bs=None):
+def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool,
+              key_valid_bs=None, allowed_qk=None):
     """Gradients of this block given the row's global (out, lse); dk/dv with g heads."""
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     # Rows that saw no key anywhere (lse = -inf) have no gradient: +inf makes P = 0.
     lse = lse_bhs.masked_fill(torch.isneginf(lse_bhs), float("inf"))
     dev = q_bhsd.device
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
     if dev.type == "cpu":
-        mask = None
-        if key_valid_bs is not None:
-            bm = _bool_mask(key_valid_bs, causal, lq, lk, dev)
-            mask = torch.zeros(bm.shape, dtype=q_bhsd.dtype, device=dev).masked_fill_(~bm, float("-inf"))
         dq, dk, dv = _compat.cpu_flash_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.to(q_bhsd.dtype if q_bhsd.dtype == torch.float64 else torch.float32),
-            0.0, causal and mask is None, attn_mask=mask, scale=scale,
+            0.0, causal and mask is None, attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
         )
-    elif key_valid_bs is not None:
-        dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, _bool_mask(key_valid_bs, causal, lq, lk, dev))
+    elif mask is not None:
+        dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, mask)
     elif _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
         seed = torch.zeros((), dtype=torch.long, device=dev)

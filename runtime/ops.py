@@ -42,9 +42,9 @@ def _group_from(group_name: str, world_size: int):
     return group, dist.get_rank(group), world
 
 
-def _setup(group_name, world_size, layout, is_causal, scale) -> RingSetup:
+def _setup(group_name, world_size, layout, is_causal, scale, window=0) -> RingSetup:
     group, rank, world = _group_from(group_name, world_size)
-    return RingSetup(group, rank, world, L.Layout(layout), is_causal, scale)
+    return RingSetup(group, rank, world, L.Layout(layout), is_causal, scale, window=window)
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,14 +62,15 @@ def ring_attention_op(
     group_name: str,
     world_size: int,
     layout: str,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    setup = _setup(group_name, world_size, layout, is_causal, scale)
+    setup = _setup(group_name, world_size, layout, is_causal, scale, window)
     out, lse = ring_forward(q, k, v, key_valid, setup)
     return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout):
+def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0):
     adt = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -90,14 +91,15 @@ def ring_attention_backward_op(
     group_name: str,
     world_size: int,
     layout: str,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    setup = _setup(group_name, world_size, layout, is_causal, scale)
+    setup = _setup(group_name, world_size, layout, is_causal, scale, window)
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout):
+def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -107,17 +109,17 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout = inputs
+    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, key_valid, out, lse)
-    ctx.args = (is_causal, scale, group_name, world_size, layout)
+    ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout, dlse):
     q, k, v, key_valid, out, lse = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -246,7 +248,7 @@ def _check_same_length(n_local: int, group, world: int) -> None:
 
 def ring_attention(
     q, k, v, *, is_causal: bool = False, scale: float | None = None, key_padding_mask=None,
-    group=None, layout: str = "contiguous", return_lse: bool = False,
+    group=None, layout: str = "contiguous", return_lse: bool = False, window: int | None = None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -254,7 +256,9 @@ def ring_attention(
     this rank's part of a global sequence of n = n_local * p tokens in `layout`
     ("contiguous", or "zigzag": rank r holds chunks r and 2p-1-r). key_padding_mask:
     optional bool [b, n_local], True marks a padding key (ignored), as in
-    nn.MultiheadAttention. Causality is in global positions. Returns this rank's shard of
+    nn.MultiheadAttention. window: optional sliding window in global positions (key j is
+    visible to query i iff |i - j| < window; i - j < window when causal). Causality is in
+    global positions. Returns this rank's shard of
     the output (and the fp32 natural-log LSE [b, h, n_local] when return_lse).
     """
     _check_inputs(q, k, v, key_padding_mask)
@@ -265,8 +269,10 @@ def ring_attention(
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     _check_same_length(s, resolve_world(group)[0], world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
-    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value)
+    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
     return (out, lse) if return_lse else out
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .comm import RingComm
-from .layout import Layout, chunks_per_rank, local_chunks
+from .layout import Layout, chunks_per_rank, global_positions, local_chunks
 from .merge import merge_
 
 
@@ -84,6 +84,9 @@ class RingSetup:
     # Group ranks forming the ring, in order (None: the whole group). With members, `rank` and
     # `world` are this rank's position in the ring and the ring's length (dilated sub-rings).
     members: tuple[int, ...] | None = None
+    # Sliding window: key j is visible to query i only when |i - j| < window (i - j < window
+    # when causal); 0 = no window. Blocks entirely outside the window are skipped.
+    window: int = 0
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         per = chunks_per_rank(self.layout)
@@ -93,6 +96,23 @@ class RingSetup:
             n_local // per,
             self.is_causal,
         )
+
+    def masked_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, torch.Tensor | None]]:
+        """The kernel calls against the block of rank `src`, each with its position mask
+        ([Lq, Lk] bool, None when the whole block is visible). Decided on the host."""
+        calls = self.calls(n_local, src)
+        if not self.window:
+            return [(c, None) for c in calls]
+        q_pos = global_positions(self.rank, self.world, self.layout, n_local)
+        k_pos = global_positions(src, self.world, self.layout, n_local)
+        out = []
+        for c in calls:
+            diff = q_pos[c.q0:c.q1, None] - k_pos[None, c.k0:c.k1]
+            allowed = diff < self.window if self.is_causal else diff.abs() < self.window
+            if not bool(allowed.any()):
+                continue
+            out.append((c, None if bool(allowed.all()) else allowed.to(device)))
+        return out
 
 
 def _skip_comm() -> bool:
@@ -118,11 +138,11 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup):
             comm.commit()
         kk, vv = held[0], held[1]
         kv_mask = held[2] if key_valid is not None else None
-        for c in setup.calls(s, src):
+        for c, allowed in setup.masked_calls(s, src, q.device):
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1],
+                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
             )
             merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
         if nxt is not None:
@@ -155,12 +175,12 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         kk, vv = held[0], held[1]
         kv_mask = held[2] if key_valid is not None else None
         kv_grads = []
-        for c in setup.calls(s, src):
+        for c, allowed in setup.masked_calls(s, src, q.device):
             dq_c, dk_c, dv_c = kernels.block_bwd(
                 dout[:, :, c.q0:c.q1], q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
                 out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1],
                 scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1],
+                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
             )
             dq[:, :, c.q0:c.q1] += dq_c
             kv_grads.append((c, dk_c, dv_c))

@@ -25,21 +25,18 @@ def _inputs(seed, b, h, g, n, d, padded):
     return q, k, v, dout, kpm
 
 
-def case_ring(rank, world, is_causal, layout, h, g, n_local, padded):
+def case_ring(rank, world, is_causal, layout, h, g, n_local, padded, window=None):
     n = n_local * world
     q, k, v, dout, kpm = _inputs(1234, 2, h, g, n, 8, padded)
-    ref_out, ref_lse = reference.attention(
-        *(t.clone().requires_grad_() for t in (q, k, v)), is_causal=is_causal, key_padding_mask=kpm
-    )
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm)
+    ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window)
     ref_out.backward(dout)
     lay = L.Layout(layout)
     sh = lambda t: L.shard(t, 2, rank, world, lay)  # noqa: E731
     ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
     kpm_l = None if kpm is None else L.shard(kpm, 1, rank, world, lay)
     out, lse = ringcc.ring_attention(
-        ql, kl, vl, is_causal=is_causal, key_padding_mask=kpm_l, layout=layout, return_lse=True
+        ql, kl, vl, is_causal=is_causal, key_padding_mask=kpm_l, layout=layout, return_lse=True, window=window
     )
     out.backward(sh(dout))
     torch.testing.assert_close(out, sh(ref_out.detach()), **TOL)
@@ -65,6 +62,17 @@ def test_ring_matches_reference(pools, world, is_causal, layout, h, g):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_key_padding_and_fully_masked_rows(pools, world, is_causal, layout):
     errs = pools(world).run(case_ring, is_causal, layout, 4, 2, 10, True)
+    assert max(errs) < 1e-5
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("window,padded", [(5, False), (13, True)])
+def test_ring_sliding_window(pools, world, is_causal, layout, window, padded):
+    # n_local 10: windows shorter than a chunk (5) and spanning chunks and ranks (13);
+    # blocks entirely outside the window are skipped.
+    errs = pools(world).run(case_ring, is_causal, layout, 4, 2, 10, padded, window)
     assert max(errs) < 1e-5
 
 
