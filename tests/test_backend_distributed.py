@@ -114,3 +114,21 @@ def test_pad_lengths_the_layout_does_not_divide(pools, name, n):
     assert facts[0]["rewritten"] == facts[0]["sites"] > 0
     assert all(why.startswith("graph output") for _, why in facts[0]["gathers"]), facts[0]["gathers"]
     assert facts[0]["bad_rows"] == []
+
+
+def case_ranks_disagree(rank, world):
+    model = shard_models.build("gpt")
+    layout = "zigzag" if rank == 0 else "contiguous"
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager", layout=layout))
+    try:
+        compiled(*shard_models.batch("gpt", 24))
+    except Exception as e:  # dynamo may wrap it; the message is what matters
+        return str(e)
+    return None
+
+
+def test_ranks_compiling_differently_fail_at_the_first_call_instead_of_hanging(pools):
+    messages = pools(2).run(case_ranks_disagree, timeout=120)
+    for m in messages:
+        assert m is not None and "ranks took different rewrite decisions" in m
+        assert "ring_attention zigzag" in m and "ring_attention contiguous" in m
