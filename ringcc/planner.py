@@ -725,13 +725,20 @@ class _Builder:
                         o = owner.get(a, a)
                         if not plans[o].static:
                             plans[o].end = 2 * F - 1
+        self.input_like = self._input_like(plans)
         events = self._events(plans, owner, F, training)
         points = 2 * F if training else F
         candidates = _candidates(events, points)
         # The verdict is about what the graph allocates: every rank is handed the full
-        # inputs (token ids, masks: replicated by the execution model), so they are not in it.
+        # inputs (token ids, masks: replicated by the execution model), so they are not in it,
+        # nor are the O(n) integer/bool values computed from them alone (positions, shifted
+        # labels, padding masks), which the design keeps replicated on purpose.
         own = _candidates([ev for ev in events if not ev[3]], points)
-        verdict, reasons, culprits = _verdict(own, [pl for pl in plans.values() if pl.op != "placeholder"])
+        verdict, reasons, culprits = _verdict(own, [pl for nd, pl in plans.items() if nd not in self.input_like])
+        replicated = [nd.name for nd in self.input_like if nd.op != "placeholder" and plans[nd].nbytes != 0]
+        if replicated:
+            reasons.append("replicated index data left out of the verdict (O(n) integer/bool values "
+                           "computed from the inputs alone): " + ", ".join(replicated))
         layouts = {a for node in self.nodes if op_name(node).startswith("ringcc::")
                    for a in node.args if a in ("zigzag",)}
         return MemoryPlan(
@@ -741,14 +748,34 @@ class _Builder:
             divisor=2 * p if layouts else p,
         )
 
+    def _input_like(self, plans) -> set:
+        """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
+        inputs and factories (arange, ones, full): replicated by the execution model."""
+        like: set = set()
+        for node in self.nodes:
+            if node.op == "placeholder":
+                if not plans[node].static:
+                    like.add(node)
+                continue
+            if node.op != "call_function" and node.op != "call_method":
+                continue
+            ts = _tensors(_meta(node))
+            if not ts or any(t.requires_grad or t.is_floating_point() or t.is_complex() for t in ts):
+                continue
+            if not all(a in like for a in node.all_input_nodes):
+                continue
+            if _degree(plans[node].nbytes, n)[0] <= 1:
+                like.add(node)
+        return like
+
     def _events(self, plans, owner, F, training) -> list[tuple[int, int, sympy.Expr, bool]]:
-        """(first point, last point, bytes, is a graph input) of every live interval."""
+        """(first point, last point, bytes, is input-like) of every live interval."""
         ev = []
         for node, pl in plans.items():
             if pl.static:
                 continue
             if pl.nbytes != 0:
-                ev.append((pl.start, pl.end, pl.nbytes, node.op == "placeholder"))
+                ev.append((pl.start, pl.end, pl.nbytes, node in self.input_like))
             i = self.index[node]
             if pl.workspace.forward != 0:
                 ev.append((i, i, pl.workspace.forward, False))

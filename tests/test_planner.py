@@ -113,6 +113,25 @@ def test_sharded_graph_sizes_are_n_over_p_and_ring_workspace_counted():
     assert not plan.culprits
 
 
+def _layer_with_positions(x, w):
+    # A replicated position vector (O(n) int64, from arange) beside a sharded layer: the
+    # execution model keeps such index data replicated, so it is not a culprit.
+    pos = torch.arange(x.shape[1]) % 7
+    return _sharded_layer(x, w).sum() + (pos == 3).sum()
+
+
+def test_replicated_index_data_is_left_out_of_the_verdict():
+    x, w = torch.randn(2, 32, 16), torch.randn(16, 48)
+    gm = symbolic_graph(_layer_with_positions, x, w)
+    plan = planner.plan_graph(gm, world_size=4, symbols={seq_symbol(gm): n}, training=False)
+    assert plan.verdict, plan.reasons
+    assert any("replicated index data" in r for r in plan.reasons)
+    # It is still planned (8 bytes per position), just not a culprit.
+    arange = [nd for nd in plan.nodes if "arange" in nd.op]
+    assert arange and sympy.simplify(arange[0].nbytes - 8 * n) == 0
+    assert not plan.culprits
+
+
 def test_gathered_output_is_flagged_and_max_sequence_solves_the_formula():
     x, w = torch.randn(2, 32, 16), torch.randn(16, 48)
     gm = symbolic_graph(lambda x, w: torch.ops.ringcc.gather(_sharded_layer(x, w), 1, "", 4, "contiguous"), x, w)
