@@ -3,8 +3,10 @@
 An accepted site becomes
 
     op = torch.ops.ringcc.ring_attention.default(q, k, v, key_valid, is_causal, scale,
-                                                 group_name, world_size, layout)
+                                                 group_name, world_size, layout[, window])
     out = op[0]            # op[1] is the LSE
+
+(window, a lifted sliding window |i - j| < window, is passed only when there is one).
 
 with k/v carrying their own (GQA) heads. The layout is resolved once per graph from
 Config.layout ("auto": zigzag when p > 1 and every rewritten site is causal) and stored in
@@ -59,8 +61,6 @@ def _check(node: torch.fx.Node, ctx: PassContext):
     lifted = node.meta.get(MASK_META)
     if lifted is None:
         return SkipReason.UNLIFTABLE_MASK, "mask not understood"
-    if lifted.window is not None:
-        return SkipReason.UNSUPPORTED_MASK, f"sliding window (w={lifted.window}): the ring runtime has no windows yet"
     dropout_p = static_float(call.dropout_p)
     if dropout_p is None:
         return SkipReason.DROPOUT, f"dropout_p is not a constant ({call.dropout_p!r})"
@@ -97,8 +97,9 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
         return None
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
-    if lifted.key_valid is not None:
-        return SkipReason.UNSUPPORTED_MASK, "key padding with dilation: the dilated op takes no padding mask"
+    if lifted.key_valid is not None or lifted.window is not None:
+        what = "key padding" if lifted.key_valid is not None else "a sliding window"
+        return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
     if n is None or n % world:
         return SkipReason.SHAPE, f"dilation needs a static length divisible by p={world}; got {q.shape[2]}"
@@ -121,8 +122,11 @@ def _symbolic_float(x) -> bool:
 def _resolve_layout(ctx: PassContext, accepted: list[torch.fx.Node]) -> str:
     if ctx.config.layout != "auto":
         return ctx.config.layout
-    # Zigzag balances causal work of the dense ring; dilated segments are planned contiguous.
-    all_causal = bool(accepted) and all(n.meta[MASK_META].causal and DILATION_META not in n.meta for n in accepted)
+    # Zigzag balances the causal triangle of the dense ring; a sliding window's band is
+    # already balanced in contiguous order, and dilated segments are planned contiguous.
+    all_causal = bool(accepted) and all(
+        n.meta[MASK_META].causal and n.meta[MASK_META].window is None and DILATION_META not in n.meta
+        for n in accepted)
     return "zigzag" if ctx.world_size > 1 and all_causal else "contiguous"
 
 
@@ -133,8 +137,9 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     b = Builder(gm, node, PASS)
     spec = node.meta.get(DILATION_META)
     if spec is None:
+        window = () if lifted.window is None else (lifted.window,)  # the op's 10th argument, default 0
         op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
-                    ctx.group_name, ctx.world_size, layout)
+                    ctx.group_name, ctx.world_size, layout, *window)
     else:
         op = b.call(DILATED_OP, call.q, call.k, call.v, list(spec.segment_lengths), list(spec.dilation_rates),
                     spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)

@@ -259,6 +259,11 @@ def _hf(name, **extra):
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                        use_cache=False, **extra)
         return transformers.LlamaForCausalLM(cfg)
+    if name == "mistral":  # a sliding window of 4 tokens
+        cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                         use_cache=False, **extra)
+        return transformers.MistralForCausalLM(cfg)
     if name == "gpt2":
         extra = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, **extra}
         cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
@@ -283,7 +288,7 @@ class _Logits(nn.Module):
 
 
 @pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True),
-                                         ("llama_eager", True), ("gpt2_eager", False)])
+                                         ("llama_eager", True), ("gpt2_eager", False), ("mistral", True)])
 def test_hugging_face_parity(name, padded):
     model = _Logits(_hf(name), padded)
     ids = torch.randint(0, 64, (2, 16))
@@ -297,6 +302,7 @@ def test_hugging_face_parity(name, padded):
     assert [(s.form, s.decision, s.reason) for s in report.sites] == [(form, Decision.REWRITTEN, None)] * 2
     for s in report.sites:
         assert s.mask["causal"] is (not name.startswith("bert"))
+        assert s.mask["window"] == (4 if name == "mistral" else None)
         assert (s.mask["key_padding"] is not None) is padded
 
 

@@ -154,16 +154,35 @@ def test_dilation_that_does_not_fit_is_skipped():
     assert site.reason == SkipReason.SHAPE and "does not fit" in site.detail
 
 
-def test_sliding_window_is_lifted_but_skipped():
+def test_sliding_window_becomes_the_window_argument():
     def f(q, k, v):
         i = torch.arange(8)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None] <= i[:, None]) & (i[:, None] - i[None] < 3))
 
-    gm = dynamo_graph(f, *qkv())
-    ctx = run(gm, ATTN_PASSES)
+    gm, example_inputs = dynamo_graph(f, *qkv(), with_inputs=True)
+    before = gm(*example_inputs)
+    ctx = run(gm, ATTN_PASSES, world_size=2)
     (site,) = ctx.report.sites
-    assert (site.reason, site.mask["window"], site.mask["causal"]) == (SkipReason.UNSUPPORTED_MASK, 3, True)
-    assert "sliding window" in site.detail and not ring_nodes(gm)
+    assert (site.decision, site.mask["window"], site.mask["causal"]) == (Decision.REWRITTEN, 3, True)
+    (op,) = ring_nodes(gm)
+    assert op.args[4] is True and op.args[9] == 3 and op.args[8] == "contiguous"  # no zigzag for a band
+    # the same graph at p = 1 computes what the masked SDPA computed
+    gm1, example_inputs = dynamo_graph(f, *qkv(), with_inputs=True)
+    before = gm1(*example_inputs)
+    run(gm1, ATTN_PASSES)
+    torch.testing.assert_close(gm1(*example_inputs), before, atol=1e-5, rtol=1e-5)
+
+
+def test_window_with_dilation_is_skipped():
+    from ringcc.runtime.dilated import DilatedSpec
+
+    def f(q, k, v):
+        i = torch.arange(8)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[:, None] - i[None, :]).abs() < 2)
+
+    gm = dynamo_graph(f, *qkv())
+    ctx = run(gm, ATTN_PASSES, Config(dilation=DilatedSpec([4], [1])))
+    assert ctx.report.sites[0].reason == SkipReason.UNSUPPORTED_MASK
 
 
 def test_lifted_mask_is_dropped_from_the_graph():
