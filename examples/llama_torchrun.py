@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ringcc
+from ringcc.launch import launch
 
 
 def build(hidden: int, layers: int, vocab: int = 1000) -> LlamaForCausalLM:
@@ -65,39 +63,6 @@ def run(rank: int, world: int, seq_len: int = 256, hidden: int = 32, layers: int
             "report": report.format(), "ok": loss_err < 1e-4 and grad_err < 1e-3 and len(report.rewritten) > 0}
 
 
-def _spawned(rank: int, world: int, port: int, kwargs: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put(run(rank, world, **kwargs))
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(world: int, kwargs: dict) -> list[dict]:
-    """Per-rank results: under torchrun this process's rank only; else `world` gloo processes."""
-    if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
-        try:
-            return [run(dist.get_rank(), dist.get_world_size(), **kwargs)]
-        finally:
-            dist.destroy_process_group()
-    if world == 1:
-        return [run(0, 1, **kwargs)]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(world, port, kwargs, results), nprocs=world, start_method="spawn")
-    return sorted((results.get() for _ in range(world)), key=lambda r: r["rank"])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
@@ -105,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
-    results = launch(args.world_size, dict(seq_len=args.seq_len, hidden=args.hidden, layers=args.layers))
+    results = launch(run, args.world_size, **dict(seq_len=args.seq_len, hidden=args.hidden, layers=args.layers))
     first = results[0]
     print(first["report"])
     for r in results:

@@ -19,13 +19,11 @@ GPUs (NCCL, one process per GPU):
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ringcc
+from ringcc.launch import launch
 
 
 def run(rank: int, world: int, seq_len: int = 256, segments=(32, 128), rates=(1, 4), heads: int = 4,
@@ -56,38 +54,6 @@ def run(rank: int, world: int, seq_len: int = 256, segments=(32, 128), rates=(1,
     return result
 
 
-def _spawned(rank: int, world: int, port: int, kwargs: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put(run(rank, world, **kwargs))
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(world: int, kwargs: dict) -> list[dict]:
-    """Per-rank results: under torchrun this process's rank only; else `world` gloo processes."""
-    if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
-        try:
-            return [run(dist.get_rank(), dist.get_world_size(), **kwargs)]
-        finally:
-            dist.destroy_process_group()
-    if world == 1:
-        return [run(0, 1, **kwargs)]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_spawned, args=(world, port, kwargs, results), nprocs=world, start_method="spawn")
-    return sorted((results.get() for _ in range(world)), key=lambda r: r["rank"])
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
@@ -101,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--no-check", dest="check", action="store_false", help="skip the dense O(n^2) reference")
     args = parser.parse_args(argv)
-    results = launch(args.world_size, dict(seq_len=args.seq_len, segments=args.segments, rates=args.rates,
+    results = launch(run, args.world_size, **dict(seq_len=args.seq_len, segments=args.segments, rates=args.rates,
                                            causal=args.causal, check=args.check))
     for r in results:
         errs = f", max |out - ref| {r['out_err']:.1e}, max |grad - ref| {r['grad_err']:.1e}" if "out_err" in r else ""

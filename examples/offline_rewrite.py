@@ -25,12 +25,11 @@ import argparse
 import os
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import ringcc  # noqa: F401 - registers the ringcc ops that a loaded program calls
+from ringcc.launch import launch
 from ringcc.rewrite import rewrite, save
 
 
@@ -81,38 +80,6 @@ def run(rank: int, world: int, path: str, lengths=(256,)) -> dict:
     return {"rank": rank, "world": world, "lengths": list(lengths), "max_err": max(errs), "ok": max(errs) < 1e-4}
 
 
-def _spawned(rank: int, world: int, port: int, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put(run(rank, world, *args))
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(world: int, args: tuple) -> list[dict]:
-    """Per-rank results: under torchrun this process's rank only; else `world` gloo processes."""
-    if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
-        try:
-            return [run(dist.get_rank(), dist.get_world_size(), *args)]
-        finally:
-            dist.destroy_process_group()
-    if world == 1:
-        return [run(0, 1, *args)]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_spawned, args=(world, port, args, results), nprocs=world, start_method="spawn")
-    return sorted((results.get() for _ in range(world)), key=lambda r: r["rank"])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks P to rewrite for (and to spawn without torchrun)")
@@ -134,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rewrite_only:
             return 0
     lengths = (args.seq_len, args.seq_len + 4 * args.world_size)  # one dynamic program, two lengths
-    results = launch(args.world_size, (os.path.join(args.out, "program.pt2"), lengths))
+    results = launch(run, args.world_size, os.path.join(args.out, "program.pt2"), lengths)
     for r in results:
         print(f"rank {r['rank']}/{r['world']}: lengths {r['lengths']}, max |loss - eager loss| {r['max_err']:.1e}")
     ok = all(r["ok"] for r in results)

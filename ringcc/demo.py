@@ -19,7 +19,6 @@ import json
 import math
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -51,6 +50,8 @@ def run(args) -> int:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    from ringcc.launch import _free_port
+
     port = _free_port()
     target = _train_worker if args.mode == "train" else _ring_worker
     print(f"ringcc demo ({args.mode}): {args.world_size} CPU processes over gloo, {args.seq_len} tokens", flush=True)
@@ -71,12 +72,6 @@ def run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank, world, port):

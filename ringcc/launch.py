@@ -1,0 +1,52 @@
+"""Run a function on every rank: under torchrun in this process, else on self-spawned gloo
+processes. For examples and quick experiments (production jobs use torchrun).
+
+`launch(fn, world, *args, **kwargs)` calls fn(rank, world, *args, **kwargs) with a process group initialised
+(NCCL on the rank's GPU under torchrun when CUDA is there, gloo otherwise) and returns the
+per-rank results: this rank's alone under torchrun, every rank's (in rank order) when spawned.
+fn must be a module-level function (spawned processes import it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(rank: int, world: int, port: int, fn, args: tuple, kwargs: dict, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results.put((rank, fn(rank, world, *args, **kwargs)))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world: int, *args, **kwargs) -> list:
+    if "RANK" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            return [fn(dist.get_rank(), dist.get_world_size(), *args, **kwargs)]
+        finally:
+            dist.destroy_process_group()
+    if world < 1:
+        raise ValueError(f"world size must be >= 1; got {world}")
+    if world == 1:
+        return [fn(0, 1, *args, **kwargs)]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_spawned, args=(world, _free_port(), fn, args, kwargs, results), nprocs=world, start_method="spawn")
+    return [r for _, r in sorted((results.get() for _ in range(world)), key=lambda x: x[0])]
