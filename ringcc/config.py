@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 ENV_PREFIX = "RINGCC_"
 
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LAYOUTS = ("auto", "contiguous", "zigzag")
-DROPOUT_MODES = ("per_block", "skip")
+DROPOUT_MODES = ("skip",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,9 +45,9 @@ class Config:
     """Any skipped attention site is an error naming the site and the reason."""
     require_linear_memory: bool = False
     """A memory plan whose verdict is not O(n/p) is an error."""
-    dropout: str = "per_block"
-    """Attention dropout in training: "per_block" (same keep probability per block, equal in
-    distribution) or "skip" (leave such sites un-rewritten, reason `dropout`)."""
+    dropout: str = "skip"
+    """Attention dropout in training (dropout_p > 0): "skip" leaves such sites un-rewritten with
+    reason `dropout`. Per-block dropout in the ring runtime is not implemented yet."""
     dump_dir: Optional[str] = None
     """Write the graph before and after every pass into this folder."""
     bucket_mb: float = 25.0

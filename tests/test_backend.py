@@ -419,10 +419,14 @@ def test_dilated_parity_against_dilated_reference():
     assert site.decision == Decision.REWRITTEN and site.dilation == repr(spec)
 
 
-@pytest.mark.parametrize("mode", ["per_block", "skip"])
-def test_gpt2_default_attention_dropout_in_training_is_skipped(mode):
+def test_gpt2_default_attention_dropout_in_training_is_skipped():
     model = _Logits(_hf("gpt2", attn_pdrop=0.1), False).train()
-    compile_ringcc(model, dropout=mode)(torch.randint(0, 64, (2, 16)))
+    compile_ringcc(model)(torch.randint(0, 64, (2, 16)))
     sites = ringcc.last_report().sites
     assert [(s.decision, s.reason) for s in sites] == [(Decision.SKIPPED, SkipReason.DROPOUT)] * 2
-    assert f"Config.dropout={mode!r}" in sites[0].detail
+    assert "dropout_p=0.1 in training" in sites[0].detail and "use eval mode" in sites[0].detail
+
+
+def test_unimplemented_dropout_mode_is_an_error():
+    with pytest.raises(ValueError, match=r"Config.dropout='per_block' is not allowed; choose one of \['skip'\]"):
+        ringcc.Config(dropout="per_block")
