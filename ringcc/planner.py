@@ -469,7 +469,7 @@ class _SizeMapper:
     def tensor(self, t: torch.Tensor, sharding: Sharding, seq=None) -> TensorSize:
         seq_dim = getattr(seq, "dim", None)
         return TensorSize(tuple(self.dim(d, sharding, seq if j == seq_dim else None) for j, d in enumerate(t.shape)),
-                          t.element_size())
+                          t.element_size(), t.device.type)
 
 
 def _graph_symbols(gm: torch.fx.GraphModule) -> dict:

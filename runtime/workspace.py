@@ -46,6 +46,7 @@ class TensorSize:
 
     shape: tuple
     itemsize: int
+    device_type: str = "cpu"  # the LSE merge is one fused kernel on CUDA (runtime/merge.py)
 
     @property
     def numel(self) -> sympy.Expr:
@@ -56,7 +57,7 @@ class TensorSize:
         return self.numel * self.itemsize
 
     def with_itemsize(self, itemsize: int) -> "TensorSize":
-        return TensorSize(self.shape, itemsize)
+        return TensorSize(self.shape, itemsize, self.device_type)
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,13 @@ def ring_attention(a: dict, p) -> Workspace:
     low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
     received = _kv_in_flight(p) * (k.nbytes + v.nbytes + _nbytes(kv_mask))
 
-    # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase (block
-    # out, its fp32 cast, the weighted product, a few fp32 row vectors).
+    # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
+    # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
+    # product, which the fused CUDA merge never materialises.
     kernel = _expanded_kv(q, k) + q.nbytes + rows_f32
-    merge = q.nbytes + (q32 if low else 0) + q32 + 4 * rows_f32
+    merge = q.nbytes + 4 * rows_f32
+    if q.device_type != "cuda":
+        merge += (q32 if low else 0) + q32
     # A low-precision output is allocated after the last merge, when the block temporaries
     # are gone: the planner counts it already, so the overlap is taken off.
     forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)

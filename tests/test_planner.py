@@ -421,3 +421,14 @@ def test_backend_stores_plan_and_require_linear_memory_raises():
         torch.compile(AttentionAndDistances(), backend="ringcc",
                       options={"inner": "eager", "require_linear_memory": True})(x)
     torch._dynamo.reset()
+
+
+def test_ring_workspace_counts_eager_merge_temporaries_on_cpu_only():
+    # bf16 q/k/v: the eager (CPU) merge casts the block to fp32 and forms the weighted
+    # product (2 fp32 tensors); the fused CUDA merge materialises neither.
+    def ws(device_type):
+        q = TensorSize((1, 4, n / p, 64), 2, device_type)
+        return workspace.ring_attention({"q": q, "k": q, "v": q, "key_valid": None}, p).forward
+
+    q32 = 1 * 4 * (n / p) * 64 * 4
+    assert sympy.simplify(ws("cpu") - ws("cuda") - 2 * q32) == 0
