@@ -419,9 +419,19 @@ class Rule:
 def pointwise(cheap: bool):
     def fn(w: Sharder, node):
         tensors = [a for a in node.all_input_nodes if _is_tensor_node(a)]
-        is_cheap = cheap or not fake(node).is_floating_point()
+        # Integer/bool results stay cheap (label shifts, masks). A copy or cast stays cheap
+        # only while its result is too: a replicated value cast to floating point (RoPE's
+        # positions.float()) is where per-token work starts, so it is sliced there instead of
+        # costing 4n bytes on every rank.
+        is_cheap = not fake(node).is_floating_point() or (cheap and not _newly_float(node, tensors))
         return _elementwise(w, node, tensors, is_cheap)
     return fn
+
+
+def _newly_float(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:
+    """The op turns integer/bool inputs into a floating-point result (a cast)."""
+    return fake(node).is_floating_point() and not any(
+        isinstance(fake(a), torch.Tensor) and fake(a).is_floating_point() for a in tensors)
 
 
 def feature_local(feature_dims: Callable[[torch.fx.Node, int], set[int]]):
