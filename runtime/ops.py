@@ -258,10 +258,12 @@ def ring_attention(
     optional bool [b, n_local], True marks a padding key (ignored), as in
     nn.MultiheadAttention. window: optional sliding window in global positions (key j is
     visible to query i iff |i - j| < window; i - j < window when causal). Causality is in
-    global positions. Returns this rank's shard of
-    the output (and the fp32 natural-log LSE [b, h, n_local] when return_lse).
+    global positions. Returns this rank's shard of the output (and the fp32 natural-log
+    LSE [b, h, n_local] when return_lse).
     """
     _check_inputs(q, k, v, key_padding_mask)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group)
     s = q.shape[2]
@@ -269,8 +271,6 @@ def ring_attention(
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     _check_same_length(s, resolve_world(group)[0], world)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
     return (out, lse) if return_lse else out

@@ -105,6 +105,8 @@ def test_bad_padding_mask_and_layout():
         ringcc.ring_attention(q, k, v, key_padding_mask=torch.zeros(1, 8))
     with pytest.raises(ValueError, match=r"layout='diagonal' is not supported; allowed: \['contiguous', 'zigzag'\]"):
         ringcc.ring_attention(q, k, v, layout="diagonal")
+    with pytest.raises(ValueError, match=r"window must be a positive int \(sliding window in tokens\) or None; got 0"):
+        ringcc.ring_attention(q, k, v, window=0)
     q7, k7, v7 = _qkv(s=7)
     with pytest.raises(ValueError, match=r"zigzag layout needs an even n_local"):
         ringcc.ring_attention(q7, k7, v7, layout="zigzag")
