@@ -23,7 +23,6 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("lift_masks", lift_masks),
     # ... and each accepted site becomes the ringcc op; sharding passes below rely on it.
     ("rewrite_attention", rewrite_attention),
-    # (filled in by the backend / sharding work; see passes/*.py)
     # Sequence sharding, once the attention sites are ring ops: n and the token inputs ...
     ("discover_sequence", discover_sequence),
     # ... every value's sequence state, shards / gathers / all-reduces inserted ...
