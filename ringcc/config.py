@@ -76,8 +76,11 @@ class Config:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(f"unknown ringcc option(s) {unknown}; valid options: {valid}")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         values = {} if base is None else {n: getattr(base, n) for n in valid}
-        values.update(_from_env(cls))
+        # The environment fills in what nobody set: a field the base Config set explicitly
+        # (away from its default) and every option passed here win over it.
+        values.update({k: v for k, v in _from_env(cls).items() if values.get(k, defaults[k]) == defaults[k]})
         values.update(options)
         return cls(**values)
 

@@ -1,0 +1,58 @@
+"""Config: one frozen settings object; unknown options list the valid ones; RINGCC_* env
+overrides fill in what nobody set explicitly."""
+
+import dataclasses
+
+import pytest
+
+import ringcc
+from ringcc.config import Config
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown ringcc option\(s\) \['layuot'\]; valid options: \[.*'layout'.*\]"):
+        Config.from_options({"layuot": "zigzag"})
+
+
+def test_bad_choice_says_what_is_allowed():
+    with pytest.raises(ValueError, match=r"Config.inner='tvm' is not allowed; choose one of \['inductor', 'aot_eager', 'eager'\]"):
+        Config(inner="tvm")
+    with pytest.raises(ValueError, match=r"world_size must be >= 1; got 0"):
+        Config(world_size=0)
+
+
+def test_frozen_and_keyword_only():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.inner = "eager"
+    with pytest.raises(TypeError):
+        Config("eager")
+
+
+def test_environment_fills_in_but_explicit_settings_win(monkeypatch):
+    monkeypatch.setenv("RINGCC_INNER", "aot_eager")
+    monkeypatch.setenv("RINGCC_STRICT", "1")
+    assert Config.from_options({}).inner == "aot_eager"
+    assert Config.from_options({}).strict is True
+    assert Config.from_options({"inner": "eager"}).inner == "eager"
+    base = Config(inner="eager")
+    merged = Config.from_options({}, base=base)
+    assert merged.inner == "eager" and merged.strict is True  # set explicitly: kept; unset: env
+    monkeypatch.setenv("RINGCC_STRICT", "maybe")
+    with pytest.raises(ValueError, match=r"RINGCC_STRICT='maybe': expected 1/0/true/false"):
+        Config.from_options({})
+
+
+def test_compile_options_reach_the_backend():
+    import torch
+    import torch.nn.functional as F
+
+    fn = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                       backend="ringcc", options={"inner": "aot_eager", "strict": True})
+    q = torch.randn(1, 2, 8, 4)
+    torch.testing.assert_close(fn(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert [s.decision.value for s in ringcc.last_report().sites] == ["rewritten"]
+    torch._dynamo.reset()
+    bad = torch.compile(lambda q: q + 1, backend="ringcc", options={"nope": 1})
+    with pytest.raises(Exception, match=r"unknown ringcc option\(s\) \['nope'\]"):
+        bad(q)
