@@ -735,7 +735,8 @@ class _Builder:
         # labels, padding masks), which the design keeps replicated on purpose.
         own = _candidates([ev for ev in events if not ev[3]], points)
         verdict, reasons, culprits = _verdict(own, [pl for nd, pl in plans.items() if nd not in self.input_like])
-        replicated = [nd.name for nd in self.input_like if nd.op != "placeholder" and plans[nd].nbytes != 0]
+        replicated = [nd.name for nd in self.input_like
+                      if nd.op != "placeholder" and plans[nd].nbytes != 0 and not growth(plans[nd].nbytes)[0]]
         if replicated:
             reasons.append("replicated index data left out of the verdict (O(n) integer/bool values "
                            "computed from the inputs alone): " + ", ".join(replicated))
