@@ -46,7 +46,7 @@ from . import kernels
 from . import layout as L
 from .merge import merge_
 from .ops import _check_inputs, _check_same_length, _group_args, _group_from
-from .ring import RingSetup, resolve_world, ring_backward, ring_forward
+from .ring import RingSetup, ring_backward, ring_forward
 
 OFFSET_MODES = ("per_head", "head_groups")
 
@@ -440,7 +440,7 @@ def dilated_attention(
     # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).
     plan = dilated_plan.__wrapped__ if torch.compiler.is_compiling() else dilated_plan
     plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)
-    _check_same_length(q.shape[2], resolve_world(group)[0], world)
+    _check_same_length(q.shape[2], group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = dilated_attention_op(
         q, k, v, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets,

@@ -221,13 +221,14 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
 _CHECKED_LENGTHS: set[tuple[str, int]] = set()
 
 
-def _check_same_length(n_local: int, group, world: int) -> None:
+def _check_same_length(n_local: int, group) -> None:
     """Every rank must hold a shard of the same length (else the ring would hang).
 
     The check is a collective plus a host sync. On gloo it runs on every call (cheap next to
     CPU attention). On NCCL it runs once per (group, length), since a host sync per call
     stalls the GPU pipeline; a rank that later changes length alone is then not caught here.
     """
+    group, _, world = resolve_world(group)
     if world == 1:
         return
     key = (_compat.group_name(group), n_local)
@@ -269,7 +270,7 @@ def ring_attention(
     s = q.shape[2]
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
-    _check_same_length(s, resolve_world(group)[0], world)
+    _check_same_length(s, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     key_valid = None if key_padding_mask is None else ~key_padding_mask
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
