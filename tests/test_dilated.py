@@ -35,6 +35,11 @@ def _inputs(seed, b, h, g, n, d, dtype=torch.float32):
     return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
 
 
+def _whole(t):
+    """p = 1: the whole tensor is the shard."""
+    return t
+
+
 def _check(rank, world, spec, is_causal, h, g, layout="contiguous", n_local=N_LOCAL, seed=0):
     """One case on this rank: forward, LSE and gradients against the dense reference."""
     n = n_local * world
@@ -106,10 +111,7 @@ def test_strided_inputs_scale_and_zigzag_at_p1():
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=True, scale=0.3)
     ref_out.backward(dout)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(lse, ref_lse, **TOL)
-    for got, ref in ((qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)):
-        torch.testing.assert_close(got, ref, **TOL)
+    assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)), TOL)
 
 
 def test_gqa_slots_shared_and_uneven():
@@ -130,10 +132,7 @@ def test_gqa_slots_shared_and_uneven():
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
         ref_out.backward(dout)
-        torch.testing.assert_close(out, ref_out, **TOL)
-        torch.testing.assert_close(lse, ref_lse, **TOL)
-        for got, ref in ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
-            torch.testing.assert_close(got, ref, **TOL)
+        assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
 
 
 def test_branches_mix_as_one_softmax_with_duplicates():
