@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attn", default="mha,gqa", help="mha (h=16) and/or gqa (h=32, h_kv=8)")
     ap.add_argument("--causal", default="both", choices=["both", "causal", "noncausal"])
     ap.add_argument("--methods", default="all", help="comma list of method names (see --list)")
+    ap.add_argument("--p1-methods", default="all",
+                    help="comma list: the only methods of the p = 1 phase (e.g. the single-GPU baselines)")
     ap.add_argument("--modes", default="fwdbwd,fwd", help="fwdbwd and/or fwd")
     ap.add_argument("--list", action="store_true", help="print the methods and exit")
     ap.add_argument("--max-minutes", type=float, default=11.0, help="wall-clock budget (launcher: all phases)")
@@ -131,6 +133,7 @@ def finish_args(args) -> argparse.Namespace:
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; available: {', '.join(METHODS)}")
     args.method_names = names
+    args.p1_method_names = None if args.p1_methods == "all" else _names(args.p1_methods)
     return args
 
 
@@ -421,15 +424,19 @@ def cp_method(kernel: str, rotate: str):
     return make
 
 
-def ring_method(layout: str, skip_comm: bool):
+def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False):
     @contextlib.contextmanager
     def make(cell: Cell, env: Env):
         import ringcc
+        from ringcc.runtime import workspace
 
-        # Read by ringcc.runtime.ring at each call: same schedule, transfers skipped.
-        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"):
+        # Read by ringcc.runtime at each call: same schedule with transfers skipped; and the
+        # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule).
+        budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", str(workspace.DEFAULT_RING_WORKSPACE_MIB))
+        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
-            notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash"}
+            notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
+                     "workspace_mib": float(budget), "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p) or k.shape[1]}
             yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
 
     return make
@@ -492,6 +499,8 @@ METHODS: dict[str, Method] = {
     "cp-flash-alltoall": Method(cp_method("flash", "alltoall"), "cp", "multi", cpu=False),
     "ring-zigzag": Method(ring_method("zigzag", False), "ring", "any", cpu=True),
     "ring-contiguous": Method(ring_method("contiguous", False), "ring", "any", cpu=True),
+    "ring-zigzag-whole": Method(ring_method("zigzag", False, True), "ring", "multi", cpu=True),
+    "ring-contiguous-whole": Method(ring_method("contiguous", False, True), "ring", "multi", cpu=True),
     "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
     "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
     "dilated": Method(dilated_method, "dilated", "any", cpu=True),
@@ -659,6 +668,8 @@ def plan_cells(env: Env) -> list[Cell]:
     args, p = env.args, env.world
     cells = []
     for name in args.method_names:
+        if p == 1 and args.p1_method_names is not None and name not in args.p1_method_names:
+            continue
         lengths = args.dilated_lengths if METHODS[name].family == "dilated" else args.lengths
         for attn in args.attn:
             for causal in args.causals:
@@ -1169,7 +1180,7 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 # launcher: one torchrun per world size, budget shared, report after each
 
 
-PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "reps", "target_seconds",
+PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
                "max_iter_seconds", "probe_seconds", "nccl_timeout", "profile"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 

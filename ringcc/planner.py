@@ -880,6 +880,9 @@ def upper_bound(e: sympy.Expr) -> sympy.Expr:
         if isinstance(x, sympy.Min):
             args = [rewrite(a) for a in x.args]
             return min(args, key=lambda a: (_deg(a), sympy.count_ops(a)))
+        if isinstance(x, sympy.Piecewise):
+            # A choice among formulas (the ring's head chunks): bounded by the sum of all.
+            x = sympy.Max(*[e for e, _ in x.args], evaluate=False)
         if isinstance(x, sympy.Max):
             args = [rewrite(a) for a in x.args if a != 0]
             pos = []
@@ -897,7 +900,7 @@ def upper_bound(e: sympy.Expr) -> sympy.Expr:
 def _degree(e: sympy.Expr, sym: sympy.Symbol = n) -> tuple[sympy.Integer, sympy.Expr]:
     """(degree in `sym`, leading coefficient) of a rational function in `sym`; Min/Max are
     bounded from above first."""
-    if e.has(sympy.Min, sympy.Max):
+    if e.has(sympy.Min, sympy.Max, sympy.Piecewise):
         e = upper_bound(e)
     e = sympy.together(sympy.expand(e))
     num, den = sympy.fraction(e)

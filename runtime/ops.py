@@ -7,6 +7,7 @@ reuse an artifact compiled for one p at another). The rank is read at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from ringcc import _compat
 
 from . import layout as L
+from . import workspace
 from .ring import RingSetup, resolve_world, ring_backward, ring_forward
 
 # ---------------------------------------------------------------------------------------
@@ -65,6 +67,7 @@ def ring_attention_op(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(group_name, world_size, layout, is_causal, scale, window)
+    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(q, k, key_valid, setup.world))
     out, lse = ring_forward(q, k, v, key_valid, setup)
     return out.contiguous(), lse.contiguous()
 
@@ -94,6 +97,7 @@ def ring_attention_backward_op(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(group_name, world_size, layout, is_causal, scale, window)
+    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(q, k, key_valid, setup.world))
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

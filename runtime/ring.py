@@ -46,6 +46,10 @@ def plan_block(q_chunks, k_chunks, chunk_len: int, is_causal: bool) -> list[Bloc
     n_k = len(k_chunks)
     if not is_causal:
         return [BlockCall(0, len(q_chunks) * chunk_len, 0, n_k * chunk_len, False)]
+    if tuple(q_chunks) == tuple(k_chunks) and list(q_chunks) == sorted(q_chunks):
+        # The rank's own block: positions rise along the concatenated chunks, so the plain
+        # top-left causal mask of the whole block is exact (zigzag: one call, not three).
+        return [BlockCall(0, len(q_chunks) * chunk_len, 0, n_k * chunk_len, True)]
     per_q = []
     for qi, qc in enumerate(q_chunks):
         full = [ki for ki, kc in enumerate(k_chunks) if kc < qc]
@@ -87,6 +91,10 @@ class RingSetup:
     # Sliding window: key j is visible to query i only when |i - j| < window (i - j < window
     # when causal); 0 = no window. Blocks entirely outside the window are skipped.
     window: int = 0
+    # K/V heads per head chunk (0: all heads at once). With chunks, the whole ring runs once
+    # per chunk, so its transient buffers (received K/V, fp32 accumulators, dK/dV in flight)
+    # are those of one chunk (Note [Head chunks]).
+    kv_chunk: int = 0
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         per = chunks_per_rank(self.layout)
@@ -121,8 +129,39 @@ def _skip_comm() -> bool:
     return os.environ.get("RINGCC_SKIP_COMM", "0") == "1"
 
 
+def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
+    """(query-head slice, K/V-head slice) per chunk of `kv_chunk` K/V heads (0: one chunk)."""
+    kv_chunk = kv_chunk or g
+    if g % kv_chunk:
+        raise ValueError(f"kv_chunk={kv_chunk} must divide the K/V head count {g}")
+    rep = h // g
+    return [(slice(c * rep, (c + kv_chunk) * rep), slice(c, c + kv_chunk)) for c in range(0, g, kv_chunk)]
+
+
+# Note [Head chunks]
+# Heads are independent, so the ring may run once per group of K/V heads (with their query
+# heads). Each chunk's out/lse (forward) and dq/dk/dv (backward) go straight into the
+# full-size outputs, which are allocated once; the ring's own buffers then scale with the
+# chunk, not with all heads. In backward the last dK/dV hop of a chunk is waited for only
+# after the next chunk's first kernels, so chunk boundaries add no exposed transfer.
+
+
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
+    chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
+    if len(chunks) == 1:
+        return _ring_forward_chunk(q, k, v, key_valid, setup)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
+    for hq, hk in chunks:
+        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
+        out[:, hq].copy_(o)
+        lse[:, hq].copy_(l)
+        del o, l
+    return out, lse
+
+
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
@@ -145,6 +184,7 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup):
                 key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
             )
             merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
+        del kk, vv
         if nxt is not None:
             comm.wait()
             held = nxt
@@ -152,59 +192,100 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup):
 
 
 def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
-    """Gradients (dq, dk, dv) of ring attention, given the global out and lse."""
+    """Gradients (dq, dk, dv) of ring attention, given the global out and lse.
+
+    Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
+    the K/V they belong to (Note [Ring attention schedule])."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
-    dq = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
-    dk_acc = torch.zeros(b, g, s, d, dtype=adt, device=q.device)
-    dv_acc = torch.zeros_like(dk_acc)
+    chunks = head_chunks(h, g, setup.kv_chunk)
+    whole = len(chunks) == 1
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
     kv_comm = RingComm(setup.group, tag_base=0, members=setup.members) if use_comm else None
     dkv_comm = RingComm(setup.group, tag_base=16, members=setup.members) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
-    held = [k, v] + ([key_valid] if key_valid is not None else [])
-    dkv_pending = None
-    for step in range(world):
-        src = (setup.rank - step) % world
-        nxt = None
-        if kv_comm is not None and step + 1 < world:
-            nxt = kv_comm.send_recv(held)
-            kv_comm.commit()
-        kk, vv = held[0], held[1]
-        kv_mask = held[2] if key_valid is not None else None
-        kv_grads = []
-        for c, allowed in setup.masked_calls(s, src, q.device):
-            dq_c, dk_c, dv_c = kernels.block_bwd(
-                dout[:, :, c.q0:c.q1], q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
-                out[:, :, c.q0:c.q1], lse[:, :, c.q0:c.q1],
-                scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
-            )
-            dq[:, :, c.q0:c.q1] += dq_c
-            kv_grads.append((c, dk_c, dv_c))
-        # Wait for the incoming accumulator only now, so its transfer overlaps this step's kernels.
-        if dkv_pending is not None:
-            dkv_comm.wait()
-            dk_acc, dv_acc = dkv_pending
-            dkv_pending = None
-        for c, dk_c, dv_c in kv_grads:
-            dk_acc[:, :, c.k0:c.k1] += dk_c
-            dv_acc[:, :, c.k0:c.k1] += dv_c
-        del kv_grads
-        if use_comm:
-            # The accumulator of the block held now goes to rank+1 (it holds it next step;
-            # after the last step this hop brings every accumulator home).
-            dkv_pending = dkv_comm.send_recv([dk_acc, dv_acc])
-            dkv_comm.commit()
-        if nxt is not None:
-            kv_comm.wait()
-            held = nxt
-    if dkv_pending is not None:
+    if not whole:
+        dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv_out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    done = {}
+
+    def finish(hk, dk_acc, dv_acc):
+        if whole:
+            done["dk"], done["dv"] = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        else:
+            dk_out[:, hk].copy_(dk_acc)
+            dv_out[:, hk].copy_(dv_acc)
+
+    pending = None  # (K/V-head slice, [dk, dv] being received) of the last hop
+    for hq, hk in chunks:
+        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse[:, hq]
+        k_c, v_c = k[:, hk], v[:, hk]
+        if use_comm and not whole:
+            k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
+        dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
+        dk_acc = dv_acc = None
+        held = [k_c, v_c] + ([key_valid] if key_valid is not None else [])
+        del k_c, v_c
+        for step in range(world):
+            src = (setup.rank - step) % world
+            nxt = None
+            if kv_comm is not None and step + 1 < world:
+                nxt = kv_comm.send_recv(held)
+                kv_comm.commit()
+            kk, vv = held[0], held[1]
+            kv_mask = held[2] if key_valid is not None else None
+            kv_grads = []
+            for c, allowed in setup.masked_calls(s, src, q.device):
+                dq_b, dk_b, dv_b = kernels.block_bwd(
+                    do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
+                    o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
+                    scale=setup.scale, causal=c.causal,
+                    key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
+                )
+                dq[:, :, c.q0:c.q1] += dq_b
+                kv_grads.append((c, dk_b, dv_b))
+            del kk, vv
+            # Wait for the incoming accumulator only now, so its transfer overlaps this
+            # step's kernels (at step 0 it is the previous chunk's, coming home).
+            if pending is not None:
+                dkv_comm.wait()
+                if step == 0:
+                    finish(pending[0], *pending[1])
+                else:
+                    dk_acc, dv_acc = pending[1]
+                pending = None
+            if dk_acc is None:
+                dk_acc = torch.zeros(held[0].shape, dtype=adt, device=q.device)
+                dv_acc = torch.zeros_like(dk_acc)
+            for c, dk_b, dv_b in kv_grads:
+                dk_acc[:, :, c.k0:c.k1] += dk_b
+                dv_acc[:, :, c.k0:c.k1] += dv_b
+            del kv_grads
+            if use_comm:
+                # The accumulator of the block held now goes to rank+1 (it holds it next
+                # step; after the last step this hop brings every accumulator home).
+                pending = (hk, dkv_comm.send_recv([dk_acc, dv_acc]))
+                dkv_comm.commit()
+                dk_acc = dv_acc = None
+            if nxt is not None:
+                kv_comm.wait()
+                held = nxt
+        if not use_comm:
+            finish(hk, dk_acc, dv_acc)
+        if whole:
+            done["dq"] = dq.to(q.dtype)
+        else:
+            dq_out[:, hq].copy_(dq)
+        del dq, dk_acc, dv_acc, held
+    if pending is not None:
         dkv_comm.wait()
-        dk_acc, dv_acc = dkv_pending
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        finish(pending[0], *pending[1])
+    if whole:
+        return done["dq"], done["dk"], done["dv"]
+    return dq_out, dk_out, dv_out
 
 
 def resolve_world(group) -> tuple[object, int, int]:

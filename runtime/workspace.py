@@ -18,6 +18,12 @@ accumulators in flight to the next rank (one more set when p > 1), the K/V recei
 as in forward, dout made contiguous, and one block's gradients (q-headed), the kernel's own
 fp32 dQ accumulator and row sums, and the GQA-reduced dK/dV.
 
+Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exceeds the
+budget (RINGCC_RING_WORKSPACE_MIB, default 512), the ring runs once per chunk of K/V heads,
+the largest divisor of the K/V head count whose workspace fits (else one K/V head), and the
+buffers above are those of one chunk. The formula is a Piecewise over those choices, the
+same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
+
 Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
 compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
 the sub-ring receive buffers: at most two compressed blocks, and never more than the rows
@@ -31,6 +37,7 @@ matrix, but the site is still unsharded and needs full-length K/V on every rank)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -88,13 +95,18 @@ def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
     return 2 * TensorSize((k.shape[0], q.shape[1]) + tuple(k.shape[2:]), k.itemsize).nbytes
 
 
-def ring_attention(a: dict, p) -> Workspace:
-    q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
+def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) workspace of the ring over the heads of q/k (one head chunk when
+    `chunked`: its accumulators are then always extra, since the outputs are allocated once
+    up front; the chunk's K/V slice is made contiguous to be sent)."""
     b, h, s, d = q.shape
     rows_f32 = sympy.Integer(FP32) * b * h * s  # one [b, h, s] fp32 tensor
     q32, k32 = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
     low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
-    received = _kv_in_flight(p) * (k.nbytes + v.nbytes + _nbytes(kv_mask))
+    kv, mask = 2 * k.nbytes, _nbytes(kv_mask)  # K and V have one shape
+    # Double buffering: the held block and the one in flight; a chunk's own K/V slice is a
+    # contiguous copy while it is sent (step 0), so then also two sets at p = 2.
+    received = (sympy.Min(2, 2 * (p - 1)) * kv if chunked else _kv_in_flight(p) * kv) + _kv_in_flight(p) * mask
 
     # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
     # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
@@ -103,21 +115,100 @@ def ring_attention(a: dict, p) -> Workspace:
     merge = q.nbytes + 4 * rows_f32
     if q.device_type != "cuda":
         merge += (q32 if low else 0) + q32
-    # A low-precision output is allocated after the last merge, when the block temporaries
-    # are gone: the planner counts it already, so the overlap is taken off.
-    forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
+    if chunked:
+        forward = received + q32 + rows_f32 + sympy.Max(kernel, merge)
+    else:
+        # A low-precision output is allocated after the last merge, when the block
+        # temporaries are gone: the planner counts it already, so the overlap is taken off.
+        forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
 
-    # Backward: fp32 dQ/dK/dV accumulators (for fp32 inputs they are the gradients the
-    # planner counts), dK/dV accumulators in flight, received K/V, dout made contiguous, and
-    # per block expanded K/V, the kernel's q-headed grads, its fp32 dQ accumulator and
-    # softmax sums, and the GQA-reduced dK/dV.
-    acc = (q32 + 2 * k32) if low else 0
+    # Backward: fp32 dQ/dK/dV accumulators (for fp32 inputs without chunks they are the
+    # gradients the planner counts), dK/dV accumulators in flight, received K/V, dout made
+    # contiguous, and per block expanded K/V, the kernel's q-headed grads, its fp32 dQ
+    # accumulator and softmax sums, and the GQA-reduced dK/dV.
+    acc = (q32 + 2 * k32) if (low or chunked) else 0
     dkv_in_flight = sympy.Min(1, p - 1) * 2 * k32
-    grads_late = (q.nbytes + 2 * k.nbytes) if low else 0
+    grads_late = (q.nbytes + 2 * k.nbytes) if (low and not chunked) else 0
     block = (_expanded_kv(q, k) + q.nbytes + 2 * TensorSize((b, h, s, d), k.itemsize).nbytes
              + q32 + 2 * rows_f32 + (2 * k.nbytes if k.shape[1] != h else 0))
-    backward = acc + dkv_in_flight + received + q.nbytes + block - grads_late
-    return Workspace(forward, backward)
+    backward = acc + dkv_in_flight + received + block - grads_late
+    return forward, backward
+
+
+def _with_heads(t: TensorSize, heads) -> TensorSize:
+    return TensorSize((t.shape[0], heads) + tuple(t.shape[2:]), t.itemsize, t.device_type)
+
+
+def ring_workspace_budget() -> int:
+    """Bytes the ring may hold besides its inputs and outputs before it runs per head chunk
+    (RINGCC_RING_WORKSPACE_MIB, default 512; 0 = never chunk)."""
+    import os
+
+    raw = os.environ.get("RINGCC_RING_WORKSPACE_MIB", str(DEFAULT_RING_WORKSPACE_MIB))
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be a number of MiB (0 = never chunk heads); got {raw!r}") from None
+    if mib < 0:
+        raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be >= 0; got {raw!r}")
+    return int(mib * 2**20)
+
+
+DEFAULT_RING_WORKSPACE_MIB = 512
+
+
+def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p):
+    """[(K/V heads per chunk, forward, backward)] from the whole heads down to one K/V head
+    per chunk (divisors of the K/V head count)."""
+    h, g = q.shape[1], k.shape[1]
+    if not (isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer))):
+        return [(0, *_ring_chunk(q, k, kv_mask, p, False))]
+    g, rep = int(g), int(h) // int(g)
+    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False))]
+    for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
+        opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True)))
+    return opts
+
+
+def ring_attention(a: dict, p) -> Workspace:
+    """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
+    when that fits the budget, else the largest chunk that does, else one K/V head."""
+    q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
+    dout_copy = q.nbytes  # dout made contiguous in backward (the full tensor)
+    budget = ring_workspace_budget()
+    opts = _chunk_options(q, k, kv_mask, p)
+    if budget == 0 or len(opts) == 1:
+        f, b = opts[0][1:]
+        return Workspace(f, b + dout_copy)
+    fwd_pieces, bwd_pieces = [], []
+    for i, (hk, f, b) in enumerate(opts):
+        cond = True if i == len(opts) - 1 else sympy.Max(f, b + dout_copy) <= budget
+        fwd_pieces.append((f, cond))
+        bwd_pieces.append((b + dout_copy, cond))
+    return Workspace(sympy.Piecewise(*fwd_pieces), sympy.Piecewise(*bwd_pieces))
+
+
+def ring_kv_chunk(q, k, key_valid, world: int) -> int:
+    """K/V heads per chunk for these concrete tensors (0: all heads at once), by the same
+    rule as `ring_attention`: evaluated once per shape."""
+    budget = ring_workspace_budget()
+    if budget == 0 or k.shape[1] == 1:
+        return 0
+    mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
+    return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
+                          q.device.type, world, budget)
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget) -> int:
+    qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
+    ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
+    dout_copy = int(qs.nbytes)
+    opts = _chunk_options(qs, ks, ms, sympy.Integer(world))
+    for hk, f, b in opts:
+        if max(int(sympy.ceiling(f)), int(sympy.ceiling(b)) + dout_copy) <= budget:
+            return hk
+    return opts[-1][0]
 
 
 def _dilated_branches(a: dict, p):

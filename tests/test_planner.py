@@ -423,12 +423,38 @@ def test_backend_stores_plan_and_require_linear_memory_raises():
     torch._dynamo.reset()
 
 
-def test_ring_workspace_counts_eager_merge_temporaries_on_cpu_only():
+def test_ring_workspace_counts_eager_merge_temporaries_on_cpu_only(monkeypatch):
     # bf16 q/k/v: the eager (CPU) merge casts the block to fp32 and forms the weighted
     # product (2 fp32 tensors); the fused CUDA merge materialises neither.
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0")  # whole heads: one formula, no Piecewise
+
     def ws(device_type):
         q = TensorSize((1, 4, n / p, 64), 2, device_type)
         return workspace.ring_attention({"q": q, "k": q, "v": q, "key_valid": None}, p).forward
 
     q32 = 1 * 4 * (n / p) * 64 * 4
     assert sympy.simplify(ws("cpu") - ws("cuda") - 2 * q32) == 0
+
+
+def test_ring_workspace_follows_the_head_chunk_rule(monkeypatch):
+    # Over the budget the ring runs per chunk of K/V heads: the formula is a Piecewise over
+    # the chunk choices, evaluates to the chunk the runtime picks, stays O(n/p), and at
+    # large n is bounded by one K/V head's workspace.
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "64")
+    qs = TensorSize((1, 16, n / p, 128), 2, "cuda")
+    ks = TensorSize((1, 8, n / p, 128), 2, "cuda")
+    w = workspace.ring_attention({"q": qs, "k": ks, "v": ks, "key_valid": None}, p)
+    assert w.backward.has(sympy.Piecewise)
+    assert planner.growth(w.backward)[0] and planner.growth(w.forward)[0]
+    opts = workspace._chunk_options(qs, ks, None, p)
+    for n_val, p_val in ((2**12, 2), (2**16, 4), (2**21, 4)):
+        at = {n: n_val, p: p_val}
+        q_t = torch.empty(1, 16, n_val // p_val, 128, dtype=torch.bfloat16, device="meta")
+        k_t = torch.empty(1, 8, n_val // p_val, 128, dtype=torch.bfloat16, device="meta")
+        hk = workspace.ring_kv_chunk(q_t, k_t, None, p_val)
+        chosen = next(o for o in opts if o[0] == hk)
+        assert planner._evaluate(w.backward, at) == planner._evaluate(chosen[2] + qs.nbytes, at)
+        assert planner._evaluate(w.forward, at) == planner._evaluate(chosen[1], at)
+        whole = planner._evaluate(opts[0][2] + qs.nbytes, at)
+        assert (hk == 0) == (whole <= 64 * 2**20)
+    assert workspace.ring_kv_chunk(q_t, k_t, None, 4) == 1  # 2M tokens: one K/V head per chunk

@@ -73,6 +73,48 @@ def test_ring_sliding_window(pools, world, is_causal, layout, window, padded):
     assert max(errs) < 1e-5
 
 
+def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window):
+    """The same parity with a tiny workspace budget: the ring runs once per K/V head."""
+    import os
+
+    from ringcc.runtime import workspace
+
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0.0001"
+    try:
+        q = torch.empty(2, h, 10, 8)
+        assert workspace.ring_kv_chunk(q, torch.empty(2, g, 10, 8), None, world) == 1
+        return case_ring(rank, world, is_causal, layout, h, g, 10, padded, window)
+    finally:
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_head_chunks_match_reference(pools, world, is_causal, layout):
+    # GQA 8/4 with padding and a sliding window, then MHA: every chunk's out/lse and
+    # dq/dk/dv land in the right heads, and the last dK/dV hop of each chunk comes home.
+    errs = pools(world).run(case_ring_head_chunks, is_causal, layout, 8, 4, True, 13)
+    errs += pools(world).run(case_ring_head_chunks, is_causal, layout, 4, 4, False, None)
+    assert max(errs) < 1e-5
+
+
+def test_head_chunk_rule_follows_the_budget(monkeypatch):
+    from ringcc.runtime import workspace
+
+    q, k = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16), torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "512")
+    assert workspace.ring_kv_chunk(q, k, None, 4) == 0  # ~20 MiB: whole heads
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "8")
+    hk = workspace.ring_kv_chunk(q, k, None, 4)
+    assert 1 <= hk < 16 and 16 % hk == 0
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0")
+    assert workspace.ring_kv_chunk(q, k, None, 4) == 0  # 0 = never chunk
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "lots")
+    with pytest.raises(ValueError, match="RINGCC_RING_WORKSPACE_MIB"):
+        workspace.ring_kv_chunk(q, k, None, 4)
+
+
 # --------------------------------------------------------------------------------------
 # bad input, op registration, failure behaviour
 

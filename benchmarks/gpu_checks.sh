@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU correctness and planner checks in one device call (4 GPUs); outputs go to $OUT:
+#   env.log  ring_gpu.log  planner.log  planner.json  planner_chunked.log  planner_chunked.json
+# 1. tests/test_ring_gpu.py (NCCL, bf16, p = 2 and 4, whole heads and head chunks);
+# 2. the planner's predicted peak vs the allocator at p = 1, 2, 4 (bench_planner_gpu.py);
+# 3. the same at p = 4 with a 64 MiB ring workspace budget, so the ring runs per head chunk.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_checks_out}"
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+source benchmarks/gpu_env.sh >"$OUT/env.log" 2>&1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv >>"$OUT/env.log" 2>&1
+set -o pipefail
+timeout 170 python3 -m pytest -p no:cacheprovider tests/test_ring_gpu.py -q -rf --tb=short 2>&1 \
+  | tee "$OUT/ring_gpu.log" | tail -4
+timeout 270 torchrun --standalone --nproc-per-node 4 benchmarks/bench_planner_gpu.py --json "$OUT/planner.json" 2>&1 \
+  | tee "$OUT/planner.log" | grep -E "n=|max \|" 
+RINGCC_RING_WORKSPACE_MIB=64 timeout 120 torchrun --standalone --nproc-per-node 4 benchmarks/bench_planner_gpu.py \
+  --worlds 4 --json "$OUT/planner_chunked.json" 2>&1 | tee "$OUT/planner_chunked.log" | grep -E "n=|max \|"
