@@ -58,6 +58,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="ring_memory.json")
     ap.add_argument("--n-local", type=int, nargs="*", default=[4096, 8192, 16384])
+    ap.add_argument("--strided", action="store_true",
+                    help="q/k/v/dout as [b, s, h, d] tensors transposed (as a model's projections give them), MHA h=12 only")
     args = ap.parse_args()
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,11 +77,15 @@ def main() -> int:
     rows = []
     for n_local in args.n_local:
         for layout, causal in (("zigzag", True), ("contiguous", False)):
-            for h, g in ((12, 12), (32, 8)):
-                q = torch.randn(1, h, n_local, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(1, g, n_local, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                v = torch.randn_like(k, requires_grad=True)
-                dout = torch.randn_like(q)
+            for h, g in ((12, 12),) if args.strided else ((12, 12), (32, 8)):
+                def make(heads):
+                    if args.strided:
+                        t = torch.randn(1, n_local, heads, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                    else:
+                        t = torch.randn(1, heads, n_local, 128, device="cuda", dtype=torch.bfloat16)
+                    return t.requires_grad_()
+                q, k, v = make(h), make(g), make(g)
+                dout = make(h).detach()
                 for phase in ("fwd", "bwd"):
                     if phase == "fwd":
                         torch.cuda.synchronize()
@@ -99,6 +105,7 @@ def main() -> int:
                     pf, pb = planned(q, k, world)
                     plan = pf if phase == "fwd" else pb
                     row = dict(p=world, n_local=n_local, layout=layout, causal=causal, h=h, g=g, phase=phase,
+                               strided=args.strided,
                                kv_chunk=workspace.ring_kv_chunk(q, k, None, world), measured=peak, planned=plan,
                                top_events=[(nm, b) for nm, b in top])
                     got = [None] * world
@@ -107,7 +114,7 @@ def main() -> int:
                         worst = max(got, key=lambda r: r["measured"])
                         worst["planned_over_measured"] = worst["planned"] / max(worst["measured"], 1)
                         rows.append(worst)
-                        print(f"p={world} n_local={n_local:6} {layout:10} h={h}/{g} {phase} chunk={worst['kv_chunk']:2} "
+                        print(f"p={world} n_local={n_local:6} {layout:10} h={h}/{g}{' strided' if args.strided else ''} {phase} chunk={worst['kv_chunk']:2} "
                               f"measured {worst['measured'] / MiB:8.1f} MiB planned {worst['planned'] / MiB:8.1f} MiB "
                               f"ratio {worst['planned_over_measured']:.3f}  top {[(a, round(b / MiB)) for a, b in worst['top_events']]}",
                               flush=True)

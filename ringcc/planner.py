@@ -783,12 +783,18 @@ class _Builder:
             if training and pl.workspace.backward != 0:
                 ev.append((2 * F - 1 - i, 2 * F - 1 - i, pl.workspace.backward, False))
         if training:
-            # gradients: from the backward of the storage's last user to its producer's backward
+            # gradients: from the backward of the storage's last user to its producer's backward.
+            # A use through a partial view (q, k, v = getitems of one projection) counts at the
+            # view: the base's gradient is formed in the view's backward (the base-sized event
+            # below), not where the view's own gradient arrives.
             last_user: dict[torch.fx.Node, int] = {}
             for node in self.nodes:
                 for a in node.all_input_nodes:
                     o = owner.get(a, a)
-                    last_user[o] = max(last_user.get(o, 0), self.index[node])
+                    at = self.index[node]
+                    if a is not o and plans[a].alias_of is not None and op_name(a) in PARTIAL_VIEW_OPS:
+                        at = self.index[a]
+                    last_user[o] = max(last_user.get(o, 0), at)
             for node, pl in plans.items():
                 if pl.static or pl.nbytes == 0 or node.op == "output":
                     continue

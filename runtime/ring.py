@@ -184,6 +184,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                 key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
             )
             merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
+            del o, l  # not alive at the final cast
         del kk, vv
         if nxt is not None:
             comm.wait()
