@@ -332,6 +332,9 @@ VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "s
             "_unsafe_view", "alias", "contiguous", "as_strided", "unbind"}
 
 
+RESHAPE_VIEW_OPS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as"}
+LAYOUT_VIEW_OPS = {"permute", "transpose", "t"}
+
 # What passes/shard_sequence.py records: each value's sequence state (Seq: dim, outer,
 # length, sharded) and the graph's sequence length.
 SEQ_STATE_META = "ringcc_seq"
@@ -819,7 +822,32 @@ class _Builder:
                     users = [self.index[u] for u in node.users]
                     if users and op_name(node) not in ("unbind", "split", "chunk", "split_with_sizes"):
                         ev.append((2 * F - 1 - max(users), i, mine, False))
+            # A reshaping view (view, reshape, flatten) whose value is later permuted gets a
+            # permuted, non-contiguous gradient, so its backward reshapes by copying: a second
+            # base-sized gradient for an instant (e.g. qkv.view(...).permute(...) -> q, k, v).
+            for node, pl in plans.items():
+                if pl.alias_of is None or op_name(node) not in RESHAPE_VIEW_OPS or not self._permuted_later(node):
+                    continue
+                ts = _tensors(_meta(node))
+                if ts and ts[0].requires_grad:
+                    i = 2 * F - 1 - self.index[node]
+                    ev.append((i, i, sum((s.nbytes for s in self.sizes[node]), _ZERO), False))
         return ev
+
+    def _permuted_later(self, node: torch.fx.Node) -> bool:
+        """Whether a permute/transpose is applied to `node` through a chain of views."""
+        todo, seen = list(node.users), set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            name = op_name(u)
+            if name in LAYOUT_VIEW_OPS:
+                return True
+            if name in VIEW_OPS:
+                todo.extend(u.users)
+        return False
 
 
 def _candidates(events, points: int) -> list[tuple[int, sympy.Expr]]:

@@ -1,0 +1,97 @@
+"""What is alive at the allocator's peak: one training step of a planner-bench model, with
+the CUDA allocator's history recorded; prints the live blocks at the peak (largest first)
+with the innermost ringcc/benchmark frame of each.
+
+    torchrun --nproc-per-node P benchmarks/memory_snapshot.py --model attention --n 65536
+
+Used to check the memory planner's formulas (runtime/workspace.py, ringcc/planner.py)
+against what the allocator really holds. CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_planner_gpu as B  # noqa: E402
+
+import ringcc  # noqa: E402
+from ringcc.config import Config  # noqa: E402
+
+MiB = 2**20
+
+
+def frame_of(block_frames) -> str:
+    keep = [f for f in block_frames if any(k in f["filename"] for k in ("ringcc", "runtime/", "passes/", "benchmarks/"))]
+    if not keep:
+        keep = [f for f in block_frames if "torch/" in f["filename"] and "autograd" in f["filename"]] or block_frames[:1]
+    f = keep[0] if keep else {"filename": "?", "line": 0, "name": "?"}
+    return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+
+
+def peak_report(snapshot, top: int) -> list[str]:
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    live: dict[int, tuple[int, str]] = {}
+    cur = best = 0
+    best_live: dict = {}
+    for ev in trace:
+        act = ev["action"]
+        if act == "alloc":
+            live[ev["addr"]] = (ev["size"], frame_of(ev.get("frames", [])))
+            cur += ev["size"]
+            if cur > best:
+                best, best_live = cur, dict(live)
+        elif act in ("free_requested",) and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])[0]
+    rows = sorted(best_live.values(), key=lambda x: -x[0])
+    agg: dict[str, list[int]] = {}
+    for size, where in rows:
+        agg.setdefault(where, []).append(size)
+    out = [f"peak of the recorded step (allocs minus requested frees): {best / MiB:.1f} MiB in {len(rows)} blocks"]
+    for where, sizes in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        out.append(f"  {sum(sizes) / MiB:9.1f} MiB  x{len(sizes):<3} {where}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="attention", choices=["attention", "llama"])
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    m, inputs = B.make(args.model, args.n, torch.device("cuda"), torch.bfloat16, False)
+    compiled = torch.compile(m, backend=ringcc.backend(Config(inner="eager", world_size=world)), dynamic=False)
+    compiled(*inputs).backward()
+    m.zero_grad(set_to_none=False)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
+    compiled(*inputs).backward()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    step = torch.cuda.max_memory_allocated() - before
+    lines = [f"{args.model} n={args.n} p={world} rank {rank}: max_memory_allocated - before = {step / MiB:.1f} MiB"]
+    lines += peak_report(snap, args.top)
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
