@@ -2,7 +2,7 @@
 the CUDA allocator's history recorded; prints the live blocks at the peak (largest first)
 with the innermost ringcc/benchmark frame of each.
 
-    torchrun --nproc-per-node P benchmarks/memory_snapshot.py --model attention --n 65536
+    torchrun --nproc-per-node P benchmarks/memory_snapshot.py --model attention --seq-len 65536
 
 Used to check the memory planner's formulas (runtime/workspace.py, ringcc/planner.py)
 against what the allocator really holds. CUDA only.
@@ -63,7 +63,7 @@ def peak_report(snapshot, top: int) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="attention", choices=["attention", "llama"])
-    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--seq-len", dest="n", type=int, default=65536)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))

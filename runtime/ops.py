@@ -67,7 +67,8 @@ def ring_attention_op(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(group_name, world_size, layout, is_causal, scale, window)
-    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(q, k, key_valid, setup.world))
+    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(
+        q, k, key_valid, setup.world, zigzag_causal=setup.is_causal and setup.layout is L.Layout.ZIGZAG))
     out, lse = ring_forward(q, k, v, key_valid, setup)
     return out.contiguous(), lse.contiguous()
 
@@ -97,7 +98,8 @@ def ring_attention_backward_op(
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(group_name, world_size, layout, is_causal, scale, window)
-    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(q, k, key_valid, setup.world))
+    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(
+        q, k, key_valid, setup.world, zigzag_causal=setup.is_causal and setup.layout is L.Layout.ZIGZAG))
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

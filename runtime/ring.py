@@ -248,6 +248,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 )
                 dq[:, :, c.q0:c.q1] += dq_b
                 kv_grads.append((c, dk_b, dv_b))
+                del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
             del kk, vv
             # Wait for the incoming accumulator only now, so its transfer overlaps this
             # step's kernels (at step 0 it is the previous chunk's, coming home).
@@ -261,10 +262,11 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             if dk_acc is None:
                 dk_acc = torch.zeros(held[0].shape, dtype=adt, device=q.device)
                 dv_acc = torch.zeros_like(dk_acc)
-            for c, dk_b, dv_b in kv_grads:
+            while kv_grads:
+                c, dk_b, dv_b = kv_grads.pop()
                 dk_acc[:, :, c.k0:c.k1] += dk_b
                 dv_acc[:, :, c.k0:c.k1] += dv_b
-            del kv_grads
+                del dk_b, dv_b
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 (it holds it next
                 # step; after the last step this hop brings every accumulator home).

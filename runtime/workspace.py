@@ -95,7 +95,8 @@ def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
     return 2 * TensorSize((k.shape[0], q.shape[1]) + tuple(k.shape[2:]), k.itemsize).nbytes
 
 
-def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool) -> tuple[sympy.Expr, sympy.Expr]:
+def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
+                zigzag_causal: bool = False) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) workspace of the ring over the heads of q/k (one head chunk when
     `chunked`: its accumulators are then always extra, since the outputs are allocated once
     up front; the chunk's K/V slice is made contiguous to be sent)."""
@@ -122,16 +123,50 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool) -> tupl
         # temporaries are gone: the planner counts it already, so the overlap is taken off.
         forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
 
-    # Backward: fp32 dQ/dK/dV accumulators (for fp32 inputs without chunks they are the
-    # gradients the planner counts), dK/dV accumulators in flight, received K/V, dout made
-    # contiguous, and per block expanded K/V, the kernel's q-headed grads, its fp32 dQ
-    # accumulator and softmax sums, and the GQA-reduced dK/dV.
-    acc = (q32 + 2 * k32) if (low or chunked) else 0
-    dkv_in_flight = sympy.Min(1, p - 1) * 2 * k32
-    grads_late = (q.nbytes + 2 * k.nbytes) if (low and not chunked) else 0
-    block = (_expanded_kv(q, k) + q.nbytes + 2 * TensorSize((b, h, s, d), k.itemsize).nbytes
-             + q32 + 2 * rows_f32 + (2 * k.nbytes if k.shape[1] != h else 0))
-    backward = acc + dkv_in_flight + received + block - grads_late
+    # Backward, by phase of the schedule (ring.py, ring_backward); at most one of them is
+    # alive at a time, so the workspace is their maximum:
+    #   first kernels   fp32 dQ accumulator, the next K/V in flight, the block kernel (its
+    #                   q-headed grads, expanded K/V for GQA, its own fp32 dQ accumulator, row
+    #                   sums, the GQA-reduced dK/dV); with chunks also the chunk's own K/V
+    #                   copy and the previous chunk's last dK/dV hop still arriving;
+    #   later kernels   dQ, the dK/dV accumulator arriving, the held and next K/V; zigzag
+    #                   causal blocks after the diagonal are half as long on the key side;
+    #   accumulate      dQ, the dK/dV accumulator, the block's dK/dV, the held/next K/V;
+    #   send            dQ, the accumulator being sent and the one arriving, held/next K/V;
+    #   end             (without chunks) the outputs cast from the accumulators.
+    # A sent buffer counts until its Python reference goes: the allocator then books it as
+    # free (NCCL's stream keeps it from reuse until the transfer ends).
+    # Without chunks the gradient outputs are these accumulators (fp32) or are cast from them
+    # at the very end (bf16/fp16), when the block temporaries are gone: the planner counts the
+    # outputs already, so their bytes are taken off; with chunks the outputs are allocated up
+    # front and the accumulators are per chunk.
+    gqa = k.shape[1] != h
+
+    def block_bytes(kk: TensorSize) -> sympy.Expr:
+        qk_side = _expanded_kv(q, kk) + 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes
+        return qk_side + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
+
+    block_first = block_bytes(k)
+    block_later = block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) if zigzag_causal else block_first
+    one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
+    dq_acc, dkv_acc = q32, 2 * k32
+    pending = one * dkv_acc
+    next_kv = one * (kv + mask)
+    held_next = _kv_in_flight(p) * (kv + mask)
+    own = one * kv if chunked else 0
+    phases = [
+        dq_acc + own + next_kv + block_first + (pending if chunked else 0),
+        dq_acc + pending + held_next + block_later,
+        dq_acc + dkv_acc + 2 * k.nbytes + held_next + own,
+        dq_acc + dkv_acc + pending + held_next + own,
+    ]
+    if not chunked:
+        # the end, outputs cast from the accumulators: dQ's while the last hop arrives
+        # (p > 1), or next to the dK/dV accumulators and their casts (p = 1)
+        phases.append(dq_acc + q.nbytes + pending + held_next + (1 - one) * (dkv_acc + 2 * k.nbytes))
+    backward = sympy.Max(*phases)
+    if not chunked:
+        backward = backward - (q.nbytes + 2 * k.nbytes)
     return forward, backward
 
 
@@ -157,16 +192,16 @@ def ring_workspace_budget() -> int:
 DEFAULT_RING_WORKSPACE_MIB = 512
 
 
-def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p):
+def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False):
     """[(K/V heads per chunk, forward, backward)] from the whole heads down to one K/V head
     per chunk (divisors of the K/V head count)."""
     h, g = q.shape[1], k.shape[1]
     if not (isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer))):
-        return [(0, *_ring_chunk(q, k, kv_mask, p, False))]
+        return [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal))]
     g, rep = int(g), int(h) // int(g)
-    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False))]
+    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal))]
     for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
-        opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True)))
+        opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True, zigzag_causal)))
     return opts
 
 
@@ -176,7 +211,8 @@ def ring_attention(a: dict, p) -> Workspace:
     q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
     dout_copy = q.nbytes  # dout made contiguous in backward (the full tensor)
     budget = ring_workspace_budget()
-    opts = _chunk_options(q, k, kv_mask, p)
+    zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
+    opts = _chunk_options(q, k, kv_mask, p, zz)
     if budget == 0 or len(opts) == 1:
         f, b = opts[0][1:]
         return Workspace(f, b + dout_copy)
@@ -188,7 +224,7 @@ def ring_attention(a: dict, p) -> Workspace:
     return Workspace(sympy.Piecewise(*fwd_pieces), sympy.Piecewise(*bwd_pieces))
 
 
-def ring_kv_chunk(q, k, key_valid, world: int) -> int:
+def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> int:
     """K/V heads per chunk for these concrete tensors (0: all heads at once), by the same
     rule as `ring_attention`: evaluated once per shape."""
     budget = ring_workspace_budget()
@@ -196,15 +232,15 @@ def ring_kv_chunk(q, k, key_valid, world: int) -> int:
         return 0
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
     return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
-                          q.device.type, world, budget)
+                          q.device.type, world, budget, bool(zigzag_causal))
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget) -> int:
+def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal) -> int:
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     dout_copy = int(qs.nbytes)
-    opts = _chunk_options(qs, ks, ms, sympy.Integer(world))
+    opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
     for hk, f, b in opts:
         if max(int(sympy.ceiling(f)), int(sympy.ceiling(b)) + dout_copy) <= budget:
             return hk
@@ -271,10 +307,21 @@ def multi_head_attention(a: dict, p) -> Workspace:
     return Workspace(scores, 2 * scores)
 
 
+def pow_(a: dict, p) -> Workspace:
+    """x ** e (a number e): its backward forms x ** (e - 1) and e * that before the product
+    with the incoming gradient, two temporaries of x's size at once."""
+    args = list(a.values())
+    x, e = (args + [None, None])[:2]
+    if not isinstance(x, TensorSize) or isinstance(e, TensorSize):
+        return Workspace()
+    return Workspace(sympy.Integer(0), 2 * x.nbytes)
+
+
 # Op name (as the planner normalises it) -> formula.
 FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "ringcc::ring_attention": ring_attention,
     "ringcc::dilated_attention": dilated_attention,
     "scaled_dot_product_attention": dense_attention,
     "multi_head_attention_forward": multi_head_attention,
+    "pow": pow_,
 }
