@@ -423,9 +423,20 @@ def pointwise(cheap: bool):
         # only while its result is too: a replicated value cast to floating point (RoPE's
         # positions.float()) is where per-token work starts, so it is sliced there instead of
         # costing 4n bytes on every rank.
-        is_cheap = not fake(node).is_floating_point() or (cheap and not _newly_float(node, tensors))
+        # Likewise a floating-point value changing dtype (x.float() on bf16 activations) or
+        # cloned: a new full-length tensor on every rank, so it is sliced first.
+        is_cheap = not fake(node).is_floating_point() or (
+            cheap and not _newly_float(node, tensors) and not _float_copy(node, tensors))
         return _elementwise(w, node, tensors, is_cheap)
     return fn
+
+
+def _float_copy(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:
+    """A copy or cast whose floating-point result is new memory (dtype change, clone)."""
+    if not tensors or not isinstance(fake(tensors[0]), torch.Tensor):
+        return False
+    src = fake(tensors[0])
+    return src.is_floating_point() and (fake(node).dtype != src.dtype or op_name(node) == "clone")
 
 
 def _newly_float(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:

@@ -151,3 +151,29 @@ def test_parameter_gradients_sync_in_buckets():
     for n in syncs:
         sizes = [a.meta["example_value"].numel() * 4 for a in n.args[0]]
         assert len(sizes) == 1 or sum(sizes) <= 0.02 * 2**20
+
+
+class CastFirst(nn.Module):
+    """An RMSNorm-style block on bf16 activations: its first op is x.float()."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        xf = x.float()
+        h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        q, k, v = self.proj(h).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.float().pow(2).mean()
+
+
+def test_a_dtype_cast_of_a_float_input_is_sliced_before_the_cast():
+    # x.float() of the full-length bf16 input would be a new O(n) fp32 tensor on every rank:
+    # the shard comes first, and the planner's verdict holds.
+    gm, rep = rewrite(CastFirst(), torch.randn(2, 24, 16, dtype=torch.bfloat16), world=2)
+    shard = next(n for n in gm.graph.nodes if n.target is SHARD)
+    assert shard.args[0].op == "placeholder"
+    casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "float"]
+    assert casts and all(shard in c.all_input_nodes for c in casts[:1])
+    assert rep.plan is not None and rep.plan.verdict, rep.plan.reasons
