@@ -13,10 +13,14 @@ output, for bf16/fp16 it is an extra fp32 [b, h, s, d] and the output is cast fr
 the last merge. Per step, the larger of the kernel phase (GQA-expanded K/V, the block's out)
 and the merge phase (block out, its fp32 cast, the weighted product, a few fp32 rows).
 
-Backward ring: fp32 dQ, dK, dV accumulators (extra for bf16/fp16 only), the dK/dV
-accumulators in flight to the next rank (one more set when p > 1), the K/V receive buffers
-as in forward, dout made contiguous, and one block's gradients (q-headed), the kernel's own
-fp32 dQ accumulator and row sums, and the GQA-reduced dK/dV.
+Backward ring: the maximum over the schedule's phases (first kernels, later kernels,
+accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK/dV
+accumulators, the dK/dV accumulator arriving from the previous rank, the held and next K/V,
+one block's gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
+Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
+bench_planner_gpu.py; results in benchmarks/RESULTS.md).
+
+Other ops with a backward workspace: `pow` (two input-sized temporaries).
 
 Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exceeds the
 budget (RINGCC_RING_WORKSPACE_MIB, default 512), the ring runs once per chunk of K/V heads,
