@@ -1120,7 +1120,13 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
         args = torch.fx.node.map_arg(node.args, lambda a: env[a])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env[a])
         with mode:
-            if node.op == "call_method":
+            if node.op == "call_function" and node.target is torch.nn.functional.linear and _plain_linear(args, kwargs):
+                # A linear's result is a fresh contiguous [..., out_features] tensor: made
+                # directly, without tracing matmul's reshapes through symbolic sizes (the
+                # larger part of this pass's time under dynamic shapes).
+                x, w = args[0], args[1]
+                val = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device)
+            elif node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
             elif node.op == "call_function":
                 val = node.target(*args, **kwargs)
@@ -1132,6 +1138,15 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                 val = fake(node)
         env[node] = val
         node.meta["example_value"] = val
+
+
+def _plain_linear(args, kwargs) -> bool:
+    """linear(x, w[, b]) on same-dtype fake tensors, w 2-D: the common case whose output
+    metadata is known without running it."""
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    return (len(args) >= 2 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor)
+            and args[1].dim() == 2 and args[0].dim() >= 1 and len({t.dtype for t in tensors}) == 1
+            and len({t.device for t in tensors}) == 1)
 
 
 def _attr(gm: torch.fx.GraphModule, target: str):
