@@ -432,11 +432,13 @@ def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False):
 
         # Read by ringcc.runtime at each call: same schedule with transfers skipped; and the
         # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule).
-        budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", str(workspace.DEFAULT_RING_WORKSPACE_MIB))
+        budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto")
         with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
-                     "workspace_mib": float(budget), "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p) or k.shape[1]}
+                     "workspace_mib": budget,
+                     "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, cell.causal and layout == "zigzag")
+                     or k.shape[1]}
             yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
 
     return make

@@ -23,7 +23,8 @@ bench_planner_gpu.py; results in benchmarks/RESULTS.md).
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
 
 Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exceeds the
-budget (RINGCC_RING_WORKSPACE_MIB, default 512), the ring runs once per chunk of K/V heads,
+budget (RINGCC_RING_WORKSPACE_MIB, or by default 256 MiB + 3/4 of the bytes of q, k, v and
+the output), the ring runs once per chunk of K/V heads,
 the largest divisor of the K/V head count whose workspace fits (else one K/V head), and the
 buffers above are those of one chunk. The formula is a Piecewise over those choices, the
 same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
@@ -178,22 +179,32 @@ def _with_heads(t: TensorSize, heads) -> TensorSize:
     return TensorSize((t.shape[0], heads) + tuple(t.shape[2:]), t.itemsize, t.device_type)
 
 
-def ring_workspace_budget() -> int:
-    """Bytes the ring may hold besides its inputs and outputs before it runs per head chunk
-    (RINGCC_RING_WORKSPACE_MIB, default 512; 0 = never chunk)."""
+def ring_workspace_budget() -> int | None:
+    """Bytes the ring may hold besides its inputs and outputs before it runs per head chunk:
+    RINGCC_RING_WORKSPACE_MIB when set (0 = never chunk), else None: the default rule,
+    `default_ring_budget` of the op's own tensors."""
     import os
 
-    raw = os.environ.get("RINGCC_RING_WORKSPACE_MIB", str(DEFAULT_RING_WORKSPACE_MIB))
+    raw = os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto").strip()
+    if raw.lower() in ("", "auto"):
+        return None
     try:
         mib = float(raw)
     except ValueError:
-        raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be a number of MiB (0 = never chunk heads); got {raw!r}") from None
+        raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be a number of MiB (0 = never chunk heads) or 'auto'; "
+                         f"got {raw!r}") from None
     if mib < 0:
         raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be >= 0; got {raw!r}")
     return int(mib * 2**20)
 
 
-DEFAULT_RING_WORKSPACE_MIB = 512
+def default_ring_budget(q: TensorSize, k: TensorSize):
+    """The default head-chunk budget: 256 MiB plus three quarters of the bytes of q, k, v and
+    the output, so the ring's scratch stays a fraction of the attention's own tensors. On
+    4 x H200 (MHA h=16, bf16) it picks 4 of 16 heads per chunk at 16K tokens per GPU and 2 at
+    64K, the settings measured in benchmarks/RESULTS.md (about the ideal memory, 96.5% of the
+    1-GPU kernel at 64K/GPU causal)."""
+    return 256 * 2**20 + sympy.Rational(3, 4) * (2 * q.nbytes + 2 * k.nbytes)
 
 
 def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False):
@@ -215,6 +226,8 @@ def ring_attention(a: dict, p) -> Workspace:
     q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
     dout_copy = q.nbytes  # dout made contiguous in backward (the full tensor)
     budget = ring_workspace_budget()
+    if budget is None:
+        budget = default_ring_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
     opts = _chunk_options(q, k, kv_mask, p, zz)
     if budget == 0 or len(opts) == 1:
@@ -234,6 +247,9 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> i
     budget = ring_workspace_budget()
     if budget == 0 or k.shape[1] == 1:
         return 0
+    if budget is None:
+        qs = TensorSize(tuple(q.shape), q.element_size())
+        budget = int(default_ring_budget(qs, TensorSize(tuple(k.shape), k.element_size())))
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
     return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
                           q.device.type, world, budget, bool(zigzag_causal))

@@ -110,6 +110,12 @@ def test_head_chunk_rule_follows_the_budget(monkeypatch):
     assert 1 <= hk < 16 and 16 % hk == 0
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0")
     assert workspace.ring_kv_chunk(q, k, None, 4) == 0  # 0 = never chunk
+    # auto (the default): 256 MiB + 3/4 of q, k, v and out; MHA h=16 bf16 at 16K and 64K
+    # tokens per rank -> 4 and 2 heads per chunk (the settings measured on GPU)
+    monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB")
+    for n_local, heads in ((16384, 4), (65536, 2)):
+        big = torch.empty(1, 16, n_local, 128, dtype=torch.bfloat16, device="meta")
+        assert workspace.ring_kv_chunk(big, big, None, 4, zigzag_causal=True) == heads
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "lots")
     with pytest.raises(ValueError, match="RINGCC_RING_WORKSPACE_MIB"):
         workspace.ring_kv_chunk(q, k, None, 4)
