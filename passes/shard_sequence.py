@@ -1125,7 +1125,10 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                 # directly, without tracing matmul's reshapes through symbolic sizes (the
                 # larger part of this pass's time under dynamic shapes).
                 x, w = args[0], args[1]
-                val = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device)
+                grad = torch.is_grad_enabled() and any(
+                    a.requires_grad for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+                val = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device,
+                                  requires_grad=grad)
             elif node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
             elif node.op == "call_function":

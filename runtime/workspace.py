@@ -168,7 +168,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     if not chunked:
         # the end, outputs cast from the accumulators: dQ's while the last hop arrives
         # (p > 1), or next to the dK/dV accumulators and their casts (p = 1)
-        phases.append(dq_acc + q.nbytes + pending + held_next + (1 - one) * (dkv_acc + 2 * k.nbytes))
+        # (fp32: the casts are the accumulators themselves, nothing new)
+        cast = 1 if low else 0
+        phases.append(dq_acc + cast * q.nbytes + pending + held_next + (1 - one) * (dkv_acc + cast * 2 * k.nbytes))
     backward = sympy.Max(*phases)
     if not chunked:
         backward = backward - (q.nbytes + 2 * k.nbytes)

@@ -177,3 +177,7 @@ def test_a_dtype_cast_of_a_float_input_is_sliced_before_the_cast():
     casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "float"]
     assert casts and all(shard in c.all_input_nodes for c in casts[:1])
     assert rep.plan is not None and rep.plan.verdict, rep.plan.reasons
+    # the re-derived fake values keep requires_grad (the planner counts gradients by it)
+    ring = next(n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default)
+    assert all(t.requires_grad for t in ring.meta["example_value"][:1])
+    assert ring.args[0].meta["example_value"].requires_grad
