@@ -418,8 +418,10 @@ def _storage_key(t: torch.Tensor):
 class _SizeMapper:
     """Turns a fake tensor's dims into planner expressions (Note [Memory plan], 1)."""
 
-    def __init__(self, symbols: dict, world_size: int, seq_len: int | None, tracked: bool = False):
+    def __init__(self, symbols: dict, world_size: int, seq_len: int | None, tracked: bool = False,
+                 device_type: str | None = None):
         self.symbols = symbols
+        self.device_type = device_type
         self.world = world_size
         self.seq_len = seq_len
         self.tracked = tracked  # the sharding pass recorded every value's sequence dim
@@ -472,7 +474,7 @@ class _SizeMapper:
     def tensor(self, t: torch.Tensor, sharding: Sharding, seq=None) -> TensorSize:
         seq_dim = getattr(seq, "dim", None)
         return TensorSize(tuple(self.dim(d, sharding, seq if j == seq_dim else None) for j, d in enumerate(t.shape)),
-                          t.element_size(), t.device.type)
+                          t.element_size(), self.device_type or t.device.type)
 
 
 def _graph_symbols(gm: torch.fx.GraphModule) -> dict:
@@ -528,6 +530,7 @@ def plan_graph(
     seq_len: int | None = None,
     training: bool | None = None,
     graph_name: str = "graph",
+    device_type: str | None = None,
 ) -> MemoryPlan:
     """Memory plan of `gm` per rank, for a graph built for `world_size` ranks.
 
@@ -536,6 +539,8 @@ def plan_graph(
     symbol whose hint equals `seq_len` (or the only one) becomes n. seq_len: the traced
     global sequence length (needed for static shapes, and as the concrete n).
     training: count backward (default: when any value requires grad).
+    device_type: plan as if the graph ran on this device ("cuda": the op formulas for CUDA)
+    instead of the traced tensors' device, e.g. a GPU plan traced on CPU.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
@@ -564,7 +569,7 @@ def plan_graph(
         seq_len = hints[n] = gm.meta[SEQ_LEN_META]
     static_seq = None if any(v.has(n) for v in symbols.values()) else seq_len
     tracked = any(SEQ_STATE_META in nd.meta for nd in gm.graph.nodes)
-    mapper = _SizeMapper(symbols, world_size, static_seq, tracked)
+    mapper = _SizeMapper(symbols, world_size, static_seq, tracked, device_type)
     builder = _Builder(gm, mapper, world_size)
     return builder.build(graph_name, symbols, hints, training)
 

@@ -85,7 +85,7 @@ def build_options(factory) -> dict:
 
 
 def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int = 1, options=None,
-                training: bool | None = None, dynamic: bool = True):
+                training: bool | None = None, dynamic: bool = True, device_type: str | None = None):
     """Trace `model(*inputs)` (sequence dim dynamic), rewrite it for `world_size` ranks and
     plan every graph dynamo produces. Returns (plans, reports)."""
     import torch
@@ -113,7 +113,7 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
                           example_inputs=list(example_inputs))
         gm = run_pipeline(gm, ctx)
         plan = planner.plan_graph(gm, world_size=world_size, seq_len=trace_len, training=training,
-                                  graph_name=report.graph)
+                                  graph_name=report.graph, device_type=device_type)
         report.plan = plan
         plans.append(plan)
         reports.append(report)

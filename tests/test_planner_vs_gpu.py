@@ -1,0 +1,42 @@
+"""The planner against the allocator, offline: the GPU run recorded in
+benchmarks/results/2026-11-26_4xH200_planner_vs_measured_final.json (4 x H200, one training
+step, `max_memory_allocated` minus what was allocated before) is re-planned here on CPU, as
+CUDA, at the same n and p; the plan must stay within 10% of what the GPU measured. This keeps
+formula changes honest between GPU sessions (the run used RINGCC_RING_WORKSPACE_MIB=512)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringcc import planner
+from ringcc.planner_cli import trace_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measured_final.json"
+
+
+def _step_bytes(plan: planner.MemoryPlan, n: int, p: int) -> int:
+    at = {**plan.hints, planner.n: n, planner.p: p}
+    resident = int(planner._evaluate(plan.static, at)) + sum(
+        nd.bytes_at(at) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
+    return plan.peak_bytes(n, p) - resident
+
+
+@pytest.mark.parametrize("model,p", [("attention", 1), ("attention", 2), ("llama", 4)])
+def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "512")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_planner_gpu
+
+    rows = [r for r in json.loads(RECORD.read_text())["rows"] if r["model"] == model and r["p"] == p]
+    assert rows, f"no recorded {model} rows at p={p}"
+    trace_len = 96 * p  # equals no model dim (1536, 512, 128, 12, 4480)
+    m, inputs = bench_planner_gpu.make(model, trace_len, torch.device("cpu"), torch.bfloat16, False)
+    plans, _ = trace_plans(m, inputs, world_size=p, trace_len=trace_len, training=True, dynamic=False,
+                           device_type="cuda")
+    for r in rows:
+        planned = max(_step_bytes(pl, r["n"], p) for pl in plans)
+        err = planned / r["measured_step_bytes"] - 1
+        assert abs(err) <= 0.10, (model, r["n"], p, planned, r["measured_step_bytes"], err)
