@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
     parser.add_argument("--inference", action="store_true", help="plan the forward only (no backward)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="plan for this device's kernels (default: where the factory's tensors are; "
+                             "cuda plans a GPU run from a CPU trace)")
     parser.add_argument("--static", action="store_true",
                         help="trace with constant shapes (sizes equal to N or N/P are taken as the sequence)")
 
@@ -233,7 +236,8 @@ def run(args) -> int:
         trace_len = lengths[0]
     plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
                                  seq_dim=args.seq_dim, options=options,
-                                 training=False if args.inference else None, dynamic=not static)
+                                 training=False if args.inference else None, dynamic=not static,
+                                 device_type=args.device)
     if not plans:
         raise ValueError(f"{args.target}: dynamo produced no graph to plan")
     for report, plan in zip(reports, plans):

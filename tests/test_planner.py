@@ -355,6 +355,17 @@ def test_cli_exact_ring_example_is_linear_and_json_round_trips(tmp_path, capsys)
     assert "verdict: True" in capsys.readouterr().out
 
 
+def test_cli_device_cuda_plans_the_gpu_kernels_from_a_cpu_trace(tmp_path):
+    # Traced on CPU, planned as CUDA: the fused LSE merge has no eager fp32 temporaries, so the
+    # ring's forward workspace, and with it no point of the plan, is larger than on CPU.
+    cpu = _plan_example(tmp_path, "exact_ring", 2)
+    cuda = _plan_example(tmp_path, "exact_ring", 2, "--device", "cuda")
+    assert cuda["verdict"] is True and cuda["peak_bytes"] <= cpu["peak_bytes"]
+    ws_cpu, ws_cuda = ([row["workspace"] for row in g["graphs"][0]["nodes"] if row["op"] == "ringcc::ring_attention"]
+                       for g in (cpu, cuda))
+    assert ws_cpu and len(ws_cpu) == len(ws_cuda) and all(a != b for a, b in zip(ws_cpu, ws_cuda))
+
+
 def test_cli_full_length_logits_example_names_the_gather(tmp_path):
     data = _plan_example(tmp_path, "full_logits")
     assert data["verdict"] is False
