@@ -299,6 +299,9 @@ def dilated_forward(q, k, v, setup: DilatedSetup):
         merge_(acc_o, acc_l, o.reshape(b, -1, d), lse.reshape(b, -1).to(adt))
         out_acc.index_copy_(1, q_idx, acc_o)
         lse_acc.index_copy_(1, q_idx, acc_l)
+        # Branches run one after another: none of this branch's rows may stay alive into the
+        # next one (the memory planner counts the largest branch only).
+        del q_c, k_c, v_c, o, lse, acc_o, acc_l
     return out_acc.view(b, h, s, d).to(q.dtype), lse_acc.view(b, h, s)
 
 
@@ -332,6 +335,7 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
         # Slots may repeat a (kv head, row) pair (one slot per head): index_add accumulates.
         dk.index_add_(1, kv_idx, dk_c.reshape(b, -1, d).to(adt))
         dv.index_add_(1, kv_idx, dv_c.reshape(b, -1, d).to(adt))
+        del q_c, do_c, o_c, l_c, k_c, v_c, dq_c, dk_c, dv_c  # as in forward
     return dq.view(b, h, s, d).to(q.dtype), dk.view(b, g, s, d).to(k.dtype), dv.view(b, g, s, d).to(v.dtype)
 
 
