@@ -21,6 +21,7 @@ from ringcc.config import Config
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
+from ringcc.runtime.ops import schedule_settings
 
 _graph_ids = itertools.count()
 
@@ -64,6 +65,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):
         return compiled  # nothing to agree on (offline rewrites for Config(world_size=...) too)
+    decisions += schedule_settings()  # the runtime settings that shape the ring's schedule too
     return _checked_first_call(compiled, decisions, config, report.graph)
 
 

@@ -226,9 +226,27 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
 
 _CHECKED_LENGTHS: set[tuple[str, int]] = set()
 
+# Runtime settings that shape the ring's schedule (head chunks, whether transfers happen):
+# ranks that disagree on them would wait for each other forever.
+SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM")
+
+
+def schedule_settings() -> list[str]:
+    """This process's values of SCHEDULE_SETTINGS, as "NAME=value" lines."""
+    import os
+
+    return [f"{name}={os.environ.get(name, '')}" for name in SCHEDULE_SETTINGS]
+
+
+def _settings_code() -> int:
+    import zlib
+
+    return zlib.crc32("\n".join(schedule_settings()).encode()) & 0x7FFFFFFF
+
 
 def _check_same_length(n_local: int, group) -> None:
-    """Every rank must hold a shard of the same length (else the ring would hang).
+    """Every rank must hold a shard of the same length, and run with the same schedule
+    settings (else the ring would hang).
 
     The check is a collective plus a host sync. On gloo it runs on every call (cheap next to
     CPU attention). On NCCL it runs once per (group, length), since a host sync per call
@@ -241,7 +259,8 @@ def _check_same_length(n_local: int, group) -> None:
     backend = dist.get_backend(group)
     if backend == "nccl" and key in _CHECKED_LENGTHS:
         return
-    t = torch.tensor([n_local, -n_local], dtype=torch.int64)
+    code = _settings_code()
+    t = torch.tensor([n_local, -n_local, code, -code], dtype=torch.int64)
     if backend == "nccl":
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -249,6 +268,11 @@ def _check_same_length(n_local: int, group) -> None:
         raise ValueError(
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
             f"the group has lengths from {-int(t[1])} to {int(t[0])}"
+        )
+    if int(t[2]) != code or -int(t[3]) != code:
+        raise ValueError(
+            f"ranks run ring attention with different runtime settings (this rank: "
+            f"{', '.join(schedule_settings())}); set {' and '.join(SCHEDULE_SETTINGS)} the same on every rank"
         )
     _CHECKED_LENGTHS.add(key)
 

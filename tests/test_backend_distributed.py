@@ -132,3 +132,26 @@ def test_ranks_compiling_differently_fail_at_the_first_call_instead_of_hanging(p
     for m in messages:
         assert m is not None and "ranks took different rewrite decisions" in m
         assert "ring_attention zigzag" in m and "ring_attention contiguous" in m
+
+
+def case_settings_disagree(rank, world):
+    import os
+
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0" if rank == 0 else "64"
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(shard_models.build("gpt"), backend=ringcc.backend(inner="aot_eager"))
+        compiled(*shard_models.batch("gpt", 24))
+    except Exception as e:  # dynamo may wrap it; the message is what matters
+        return str(e)
+    finally:
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+    return None
+
+
+def test_ranks_with_different_ring_settings_fail_at_the_first_call(pools):
+    # Head chunks decided from different budgets would deadlock the ring: the first call's
+    # agreement check names the setting instead.
+    for m in pools(2).run(case_settings_disagree, timeout=120):
+        assert m is not None and "ranks took different rewrite decisions" in m
+        assert "RINGCC_RING_WORKSPACE_MIB=0" in m and "RINGCC_RING_WORKSPACE_MIB=64" in m

@@ -220,6 +220,26 @@ def test_unequal_shard_lengths_raise_on_every_rank(pools):
         assert "needs equal shard lengths on every rank" in m and "from 8 to 10" in m
 
 
+def case_different_settings(rank, world):
+    import os
+
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0" if rank == 0 else "64"
+    try:
+        q, k, v = _qkv()
+        ringcc.ring_attention(q, k, v)
+    except ValueError as e:
+        return str(e)
+    finally:
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+    return "no error"
+
+
+def test_different_schedule_settings_raise_on_every_rank(pools):
+    # Ranks chunking heads differently would wait for each other forever: an error instead.
+    for m in pools(2).run(case_different_settings):
+        assert "different runtime settings" in m and "RINGCC_RING_WORKSPACE_MIB" in m, m
+
+
 def case_dead_peer(rank, world):
     import datetime
     import time
