@@ -119,10 +119,12 @@ def make(model: str, n: int, device, dtype, smoke: bool):
 # one measurement
 
 
-def resident(plan: planner.MemoryPlan) -> int:
-    """Bytes alive before the step: parameters (and gradients), graph inputs."""
-    inputs = sum(nd.bytes_at(plan.hints) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
-    return int(planner._evaluate(plan.static, plan.hints)) + inputs
+def step_bytes(plan: planner.MemoryPlan, seq_len: int | None = None, world_size: int | None = None) -> int:
+    """The plan's peak minus the bytes alive before the step (parameters and their gradients,
+    graph inputs), at n = seq_len, p = world_size (default: the traced values)."""
+    at = plan._subs(seq_len, world_size)
+    inputs = sum(nd.bytes_at(at) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
+    return plan.peak_bytes(seq_len, world_size) - int(planner._evaluate(plan.static, at)) - inputs
 
 
 def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
@@ -142,7 +144,7 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
     row = {"model": model_name, "n": n, "p": world, "graphs": len(plans),
            "verdict": all(pl.verdict for pl in plans),
            "planned_peak_bytes": max(pl.peak_bytes() for pl in plans),
-           "planned_step_bytes": max(pl.peak_bytes() - resident(pl) for pl in plans),
+           "planned_step_bytes": max(step_bytes(pl) for pl in plans),
            "peak_formula": str(plans[0].peak) if plans else "",
            "planned_peak_at": [pl.point_name(pl.peak_point()) for pl in plans]}
     if device.type == "cuda":

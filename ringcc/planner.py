@@ -77,11 +77,6 @@ class Sharding(str, enum.Enum):
     GATHERED = "gathered"
 
 
-class Phase(str, enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
 # ---------------------------------------------------------------------------------------
 # data model
 

@@ -10,18 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringcc import planner
 from ringcc.planner_cli import trace_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measured_final.json"
-
-
-def _step_bytes(plan: planner.MemoryPlan, n: int, p: int) -> int:
-    at = {**plan.hints, planner.n: n, planner.p: p}
-    resident = int(planner._evaluate(plan.static, at)) + sum(
-        nd.bytes_at(at) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
-    return plan.peak_bytes(n, p) - resident
 
 
 @pytest.mark.parametrize("model,p", [("attention", 1), ("attention", 2), ("llama", 4)])
@@ -37,6 +29,6 @@ def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
     plans, _ = trace_plans(m, inputs, world_size=p, trace_len=trace_len, training=True, dynamic=False,
                            device_type="cuda")
     for r in rows:
-        planned = max(_step_bytes(pl, r["n"], p) for pl in plans)
+        planned = max(bench_planner_gpu.step_bytes(pl, r["n"], p) for pl in plans)
         err = planned / r["measured_step_bytes"] - 1
         assert abs(err) <= 0.10, (model, r["n"], p, planned, r["measured_step_bytes"], err)
