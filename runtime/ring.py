@@ -166,18 +166,9 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     adt = kernels.acc_dtype(q.dtype)
     out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
     lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
-    world, skip = setup.world, _skip_comm()
-    comm = RingComm(setup.group, members=setup.members) if world > 1 and not skip else None
-    held = [k, v] + ([key_valid] if key_valid is not None else [])
-    for step in range(world):
-        src = (setup.rank - step) % world
-        nxt = None
-        if comm is not None and step + 1 < world:
-            nxt = comm.send_recv(held)
-            comm.commit()
-        kk, vv = held[0], held[1]
-        kv_mask = held[2] if key_valid is not None else None
-        for c, allowed in setup.masked_calls(s, src, q.device):
+    comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
+    for _, kk, vv, kv_mask, calls in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
+        for c, allowed in calls:
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
@@ -186,10 +177,24 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
             merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
             del o, l  # not alive at the final cast
         del kk, vv
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device):
+    """The ring's steps: yields (step, K, V, key mask, kernel calls) of the block held at each
+    step. The next block's transfer is issued before the yield (it overlaps the caller's
+    compute) and waited for when the caller comes back for the next step."""
+    held = [k, v] + ([key_valid] if key_valid is not None else [])
+    for step in range(setup.world):
+        nxt = None
+        if comm is not None and step + 1 < setup.world:
+            nxt = comm.send_recv(held)
+            comm.commit()
+        src = (setup.rank - step) % setup.world
+        yield step, held[0], held[1], (held[2] if key_valid is not None else None), setup.masked_calls(s, src, device)
         if nxt is not None:
             comm.wait()
             held = nxt
-    return out_acc.to(q.dtype), lse_acc
 
 
 def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
@@ -228,18 +233,12 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
         dk_acc = dv_acc = None
-        held = [k_c, v_c] + ([key_valid] if key_valid is not None else [])
+        steps = _ring_steps(setup, kv_comm, k_c, v_c, key_valid, s, q.device)
         del k_c, v_c
-        for step in range(world):
-            src = (setup.rank - step) % world
-            nxt = None
-            if kv_comm is not None and step + 1 < world:
-                nxt = kv_comm.send_recv(held)
-                kv_comm.commit()
-            kk, vv = held[0], held[1]
-            kv_mask = held[2] if key_valid is not None else None
+        for step, kk, vv, kv_mask, calls in steps:
+            kv_shape = kk.shape
             kv_grads = []
-            for c, allowed in setup.masked_calls(s, src, q.device):
+            for c, allowed in calls:
                 dq_b, dk_b, dv_b = kernels.block_bwd(
                     do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
                     o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
@@ -260,7 +259,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                     dk_acc, dv_acc = pending[1]
                 pending = None
             if dk_acc is None:
-                dk_acc = torch.zeros(held[0].shape, dtype=adt, device=q.device)
+                dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
                 dv_acc = torch.zeros_like(dk_acc)
             while kv_grads:
                 c, dk_b, dv_b = kv_grads.pop()
@@ -273,16 +272,13 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 pending = (hk, dkv_comm.send_recv([dk_acc, dv_acc]))
                 dkv_comm.commit()
                 dk_acc = dv_acc = None
-            if nxt is not None:
-                kv_comm.wait()
-                held = nxt
         if not use_comm:
             finish(hk, dk_acc, dv_acc)
         if whole:
             done["dq"] = dq.to(q.dtype)
         else:
             dq_out[:, hq].copy_(dq)
-        del dq, dk_acc, dv_acc, held
+        del dq, dk_acc, dv_acc, steps
     if pending is not None:
         dkv_comm.wait()
         finish(pending[0], *pending[1])
