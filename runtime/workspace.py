@@ -210,37 +210,37 @@ def default_ring_budget(q: TensorSize, k: TensorSize):
 
 
 def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False):
-    """[(K/V heads per chunk, forward, backward)] from the whole heads down to one K/V head
-    per chunk (divisors of the K/V head count)."""
+    """[(K/V heads per chunk, forward, backward)] from the whole heads (0) down to one K/V
+    head per chunk (divisors of the K/V head count). The backward includes dout made
+    contiguous (the full tensor, whatever the chunks)."""
     h, g = q.shape[1], k.shape[1]
-    if not (isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer))):
-        return [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal))]
-    g, rep = int(g), int(h) // int(g)
     opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal))]
-    for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
-        opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True, zigzag_causal)))
-    return opts
+    if isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer)):
+        g, rep = int(g), int(h) // int(g)
+        for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
+            opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True, zigzag_causal)))
+    return [(hk, f, b + q.nbytes) for hk, f, b in opts]
+
+
+def _fits(forward, backward, budget):
+    """The head-chunk rule's test of one option (symbolic in the planner, a bool at run time)."""
+    return sympy.Max(forward, backward) <= budget
 
 
 def ring_attention(a: dict, p) -> Workspace:
     """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
     when that fits the budget, else the largest chunk that does, else one K/V head."""
-    q, k, v, kv_mask = a["q"], a["k"], a["v"], a.get("key_valid")
-    dout_copy = q.nbytes  # dout made contiguous in backward (the full tensor)
+    q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     budget = ring_workspace_budget()
     if budget is None:
         budget = default_ring_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
     opts = _chunk_options(q, k, kv_mask, p, zz)
     if budget == 0 or len(opts) == 1:
-        f, b = opts[0][1:]
-        return Workspace(f, b + dout_copy)
-    fwd_pieces, bwd_pieces = [], []
-    for i, (hk, f, b) in enumerate(opts):
-        cond = True if i == len(opts) - 1 else sympy.Max(f, b + dout_copy) <= budget
-        fwd_pieces.append((f, cond))
-        bwd_pieces.append((b + dout_copy, cond))
-    return Workspace(sympy.Piecewise(*fwd_pieces), sympy.Piecewise(*bwd_pieces))
+        return Workspace(*opts[0][1:])
+    conds = [_fits(f, b, budget) for _, f, b in opts[:-1]] + [True]
+    return Workspace(sympy.Piecewise(*[(f, c) for (_, f, _), c in zip(opts, conds)]),
+                     sympy.Piecewise(*[(b, c) for (_, _, b), c in zip(opts, conds)]))
 
 
 def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> int:
@@ -261,12 +261,8 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> i
 def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal) -> int:
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
-    dout_copy = int(qs.nbytes)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
-    for hk, f, b in opts:
-        if max(int(sympy.ceiling(f)), int(sympy.ceiling(b)) + dout_copy) <= budget:
-            return hk
-    return opts[-1][0]
+    return next((hk for hk, f, b in opts if _fits(f, b, budget)), opts[-1][0])
 
 
 def _dilated_branches(a: dict, p):

@@ -464,8 +464,8 @@ def test_ring_workspace_follows_the_head_chunk_rule(monkeypatch):
         k_t = torch.empty(1, 8, n_val // p_val, 128, dtype=torch.bfloat16, device="meta")
         hk = workspace.ring_kv_chunk(q_t, k_t, None, p_val)
         chosen = next(o for o in opts if o[0] == hk)
-        assert planner._evaluate(w.backward, at) == planner._evaluate(chosen[2] + qs.nbytes, at)
+        assert planner._evaluate(w.backward, at) == planner._evaluate(chosen[2], at)  # dout's copy included
         assert planner._evaluate(w.forward, at) == planner._evaluate(chosen[1], at)
-        whole = planner._evaluate(opts[0][2] + qs.nbytes, at)
+        whole = planner._evaluate(opts[0][2], at)
         assert (hk == 0) == (whole <= 64 * 2**20)
     assert workspace.ring_kv_chunk(q_t, k_t, None, 4) == 1  # 2M tokens: one K/V head per chunk
