@@ -7,7 +7,6 @@ reuse an artifact compiled for one p at another). The rank is read at run time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -44,9 +43,12 @@ def _group_from(group_name: str, world_size: int):
     return group, dist.get_rank(group), world
 
 
-def _setup(group_name, world_size, layout, is_causal, scale, window=0) -> RingSetup:
+def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0) -> RingSetup:
     group, rank, world = _group_from(group_name, world_size)
-    return RingSetup(group, rank, world, L.Layout(layout), is_causal, scale, window=window)
+    lay = L.Layout(layout)
+    # K/V heads per chunk: the same rule (and so the same schedule) in forward and backward
+    kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG)
+    return RingSetup(group, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
 
 
 # ---------------------------------------------------------------------------------------
@@ -66,9 +68,7 @@ def ring_attention_op(
     layout: str,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    setup = _setup(group_name, world_size, layout, is_causal, scale, window)
-    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(
-        q, k, key_valid, setup.world, zigzag_causal=setup.is_causal and setup.layout is L.Layout.ZIGZAG))
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window)
     out, lse = ring_forward(q, k, v, key_valid, setup)
     return out.contiguous(), lse.contiguous()
 
@@ -97,9 +97,7 @@ def ring_attention_backward_op(
     layout: str,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    setup = _setup(group_name, world_size, layout, is_causal, scale, window)
-    setup = dataclasses.replace(setup, kv_chunk=workspace.ring_kv_chunk(
-        q, k, key_valid, setup.world, zigzag_causal=setup.is_causal and setup.layout is L.Layout.ZIGZAG))
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window)
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
