@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--maxlen-methods", default="sdpa-cudnn,ring-zigzag,cp-cudnn-alltoall",
                     help="methods whose largest length is searched (MHA, causal, fwd+bwd); '' for none")
     ap.add_argument("--probe-seconds", type=float, default=15.0, help="longest estimated single probe")
+    ap.add_argument("--maxlen-cap-gib", type=float, default=0.0,
+                    help="search the largest length under this per-GPU allocator cap (GiB; 0 = the whole "
+                         "device), the same for every p: keeps O(n^2) probes short")
     ap.add_argument("--profile", default="", help="METHOD@N,...: also profile one iteration of those cells "
                     "(top kernels by device time, rank 0, into the log and the JSON)")
     ap.add_argument("--out", default="bench_out", help="report folder (results.json, table.txt, PNGs, RESULTS.md)")
@@ -215,7 +218,8 @@ class Env:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "smoke": self.smoke, "dtype": str(self.dtype).replace("torch.", ""), "d": self.d, "b": B,
             "heads": self.heads, "argv": sys.argv[1:],
-            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL")},
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL", "RINGCC_RING_WORKSPACE_MIB",
+                                                   "NCCL_CTA_POLICY", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS")},
         }
         try:
             import ringcc
@@ -774,12 +778,17 @@ def describe(rec: dict) -> str:
     return f"{head} {rec['ms']:9.2f} ms {rec['tflops_per_gpu']:7.1f} TF/s/GPU{peak} comm {rec['comm_bytes'] / MiB:.1f} MiB"
 
 
-def search_max_length(fits: Callable[[int], bool | None], start: int, step: int, max_probes: int) -> dict:
+PREDICTED_OOM = "predicted OOM"
+
+
+def search_max_length(fits: Callable[[int], bool | str | None], start: int, step: int, max_probes: int) -> dict:
     """Largest n (a multiple of `step`) with fits(n) True: doubling from `start` (known to fit),
-    then bisection. fits returns None when a probe is not run (too long, or predicted to fail
-    where failing is unsafe): the search stops there and the answer is a lower bound."""
-    lo, hi, probes, stopped = start, None, [], "probe limit"
-    while len(probes) < max_probes:
+    then bisection. fits returns None when a probe is not run (too long): the search stops there
+    and the answer is a lower bound. It returns PREDICTED_OOM where running is unsafe and the
+    measured peaks predict an OOM (p > 1: an OOM on one rank strands its peers in NCCL): that
+    length bounds the bisection like an OOM but is not one (`first_fail` stays a real OOM only)."""
+    lo, hi, probes, stopped, bound = start, None, [], "probe limit", None
+    while sum(ok is not PREDICTED_OOM for _, ok in probes) < max_probes:
         n = 2 * lo if hi is None else (lo + hi) // 2 // step * step
         if hi is not None and n <= lo:
             stopped = "converged"
@@ -789,16 +798,32 @@ def search_max_length(fits: Callable[[int], bool | None], start: int, step: int,
         if ok is None:
             stopped = "not probed"
             break
-        if ok:
+        if ok is PREDICTED_OOM:
+            hi = bound = n
+        elif ok:
             lo = n
         else:
             hi = n
-    return {"max_fit": lo, "first_fail": hi, "stopped_by": stopped, "probes": probes}
+    if bound is not None and stopped == "converged":
+        stopped = f"converged below the model's predicted OOM at {bound}"
+    first_fail = hi if hi is not None and hi != bound else None
+    return {"max_fit": lo, "first_fail": first_fail, "model_bound": bound, "stopped_by": stopped, "probes": probes}
+
+
+def _maxlen_capacity(env: Env) -> float:
+    """Bytes a probe may use: the --maxlen-cap-gib allocator cap (set here), else the device."""
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    cap = env.args.maxlen_cap_gib * GiB
+    if cap <= 0 or cap >= total:
+        return float(total)
+    torch.cuda.set_per_process_memory_fraction(cap / total, env.device)
+    return cap
 
 
 def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
     """Largest MHA causal fwd+bwd length per method of --maxlen-methods that runs at this p."""
     results = []
+    capacity = _maxlen_capacity(env) if env.cuda else None
     for name in env.args.maxlen_methods:
         # The target compares the single-GPU kernel with the distributed methods.
         if name not in METHODS or (env.world == 1) != (METHODS[name].family == "single"):
@@ -808,17 +833,18 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
             continue
         done = [r for r in records if r["method"] == name and r["attn"] == "mha" and r["causal"]
                 and r["mode"] == "fwdbwd" and r["status"] == "ok"]
-        if not done or not env.cuda:
+        # Start from the longest measured cell that fits comfortably under the capacity.
+        starts = [r["n"] for r in done if r.get("peak_bytes") and r["peak_bytes"] <= 0.8 * capacity] if env.cuda else []
+        if not starts:
             results.append({"method": name, "p": env.world, "status": "skipped",
-                            "reason": "no measured fwd+bwd cell" if env.cuda else "CPU"})
+                            "reason": "CPU" if not env.cuda else "no measured fwd+bwd cell fits under the capacity"})
             continue
-        start = max(r["n"] for r in done)
+        start = max(starts)
         step = 2 * env.world * 8192
         peaks = [(r["n"], r["peak_bytes"]) for r in done if r.get("peak_bytes")]
-        capacity = torch.cuda.get_device_properties(env.device).total_memory
         why = {}
 
-        def fits(n: int) -> bool | None:
+        def fits(n: int) -> bool | str | None:
             cell = dataclasses.replace(probe_cell, n=n)
             t = est_seconds(cell, env, "fwdbwd")
             if not env.agree(t <= env.args.probe_seconds):
@@ -829,11 +855,12 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
                 return None
             if env.world > 1:
                 # An OOM on one rank in the middle of the ring would leave its peers waiting in
-                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit.
-                predicted = model_max_length(peaks, 0.92 * capacity, 1)
+                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit
+                # (with a margin for the allocator's fragmentation under a cap).
+                margin = 0.85 if capacity < torch.cuda.get_device_properties(env.device).total_memory else 0.92
+                predicted = model_max_length(peaks, margin * capacity, 1)
                 if not env.agree(predicted is not None and n <= predicted):
-                    why["stop"] = f"memory model predicts OOM at n={n} (not probed with p > 1)"
-                    return None
+                    return PREDICTED_OOM
             ok = True
             try:
                 with METHODS[name].make(cell, env) as bench:
@@ -849,7 +876,8 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
 
         res = search_max_length(fits, start, step, max_probes=6)
         res["stopped_by"] = why.get("stop", res["stopped_by"])
-        results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok", **res})
+        results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok",
+                        "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
         env.log(f"max length {name}: >= {res['max_fit']} ({res['stopped_by']})")
     return results
 
@@ -907,7 +935,7 @@ def derive(res: dict) -> None:
     for m in res["maxlen"]:
         pts = [(r["n"], r["peak_bytes"]) for r in ok if r["method"] == m["method"] and r["p"] == m["p"]
                and r["attn"] == "mha" and r["causal"] and r["mode"] == "fwdbwd" and r.get("peak_bytes")]
-        cap = capacity.get(m["p"])
+        cap = m.get("capacity_bytes") or capacity.get(m["p"])
         m["max_model"] = model_max_length(pts, 0.95 * cap, 2 * m["p"] * 8192) if cap and pts else None
 
 
@@ -996,14 +1024,25 @@ def check_targets(res: dict) -> list[str]:
     multi = next((m for m in res["maxlen"] if m["method"] == headline_ring(True) and m["p"] == p and m["status"] == "ok"), None)
     if single and multi:
         v = multi["max_fit"] / single["max_fit"]
-        exact = single["first_fail"] is not None and multi["first_fail"] is not None  # both bracketed by an OOM
         model = ""
         if single.get("max_model") and multi.get("max_model"):
             model = f"; model from measured peaks {multi['max_model'] / single['max_model']:.2f}x " \
                     f"({multi['max_model']} vs {single['max_model']})"
-        lines.append(f"{verdict(v >= 3.8) if exact else 'n/a  '}  longest fwd+bwd p={p} / 1 GPU: verified "
-                     f"{multi['max_fit']} / {single['max_fit']} = {v:.2f}x (searches {multi['stopped_by']} / "
-                     f"{single['stopped_by']}){model} (target >= 3.8x)")
+        cap = ""
+        if single.get("capped") or multi.get("capped"):
+            cap = f" under a {single.get('capacity_bytes', 0) / GiB:.0f} GiB allocator cap per GPU"
+        # The multi-GPU fit is a lower bound (run without an OOM); the single-GPU first OOM bounds
+        # its maximum from above, so their ratio is a lower bound on the true ratio.
+        if single["first_fail"] is not None:
+            lower = multi["max_fit"] / single["first_fail"]
+            ok = lower >= 3.8
+            state = verdict(ok) if ok or multi["first_fail"] is not None else "n/a  "
+            bound = f", at least {lower:.2f}x against the first single-GPU OOM ({single['first_fail']})"
+        else:
+            state, bound = "n/a  ", ""
+        lines.append(f"{state}  longest fwd+bwd p={p} / 1 GPU{cap}: {multi['max_fit']} / {single['max_fit']} = "
+                     f"{v:.2f}x{bound} (searches: {multi['stopped_by']} / {single['stopped_by']}){model} "
+                     f"(target >= 3.8x)")
     else:
         lines.append("n/a   longest sequence: no max-length search for both")
     hidden = []
@@ -1077,7 +1116,8 @@ def format_table(res: dict) -> str:
         out += ["", "largest length (MHA, causal, fwd+bwd): verified by probes; model = fit of measured peaks"]
         for m in res["maxlen"]:
             if m["status"] == "ok":
-                out.append(f"  {m['method']:<22} p={m['p']}: fits {m['max_fit']}, first OOM {m['first_fail'] or '-'}, "
+                cap = f" (cap {m['capacity_bytes'] / GiB:.0f} GiB)" if m.get("capped") else ""
+                out.append(f"  {m['method']:<22} p={m['p']}{cap}: fits {m['max_fit']}, first OOM {m['first_fail'] or '-'}, "
                            f"stopped by {m['stopped_by']}; model {m.get('max_model') or '-'}")
             else:
                 out.append(f"  {m['method']:<22} p={m['p']}: {m['status']} ({m.get('reason', '')})")
@@ -1183,7 +1223,7 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 
 
 PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
-               "max_iter_seconds", "probe_seconds", "nccl_timeout", "profile"]
+               "max_iter_seconds", "probe_seconds", "maxlen_cap_gib", "nccl_timeout", "profile"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 
 

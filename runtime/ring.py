@@ -150,22 +150,37 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup)
+        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup)
+        return out_acc.to(q.dtype), lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
-        out[:, hq].copy_(o)
+        out[:, hq].copy_(o)  # the cast to the input dtype, in the same pass
         lse[:, hq].copy_(l)
         del o, l
     return out, lse
 
 
+def _accumulate(acc, blk, r0: int, r1: int, shape, dtype):
+    """acc[:, :, r0:r1] += blk into an fp32 accumulator of `shape`, which the first block
+    creates: a copy when it covers every row (no zero-fill pass, no read-add-write pass)."""
+    if acc is None:
+        acc = torch.empty(shape, dtype=dtype, device=blk.device)
+        if r0 == 0 and r1 == shape[2]:
+            acc.copy_(blk)
+            return acc
+        acc.zero_()
+    acc[:, :, r0:r1] += blk
+    return acc
+
+
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
+    """-> (out in the accumulator dtype, lse); the first block that covers every row starts
+    the accumulators (no -inf/zero fill and no merge for it)."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
-    out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
-    lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+    out_acc = lse_acc = None
     comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
     for _, kk, vv, kv_mask, calls in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
         for c, allowed in calls:
@@ -174,10 +189,22 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                 scale=setup.scale, causal=c.causal,
                 key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
             )
-            merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
+            if out_acc is None and c.q0 == 0 and c.q1 == s:
+                out_acc = torch.empty(b, h, s, d, dtype=adt, device=q.device)
+                lse_acc = torch.empty(b, h, s, dtype=adt, device=q.device)
+                out_acc.copy_(o)
+                lse_acc.copy_(l)
+            else:
+                if out_acc is None:
+                    out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
+                    lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+                merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
             del o, l  # not alive at the final cast
         del kk, vv
-    return out_acc.to(q.dtype), lse_acc
+    if out_acc is None:  # no key visible to any row
+        out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
+        lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+    return out_acc, lse_acc
 
 
 def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device):
@@ -231,8 +258,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         k_c, v_c = k[:, hk], v[:, hk]
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
-        dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
-        dk_acc = dv_acc = None
+        dq = dk_acc = dv_acc = None
         steps = _ring_steps(setup, kv_comm, k_c, v_c, key_valid, s, q.device)
         del k_c, v_c
         for step, kk, vv, kv_mask, calls in steps:
@@ -245,7 +271,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                     scale=setup.scale, causal=c.causal,
                     key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
                 )
-                dq[:, :, c.q0:c.q1] += dq_b
+                dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
             del kk, vv
@@ -258,14 +284,14 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 else:
                     dk_acc, dv_acc = pending[1]
                 pending = None
-            if dk_acc is None:
-                dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
-                dv_acc = torch.zeros_like(dk_acc)
             while kv_grads:
                 c, dk_b, dv_b = kv_grads.pop()
-                dk_acc[:, :, c.k0:c.k1] += dk_b
-                dv_acc[:, :, c.k0:c.k1] += dv_b
+                dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
+                dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt)
                 del dk_b, dv_b
+            if dk_acc is None:  # no kernel call against this block: it still travels
+                dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
+                dv_acc = torch.zeros_like(dk_acc)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 (it holds it next
                 # step; after the last step this hop brings every accumulator home).
@@ -274,6 +300,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 dk_acc = dv_acc = None
         if not use_comm:
             finish(hk, dk_acc, dv_acc)
+        if dq is None:  # no key visible to any row
+            dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
         if whole:
             done["dq"] = dq.to(q.dtype)
         else:
