@@ -1,0 +1,221 @@
+"""Where a ring attention step loses time: a GPU timeline of one fwd+bwd iteration, per setting.
+
+    torchrun --nproc-per-node 2 benchmarks/ring_timeline.py --n-local 16384 --budgets auto,0 --json t.json
+
+For each setting (ring workspace budget x transfers on/off) it times the iteration (CUDA events,
+median, slowest rank), then profiles one more and reads the trace of rank 0's GPU:
+  span      first kernel start .. last kernel end
+  compute   time the compute stream runs a kernel (attention, accumulation, casts)
+  nccl only time only communication kernels run
+  idle      time no kernel runs at all
+and splits the compute stream's gaps (> --gap-us) by cause: "cpu late" when the next kernel was
+launched by the host after the gap had begun (the host is the bottleneck there), "waiting" when
+it was launched in time but waited for something (a transfer it depends on).
+CPU/gloo (--cpu): times only (no kernel timeline). Writes JSON with every gap over the threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _intervals_union(iv: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(iv):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
+    """Summary of a chrome trace's GPU kernels (see the module docstring); times in µs."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        return {"kernels": 0}
+    launches = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+    is_nccl = lambda e: "nccl" in e["name"].lower()  # noqa: E731
+    busy_by_stream: dict = {}
+    for e in kernels:
+        if not is_nccl(e):
+            st = e.get("args", {}).get("stream")
+            busy_by_stream[st] = busy_by_stream.get(st, 0.0) + e["dur"]
+    compute_stream = max(busy_by_stream, key=busy_by_stream.get) if busy_by_stream else None
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    span = t1 - t0
+    iv = lambda es: [(e["ts"], e["ts"] + e["dur"]) for e in es]  # noqa: E731
+    comp = [e for e in kernels if e.get("args", {}).get("stream") == compute_stream and not is_nccl(e)]
+    nccl = [e for e in kernels if is_nccl(e)]
+    busy_all = _intervals_union(iv(kernels))
+    busy_compute = _intervals_union(iv(comp))
+    busy_non_nccl = _intervals_union(iv([e for e in kernels if not is_nccl(e)]))
+    gaps, cpu_late, waiting = [], 0.0, 0.0
+    comp.sort(key=lambda e: e["ts"])
+    end = comp[0]["ts"] + comp[0]["dur"] if comp else 0.0
+    prev = comp[0] if comp else None
+    for e in comp[1:]:
+        gap = e["ts"] - end
+        if gap > gap_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            late = launch is not None and launch["ts"] + launch.get("dur", 0.0) > end + 0.5 * gap
+            cpu_late += gap if late else 0.0
+            waiting += 0.0 if late else gap
+            gaps.append({"us": round(gap, 1), "cause": "cpu late" if late else "waiting",
+                         "after": prev["name"][:60], "before": e["name"][:60]})
+        if e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
+    gaps.sort(key=lambda g: -g["us"])
+    return {"kernels": len(kernels), "span_us": span, "compute_busy_us": busy_compute,
+            "non_nccl_busy_us": busy_non_nccl, "nccl_only_us": busy_all - busy_non_nccl,
+            "idle_us": span - busy_all, "nccl_kernel_us": sum(e["dur"] for e in nccl),
+            "gaps_cpu_late_us": cpu_late, "gaps_waiting_us": waiting, "gaps": gaps}
+
+
+def _step(q, k, v, dout, causal: bool, layout: str):
+    import ringcc
+
+    out = ringcc.ring_attention(q, k, v, is_causal=causal, layout=layout)
+    torch.autograd.grad(out, (q, k, v), dout)
+
+
+def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
+    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
+    from ringcc.runtime import workspace
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=device).manual_seed(7 + (dist.get_rank() if dist.is_initialized() else 0))
+    shape = (1, args.heads, args.n_local, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    chunk = workspace.ring_kv_chunk(q, k, None, world, args.causal and args.layout == "zigzag") or args.heads
+    step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.iters):
+        if dist.is_initialized():
+            dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            import time
+
+            t = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t))
+    if dist.is_initialized():
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times = t.tolist()
+    rec = {"budget": budget, "skip_comm": skip_comm, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
+           "ms_iters": times}
+    if cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(path))
+                events = json.loads(path.read_text())
+                events = events["traceEvents"] if isinstance(events, dict) else events
+            rec["timeline"] = analyze_trace(events, args.gap_us)
+    del q, k, v, dout
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def format_rows(recs: list[dict]) -> str:
+    head = (f"{'budget':>7} {'comm':>5} {'heads/chunk':>11} {'ms':>8} {'span ms':>8} {'compute':>8} {'nccl only':>9} "
+            f"{'idle':>7} {'gaps: cpu late':>14} {'waiting':>8}")
+    out = [head, "-" * len(head)]
+    for r in recs:
+        t = r.get("timeline") or {}
+        ms = lambda key: "-" if key not in t else f"{t[key] / 1e3:.2f}"  # noqa: E731
+        out.append(f"{r['budget']:>7} {'off' if r['skip_comm'] else 'on':>5} {r['kv_heads_per_chunk']:>11} "
+                   f"{r['ms']:>8.2f} {ms('span_us'):>8} {ms('compute_busy_us'):>8} {ms('nccl_only_us'):>9} "
+                   f"{ms('idle_us'):>7} {ms('gaps_cpu_late_us'):>14} {ms('gaps_waiting_us'):>8}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n-local", type=int, default=16384, help="tokens per rank")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
+    ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
+    ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
+    ap.add_argument("--no-comm", action="store_true", help="also run each budget with transfers skipped")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--gap-us", type=float, default=30.0)
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU (times only)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.causal = bool(args.causal)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.cpu:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device; use --cpu")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo" if args.cpu else "nccl")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    recs = []
+    for budget in args.budgets.split(","):
+        for skip in ([False, True] if args.no_comm else [False]):
+            recs.append(run_setting(args, device, budget, skip))
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"device: {name} x{world}; torch {torch.__version__}; n_local {args.n_local}, h {args.heads}, "
+              f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, fwd+bwd")
+        print(format_rows(recs))
+        for r in recs:
+            gaps = (r.get("timeline") or {}).get("gaps", [])[:4]
+            for g in gaps:
+                print(f"  budget {r['budget']} comm {'off' if r['skip_comm'] else 'on'}: gap {g['us']} us "
+                      f"({g['cause']}) after {g['after']} before {g['before']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
+                                                   "args": vars(args), "settings": recs}, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
