@@ -38,6 +38,19 @@ def _intervals_union(iv: list[tuple[float, float]]) -> float:
     return total
 
 
+def _host_during(host_ops: list[dict], start: float, end: float, top: int = 4) -> list[str]:
+    """The most specific host ops that cover most of [start, end]: "name (overlap us / op us)"."""
+    hits = []
+    for e in host_ops:
+        ov = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+        if ov > 0.3 * (end - start):
+            hits.append((-ov, e["dur"], e["name"][:50]))
+    hits.sort()
+    # Of the ops covering the gap, the shortest are the innermost: they name the cause.
+    hits = sorted(hits[: 4 * top], key=lambda h: h[1])[:top]
+    return [f"{name} ({-ov:.0f}/{dur:.0f} us)" for ov, dur, name in hits]
+
+
 def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
     """Summary of a chrome trace's GPU kernels (see the module docstring); times in µs."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -48,6 +61,11 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e
     is_nccl = lambda e: "nccl" in e["name"].lower()  # noqa: E731
+    # Host ops of the launching thread: what the host was doing during a gap it caused.
+    tids = [e.get("tid") for e in launches.values()]
+    main_tid = max(set(tids), key=tids.count) if tids else None
+    host_ops = [e for e in events if e.get("ph") == "X" and e.get("tid") == main_tid
+                and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")]
     busy_by_stream: dict = {}
     for e in kernels:
         if not is_nccl(e):
@@ -75,7 +93,8 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
             cpu_late += gap if late else 0.0
             waiting += 0.0 if late else gap
             gaps.append({"us": round(gap, 1), "cause": "cpu late" if late else "waiting",
-                         "after": prev["name"][:60], "before": e["name"][:60]})
+                         "after": prev["name"][:60], "before": e["name"][:60],
+                         "host": _host_during(host_ops, end, e["ts"]) if late else []})
         if e["ts"] + e["dur"] > end:
             end, prev = e["ts"] + e["dur"], e
     gaps.sort(key=lambda g: -g["us"])
@@ -209,6 +228,8 @@ def main(argv=None) -> int:
             for g in gaps:
                 print(f"  budget {r['budget']} comm {'off' if r['skip_comm'] else 'on'}: gap {g['us']} us "
                       f"({g['cause']}) after {g['after']} before {g['before']}")
+                for h in g.get("host", []):
+                    print(f"      host: {h}")
         if args.json:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs}, indent=1))

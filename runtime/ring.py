@@ -295,6 +295,11 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 (it holds it next
                 # step; after the last step this hop brings every accumulator home).
+                if step == world - 1 and dk_acc.dtype != k.dtype:
+                    # The sum is complete: the hop home carries the input dtype, as the owner
+                    # would cast it on arrival (same values, half the bytes of the one hop
+                    # that no later kernel of this chunk can hide).
+                    dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
                 pending = (hk, dkv_comm.send_recv([dk_acc, dv_acc]))
                 dkv_comm.commit()
                 dk_acc = dv_acc = None

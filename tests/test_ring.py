@@ -264,3 +264,40 @@ def test_dead_peer_is_an_error_within_the_group_timeout(pools):
     assert res[1] == "left the ring"
     assert res[0].startswith("error after"), res[0]
     assert float(res[0].split()[2].rstrip("s:")) < 30
+
+
+def case_ring_bf16(rank, world, is_causal, layout, kv_chunk_budget):
+    """bf16 inputs (fp32 accumulators, the hop home in bf16) vs the fp32 reference on the same
+    bf16-rounded inputs: within bf16 rounding."""
+    import os
+
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = kv_chunk_budget
+    try:
+        n = 12 * world
+        q, k, v, dout, _ = _inputs(99, 1, 4, 2, n, 16, False)
+        q, k, v, dout = (t.bfloat16().float() for t in (q, k, v, dout))
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, _ = reference.attention(qr, kr, vr, is_causal=is_causal)
+        ref_out.backward(dout)
+        lay = L.Layout(layout)
+        sh = lambda t: L.shard(t, 2, rank, world, lay)  # noqa: E731
+        ql, kl, vl = (sh(t).bfloat16().requires_grad_() for t in (q, k, v))
+        out = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout)
+        out.backward(sh(dout).bfloat16())
+        errs = []
+        for got, want in ((out, ref_out.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
+            assert got.dtype == torch.bfloat16
+            want = sh(want)
+            errs.append(float((got.float() - want).abs().max() / want.abs().max()))
+        return max(errs)
+    finally:
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
+@pytest.mark.parametrize("budget", ["0", "0.0001"])
+def test_ring_bf16_matches_reference(pools, world, is_causal, layout, budget):
+    # Whole heads and one K/V head per chunk: the last dK/dV hop goes home in bf16.
+    errs = pools(world).run(case_ring_bf16, is_causal, layout, budget)
+    assert max(errs) < 2e-2
