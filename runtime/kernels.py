@@ -115,13 +115,33 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     return out, lse
 
 
+def bwd_lse(lse_bhs: torch.Tensor) -> torch.Tensor:
+    """The row lse as the backward kernels take it: rows that saw no key anywhere (lse = -inf)
+    have no gradient, and +inf makes their P = 0; fp32 (fp64 stays), contiguous. A ring
+    prepares it once for all its block calls (`block_bwd(..., lse_prepared=True)`)."""
+    lse = lse_bhs if lse_bhs.dtype == torch.float64 else lse_bhs.float()
+    return lse.masked_fill(torch.isneginf(lse), float("inf")).contiguous()
+
+
+_ZERO_SEED: dict = {}
+
+
+def _zero_seed(device) -> torch.Tensor:
+    """0-d int64 seed/offset for the CUDA backward ops (unused at dropout 0; read-only, so one
+    per device serves every call instead of a fresh tensor and a fill per call)."""
+    t = _ZERO_SEED.get(device)
+    if t is None:
+        t = _ZERO_SEED[device] = torch.zeros((), dtype=torch.long, device=device)
+    return t
+
+
 def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool,
-              key_valid_bs=None, allowed_qk=None):
-    """Gradients of this block given the row's global (out, lse); dk/dv with g heads."""
+              key_valid_bs=None, allowed_qk=None, lse_prepared: bool = False):
+    """Gradients of this block given the row's global (out, lse); dk/dv with g heads.
+    lse_prepared: lse_bhs is already `bwd_lse(...)` (rows of it)."""
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
-    # Rows that saw no key anywhere (lse = -inf) have no gradient: +inf makes P = 0.
-    lse = lse_bhs.masked_fill(torch.isneginf(lse_bhs), float("inf"))
+    lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
     if dev.type == "cpu":
@@ -133,13 +153,13 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
         dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, mask)
     elif _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
-        seed = torch.zeros((), dtype=torch.long, device=dev)
+        seed = _zero_seed(dev)
         dq, dk, dv = _compat.cuda_cudnn_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().unsqueeze(-1).contiguous(),
             seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale,
         )
     else:
-        seed = torch.zeros((), dtype=torch.long, device=dev)
+        seed = _zero_seed(dev)
         dq, dk, dv = _compat.cuda_flash_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().contiguous(), None, None, lq, lk, 0.0, causal,
             seed, seed, scale=scale,

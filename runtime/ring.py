@@ -254,7 +254,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
 
     pending = None  # (K/V-head slice, [dk, dv] being received) of the last hop
     for hq, hk in chunks:
-        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse[:, hq]
+        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], kernels.bwd_lse(lse[:, hq])
         k_c, v_c = k[:, hk], v[:, hk]
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
@@ -268,7 +268,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 dq_b, dk_b, dv_b = kernels.block_bwd(
                     do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
                     o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
-                    scale=setup.scale, causal=c.causal,
+                    scale=setup.scale, causal=c.causal, lse_prepared=True,
                     key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
                 )
                 dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
