@@ -410,9 +410,12 @@ def _dilated_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = inputs[3:]
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # dlse is never used: no zero-filled gradient for it
 
 
 def _dilated_backward(ctx, dout, dlse):
+    if dout is None:  # nothing flows back through out
+        return (None,) * (3 + len(ctx.args))
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = dilated_attention_backward_op(dout, q, k, v, out, lse, *ctx.args)
     return (dq, dk, dv) + (None,) * len(ctx.args)

@@ -118,9 +118,13 @@ def _ring_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, key_valid, out, lse)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.mark_non_differentiable(lse)
+    # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
+    ctx.set_materialize_grads(False)
 
 
 def _ring_backward(ctx, dout, dlse):
+    if dout is None:  # nothing flows back through out
+        return (None,) * 10
     q, k, v, key_valid, out, lse = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None
