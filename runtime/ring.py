@@ -7,10 +7,14 @@ rank (r - i) mod p. The transfer for step i+1 is issued before step i's compute,
 overlaps it (the receive buffers are fresh each step: double buffering). Each step's
 partial (out, lse) is merged into fp32 accumulators by the one LSE merge.
 In backward, K/V travel the same way together with their fp32 dK/dV accumulators, which
-trail one step behind: after its step-i compute, a rank passes the accumulator of the block
-it holds to rank+1, which holds that block at step i+1 and waits for it only after its own
-step-(i+1) kernels, so that transfer overlaps them too. After p hops every accumulator is
-home. dQ stays local. Per block, the kernel's backward is fed the global (out, lse).
+trail one step behind: the accumulator of the block a rank held at step i goes to rank+1
+(which holds that block at step i+1) in the same batch as the K/V for step i+2, issued
+before step i+1's compute; rank+1 waits for the batch only after its own step-(i+1)
+kernels, so the transfer overlaps them. One batch per step is one rendezvous of the ranks
+per step (each costs a NCCL launch and the slower peer's lag). After p hops every
+accumulator is home; the last hop carries the input dtype (the sum is complete) and rides
+the next head chunk's first batch. dQ stays local. Per block, the kernel's backward is fed
+the global (out, lse).
 Causality is decided per (query chunk, key chunk) pair in global chunk ids: earlier key
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel.
@@ -182,12 +186,12 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     adt = kernels.acc_dtype(q.dtype)
     out_acc = lse_acc = None
     comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
-    for _, kk, vv, kv_mask, calls in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
-        for c, allowed in calls:
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
+        for c, allowed in st.calls:
             o, l = kernels.block_fwd(
-                q[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
+                q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
+                key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
             )
             if out_acc is None and c.q0 == 0 and c.q1 == s:
                 out_acc = torch.empty(b, h, s, d, dtype=adt, device=q.device)
@@ -200,35 +204,62 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                     lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
                 merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
             del o, l  # not alive at the final cast
-        del kk, vv
+        del st
     if out_acc is None:  # no key visible to any row
         out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
         lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
     return out_acc, lse_acc
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device):
-    """The ring's steps: yields (step, K, V, key mask, kernel calls) of the block held at each
-    step. The next block's transfer is issued before the yield (it overlaps the caller's
-    compute) and waited for when the caller comes back for the next step."""
+class RingStep:
+    """One step of the ring: the block held now (K, V, key mask, kernel calls against it).
+
+    `carry_out` (set by the caller before it moves on) rides to rank+1 in the next step's
+    batch; `wait()` finishes this step's batch (the next block's K/V and what rank-1's caller
+    set as its carry) and returns the carry received, or None."""
+
+    def __init__(self, index, k, v, key_valid, calls, comm, carry_in):
+        self.index, self.k, self.v, self.key_valid, self.calls = index, k, v, key_valid, calls
+        self.carry_out = None
+        self._comm, self._carry_in = comm, carry_in
+
+    def wait(self):
+        if self._comm is not None:
+            self._comm.wait()
+            self._comm = None
+        return self._carry_in
+
+
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None):
+    """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
+    held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
+    then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
+    batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
+    One batch per step is one rendezvous of the ranks per step."""
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
-        nxt = None
-        if comm is not None and step + 1 < setup.world:
-            nxt = comm.send_recv(held)
+        send = (held if step + 1 < setup.world else []) + list(carry or [])
+        recv, n_held = [], len(held) if step + 1 < setup.world else 0
+        if comm is not None and send:
+            recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
-        yield step, held[0], held[1], (held[2] if key_valid is not None else None), setup.masked_calls(s, src, device)
-        if nxt is not None:
-            comm.wait()
-            held = nxt
+        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None else None,
+                      setup.masked_calls(s, src, device), comm if recv else None,
+                      recv[n_held:] if carry and recv else None)
+        yield st
+        st.wait()
+        carry = st.carry_out
+        if n_held and recv:
+            held = recv[:n_held]
+        del st
 
 
 def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse.
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
-    the K/V they belong to (Note [Ring attention schedule])."""
+    the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule])."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -236,8 +267,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     whole = len(chunks) == 1
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
-    kv_comm = RingComm(setup.group, tag_base=0, members=setup.members) if use_comm else None
-    dkv_comm = RingComm(setup.group, tag_base=16, members=setup.members) if use_comm else None
+    comm = RingComm(setup.group, members=setup.members) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     if not whole:
         dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -252,38 +282,38 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             dk_out[:, hk].copy_(dk_acc)
             dv_out[:, hk].copy_(dv_acc)
 
-    pending = None  # (K/V-head slice, [dk, dv] being received) of the last hop
+    home = None  # (K/V-head slice, [dk, dv]) the last chunk finished: its hop home rides the next batch
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], kernels.bwd_lse(lse[:, hq])
         k_c, v_c = k[:, hk], v[:, hk]
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
-        steps = _ring_steps(setup, kv_comm, k_c, v_c, key_valid, s, q.device)
+        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None)
         del k_c, v_c
-        for step, kk, vv, kv_mask, calls in steps:
-            kv_shape = kk.shape
+        for st in steps:
+            kv_shape = st.k.shape
             kv_grads = []
-            for c, allowed in calls:
+            for c, allowed in st.calls:
                 dq_b, dk_b, dv_b = kernels.block_bwd(
-                    do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], kk[:, :, c.k0:c.k1], vv[:, :, c.k0:c.k1],
+                    do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
                     o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
-                    key_valid_bs=None if kv_mask is None else kv_mask[:, c.k0:c.k1], allowed_qk=allowed,
+                    key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
                 )
                 dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
-            del kk, vv
-            # Wait for the incoming accumulator only now, so its transfer overlaps this
-            # step's kernels (at step 0 it is the previous chunk's, coming home).
-            if pending is not None:
-                dkv_comm.wait()
-                if step == 0:
-                    finish(pending[0], *pending[1])
+            # Wait for this step's batch only now, so it overlaps this step's kernels. It brings
+            # the accumulator of the block held now (at step 0: the last chunk's, coming home).
+            incoming = st.wait()
+            if incoming is not None:
+                if st.index == 0:
+                    finish(home[0], *incoming)
+                    home = None
                 else:
-                    dk_acc, dv_acc = pending[1]
-                pending = None
+                    dk_acc, dv_acc = incoming
+            del incoming
             while kv_grads:
                 c, dk_b, dv_b = kv_grads.pop()
                 dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
@@ -293,16 +323,19 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
                 dv_acc = torch.zeros_like(dk_acc)
             if use_comm:
-                # The accumulator of the block held now goes to rank+1 (it holds it next
-                # step; after the last step this hop brings every accumulator home).
-                if step == world - 1 and dk_acc.dtype != k.dtype:
+                # The accumulator of the block held now goes to rank+1 with the next batch (it
+                # holds that block next step; after the last step the hop brings it home).
+                if st.index == world - 1 and dk_acc.dtype != k.dtype:
                     # The sum is complete: the hop home carries the input dtype, as the owner
                     # would cast it on arrival (same values, half the bytes of the one hop
                     # that no later kernel of this chunk can hide).
                     dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-                pending = (hk, dkv_comm.send_recv([dk_acc, dv_acc]))
-                dkv_comm.commit()
+                if st.index == world - 1:
+                    home = (hk, [dk_acc, dv_acc])
+                else:
+                    st.carry_out = [dk_acc, dv_acc]
                 dk_acc = dv_acc = None
+            del st
         if not use_comm:
             finish(hk, dk_acc, dv_acc)
         if dq is None:  # no key visible to any row
@@ -312,9 +345,11 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         else:
             dq_out[:, hq].copy_(dq)
         del dq, dk_acc, dv_acc, steps
-    if pending is not None:
-        dkv_comm.wait()
-        finish(pending[0], *pending[1])
+    if home is not None:  # the last chunk's hop home: nothing left to overlap it with
+        arrived = comm.send_recv(home[1])
+        comm.commit()
+        comm.wait()
+        finish(home[0], *arrived)
     if whole:
         return done["dq"], done["dk"], done["dv"]
     return dq_out, dk_out, dv_out
