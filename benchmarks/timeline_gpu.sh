@@ -1,22 +1,50 @@
 #!/usr/bin/env bash
 # ring_timeline.py on every GPU of the machine (P = its count), outputs to $OUT:
-#   env.log  timeline.txt  timeline_*.json
-# causal zigzag and non-causal at 16K tokens per GPU, causal at 64K per GPU; default head
-# chunks ("auto") vs whole heads ("0"), each with and without transfers.
+#   env.log  gpu_tests.log  timeline.txt  timeline.json
+# 0. tests/test_ring_gpu.py and tests/test_dilated_gpu.py on NCCL (GPU_TESTS=0 skips them);
+# 1. causal zigzag and non-causal at 16K tokens per GPU, causal at 64K per GPU: default head
+#    chunks ("auto") and whole heads ("0"), each with and without transfers.
+# PREV_TREE=path: a checkout of an earlier commit (e.g. a git worktree passed with the device
+# tool's carry); each setting then also runs on it, in the same run on the same machine (A/B).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/timeline_out}"
-mkdir -p "$OUT"
+TMP=/tmp/ringcc_timeline
+mkdir -p "$OUT" "$TMP"
 # shellcheck disable=SC1091
 source benchmarks/gpu_env.sh >"$OUT/env.log" 2>&1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv >>"$OUT/env.log" 2>&1
 P="${P:-$(nvidia-smi -L | wc -l)}"
 export RINGCC_CUDA_KERNEL=cudnn
+if [ -n "${PREV_TREE:-}" ]; then
+  mkdir -p /tmp/ringcc_prev_site/ringcc
+  for f in "$PREV_TREE"/ringcc/*; do ln -sf "$(realpath "$f")" /tmp/ringcc_prev_site/ringcc/; done
+  ln -sfn "$(realpath "$PREV_TREE/passes")" /tmp/ringcc_prev_site/ringcc/passes
+  ln -sfn "$(realpath "$PREV_TREE/runtime")" /tmp/ringcc_prev_site/ringcc/runtime
+  PYTHONPATH=/tmp/ringcc_prev_site python3 -c "import ringcc; print('prev ringcc from', ringcc.__file__)" >>"$OUT/env.log" 2>&1
+fi
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  timeout 240 python3 -m pytest -p no:cacheprovider tests/test_ring_gpu.py tests/test_dilated_gpu.py -q -rf --tb=short \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+fi
 tl() {  # name args...
   local name=$1; shift
-  timeout 150 torchrun --standalone --nproc-per-node "$P" benchmarks/ring_timeline.py --no-comm \
-    --json "$OUT/timeline_$name.json" "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS" | tee -a "$OUT/timeline.txt"
+  local trees=(cur)
+  [ -n "${PREV_TREE:-}" ] && trees=(prev cur)
+  for tree in "${trees[@]}"; do
+    echo "--- $name ($tree)" | tee -a "$OUT/timeline.txt"
+    local pp="${PYTHONPATH:-}"
+    [ "$tree" = prev ] && pp="/tmp/ringcc_prev_site${pp:+:$pp}"
+    PYTHONPATH="$pp" timeout 150 torchrun --standalone --nproc-per-node "$P" benchmarks/ring_timeline.py \
+      --json "$TMP/${name}_$tree.json" "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS|Warning|warn|return func" \
+      | tee -a "$OUT/timeline.txt"
+  done
 }
-tl causal16k --n-local 16384 --causal 1 --budgets auto,0
-tl full16k --n-local 16384 --causal 0 --budgets auto,0
-tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --iters 3
+tl causal16k --n-local 16384 --causal 1 --budgets auto,0 --no-comm
+tl full16k --n-local 16384 --causal 0 --budgets auto,0 --no-comm
+tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --no-comm --iters 3
+python3 - "$TMP" "$OUT/timeline.json" <<'PY'
+import json, pathlib, sys
+parts = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+pathlib.Path(sys.argv[2]).write_text(json.dumps(parts, indent=1))
+PY
