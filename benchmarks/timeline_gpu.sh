@@ -21,7 +21,7 @@ if [ -n "${PREV_TREE:-}" ]; then
   for f in "$PREV_TREE"/ringcc/*; do ln -sf "$(realpath "$f")" /tmp/ringcc_prev_site/ringcc/; done
   ln -sfn "$(realpath "$PREV_TREE/passes")" /tmp/ringcc_prev_site/ringcc/passes
   ln -sfn "$(realpath "$PREV_TREE/runtime")" /tmp/ringcc_prev_site/ringcc/runtime
-  PYTHONPATH=/tmp/ringcc_prev_site python3 -c "import ringcc; print('prev ringcc from', ringcc.__file__)" >>"$OUT/env.log" 2>&1
+  (cd /tmp && PYTHONPATH=/tmp/ringcc_prev_site python3 -c "import ringcc.runtime.ring as r; print('prev ring from', r.__file__)") >>"$OUT/env.log" 2>&1
 fi
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   timeout 240 python3 -m pytest -p no:cacheprovider tests/test_ring_gpu.py tests/test_dilated_gpu.py -q -rf --tb=short \
