@@ -205,3 +205,51 @@ def test_targets_on_gpu_shaped_results():
     assert ring256["efficiency"] == pytest.approx(1600 / 4 / 415) and ring256["peak_vs_ideal"] == pytest.approx(2.0)
     single = next(m for m in res["maxlen"] if m["p"] == 1)
     assert single["max_model"] == (int(0.95 * 80 * G / (16 * G / (256 * K))) // (2 * 8192)) * 2 * 8192
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_timeline_splits_gaps_by_cause():
+    """ring_timeline.analyze_trace on a hand-made trace: busy/idle/NCCL-only time, and a gap is
+    'host late' when the next kernel was launched after the gap began (with the host op named),
+    else 'waiting'."""
+    tl = _load("ring_timeline")
+    k = lambda name, ts, dur, stream, corr: dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur,  # noqa: E731
+                                                  args={"stream": stream, "correlation": corr})
+    launch = lambda ts, corr: dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5,  # noqa: E731
+                                   tid=1, args={"correlation": corr})
+    events = [
+        k("attn_fwd", 0, 100, 7, 1), k("ncclDevKernel_SendRecv", 50, 150, 9, 2),
+        k("merge", 300, 50, 7, 3), launch(20, 3),  # launched early: waited 200 us for the transfer
+        k("attn_bwd", 500, 100, 7, 4), launch(480, 4),  # launched late: the host was busy
+        dict(ph="X", cat="cpu_op", name="aten::empty", ts=360, dur=110, tid=1, args={}),
+    ]
+    r = tl.analyze_trace(events, gap_us=30)
+    assert r["span_us"] == 600 and r["compute_busy_us"] == 250
+    assert r["idle_us"] == 600 - 250 - 100  # the transfer alone covers 100..200
+    assert r["nccl_only_us"] == 100 and r["nccl_kernel_us"] == 150
+    assert r["gaps_waiting_us"] == 200 and r["gaps_cpu_late_us"] == 150
+    late = next(g for g in r["gaps"] if g["cause"] == "cpu late")
+    assert late["before"] == "attn_bwd" and late["host"][0].startswith("aten::empty")
+
+
+def test_compare_variants_rows(tmp_path):
+    cv = _load("compare_variants")
+    rec = lambda method, p, ms, n=1024, peak=100: dict(  # noqa: E731
+        method=method, family="single" if p == 1 else "ring", attn="mha", h=16, h_kv=16, d=128, b=1, n=n, p=p,
+        causal=True, mode="fwdbwd", status="ok", ms=ms, flops=1e12, tflops_per_gpu=1e12 / p / (ms * 1e-3) / 1e12,
+        peak_bytes=peak)
+    base = {"phases": [{"world": 1}], "records": [rec("sdpa-cudnn", 1, 100.0, peak=400)]}
+    a = {"phases": [{"world": 4, "env": {}}], "records": [rec("ring-zigzag", 4, 30.0)]}
+    b = {"phases": [{"world": 4, "env": {"NCCL_CTA_POLICY": "1"}}], "records": [rec("ring-zigzag", 4, 27.0)]}
+    rows = cv.compare(base, [("default", a), ("cta", b)])
+    assert [r["variant"] for r in rows] == ["default", "cta"]
+    assert rows[0]["efficiency"] == pytest.approx(100 / 4 / 30) and rows[0]["peak_vs_ideal"] == pytest.approx(1.0)
+    assert rows[1]["vs_first"] == pytest.approx(0.9)
+    assert "cta" in cv.format_rows(rows)
