@@ -40,9 +40,15 @@ tl() {  # name args...
       | tee -a "$OUT/timeline.txt"
   done
 }
-tl causal16k --n-local 16384 --causal 1 --budgets auto,0 --no-comm
-tl full16k --n-local 16384 --causal 0 --budgets auto,0 --no-comm
-tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --no-comm --iters 3
+SETS="${SETS:-causal16k full16k causal64k}"  # which of the settings below to run
+for set in $SETS; do
+  case $set in
+    causal16k) tl causal16k --n-local 16384 --causal 1 --budgets auto,0 --no-comm ;;
+    full16k) tl full16k --n-local 16384 --causal 0 --budgets auto,0 --no-comm ;;
+    causal64k) tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --no-comm --iters 3 ;;
+    *) echo "unknown setting $set (causal16k, full16k, causal64k)"; exit 2 ;;
+  esac
+done
 python3 - "$TMP" "$OUT/timeline.json" <<'PY'
 import json, pathlib, sys
 parts = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
