@@ -153,15 +153,13 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    kv_bufs: dict = {}  # K/V receive buffers, reused by every step and chunk (see _ring_steps)
     if len(chunks) == 1:
-        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup, kv_bufs)
-        kv_bufs.clear()  # not alive at the final cast
+        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup)
         return out_acc.to(q.dtype), lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, kv_bufs)
+        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
         out[:, hq].copy_(o)  # the cast to the input dtype, in the same pass
         lse[:, hq].copy_(l)
         del o, l
@@ -181,14 +179,14 @@ def _accumulate(acc, blk, r0: int, r1: int, shape, dtype):
     return acc
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, kv_bufs=None):
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     """-> (out in the accumulator dtype, lse); the first block that covers every row starts
     the accumulators (no -inf/zero fill and no merge for it)."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     out_acc = lse_acc = None
     comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, kv_bufs=kv_bufs):
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
         for c, allowed in st.calls:
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
@@ -232,35 +230,18 @@ class RingStep:
         return self._carry_in
 
 
-def _reused(bufs: dict, slot: int, parity: int, like: torch.Tensor) -> torch.Tensor:
-    """Receive buffer `parity` (0/1) of `slot`, shaped like `like`: made once, then reused."""
-    pair = bufs.setdefault(slot, [None, None])
-    b = pair[parity]
-    if b is None or b.shape != like.shape or b.dtype != like.dtype or b.device != like.device:
-        b = pair[parity] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return b
-
-
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, kv_bufs=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
-    One batch per step is one rendezvous of the ranks per step.
-
-    K/V arrive in two buffers per tensor used in turn (step i receives into buffer i % 2 while
-    its kernels read the other), kept in `kv_bufs` across the caller's head chunks: NCCL's
-    stream keeps a freed receive buffer from reuse until its transfer is done, so fresh buffers
-    per step make the allocator fetch new memory while the host runs ahead. Reuse is safe: a
-    batch's transfers start after the kernels issued before it, which read the older buffer."""
+    One batch per step is one rendezvous of the ranks per step."""
     held = [k, v] + ([key_valid] if key_valid is not None else [])
-    kv_bufs = {} if kv_bufs is None else kv_bufs
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
         recv, n_held = [], len(held) if step + 1 < setup.world else 0
         if comm is not None and send:
-            bufs = [_reused(kv_bufs, j, step % 2, t) for j, t in enumerate(held[:n_held])]
-            recv = comm.send_recv(send, bufs + [torch.empty_like(t) for t in send[n_held:]])
+            recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None else None,
@@ -302,15 +283,13 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             dv_out[:, hk].copy_(dv_acc)
 
     home = None  # (K/V-head slice, [dk, dv]) the last chunk finished: its hop home rides the next batch
-    kv_bufs: dict = {}  # K/V receive buffers, reused by every step and chunk (see _ring_steps)
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], kernels.bwd_lse(lse[:, hq])
         k_c, v_c = k[:, hk], v[:, hk]
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
-        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            kv_bufs=kv_bufs)
+        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None)
         del k_c, v_c
         for st in steps:
             kv_shape = st.k.shape
