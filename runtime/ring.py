@@ -184,6 +184,11 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     the accumulators (no -inf/zero fill and no merge for it)."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
+
+    def empty_rows():  # out = 0, lse = -inf: rows that have seen no key yet
+        return (torch.zeros(b, h, s, d, dtype=adt, device=q.device),
+                torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+
     out_acc = lse_acc = None
     comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
@@ -200,14 +205,12 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                 lse_acc.copy_(l)
             else:
                 if out_acc is None:
-                    out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
-                    lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+                    out_acc, lse_acc = empty_rows()
                 merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
             del o, l  # not alive at the final cast
         del st
     if out_acc is None:  # no key visible to any row
-        out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
-        lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+        out_acc, lse_acc = empty_rows()
     return out_acc, lse_acc
 
 
