@@ -137,8 +137,10 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     #   later kernels   dQ, the dK/dV accumulator arriving, the held and next K/V; zigzag
     #                   causal blocks after the diagonal are half as long on the key side;
     #   accumulate      dQ, the dK/dV accumulator, the block's dK/dV, the held/next K/V;
-    #   send            dQ, the accumulator being sent and the one arriving, held/next K/V;
-    #   end             (without chunks) the outputs cast from the accumulators.
+    #   send            dQ, the accumulator being sent and the one arriving, held/next K/V
+    #                   (the last hop, home, is cast to the input dtype first);
+    #   end             (without chunks) the outputs cast from the accumulators, while the
+    #                   last hop arrives.
     # A sent buffer counts until its Python reference goes: the allocator then books it as
     # free (NCCL's stream keeps it from reuse until the transfer ends).
     # Without chunks the gradient outputs are these accumulators (fp32) or are cast from them
@@ -156,11 +158,13 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
     dq_acc, dkv_acc = q32, 2 * k32
     pending = one * dkv_acc
+    # the last hop of an accumulator (home) carries the input dtype: its sum is complete
+    home = one * (2 * k.nbytes if low else dkv_acc)
     next_kv = one * (kv + mask)
     held_next = _kv_in_flight(p) * (kv + mask)
     own = one * kv if chunked else 0
     phases = [
-        dq_acc + own + next_kv + block_first + (pending if chunked else 0),
+        dq_acc + own + next_kv + block_first + (home if chunked else 0),
         dq_acc + pending + held_next + block_later,
         dq_acc + dkv_acc + 2 * k.nbytes + held_next + own,
         dq_acc + dkv_acc + pending + held_next + own,
@@ -170,7 +174,7 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         # (p > 1), or next to the dK/dV accumulators and their casts (p = 1)
         # (fp32: the casts are the accumulators themselves, nothing new)
         cast = 1 if low else 0
-        phases.append(dq_acc + cast * q.nbytes + pending + held_next + (1 - one) * (dkv_acc + cast * 2 * k.nbytes))
+        phases.append(dq_acc + cast * q.nbytes + home + held_next + (1 - one) * (dkv_acc + cast * 2 * k.nbytes))
     backward = sympy.Max(*phases)
     if not chunked:
         backward = backward - (q.nbytes + 2 * k.nbytes)
