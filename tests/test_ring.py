@@ -301,3 +301,54 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout, budget):
     # Whole heads and one K/V head per chunk: the last dK/dV hop goes home in bf16.
     errs = pools(world).run(case_ring_bf16, is_causal, layout, budget)
     assert max(errs) < 2e-2
+
+
+def case_ring_backward_batches(rank, world, budget):
+    """Counts the ring backward's batches and bytes: one batch per step (next K/V and the
+    previous step's dK/dV accumulator together), the hop home in the input dtype."""
+    import os
+
+    from ringcc.runtime import workspace
+    from ringcc.runtime.comm import RingComm
+
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
+    commits, sent = [], []
+    orig_commit, orig_send = RingComm.commit, RingComm.send_recv
+
+    def commit(self):
+        commits.append(1)
+        return orig_commit(self)
+
+    def send_recv(self, tensors, recv_buffers=None):
+        sent.extend((t.dtype, t.numel()) for t in tensors)
+        return orig_send(self, tensors, recv_buffers)
+
+    try:
+        b, h, g, n_local, d = 1, 4, 2, 8, 16
+        q, k, v, dout, _ = _inputs(5, b, h, g, n_local * world, d, False)
+        sh = lambda t: L.shard(t, 2, rank, world, L.Layout.CONTIGUOUS).bfloat16()  # noqa: E731
+        ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+        chunk = workspace.ring_kv_chunk(ql, kl, None, world) or g
+        out = ringcc.ring_attention(ql, kl, vl, is_causal=False)
+        RingComm.commit, RingComm.send_recv = commit, send_recv
+        out.backward(sh(dout))
+    finally:
+        RingComm.commit, RingComm.send_recv = orig_commit, orig_send
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+    n_chunks = g // chunk
+    kv_numel = b * chunk * n_local * d
+    fp32 = sum(n for dt, n in sent if dt == torch.float32)
+    bf16 = sum(n for dt, n in sent if dt == torch.bfloat16)
+    return (len(commits), n_chunks, fp32, bf16, kv_numel)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("budget", ["0", "0.0001"])
+def test_ring_backward_one_batch_per_step(pools, world, budget):
+    for commits, n_chunks, fp32, bf16, kv_numel in pools(world).run(case_ring_backward_batches, budget):
+        # p batches per head chunk, and one more for the last chunk's hop home.
+        assert commits == n_chunks * world + 1
+        # fp32 on the wire: the p - 1 hops of dK and dV that are still being summed.
+        assert fp32 == n_chunks * (world - 1) * 2 * kv_numel
+        # bf16: K and V to p - 1 neighbours, plus dK and dV going home once, per chunk.
+        assert bf16 == n_chunks * ((world - 1) * 2 * kv_numel + 2 * kv_numel)
