@@ -149,8 +149,14 @@ def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
+    import ringcc
+
+    with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
+        out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
+        checksum = [float(out.sum()), float(out.abs().sum())]
+        del out
     rec = {"budget": budget, "skip_comm": skip_comm, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
-           "ms_iters": times}
+           "ms_iters": times, "out_checksum_rank0": checksum}
     if cuda:
         from torch.profiler import ProfilerActivity, profile
 
@@ -223,6 +229,9 @@ def main(argv=None) -> int:
         print(f"device: {name} x{world}; torch {torch.__version__}; n_local {args.n_local}, h {args.heads}, "
               f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, fwd+bwd")
         print(format_rows(recs))
+        for r in recs:
+            print(f"  budget {r['budget']} comm {'off' if r['skip_comm'] else 'on'}: forward output checksum "
+                  f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
         for r in recs:
             gaps = (r.get("timeline") or {}).get("gaps", [])[:4]
             for g in gaps:
