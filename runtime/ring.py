@@ -150,63 +150,16 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # after the next chunk's first kernels, so chunk boundaries add no exposed transfer.
 
 
-# Note [Early sends]
-# A forward transfer sends K/V that are either inputs (step 0) or were received by the
-# previous transfer: none depends on the attention kernels. Issued on the compute stream,
-# NCCL would still wait for every kernel issued before it, so each step's transfer could start
-# only when the previous step's compute ended, and a head chunk's first transfer only when the
-# last chunk was done. On CUDA the forward issues them from a side stream instead, which waits
-# once for the inputs and then only for the compute of the step two back: transfers start as
-# soon as their data and a free buffer exist, and at most three received K/V sets are alive
-# (the held one, the next, the one arriving; two without this). The receive buffers are
-# allocated on the side stream and recorded on the compute stream that reads them, so the
-# allocator hands them out again only after both streams are done with them. The backward
-# sends its dK/dV accumulators, made by the kernels, in the same batches: it issues them on
-# the compute stream.
-
-
-_SIDE_STREAMS: dict = {}
-
-
-class _EarlySends:
-    """Issues one forward's batches from a side stream (Note [Early sends])."""
-
-    def __init__(self, device):
-        self.compute = torch.cuda.current_stream(device)
-        self.side = _SIDE_STREAMS.get(device)
-        if self.side is None:
-            self.side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-        self.side.wait_stream(self.compute)  # the inputs were made on the compute stream
-        self.done: list = []  # per step (across head chunks): compute issued up to its end
-
-    def issue(self, comm: RingComm, send):
-        step = len(self.done)
-        if step >= 2:  # at most three received K/V sets alive
-            self.side.wait_event(self.done[step - 2])
-        with torch.cuda.stream(self.side):
-            recv = comm.send_recv(send)
-            comm.commit()
-        return recv
-
-    def step_done(self, received) -> None:
-        ev = torch.cuda.Event()
-        ev.record(self.compute)
-        self.done.append(ev)
-        for t in received:
-            t.record_stream(self.compute)
-
-
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    early = _EarlySends(q.device) if q.is_cuda and setup.world > 1 and not _skip_comm() else None
     if len(chunks) == 1:
-        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup, early)
+        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup)
         return out_acc.to(q.dtype), lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, early)
+        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
         out[:, hq].copy_(o)  # the cast to the input dtype, in the same pass
         lse[:, hq].copy_(l)
         del o, l
@@ -226,7 +179,7 @@ def _accumulate(acc, blk, r0: int, r1: int, shape, dtype):
     return acc
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, early: _EarlySends | None = None):
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     """-> (out in the accumulator dtype, lse); the first block that covers every row starts
     the accumulators (no -inf/zero fill and no merge for it)."""
     b, h, s, d = q.shape
@@ -238,7 +191,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, early: _EarlySends
 
     out_acc = lse_acc = None
     comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, early=early):
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
         for c, allowed in st.calls:
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
@@ -280,21 +233,17 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None,
-                early: _EarlySends | None = None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
-    One batch per step is one rendezvous of the ranks per step. With `early` (forward, CUDA;
-    no carry) the batches are issued from a side stream (Note [Early sends])."""
+    One batch per step is one rendezvous of the ranks per step."""
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
         recv, n_held = [], len(held) if step + 1 < setup.world else 0
-        if comm is not None and send and early is not None:
-            recv = early.issue(comm, send)
-        elif comm is not None and send:
+        if comm is not None and send:
             recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
@@ -302,8 +251,6 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
                       setup.masked_calls(s, src, device), comm if recv else None,
                       recv[n_held:] if carry and recv else None)
         yield st
-        if early is not None:
-            early.step_done(recv[:n_held])
         st.wait()
         carry = st.carry_out
         if n_held and recv:

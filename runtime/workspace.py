@@ -8,8 +8,7 @@ formulas follow the schedules they describe (read them next to ring.py / dilated
 
 Forward ring (Note [Ring attention schedule]): K/V (and the key mask) are double buffered:
 at most min(2, p - 1) received sets are alive at once (the held block and the one in
-flight; none at p = 1); on CUDA min(3, p - 1), as transfers run up to a step ahead of the
-kernels (Note [Early sends]). Outputs accumulate in fp32: for fp32 inputs the accumulator *is* the
+flight; none at p = 1). Outputs accumulate in fp32: for fp32 inputs the accumulator *is* the
 output, for bf16/fp16 it is an extra fp32 [b, h, s, d] and the output is cast from it after
 the last merge. Per step, the larger of the kernel phase (GQA-expanded K/V, the block's out)
 and the merge phase (block out, its fp32 cast, the weighted product, a few fp32 rows).
@@ -112,13 +111,8 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
     kv, mask = 2 * k.nbytes, _nbytes(kv_mask)  # K and V have one shape
     # Double buffering: the held block and the one in flight; a chunk's own K/V slice is a
-    # contiguous copy while it is sent (step 0), so then also two sets at p = 2. On CUDA the
-    # forward's transfers run up to one step ahead (ring.py, Note [Early sends]): three sets.
-    if q.device_type == "cuda":
-        sets = sympy.Min(3, p) * sympy.Min(1, p - 1) if chunked else sympy.Min(3, p - 1)
-        received = sets * kv + sympy.Min(3, p - 1) * mask
-    else:
-        received = (sympy.Min(2, 2 * (p - 1)) * kv if chunked else _kv_in_flight(p) * kv) + _kv_in_flight(p) * mask
+    # contiguous copy while it is sent (step 0), so then also two sets at p = 2.
+    received = (sympy.Min(2, 2 * (p - 1)) * kv if chunked else _kv_in_flight(p) * kv) + _kv_in_flight(p) * mask
 
     # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
     # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
