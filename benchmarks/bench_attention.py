@@ -810,6 +810,23 @@ def search_max_length(fits: Callable[[int], bool | str | None], start: int, step
     return {"max_fit": lo, "first_fail": first_fail, "model_bound": bound, "stopped_by": stopped, "probes": probes}
 
 
+def probe_is_safe(n: int, peaks: list[tuple[int, int]], reserved: list[tuple[int, int]], capacity: float,
+                  capped: bool) -> bool:
+    """Whether a multi-rank probe at n may run: the peaks measured in the cells (allocated bytes,
+    a + b*n) predict it fits. Under an allocator cap, which limits *reserved* memory, the
+    prediction is scaled by the largest reserved/predicted ratio seen in the probes that fit
+    (1.15 before the first), and must stay under 92% of the cap; run 5 of RESULTS.md hung when
+    a probe that the allocated peaks let through (85% of an 8 GiB cap) ran out of memory."""
+    if not peaks:
+        return False
+    a, b = fit_line(peaks)
+    predicted = a + b * n
+    if not capped:
+        return predicted <= 0.92 * capacity
+    ratio = max([1.0] + [res / (a + b * m) for m, res in reserved]) if reserved else 1.15
+    return predicted * ratio <= 0.92 * capacity
+
+
 def _maxlen_capacity(env: Env) -> float:
     """Bytes a probe may use: the --maxlen-cap-gib allocator cap (set here), else the device."""
     total = torch.cuda.get_device_properties(env.device).total_memory
@@ -842,6 +859,7 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
         start = max(starts)
         step = 2 * env.world * 8192
         peaks = [(r["n"], r["peak_bytes"]) for r in done if r.get("peak_bytes")]
+        reserved: list[tuple[int, int]] = []  # (n, peak reserved bytes) of the probes that fit
         why = {}
 
         def fits(n: int) -> bool | str | None:
@@ -855,19 +873,22 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
                 return None
             if env.world > 1:
                 # An OOM on one rank in the middle of the ring would leave its peers waiting in
-                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit
-                # (with a margin for the allocator's fragmentation under a cap).
-                margin = 0.85 if capacity < torch.cuda.get_device_properties(env.device).total_memory else 0.92
-                predicted = model_max_length(peaks, margin * capacity, 1)
-                if not env.agree(predicted is not None and n <= predicted):
+                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit.
+                safe = probe_is_safe(n, peaks, reserved, capacity, env.args.maxlen_cap_gib > 0)
+                if not env.agree(safe):
                     return PREDICTED_OOM
             ok = True
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
             try:
                 with METHODS[name].make(cell, env) as bench:
                     bench.step(True)
                     torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError:
                 ok = False
+            if ok:
+                reserved.append((n, int(env.all_max([torch.cuda.max_memory_reserved()])[0])))
             gc.collect()
             torch.cuda.empty_cache()
             ok = env.agree(ok)

@@ -253,3 +253,23 @@ def test_compare_variants_rows(tmp_path):
     assert rows[0]["efficiency"] == pytest.approx(100 / 4 / 30) and rows[0]["peak_vs_ideal"] == pytest.approx(1.0)
     assert rows[1]["vs_first"] == pytest.approx(0.9)
     assert "cta" in cv.format_rows(rows)
+
+
+def test_multi_rank_probe_safety_models_reserved_memory_under_a_cap():
+    """Run 5 (RESULTS.md): under an 8 GiB cap, 655360 tokens fit on 4 GPUs and 720896 ran out of
+    memory on one rank, which hangs its peers. The allocated peaks of the cells alone let 720896
+    through; scaled by the reserved memory of the probes that fit, it is refused."""
+    bench = _load_bench()
+    G = 2**30
+    peaks = [(65536, int(0.78 * G)), (262144, int(2.57 * G))]
+    cap = 8 * G
+    assert bench.probe_is_safe(524288, peaks, [], cap, capped=True)
+    # Before any probe the default ratio (1.15) already keeps 720896 out ...
+    assert not bench.probe_is_safe(720896, peaks, [], cap, capped=True)
+    # ... and a probe's reserved peak above its allocated model tightens the bound further.
+    reserved = [(524288, int(5.6 * G)), (655360, int(7.4 * G))]
+    assert bench.probe_is_safe(655360, peaks, reserved[:1], cap, capped=True)
+    assert not bench.probe_is_safe(720896, peaks, reserved, cap, capped=True)
+    # Without a cap the allocated model is compared with 92% of the device, as before.
+    assert bench.probe_is_safe(720896, peaks, [], 80 * G, capped=False)
+    assert not bench.probe_is_safe(720896, [], [], 80 * G, capped=False)
