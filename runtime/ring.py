@@ -272,6 +272,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     use_comm = world > 1 and not skip
     comm = RingComm(setup.group, members=setup.members) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
+    lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
     if not whole:
         dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -287,7 +288,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
 
     home = None  # (K/V-head slice, [dk, dv]) the last chunk finished: its hop home rides the next batch
     for hq, hk in chunks:
-        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], kernels.bwd_lse(lse[:, hq])
+        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
         k_c, v_c = k[:, hk], v[:, hk]
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
