@@ -273,3 +273,22 @@ def test_multi_rank_probe_safety_models_reserved_memory_under_a_cap():
     # Without a cap the allocated model is compared with 92% of the device, as before.
     assert bench.probe_is_safe(720896, peaks, [], 80 * G, capped=False)
     assert not bench.probe_is_safe(720896, [], [], 80 * G, capped=False)
+
+
+def test_ring_timeline_runs_on_gloo(tmp_path):
+    """The timeline tool end to end on CPU (gloo, p = 2): times and the forward fingerprint per
+    setting (no kernel timeline on CPU); chunks and whole heads give the same forward output."""
+    out = tmp_path / "tl.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "ring_timeline.py"), "--cpu", "--n-local", "32", "--heads", "4",
+           "--head-dim", "8", "--budgets", "0.0001,0", "--no-comm", "--warmup", "1", "--iters", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    settings = res["settings"]
+    assert [(s["budget"], s["skip_comm"]) for s in settings] == [("0.0001", False), ("0.0001", True), ("0", False), ("0", True)]
+    assert [s["kv_heads_per_chunk"] for s in settings] == [1, 1, 4, 4]
+    assert all(s["ms"] > 0 and "timeline" not in s for s in settings)
+    with_comm = [s["out_checksum_rank0"] for s in settings if not s["skip_comm"]]
+    assert with_comm[0] == pytest.approx(with_comm[1], rel=1e-5)
