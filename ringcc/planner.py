@@ -209,10 +209,28 @@ class MemoryPlan:
             lo += 1
         return lo * unit
 
+    def readable_peak(self, limit: int = 160) -> str:
+        """'= formula' when it is short; else, for a linear plan, its straight line for long
+        sequences at the plan's p (exact there: once p is fixed every term is piecewise linear in
+        n), or the growth of the culprits; with where to find the exact formula."""
+        text = str(self.peak)
+        if len(text) <= limit:
+            return f"= {text}"
+        where = f"exact formula: {len(text)} characters, peak_formula in to_dict() / `ringcc plan --json`"
+        world = self.hints.get(p)
+        if not self.verdict:
+            growth = ", ".join(sorted({c.growth for c in self.culprits})) or "faster than n/p"
+            return f"grows as {growth} ({where})"
+        n1, n2 = 2**30, 2**31
+        f1, f2 = self.peak_bytes(n1, world), self.peak_bytes(n2, world)
+        slope = (f2 - f1) / (n2 - n1)
+        intercept = f1 - slope * n1
+        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world} ({where})"
+
     def summary(self) -> str:
         verdict = "O(n/p) holds" if self.verdict else "O(n/p) FAILS (" + ", ".join(c.name for c in self.culprits[:3]) + ")"
         return (f"peak/rank {_fmt_bytes(self.peak_bytes())} at n={self.hints.get(n)}, p={self.hints.get(p)}; "
-                f"{verdict}; peak = {self.peak}")
+                f"{verdict}; peak {self.readable_peak()}")
 
     def node_rows(self) -> list[dict]:
         subs = self._subs()
@@ -270,7 +288,7 @@ class MemoryPlan:
                          f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}")
         lines.append(f"  static (parameters{', gradients' if self.training else ''}): {self.static} = "
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
-        lines.append(f"  peak per rank = {self.peak}")
+        lines.append(f"  peak per rank {self.readable_peak()}")
         lines.append(f"                = {_fmt_bytes(self.peak_bytes())} at n = {subs.get(n)}, p = {subs.get(p)} "
                      f"(program point {self.peak_point()}: {self.point_name(self.peak_point())})")
         lines.append(f"  verdict: {'O(n/p) holds' if self.verdict else 'O(n/p) does NOT hold'}")

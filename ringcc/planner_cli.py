@@ -61,7 +61,13 @@ def load_factory(target: str):
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(mod_name)
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            # The console script does not put the working directory on sys.path.
+            hint = mod_name.replace(".", os.sep) + ".py"
+            also = f" or as a file path: {hint}:{fn_name}" if os.path.exists(hint) else ""
+            raise ValueError(f"cannot import {mod_name!r} ({e}); give a module importable from sys.path{also}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"{mod_name} has no callable {fn_name!r}")
@@ -216,8 +222,15 @@ def default_trace_len(seq_len: int, world_size: int) -> int:
 
 
 def run(args) -> int:
-    from ringcc import planner
+    try:
+        static, model, inputs, options, trace_len = _load_target(args)
+    except ValueError as e:  # what the user gave: target, factory, sizes
+        print(f"ringcc plan: error: {e}", file=sys.stderr)
+        return 2
+    return _plan(args, static, model, inputs, options, trace_len)
 
+
+def _load_target(args):
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1; got {args.world_size}")
     # Static shapes are read at the traced length: trace at N itself so that the concrete
@@ -234,6 +247,12 @@ def run(args) -> int:
         if not lengths:
             raise ValueError(f"{args.target} returned no tensor input with a dim {args.seq_dim}; pass --seq-dim")
         trace_len = lengths[0]
+    return static, model, inputs, options, trace_len
+
+
+def _plan(args, static, model, inputs, options, trace_len) -> int:
+    from ringcc import planner
+
     plans, reports = trace_plans(model, inputs, world_size=args.world_size, trace_len=trace_len,
                                  seq_dim=args.seq_dim, options=options,
                                  training=False if args.inference else None, dynamic=not static,

@@ -343,6 +343,30 @@ def _plan_example(tmp_path, factory: str, world: int = 2, *extra) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("target,message", [
+    ("examples.plan_model:exact_ring", "or as a file path: examples/plan_model.py:exact_ring"),
+    ("examples/plan_model.py:no_such", "has no callable 'no_such'"),
+    ("examples/missing.py:exact_ring", "no file 'examples/missing.py'"),
+    ("exact_ring", "must be MODULE:FACTORY or path/to/file.py:FACTORY"),
+])
+def test_cli_bad_target_exits_2_with_the_reason(monkeypatch, capsys, target, message):
+    from pathlib import Path
+
+    import sys
+
+    from ringcc.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    # As from the console script: the working directory is not on sys.path.
+    monkeypatch.setattr(sys, "path", [x for x in sys.path if x not in ("", ".", str(root))])
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["plan", target, "--seq-len", "512", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ringcc plan: error:") and message in err
+
+
 def test_cli_exact_ring_example_is_linear_and_json_round_trips(tmp_path, capsys):
     data = _plan_example(tmp_path, "exact_ring", 2, "--plot", str(tmp_path / "peak.png"))
     assert (tmp_path / "peak.png").read_bytes()[:4] == b"\x89PNG"
@@ -469,3 +493,27 @@ def test_ring_workspace_follows_the_head_chunk_rule(monkeypatch):
         whole = planner._evaluate(opts[0][2], at)
         assert (hk == 0) == (whole <= 64 * 2**20)
     assert workspace.ring_kv_chunk(q_t, k_t, None, 4) == 1  # 2M tokens: one K/V head per chunk
+
+
+def test_long_peak_formulas_read_as_a_line(monkeypatch):
+    """A chunked ring's peak is a Piecewise hundreds of characters long: the summary shows its
+    straight line for long sequences at the plan's p (checked against the exact formula) and
+    says where the exact formula is."""
+    from pathlib import Path
+
+    from ringcc.planner_cli import trace_plans
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import bench_planner_gpu
+
+    m, inputs = bench_planner_gpu.make("attention", 96 * 4, torch.device("cpu"), torch.bfloat16, False)
+    plans, _ = trace_plans(m, inputs, world_size=4, trace_len=96 * 4, training=True, dynamic=False, device_type="cuda")
+    plan = max(plans, key=lambda pl: len(str(pl.peak)))
+    assert len(str(plan.peak)) > 160 and plan.verdict
+    text = plan.readable_peak()
+    assert text.startswith("~ ") and "for long sequences at p = 4" in text and "peak_formula" in text
+    slope = float(text[2:].split("*n")[0])
+    exact = (plan.peak_bytes(2**31, 4) - plan.peak_bytes(2**30, 4)) / 2**30
+    assert slope == pytest.approx(exact, rel=1e-5)
+    assert text in plan.summary() and str(plan.peak) not in plan.summary()
