@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 
 class RingComm:
-    def __init__(self, group, *, offset: int = 1, tag_base: int = 0, members: tuple[int, ...] | None = None):
+    def __init__(self, group, *, offset: int = 1, members: tuple[int, ...] | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         # `members` (group ranks in ring order, default: the whole group) lets disjoint
@@ -27,8 +27,7 @@ class RingComm:
         self.recv_from = dist.get_global_rank(group, ring[(pos - offset) % self.world])
         self._ops: list[dist.P2POp] = []
         self._reqs: list | None = None
-        self._tag_base = tag_base
-        self._tag = tag_base
+        self._tag = 0
         self.bytes_sent = 0
 
     def send_recv(self, tensors, recv_buffers=None) -> list[torch.Tensor]:
@@ -62,4 +61,4 @@ class RingComm:
         for req in self._reqs:
             req.wait()
         self._reqs = None
-        self._tag = self._tag_base
+        self._tag = 0
