@@ -887,11 +887,9 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
                     torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError:
                 ok = False
+            ok = env.agree(ok)  # every rank makes the same collectives below; the next probe frees the pool first
             if ok:
                 reserved.append((n, int(env.all_max([torch.cuda.max_memory_reserved()])[0])))
-            gc.collect()
-            torch.cuda.empty_cache()
-            ok = env.agree(ok)
             env.log(f"max-length probe {name} n={n}: {'fits' if ok else 'OOM'}")
             return ok
 
