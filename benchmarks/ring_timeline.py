@@ -111,6 +111,26 @@ def _step(q, k, v, dout, causal: bool, layout: str):
     torch.autograd.grad(out, (q, k, v), dout)
 
 
+class _Ranks:
+    """What bench_attention.time_ms needs of its Env: the device kind, a barrier, a max over ranks."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def all_max(self, values: list[float]) -> list[float]:
+        if not dist.is_initialized():
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
 def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
@@ -125,30 +145,9 @@ def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     chunk = workspace.ring_kv_chunk(q, k, None, world, args.causal and args.layout == "zigzag") or args.heads
     step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.iters):
-        if dist.is_initialized():
-            dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            import time
+    from bench_attention import time_ms  # benchmarks/ is this script's directory
 
-            t = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t))
-    if dist.is_initialized():
-        t = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times = t.tolist()
+    times = time_ms(step, args.warmup, args.iters, _Ranks(device))
     import ringcc
 
     with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
