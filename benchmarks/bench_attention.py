@@ -428,19 +428,21 @@ def cp_method(kernel: str, rotate: str):
     return make
 
 
-def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False):
+def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transport: str | None = None):
     @contextlib.contextmanager
     def make(cell: Cell, env: Env):
         import ringcc
         from ringcc.runtime import workspace
 
-        # Read by ringcc.runtime at each call: same schedule with transfers skipped; and the
-        # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule).
+        # Read by ringcc.runtime at each call: same schedule with transfers skipped; the
+        # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule); the transport.
         budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto")
-        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget):
+        transport_ = transport or os.environ.get("RINGCC_RING_TRANSPORT", "auto")
+        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
+                _env_var("RINGCC_RING_TRANSPORT", transport_):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
-                     "workspace_mib": budget,
+                     "workspace_mib": budget, "transport": transport_,
                      "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, cell.causal and layout == "zigzag")
                      or k.shape[1]}
             yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
@@ -507,6 +509,10 @@ METHODS: dict[str, Method] = {
     "ring-contiguous": Method(ring_method("contiguous", False), "ring", "any", cpu=True),
     "ring-zigzag-whole": Method(ring_method("zigzag", False, True), "ring", "multi", cpu=True),
     "ring-contiguous-whole": Method(ring_method("contiguous", False, True), "ring", "multi", cpu=True),
+    # The same ring with its transfers through NCCL send/recv (the default on GPU is the
+    # copy-engine ring where symmetric memory works: runtime/comm.py).
+    "ring-zigzag-nccl": Method(ring_method("zigzag", False, transport="nccl"), "ring", "multi", cpu=True),
+    "ring-contiguous-nccl": Method(ring_method("contiguous", False, transport="nccl"), "ring", "multi", cpu=True),
     "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
     "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
     "dilated": Method(dilated_method, "dilated", "any", cpu=True),
@@ -553,23 +559,28 @@ def cell_flops(cell: Cell, env: Env, backward: bool) -> float:
 
 @contextlib.contextmanager
 def count_ring_bytes():
-    """Bytes this rank queues through RingComm (its own bytes_sent counter) while inside."""
-    from ringcc.runtime.comm import RingComm
+    """Bytes this rank queues through the ring transports (their own bytes_sent counters)
+    while inside."""
+    from ringcc.runtime.comm import CopyEngineRing, RingComm
 
     counter = {"bytes": 0}
-    original = RingComm.send_recv
+    originals = {cls: cls.send_recv for cls in (RingComm, CopyEngineRing)}
 
-    def send_recv(self, tensors, recv_buffers=None):
-        before = self.bytes_sent
-        out = original(self, tensors, recv_buffers)
-        counter["bytes"] += self.bytes_sent - before
-        return out
+    def counting(original):
+        def send_recv(self, tensors, recv_buffers=None):
+            before = self.bytes_sent
+            out = original(self, tensors, recv_buffers)
+            counter["bytes"] += self.bytes_sent - before
+            return out
+        return send_recv
 
-    RingComm.send_recv = send_recv
+    for cls, original in originals.items():
+        cls.send_recv = counting(original)
     try:
         yield counter
     finally:
-        RingComm.send_recv = original
+        for cls, original in originals.items():
+            cls.send_recv = original
 
 
 def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env) -> list[float]:
@@ -627,8 +638,17 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
     backward = mode == "fwdbwd"
     step = functools.partial(bench.step, backward)
     warm, iters = plan_iters(est_seconds(cell, env, mode), env.args)
+    comm_buffers = None
+    if env.cuda and env.world > 1:
+        from ringcc.runtime import comm as ring_comm
+
+        ring_comm.release_comm_buffers()  # collective: every rank measures the same cell
     with count_ring_bytes() as sent:
         extra = peak_memory(step, env)
+    if env.cuda and env.world > 1:
+        # The copy-engine ring's receive areas live outside the caching allocator: counted here.
+        comm_buffers = ring_comm.comm_buffer_bytes(torch.device("cuda", torch.cuda.current_device()))
+        extra += comm_buffers
     times = time_ms(step, warm, iters, env)
     ms = statistics.median(times)
     flops = cell_flops(cell, env, backward)
@@ -639,9 +659,10 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
     if bench.comm_model is not None:
         comm, source = bench.comm_model(backward), "model"
     else:
-        comm, source = int(env.all_max([sent["bytes"]])[0]), "measured (RingComm.bytes_sent)"
+        comm, source = int(env.all_max([sent["bytes"]])[0]), "measured (ring transport bytes_sent)"
     rec = dict(status="ok", ms=ms, ms_iters=times, warmup=1 + warm, iters=iters, flops=flops,
                tflops_per_gpu=tflops, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
+               comm_buffer_bytes=comm_buffers,
                comm_source=source, notes=bench.notes)
     if (cell.method, cell.n) in env.args.profile_cells:
         try:
@@ -882,7 +903,9 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             try:
-                with METHODS[name].make(cell, env) as bench:
+                # Through NCCL: its receive buffers come from the caching allocator, which the cap
+                # limits (the copy-engine ring's areas are outside it; same bytes, see comm.py).
+                with _env_var("RINGCC_RING_TRANSPORT", "nccl"), METHODS[name].make(cell, env) as bench:
                     bench.step(True)
                     torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError:
@@ -896,7 +919,7 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
         res = search_max_length(fits, start, step, max_probes=6)
         res["stopped_by"] = why.get("stop", res["stopped_by"])
         results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok",
-                        "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
+                        "transport": "nccl" if env.world > 1 else None, "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
         env.log(f"max length {name}: >= {res['max_fit']} ({res['stopped_by']})")
     return results
 

@@ -131,9 +131,10 @@ class _Ranks:
         return t.tolist()
 
 
-def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
+def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto") -> dict:
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
+    os.environ["RINGCC_RING_TRANSPORT"] = transport
     from ringcc.runtime import workspace
 
     cuda = device.type == "cuda"
@@ -154,7 +155,7 @@ def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    rec = {"budget": budget, "skip_comm": skip_comm, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
+    rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
            "ms_iters": times, "out_checksum_rank0": checksum}
     if cuda:
         from torch.profiler import ProfilerActivity, profile
@@ -179,13 +180,14 @@ def run_setting(args, device, budget: str, skip_comm: bool) -> dict:
 
 
 def format_rows(recs: list[dict]) -> str:
-    head = (f"{'budget':>7} {'comm':>5} {'heads/chunk':>11} {'ms':>8} {'span ms':>8} {'compute':>8} {'nccl only':>9} "
+    head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk':>11} {'ms':>8} {'span ms':>8} {'compute':>8} {'nccl only':>9} "
             f"{'idle':>7} {'gaps: cpu late':>14} {'waiting':>8}")
     out = [head, "-" * len(head)]
     for r in recs:
         t = r.get("timeline") or {}
         ms = lambda key: "-" if key not in t else f"{t[key] / 1e3:.2f}"  # noqa: E731
-        out.append(f"{r['budget']:>7} {'off' if r['skip_comm'] else 'on':>5} {r['kv_heads_per_chunk']:>11} "
+        out.append(f"{r['budget']:>7} {'off' if r['skip_comm'] else 'on':>5} {r.get('transport', 'nccl'):>11} "
+                   f"{r['kv_heads_per_chunk']:>11} "
                    f"{r['ms']:>8.2f} {ms('span_us'):>8} {ms('compute_busy_us'):>8} {ms('nccl_only_us'):>9} "
                    f"{ms('idle_us'):>7} {ms('gaps_cpu_late_us'):>14} {ms('gaps_waiting_us'):>8}")
     return "\n".join(out)
@@ -200,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
     ap.add_argument("--no-comm", action="store_true", help="also run each budget with transfers skipped")
+    ap.add_argument("--transports", default="auto",
+                    help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gap-us", type=float, default=30.0)
@@ -221,20 +225,22 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     recs = []
     for budget in args.budgets.split(","):
-        for skip in ([False, True] if args.no_comm else [False]):
-            recs.append(run_setting(args, device, budget, skip))
+        for transport in args.transports.split(","):
+            recs.append(run_setting(args, device, budget, False, transport))
+        if args.no_comm:
+            recs.append(run_setting(args, device, budget, True))
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device: {name} x{world}; torch {torch.__version__}; n_local {args.n_local}, h {args.heads}, "
               f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, fwd+bwd")
         print(format_rows(recs))
         for r in recs:
-            print(f"  budget {r['budget']} comm {'off' if r['skip_comm'] else 'on'}: forward output checksum "
+            print(f"  budget {r['budget']} transport {r['transport']}: forward output checksum "
                   f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
         for r in recs:
             gaps = (r.get("timeline") or {}).get("gaps", [])[:4]
             for g in gaps:
-                print(f"  budget {r['budget']} comm {'off' if r['skip_comm'] else 'on'}: gap {g['us']} us "
+                print(f"  budget {r['budget']} transport {r['transport']}: gap {g['us']} us "
                       f"({g['cause']}) after {g['after']} before {g['before']}")
                 for h in g.get("host", []):
                     print(f"      host: {h}")
@@ -242,6 +248,9 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs}, indent=1))
     if dist.is_initialized():
+        # Rank 0 prints and writes the JSON first: a peer that tore down gloo meanwhile could
+        # abort rank 0's connection threads (seen on a loaded 2-core machine).
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

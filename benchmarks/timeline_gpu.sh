@@ -4,6 +4,7 @@
 # 0. tests/test_ring_gpu.py and tests/test_dilated_gpu.py on NCCL (GPU_TESTS=0 skips them);
 # 1. causal zigzag and non-causal at 16K tokens per GPU, causal at 64K per GPU: default head
 #    chunks ("auto") and whole heads ("0"), each with and without transfers.
+# TRANSPORTS (default copy-engine,nccl): the ring transports each setting runs with.
 # PREV_TREE=path: a checkout of an earlier commit (e.g. a git worktree passed with the device
 # tool's carry); each setting then also runs on it, in the same run on the same machine (A/B).
 set -u
@@ -36,7 +37,7 @@ tl() {  # name args...
     local pp="${PYTHONPATH:-}"
     [ "$tree" = prev ] && pp="/tmp/ringcc_prev_site${pp:+:$pp}"
     PYTHONPATH="$pp" timeout 150 torchrun --standalone --nproc-per-node "$P" benchmarks/ring_timeline.py \
-      --json "$TMP/${name}_$tree.json" "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS|Warning|warn|return func" \
+      --json "$TMP/${name}_$tree.json" --transports "${TRANSPORTS:-copy-engine,nccl}" "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS|Warning|warn|return func" \
       | tee -a "$OUT/timeline.txt"
   done
 }

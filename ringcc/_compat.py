@@ -101,3 +101,61 @@ def transformer_encoder_layer_fwd():
     """torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fused inference
     path, one opaque call in dynamo graphs), or None where it does not exist."""
     return getattr(torch, "_transformer_encoder_layer_fwd", None)
+
+
+def symmetric_memory():
+    """torch's symmetric memory module (`empty`, `rendezvous`: peer-mapped CUDA buffers), or
+    None where this build has none."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    return symm_mem
+
+
+def symm_rendezvous(buf: torch.Tensor, group):
+    """The symmetric-memory handle of `buf` over `group` (collective). torch 2.11 may still
+    want the group registered first (deprecated, and a no-op, in later versions)."""
+    import warnings
+
+    symm_mem = symmetric_memory()
+    try:
+        return symm_mem.rendezvous(buf, group)
+    except RuntimeError:
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is None:
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.group_name)
+        return symm_mem.rendezvous(buf, group)
+
+
+class CudaDriver:
+    """The two CUDA driver stream memory operations torch does not bind for Python:
+    cuStreamWaitValue32 (a stream waits, without a kernel, until a 32-bit word in device memory
+    reaches a value) and cuStreamWriteValue32 (a stream writes one, after a system-wide fence).
+    Loaded from libcuda with ctypes."""
+
+    WAIT_GEQ = 0x0
+
+    def __init__(self):
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
+        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
+        for f in (self._wait, self._write):
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
+
+    def wait_geq(self, stream, address: int, value: int) -> None:
+        self._check(self._wait(stream.cuda_stream, address, value & 0xFFFFFFFF, self.WAIT_GEQ), "cuStreamWaitValue32")
+
+    def write(self, stream, address: int, value: int) -> None:
+        self._check(self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")

@@ -3,17 +3,30 @@
 Usage per step:  recv = comm.send_recv(tensors); comm.commit(); <compute>; comm.wait()
 It fails loudly on misuse (commit with nothing queued, wait without commit, queueing while
 a batch is in flight), so a schedule bug is an exception, not a silent deadlock.
-The same code runs on gloo (CPU) and NCCL (GPU): one batched isend/irecv per step.
-A dead peer surfaces as the backend's error within the group timeout.
+
+Two transports (`ring_comm` picks one; RINGCC_RING_TRANSPORT=auto|nccl|copy-engine):
+- RingComm: one batched isend/irecv per step through the process group (gloo on CPU, NCCL on
+  GPU). A dead peer surfaces as the backend's error within the group timeout.
+- CopyEngineRing (CUDA, whole-group rings): each rank pushes the batch into the next rank's
+  receive area with peer copies (the GPU's copy engines over NVLink/PCIe: no SMs, so the
+  transfer runs beside the attention kernels instead of waiting for SMs they hold) and
+  signals it with stream memory operations (no kernel either). See Note [Copy-engine ring].
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.distributed as dist
 
+from ringcc import _compat
+
 
 class RingComm:
+    borrows_buffers = False  # received tensors are fresh allocations the caller owns
+
     def __init__(self, group, *, offset: int = 1, members: tuple[int, ...] | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -26,7 +39,7 @@ class RingComm:
         self.send_to = dist.get_global_rank(group, ring[(pos + offset) % self.world])
         self.recv_from = dist.get_global_rank(group, ring[(pos - offset) % self.world])
         self._ops: list[dist.P2POp] = []
-        self._reqs: list | None = None
+        self._reqs: list | None = None  # the batch in flight
         self._tag = 0
         self.bytes_sent = 0
 
@@ -47,6 +60,9 @@ class RingComm:
             out.append(buf)
         return out
 
+    def reserve(self, nbytes: list[int]) -> None:
+        """Nothing to size: receive buffers are allocated per batch."""
+
     def commit(self) -> None:
         if not self._ops:
             raise RuntimeError("RingComm.commit called with nothing queued")
@@ -62,3 +78,225 @@ class RingComm:
             req.wait()
         self._reqs = None
         self._tag = 0
+
+
+# Note [Copy-engine ring]
+# Each rank owns a symmetric receive area (torch symmetric memory: every rank maps every
+# other rank's area) of a header and two slots; batch number j (counted per area, the same
+# on every rank since all ranks run the same schedule) lands in slot j % 2. Two flag words
+# in each header, written by neighbours with cuStreamWriteValue32 and waited on with
+# cuStreamWaitValue32 (GPU-side, no kernel, no host round trip):
+#   READY  set by rank-1 to j once batch j is in our slot (after its copies, fenced);
+#   FREE   set by rank+1 to j once we may write batch j into its slot.
+# commit(j) on the side stream: wait for the compute issued so far (it made the tensors sent
+# and finished with our slot j % 2, which held batch j-2: read by the step before, forwarded
+# by batch j-1); write FREE=j into rank-1; wait for our FREE >= j; copy into rank+1's slot;
+# write READY=j into rank+1. wait(j) on the compute stream: READY >= j, then the side stream
+# (our copies have read their sources, so the allocator may reuse them).
+# Received tensors are views of the slot: valid until batch j+2 is committed, so a caller
+# that keeps one longer copies it (`borrows_buffers`).
+
+
+class _Mailbox:
+    """One rank's receive area for a whole-group ring on one device, and its neighbours'."""
+
+    HEADER = 4096
+    READY, FREE = 0, 16  # u32 word indices in the header
+
+    def __init__(self, group, device: torch.device, slot_bytes: int):
+        symm = _compat.symmetric_memory()
+        self.slot_bytes = slot_bytes
+        self.buf = symm.empty(self.HEADER + 2 * slot_bytes, dtype=torch.uint8, device=device)
+        self.buf.zero_()
+        self.handle = _compat.symm_rendezvous(self.buf, group)
+        rank, world = self.handle.rank, self.handle.world_size
+        size = (self.buf.numel(),)
+        self.next_buf = self.handle.get_buffer((rank + 1) % world, size, torch.uint8, 0)
+        prev_buf = self.handle.get_buffer((rank - 1) % world, size, torch.uint8, 0)
+        base = self.buf.data_ptr()
+        self.ready_addr, self.free_addr = base + 4 * self.READY, base + 4 * self.FREE
+        self.next_ready_addr = self.next_buf.data_ptr() + 4 * self.READY
+        self.prev_free_addr = prev_buf.data_ptr() + 4 * self.FREE
+        self._prev_buf = prev_buf
+        self.stream = torch.cuda.Stream(device=device)
+        self.driver = _compat.CudaDriver()
+        self.seq = 0
+        torch.cuda.synchronize(device)
+        _barrier(group, device)  # every area is zeroed before any neighbour writes a flag
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+
+_MAILBOXES: dict[tuple[str, int], _Mailbox] = {}
+_CE_USABLE: dict[str, bool | str] = {}  # group name -> True, or why not
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 255) // 256 * 256
+
+
+def _barrier(group, device: torch.device) -> None:
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def _mailbox(group, device: torch.device, slot_bytes: int) -> _Mailbox:
+    """The receive area of this rank for `group` with slots of at least `slot_bytes`; grown
+    (collectively: every rank asks for the same size at the same batch) when too small."""
+    key = (group.group_name, device.index)
+    box = _MAILBOXES.get(key)
+    if box is not None and box.slot_bytes >= slot_bytes:
+        return box
+    if box is not None:
+        torch.cuda.synchronize(device)  # our copies into the neighbours' old areas are done
+        _barrier(group, device)  # and theirs into ours
+        del _MAILBOXES[key], box
+    box = _MAILBOXES[key] = _Mailbox(group, device, slot_bytes)
+    return box
+
+
+def comm_buffer_bytes(device: torch.device | None = None) -> int:
+    """Bytes of copy-engine receive areas held on `device` (all devices: None). They live
+    outside torch's caching allocator, so memory measurements add them explicitly."""
+    return sum(b.nbytes for (_, idx), b in _MAILBOXES.items() if device is None or idx == device.index)
+
+
+def release_comm_buffers() -> None:
+    """Free the copy-engine receive areas (collective over each area's group: call it on every
+    rank, with no ring in flight). The next ring allocates them again."""
+    for box in list(_MAILBOXES.values()):
+        torch.cuda.synchronize(box.buf.device)
+    _MAILBOXES.clear()
+
+
+class CopyEngineRing:
+    """RingComm's interface over peer copies and stream flags (Note [Copy-engine ring])."""
+
+    borrows_buffers = True
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.bytes_sent = 0
+        self._queued = None
+        self._inflight = None
+
+    def reserve(self, nbytes: list[int]) -> None:
+        """Size the receive area for batches of tensors of these byte sizes now (collective),
+        so that it does not grow in the middle of a ring."""
+        _mailbox(self.group, self.device, sum(_align(n) for n in nbytes))
+
+    def send_recv(self, tensors, recv_buffers=None) -> list[torch.Tensor]:
+        if recv_buffers is not None:
+            raise ValueError("CopyEngineRing receives into its own areas; recv_buffers is not supported")
+        if self._queued is not None or self._inflight is not None:
+            raise RuntimeError("CopyEngineRing.send_recv called while a batch is queued or in flight; call wait() first")
+        tensors = [t.contiguous() for t in tensors]
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += _align(t.numel() * t.element_size())
+        box = _mailbox(self.group, self.device, total)
+        seq = box.seq + 1
+        base = box.HEADER + (seq % 2) * box.slot_bytes
+        out, parts = [], []
+        for t, off in zip(tensors, offsets):
+            nb = t.numel() * t.element_size()
+            out.append(box.buf[base + off:base + off + nb].view(t.dtype).view(t.shape))
+            parts.append((t, base + off, nb))
+            self.bytes_sent += nb
+        self._queued = (box, seq, parts)
+        return out
+
+    def commit(self) -> None:
+        if self._queued is None:
+            raise RuntimeError("CopyEngineRing.commit called with nothing queued")
+        box, seq, parts = self._queued
+        compute, side = torch.cuda.current_stream(self.device), box.stream
+        side.wait_stream(compute)
+        box.driver.write(side, box.prev_free_addr, seq)
+        box.driver.wait_geq(side, box.free_addr, seq)
+        with torch.cuda.stream(side):
+            for t, off, nb in parts:
+                box.next_buf[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
+        box.driver.write(side, box.next_ready_addr, seq)
+        box.seq = seq
+        self._queued, self._inflight = None, (box, seq, parts)
+
+    def wait(self) -> None:
+        if self._inflight is None:
+            raise RuntimeError("CopyEngineRing.wait called without a committed batch")
+        box, seq, _ = self._inflight
+        compute = torch.cuda.current_stream(self.device)
+        box.driver.wait_geq(compute, box.ready_addr, seq)
+        compute.wait_stream(box.stream)
+        self._inflight = None
+
+
+TRANSPORTS = ("auto", "nccl", "copy-engine")
+
+
+def _transport_setting() -> str:
+    raw = os.environ.get("RINGCC_RING_TRANSPORT", "auto").strip().lower() or "auto"
+    if raw not in TRANSPORTS:
+        raise ValueError(f"RINGCC_RING_TRANSPORT must be one of {', '.join(TRANSPORTS)}; got {raw!r}")
+    return raw
+
+
+def _copy_engine_usable(group, device: torch.device) -> bool | str:
+    """True when every rank of `group` can run the copy-engine ring on `device`, else why not
+    (decided once per group, the same on every rank)."""
+    name = group.group_name
+    if name in _CE_USABLE:
+        return _CE_USABLE[name]
+    why = None
+    if _compat.symmetric_memory() is None:
+        why = "this torch build has no symmetric memory"
+    else:
+        try:
+            _compat.CudaDriver()
+        except (OSError, AttributeError) as e:
+            why = f"CUDA driver stream memory operations unavailable ({e})"
+    ok = torch.tensor([0 if why else 1], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if why is None and int(ok.item()) == 1:
+        try:
+            _mailbox(group, device, 1 << 20)
+        except Exception as e:  # noqa: BLE001 - any failure here means: use the process group
+            why = f"symmetric memory setup failed ({type(e).__name__}: {e})"
+        ok.fill_(0 if why else 1)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if why is None and int(ok.item()) == 0:
+        why = "another rank cannot use it"
+    _CE_USABLE[name] = True if why is None else why
+    return _CE_USABLE[name]
+
+
+def ring_comm(group, members, device: torch.device):
+    """The transport for a ring over `group` (see the module docstring): copy engines for a
+    whole-group ring of CUDA tensors where symmetric memory works (RINGCC_RING_TRANSPORT=auto,
+    the default, falls back to the process group with a warning; =copy-engine raises instead),
+    else RingComm."""
+    setting = _transport_setting()
+    if setting == "nccl" or device.type != "cuda" or members is not None:
+        if setting == "copy-engine" and (device.type != "cuda" or members is not None):
+            raise ValueError("RINGCC_RING_TRANSPORT=copy-engine needs CUDA tensors and a whole-group ring; "
+                             f"got device {device} and ring members {members}; use auto or nccl")
+        return RingComm(group, members=members)
+    usable = _copy_engine_usable(group, device)
+    if usable is True:
+        return CopyEngineRing(group, device)
+    if setting == "copy-engine":
+        raise RuntimeError(f"RINGCC_RING_TRANSPORT=copy-engine: {usable}; set it to nccl or auto")
+    if group.group_name not in _WARNED:
+        _WARNED.add(group.group_name)
+        warnings.warn(f"ringcc: ring transfers go through the process group: copy-engine ring unusable: {usable}",
+                      stacklevel=2)
+    return RingComm(group, members=members)
+
+
+_WARNED: set[str] = set()

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .comm import RingComm
+from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
 from .merge import merge_
 
@@ -190,7 +190,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                 torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
 
     out_acc = lse_acc = None
-    comm = RingComm(setup.group, members=setup.members) if setup.world > 1 and not _skip_comm() else None
+    comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
         for c, allowed in st.calls:
             o, l = kernels.block_fwd(
@@ -270,18 +270,26 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     whole = len(chunks) == 1
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
-    comm = RingComm(setup.group, members=setup.members) if use_comm else None
+    comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
+    if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
+        g_c = chunks[0][1].stop - chunks[0][1].start
+        kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
+        comm.reserve([kv, kv, acc, acc] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
     if not whole:
         dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv_out = torch.empty_like(v, memory_format=torch.contiguous_format)
     done = {}
 
+    # Received tensors may be views of the transport's own buffers (copy-engine ring): the
+    # gradients returned are then copies.
+    own = comm is not None and comm.borrows_buffers
+
     def finish(hk, dk_acc, dv_acc):
         if whole:
-            done["dk"], done["dv"] = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+            done["dk"], done["dv"] = dk_acc.to(k.dtype, copy=own), dv_acc.to(v.dtype, copy=own)
         else:
             dk_out[:, hk].copy_(dk_acc)
             dv_out[:, hk].copy_(dv_acc)
