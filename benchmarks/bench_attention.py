@@ -862,6 +862,10 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
     """Largest MHA causal fwd+bwd length per method of --maxlen-methods that runs at this p."""
     results = []
     capacity = _maxlen_capacity(env) if env.cuda else None
+    if env.cuda and env.world > 1:
+        from ringcc.runtime import comm as ring_comm
+
+        ring_comm.release_comm_buffers()  # the probes run through NCCL (below)
     for name in env.args.maxlen_methods:
         # The target compares the single-GPU kernel with the distributed methods.
         if name not in METHODS or (env.world == 1) != (METHODS[name].family == "single"):
@@ -881,6 +885,10 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
         step = 2 * env.world * 8192
         peaks = [(r["n"], r["peak_bytes"]) for r in done if r.get("peak_bytes")]
         reserved: list[tuple[int, int]] = []  # (n, peak reserved bytes) of the probes that fit
+        probed: list[tuple[int, int]] = []  # (n, peak allocated bytes) of the probes that fit
+        # ringcc at its leanest: one K/V head per head chunk (the default rule trades memory for
+        # speed: more heads per chunk when the workspace is small next to q, k, v and out).
+        lean = {"RINGCC_RING_WORKSPACE_MIB": "0.001"} if METHODS[name].family == "ring" else {}
         why = {}
 
         def fits(n: int) -> bool | str | None:
@@ -895,7 +903,9 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
             if env.world > 1:
                 # An OOM on one rank in the middle of the ring would leave its peers waiting in
                 # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit.
-                safe = probe_is_safe(n, peaks, reserved, capacity, env.args.maxlen_cap_gib > 0)
+                # The measured cells' peaks until two probes (in the probes' own setting) fit.
+                model = probed if len(probed) >= 2 else peaks
+                safe = probe_is_safe(n, model, reserved if model is probed else [], capacity, env.args.maxlen_cap_gib > 0)
                 if not env.agree(safe):
                     return PREDICTED_OOM
             ok = True
@@ -905,7 +915,11 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
             try:
                 # Through NCCL: its receive buffers come from the caching allocator, which the cap
                 # limits (the copy-engine ring's areas are outside it; same bytes, see comm.py).
-                with _env_var("RINGCC_RING_TRANSPORT", "nccl"), METHODS[name].make(cell, env) as bench:
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(_env_var("RINGCC_RING_TRANSPORT", "nccl"))
+                    for key, value in lean.items():
+                        stack.enter_context(_env_var(key, value))
+                    bench = stack.enter_context(METHODS[name].make(cell, env))
                     bench.step(True)
                     torch.cuda.synchronize()
             except torch.cuda.OutOfMemoryError:
@@ -913,13 +927,15 @@ def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
             ok = env.agree(ok)  # every rank makes the same collectives below; the next probe frees the pool first
             if ok:
                 reserved.append((n, int(env.all_max([torch.cuda.max_memory_reserved()])[0])))
+                probed.append((n, int(env.all_max([torch.cuda.max_memory_allocated()])[0])))
             env.log(f"max-length probe {name} n={n}: {'fits' if ok else 'OOM'}")
             return ok
 
         res = search_max_length(fits, start, step, max_probes=6)
         res["stopped_by"] = why.get("stop", res["stopped_by"])
         results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok",
-                        "transport": "nccl" if env.world > 1 else None, "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
+                        "transport": "nccl" if env.world > 1 else None, "setting": lean or None,
+                        "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
         env.log(f"max length {name}: >= {res['max_fit']} ({res['stopped_by']})")
     return results
 
@@ -1160,7 +1176,9 @@ def format_table(res: dict) -> str:
             if m["status"] == "ok":
                 cap = f" (cap {m['capacity_bytes'] / GiB:.0f} GiB)" if m.get("capped") else ""
                 out.append(f"  {m['method']:<22} p={m['p']}{cap}: fits {m['max_fit']}, first OOM {m['first_fail'] or '-'}, "
-                           f"stopped by {m['stopped_by']}; model {m.get('max_model') or '-'}")
+                           f"stopped by {m['stopped_by']}; model {m.get('max_model') or '-'}"
+                           + (f"; {m['transport']} transfers" if m.get("transport") else "")
+                           + ("; one K/V head per chunk" if m.get("setting") else ""))
             else:
                 out.append(f"  {m['method']:<22} p={m['p']}: {m['status']} ({m.get('reason', '')})")
     return "\n".join(out)
