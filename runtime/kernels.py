@@ -13,11 +13,18 @@ flash-attention's backward expects, which yields this block's exact share of the
 Kernel choice: CPU -> aten's CPU flash op (takes masks). CUDA -> cuDNN (default) or flash
 SDPA ops for unmasked / causal blocks; masked blocks on CUDA use the exact math path.
 `RINGCC_CUDA_KERNEL=flash|cudnn` overrides the CUDA choice.
+
+GQA: the cuDNN ops take K/V with their own g heads and return dK/dV with g heads (the group
+sum done inside the kernel), so no expanded K/V and no separate reduction there; every other
+path expands K/V to h heads and sums the gradients back. If a cuDNN build rejects g != h, the
+first such call falls back to the expanded form for the rest of the process (with a warning);
+RINGCC_CUDNN_NATIVE_GQA=0 forces the expanded form.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -34,6 +41,7 @@ def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _reduce_kv_grad(dk_bhsd: torch.Tensor, g: int) -> torch.Tensor:
+    """The g-head K/V gradient of an h-head one (summed over each group); as is when it has g."""
     b, h, s, d = dk_bhsd.shape
     return dk_bhsd if g == h else dk_bhsd.view(b, g, h // g, s, d).sum(2)
 
@@ -65,6 +73,29 @@ def _cuda_kernel() -> str:
     return os.environ.get("RINGCC_CUDA_KERNEL", "cudnn")
 
 
+_CUDNN_GQA_REJECTED: list[str] = []  # why this process's cuDNN took no g != h (empty: native)
+
+
+def _cudnn_native_gqa(h: int, g: int) -> bool:
+    return g == h or (not _CUDNN_GQA_REJECTED and os.environ.get("RINGCC_CUDNN_NATIVE_GQA", "1") != "0")
+
+
+def _cudnn_call(op, q, k_bgsd, v_bgsd, *args, **kwargs):
+    """op(q, k, v, *args) with K/V at their own g heads where cuDNN takes them, else expanded;
+    the first rejection switches this process to the expanded form."""
+    h, g = q.shape[1], k_bgsd.shape[1]
+    if _cudnn_native_gqa(h, g):
+        try:
+            return op(q, k_bgsd, v_bgsd, *args, **kwargs)
+        except RuntimeError as e:
+            if g == h:
+                raise
+            _CUDNN_GQA_REJECTED.append(str(e).splitlines()[0][:200])
+            warnings.warn(f"ringcc: cuDNN attention rejected {g} K/V heads for {h} query heads "
+                          f"({_CUDNN_GQA_REJECTED[0]}); expanding K/V from now on", stacklevel=3)
+    return op(q, _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h), *args, **kwargs)
+
+
 def _math_fwd(q, k, v, scale, mask):
     s = torch.matmul(q.to(acc_dtype(q.dtype)), k.to(acc_dtype(q.dtype)).transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
@@ -90,9 +121,12 @@ def _math_bwd(dout, q, k, v, out, lse, scale, mask):
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
     """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
-    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     dev = q_bhsd.device
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
+        res = _cudnn_call(_compat.cuda_cudnn_fwd, q_bhsd, k_bgsd, v_bgsd, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1).to(acc_dtype(q_bhsd.dtype))
+    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     if dev.type == "cpu":
         out, lse = _compat.cpu_flash_fwd(
             q_bhsd, k, v, 0.0, causal and mask is None,
@@ -100,9 +134,6 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
         )
     elif mask is not None:
         out, lse = _math_fwd(q_bhsd, k, v, scale, mask)
-    elif _cuda_kernel() == "cudnn":
-        res = _compat.cuda_cudnn_fwd(q_bhsd, k, v, None, True, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1)
     else:
         res = _compat.cuda_flash_fwd(q_bhsd, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
@@ -140,10 +171,19 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     """Gradients of this block given the row's global (out, lse); dk/dv with g heads.
     lse_prepared: lse_bhs is already `bwd_lse(...)` (rows of it)."""
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
-    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
+        # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
+        seed = _zero_seed(dev)
+        dq, dk, dv = _cudnn_call(
+            lambda q_, k_, v_: _compat.cuda_cudnn_bwd(
+                dout_bhsd, q_, k_, v_, out_bhsd, lse.float().unsqueeze(-1).contiguous(),
+                seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale),
+            q_bhsd, k_bgsd, v_bgsd)
+        return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)  # a no-op when cuDNN took g heads
+    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
     if dev.type == "cpu":
         dq, dk, dv = _compat.cpu_flash_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.to(q_bhsd.dtype if q_bhsd.dtype == torch.float64 else torch.float32),
@@ -151,13 +191,6 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
         )
     elif mask is not None:
         dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, mask)
-    elif _cuda_kernel() == "cudnn":
-        # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
-        seed = _zero_seed(dev)
-        dq, dk, dv = _compat.cuda_cudnn_bwd(
-            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().unsqueeze(-1).contiguous(),
-            seed, seed, None, None, None, lq, lk, 0.0, causal, scale=scale,
-        )
     else:
         seed = _zero_seed(dev)
         dq, dk, dv = _compat.cuda_flash_bwd(

@@ -93,9 +93,17 @@ def _kv_in_flight(p) -> sympy.Expr:
     return sympy.Min(2, p - 1)
 
 
+def _native_gqa(q: TensorSize) -> bool:
+    """Whether the block kernels take K/V at their own heads (CUDA's cuDNN kernels: kernels.py)."""
+    from . import kernels
+
+    return q.device_type == "cuda" and kernels._cuda_kernel() == "cudnn" and kernels._cudnn_native_gqa(2, 1)
+
+
 def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
-    """GQA: K and V expanded to q's heads inside the block kernel (none for MHA)."""
-    if k.shape[1] == q.shape[1]:
+    """GQA: K and V expanded to q's heads inside the block kernel (none for MHA, or where the
+    kernel takes K/V at their own heads)."""
+    if k.shape[1] == q.shape[1] or _native_gqa(q):
         return sympy.Integer(0)
     return 2 * TensorSize((k.shape[0], q.shape[1]) + tuple(k.shape[2:]), k.itemsize).nbytes
 
@@ -147,11 +155,11 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     # at the very end (bf16/fp16), when the block temporaries are gone: the planner counts the
     # outputs already, so their bytes are taken off; with chunks the outputs are allocated up
     # front and the accumulators are per chunk.
-    gqa = k.shape[1] != h
+    gqa = k.shape[1] != h and not _native_gqa(q)  # q-headed block dK/dV, then their group sums
 
     def block_bytes(kk: TensorSize) -> sympy.Expr:
-        qk_side = _expanded_kv(q, kk) + 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes
-        return qk_side + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
+        grads = 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes if gqa else 2 * kk.nbytes
+        return _expanded_kv(q, kk) + grads + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
 
     block_first = block_bytes(k)
     block_later = block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) if zigzag_causal else block_first

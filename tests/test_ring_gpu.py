@@ -126,3 +126,28 @@ def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
     shapes = [(8, 256, "auto"), (8, 2048, "auto"), (8, 1024, "0.001"), (8, 256, "auto")]
     for mismatched in pools(world, "nccl").run(case_transports_agree, is_causal, layout, g, shapes):
         assert mismatched == []
+
+
+@pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_cudnn_native_gqa_matches_expanded_kv(monkeypatch, causal, g):
+    """The cuDNN block kernels with K/V at g heads (native GQA) against the same kernels on
+    K/V expanded to h heads with the gradients summed back (RINGCC_CUDNN_NATIVE_GQA=0)."""
+    from ringcc.runtime import kernels
+
+    monkeypatch.setenv("RINGCC_CUDA_KERNEL", "cudnn")
+    gen = torch.Generator(device="cpu").manual_seed(g)
+    h, s, d = 8, 512, 128
+    q, dout = (torch.randn(2, h, s, d, generator=gen).cuda().bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, g, s, d, generator=gen).cuda().bfloat16() for _ in range(2))
+    res = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("RINGCC_CUDNN_NATIVE_GQA", native)
+        out, lse = kernels.block_fwd(q, k, v, scale=d ** -0.5, causal=causal)
+        grads = kernels.block_bwd(dout, q, k, v, out, lse, scale=d ** -0.5, causal=causal)
+        res[native] = (out, lse, *grads)
+    assert not kernels._CUDNN_GQA_REJECTED, kernels._CUDNN_GQA_REJECTED
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res["1"], res["0"]):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
