@@ -629,8 +629,10 @@ def est_seconds(cell: Cell, env: Env, mode: str) -> float:
 
 
 def plan_iters(t_iter: float, args) -> tuple[int, int]:
-    """(extra warm-up, timed iterations): the memory run is the first warm-up."""
-    warm = 1 if t_iter < 1.0 else 0
+    """(extra warm-up, timed iterations): the memory run is the first warm-up; short iterations
+    get more (about 0.25 s of them, at most 10), since a ring's first calls also set up its
+    transport and the allocator's pool."""
+    warm = 0 if t_iter >= 1.0 else min(10, max(1, int(0.25 / max(t_iter, 1e-9))))
     return warm, max(1, min(args.reps, int(args.target_seconds / max(t_iter, 1e-9))))
 
 
