@@ -228,9 +228,11 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
 
 _CHECKED_LENGTHS: set[tuple[str, int]] = set()
 
-# Runtime settings that shape the ring's schedule (head chunks, whether transfers happen):
-# ranks that disagree on them would wait for each other forever.
-SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM")
+# Runtime settings that shape the ring's schedule (head chunks, whether and how transfers
+# happen; the kernel choice enters the head-chunk rule through its GQA workspace): ranks that
+# disagree on them would wait for each other forever.
+SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RING_TRANSPORT",
+                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA")
 
 
 def schedule_settings() -> list[str]:

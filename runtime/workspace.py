@@ -20,6 +20,11 @@ one block's gradients with the kernel's own fp32 dQ accumulator, plus dout made 
 Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
 bench_planner_gpu.py; results in benchmarks/RESULTS.md).
 
+Received blocks: through NCCL/gloo they are fresh allocations per step; with the copy-engine
+transport (the GPU default, runtime/comm.py) they are slots of a receive area that persists
+between calls, outside torch's caching allocator. The formulas count the same bytes either way
+(GPU measurements add the area: benchmarks/bench_attention.py, bench_planner_gpu.py).
+
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
 
 Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exceeds the

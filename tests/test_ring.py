@@ -1,5 +1,7 @@
 """Ring attention vs the dense reference: real gloo groups, p = 1, 2, 3, 4 (tier 2 + 3)."""
 
+import os
+
 import pytest
 import torch
 
@@ -220,24 +222,25 @@ def test_unequal_shard_lengths_raise_on_every_rank(pools):
         assert "needs equal shard lengths on every rank" in m and "from 8 to 10" in m
 
 
-def case_different_settings(rank, world):
-    import os
-
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0" if rank == 0 else "64"
+def case_different_settings(rank, world, name, values):
+    os.environ[name] = values[rank]
     try:
         q, k, v = _qkv()
         ringcc.ring_attention(q, k, v)
     except ValueError as e:
         return str(e)
     finally:
-        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+        del os.environ[name]
     return "no error"
 
 
-def test_different_schedule_settings_raise_on_every_rank(pools):
-    # Ranks chunking heads differently would wait for each other forever: an error instead.
-    for m in pools(2).run(case_different_settings):
-        assert "different runtime settings" in m and "RINGCC_RING_WORKSPACE_MIB" in m, m
+@pytest.mark.parametrize("name,values", [("RINGCC_RING_WORKSPACE_MIB", ("0", "64")),
+                                         ("RINGCC_RING_TRANSPORT", ("auto", "nccl"))])
+def test_different_schedule_settings_raise_on_every_rank(pools, name, values):
+    # Ranks chunking heads differently, or moving blocks by different transports, would wait
+    # for each other forever: an error instead.
+    for m in pools(2).run(case_different_settings, name, values):
+        assert "different runtime settings" in m and name in m, m
 
 
 def case_dead_peer(rank, world):
@@ -352,3 +355,35 @@ def test_ring_backward_one_batch_per_step(pools, world, budget):
         assert fp32 == n_chunks * (world - 1) * 2 * kv_numel
         # bf16: K and V to p - 1 neighbours, plus dK and dV going home once, per chunk.
         assert bf16 == n_chunks * ((world - 1) * 2 * kv_numel + 2 * kv_numel)
+
+
+def case_transport_choice(rank, world):
+    """Which ring transport ring_comm picks on CPU, and its errors for bad settings."""
+    import torch.distributed as dist
+
+    from ringcc.runtime import comm
+
+    cpu, got = torch.device("cpu"), {}
+    for setting in ("auto", "nccl"):
+        os.environ["RINGCC_RING_TRANSPORT"] = setting
+        got[setting] = type(comm.ring_comm(dist.group.WORLD, None, cpu)).__name__
+    errors = {}
+    for setting in ("copy-engine", "rdma"):
+        os.environ["RINGCC_RING_TRANSPORT"] = setting
+        try:
+            comm.ring_comm(dist.group.WORLD, None, cpu)
+        except ValueError as e:
+            errors[setting] = str(e)
+    os.environ["RINGCC_RING_TRANSPORT"] = "auto"
+    return got, errors, comm.comm_buffer_bytes()
+
+
+def test_ring_transport_choice_on_cpu(pools):
+    # CPU rings always go through the process group (gloo); the copy-engine transport is a CUDA
+    # one, asked for on CPU it is an error naming the device, and an unknown value lists the
+    # allowed ones. No copy-engine receive area exists on CPU.
+    for got, errors, area_bytes in pools(2).run(case_transport_choice):
+        assert got == {"auto": "RingComm", "nccl": "RingComm"}
+        assert "needs CUDA tensors" in errors["copy-engine"] and "cpu" in errors["copy-engine"]
+        assert "auto, nccl, copy-engine" in errors["rdma"] and "'rdma'" in errors["rdma"]
+        assert area_bytes == 0
