@@ -24,22 +24,12 @@ import torch
 import torch.distributed as dist
 
 
-def _time(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def _time(fn, iters: int, device) -> float:
+    """Median milliseconds (slowest rank per iteration), after 3 warm-ups."""
+    from bench_attention import time_ms  # benchmarks/ is this script's directory
+    from ring_timeline import _Ranks
+
+    return statistics.median(time_ms(fn, 3, iters, _Ranks(device)))
 
 
 def main(argv=None) -> int:
@@ -62,7 +52,7 @@ def main(argv=None) -> int:
     def kernel():
         _compat.cuda_cudnn_fwd(q, q, q, None, True, 0.0, False, False)
 
-    kernel_ms = _time(kernel, args.iters)
+    kernel_ms = _time(kernel, args.iters, dev)
     rows = []
     for transport in args.transports.split(","):
         os.environ["RINGCC_RING_TRANSPORT"] = transport
@@ -86,7 +76,7 @@ def main(argv=None) -> int:
                 kernel()
                 comm.wait()
 
-            hop_ms, both_ms = _time(hop, args.iters), _time(both, args.iters)
+            hop_ms, both_ms = _time(hop, args.iters, dev), _time(both, args.iters, dev)
             flag = torch.tensor([int(ok)], device=dev)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             rows.append({"transport": transport, "class": type(comm).__name__, "mib": mib, "correct": bool(flag.item()),
