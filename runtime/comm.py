@@ -105,8 +105,17 @@ class _Mailbox:
 
     def __init__(self, group, device: torch.device, slot_bytes: int):
         symm = _compat.symmetric_memory()
-        self.slot_bytes = slot_bytes
+        sizes = torch.tensor([slot_bytes, -slot_bytes], dtype=torch.int64, device=device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+        if int(sizes[0]) != slot_bytes or -int(sizes[1]) != slot_bytes:
+            raise RuntimeError(f"copy-engine ring: ranks asked for receive slots of {-int(sizes[1])} to "
+                               f"{int(sizes[0])} bytes (this rank {slot_bytes}); every rank must run the same schedule")
+        self.group, self.device, self.slot_bytes = group, device, slot_bytes
+        before = torch.cuda.memory_allocated(device)
         self.buf = symm.empty(self.HEADER + 2 * slot_bytes, dtype=torch.uint8, device=device)
+        # Some torch versions serve symmetric memory from a pool of the caching allocator (then
+        # memory_allocated counts it); others map it outside. Measured here, not assumed.
+        self.outside_allocator = torch.cuda.memory_allocated(device) - before < self.buf.numel()
         self.buf.zero_()
         self.handle = _compat.symm_rendezvous(self.buf, group)
         rank, world = self.handle.rank, self.handle.world_size
@@ -121,6 +130,7 @@ class _Mailbox:
         self.stream = torch.cuda.Stream(device=device)
         self.driver = _compat.CudaDriver()
         self.seq = 0
+        self.last_stream = None  # the compute stream of the last wait(): the next commit orders after it too
         torch.cuda.synchronize(device)
         _barrier(group, device)  # every area is zeroed before any neighbour writes a flag
 
@@ -129,8 +139,9 @@ class _Mailbox:
         return self.buf.numel()
 
 
-_MAILBOXES: dict[tuple[str, int], _Mailbox] = {}
-_CE_USABLE: dict[str, bool | str] = {}  # group name -> True, or why not
+# Keyed by the group object, not its name: names come back after destroy_process_group.
+_MAILBOXES: dict[tuple[object, int], _Mailbox] = {}
+_CE_USABLE: dict[object, bool | str] = {}  # group -> True, or why not
 
 
 def _align(nbytes: int) -> int:
@@ -147,7 +158,7 @@ def _barrier(group, device: torch.device) -> None:
 def _mailbox(group, device: torch.device, slot_bytes: int) -> _Mailbox:
     """The receive area of this rank for `group` with slots of at least `slot_bytes`; grown
     (collectively: every rank asks for the same size at the same batch) when too small."""
-    key = (group.group_name, device.index)
+    key = (group, device.index)
     box = _MAILBOXES.get(key)
     if box is not None and box.slot_bytes >= slot_bytes:
         return box
@@ -160,16 +171,19 @@ def _mailbox(group, device: torch.device, slot_bytes: int) -> _Mailbox:
 
 
 def comm_buffer_bytes(device: torch.device | None = None) -> int:
-    """Bytes of copy-engine receive areas held on `device` (all devices: None). They live
-    outside torch's caching allocator, so memory measurements add them explicitly."""
-    return sum(b.nbytes for (_, idx), b in _MAILBOXES.items() if device is None or idx == device.index)
+    """Bytes of copy-engine receive areas on `device` (all devices: None) that torch's caching
+    allocator does not count (memory measurements add them); 0 where the areas come from an
+    allocator pool, which memory_allocated already sees."""
+    return sum(b.nbytes for (_, idx), b in _MAILBOXES.items()
+               if b.outside_allocator and (device is None or idx == device.index))
 
 
 def release_comm_buffers() -> None:
     """Free the copy-engine receive areas (collective over each area's group: call it on every
     rank, with no ring in flight). The next ring allocates them again."""
     for box in list(_MAILBOXES.values()):
-        torch.cuda.synchronize(box.buf.device)
+        torch.cuda.synchronize(box.device)
+        _barrier(box.group, box.device)  # no neighbour still copies into it
     _MAILBOXES.clear()
 
 
@@ -213,17 +227,22 @@ class CopyEngineRing:
         return out
 
     def commit(self) -> None:
-        if self._queued is None:
+        if self._queued is None or not self._queued[2]:
             raise RuntimeError("CopyEngineRing.commit called with nothing queued")
         box, seq, parts = self._queued
-        compute, side = torch.cuda.current_stream(self.device), box.stream
-        side.wait_stream(compute)
-        box.driver.write(side, box.prev_free_addr, seq)
-        box.driver.wait_geq(side, box.free_addr, seq)
-        with torch.cuda.stream(side):
-            for t, off, nb in parts:
-                box.next_buf[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
-        box.driver.write(side, box.next_ready_addr, seq)
+        # The driver calls take raw stream handles: 0, the default stream, means the current
+        # device's, so the device is made current for them.
+        with torch.cuda.device(self.device):
+            compute, side = torch.cuda.current_stream(self.device), box.stream
+            side.wait_stream(compute)
+            if box.last_stream is not None and box.last_stream != compute:
+                side.wait_stream(box.last_stream)  # a ring before this one ran on another stream
+            box.driver.write(side, box.prev_free_addr, seq)
+            box.driver.wait_geq(side, box.free_addr, seq)
+            with torch.cuda.stream(side):
+                for t, off, nb in parts:
+                    box.next_buf[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
+            box.driver.write(side, box.next_ready_addr, seq)
         box.seq = seq
         self._queued, self._inflight = None, (box, seq, parts)
 
@@ -231,9 +250,11 @@ class CopyEngineRing:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
         box, seq, _ = self._inflight
-        compute = torch.cuda.current_stream(self.device)
-        box.driver.wait_geq(compute, box.ready_addr, seq)
-        compute.wait_stream(box.stream)
+        with torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            box.driver.wait_geq(compute, box.ready_addr, seq)
+            compute.wait_stream(box.stream)
+        box.last_stream = compute
         self._inflight = None
 
 
@@ -250,16 +271,22 @@ def _transport_setting() -> str:
 def _copy_engine_usable(group, device: torch.device) -> bool | str:
     """True when every rank of `group` can run the copy-engine ring on `device`, else why not
     (decided once per group, the same on every rank)."""
-    name = group.group_name
-    if name in _CE_USABLE:
-        return _CE_USABLE[name]
+    if group in _CE_USABLE:
+        return _CE_USABLE[group]
     why = None
     if _compat.symmetric_memory() is None:
         why = "this torch build has no symmetric memory"
     else:
-        try:
-            _compat.CudaDriver()
-        except (OSError, AttributeError) as e:
+        try:  # the stream memory operations, on this rank alone, before any rank commits
+            driver, word = _compat.CudaDriver(), torch.zeros(1, dtype=torch.int32, device=device)
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device)
+                driver.write(stream, word.data_ptr(), 1)
+                driver.wait_geq(stream, word.data_ptr(), 1)
+            torch.cuda.synchronize(device)
+            if int(word.item()) != 1:
+                why = "a CUDA stream memory write did not land"
+        except (OSError, AttributeError, RuntimeError) as e:
             why = f"CUDA driver stream memory operations unavailable ({e})"
     ok = torch.tensor([0 if why else 1], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
@@ -272,8 +299,8 @@ def _copy_engine_usable(group, device: torch.device) -> bool | str:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if why is None and int(ok.item()) == 0:
         why = "another rank cannot use it"
-    _CE_USABLE[name] = True if why is None else why
-    return _CE_USABLE[name]
+    _CE_USABLE[group] = True if why is None else why
+    return _CE_USABLE[group]
 
 
 def ring_comm(group, members, device: torch.device):
@@ -282,6 +309,12 @@ def ring_comm(group, members, device: torch.device):
     the default, falls back to the process group with a warning; =copy-engine raises instead),
     else RingComm."""
     setting = _transport_setting()
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # The batch numbers would be baked into the graph and its replays would race: NCCL
+        # send/recv, which CUDA graphs capture, instead.
+        if setting == "copy-engine":
+            raise RuntimeError("RINGCC_RING_TRANSPORT=copy-engine cannot run under CUDA graph capture; use auto or nccl")
+        return RingComm(group, members=members)
     if setting == "nccl" or device.type != "cuda" or members is not None:
         if setting == "copy-engine" and (device.type != "cuda" or members is not None):
             raise ValueError("RINGCC_RING_TRANSPORT=copy-engine needs CUDA tensors and a whole-group ring; "
@@ -292,11 +325,11 @@ def ring_comm(group, members, device: torch.device):
         return CopyEngineRing(group, device)
     if setting == "copy-engine":
         raise RuntimeError(f"RINGCC_RING_TRANSPORT=copy-engine: {usable}; set it to nccl or auto")
-    if group.group_name not in _WARNED:
-        _WARNED.add(group.group_name)
+    if group not in _WARNED:
+        _WARNED.add(group)
         warnings.warn(f"ringcc: ring transfers go through the process group: copy-engine ring unusable: {usable}",
                       stacklevel=2)
     return RingComm(group, members=members)
 
 
-_WARNED: set[str] = set()
+_WARNED: set = set()

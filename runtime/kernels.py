@@ -16,8 +16,8 @@ SDPA ops for unmasked / causal blocks; masked blocks on CUDA use the exact math 
 
 GQA: the cuDNN ops take K/V with their own g heads and return dK/dV with g heads (the group
 sum done inside the kernel), so no expanded K/V and no separate reduction there; every other
-path expands K/V to h heads and sums the gradients back. If a cuDNN build rejects g != h, the
-first such call falls back to the expanded form for the rest of the process (with a warning);
+path expands K/V to h heads and sums the gradients back. A cuDNN build that rejects g != h
+(found once per device by a tiny probe) gets the expanded form, with a warning;
 RINGCC_CUDNN_NATIVE_GQA=0 forces the expanded form.
 """
 
@@ -73,49 +73,45 @@ def _cuda_kernel() -> str:
     return os.environ.get("RINGCC_CUDA_KERNEL", "cudnn")
 
 
-_CUDNN_GQA_REJECTED: list[str] = []  # why this process's cuDNN took no g != h (empty: native)
+def native_gqa_setting() -> bool:
+    """RINGCC_CUDNN_NATIVE_GQA (default on): the cuDNN kernels get K/V at their own heads. The
+    head-chunk rule reads this setting (the same on every rank), never the probe below."""
+    return os.environ.get("RINGCC_CUDNN_NATIVE_GQA", "1") != "0"
 
 
-def _cudnn_native_gqa(h: int, g: int) -> bool:
-    return g == h or (not _CUDNN_GQA_REJECTED and os.environ.get("RINGCC_CUDNN_NATIVE_GQA", "1") != "0")
+_CUDNN_GQA: dict = {}  # device -> None (cuDNN takes g != h) or why not
+
+
+def _cudnn_gqa_unsupported(device) -> str | None:
+    """Why this process's cuDNN ops reject K/V with fewer heads than q (None: they take them),
+    found once per device with a tiny forward and backward; real calls are never retried, so
+    their errors (out of memory included) surface as they are."""
+    if device not in _CUDNN_GQA:
+        q = torch.randn(1, 2, 64, 64, device=device, dtype=torch.bfloat16)
+        k = torch.randn(1, 1, 64, 64, device=device, dtype=torch.bfloat16)
+        try:
+            out, lse = _compat.cuda_cudnn_fwd(q, k, k, None, True, 0.0, False, False)[:2]
+            seed = _zero_seed(device)
+            grads = _compat.cuda_cudnn_bwd(torch.ones_like(out), q, k, k, out, lse.float().contiguous(),
+                                           seed, seed, None, None, None, 64, 64, 0.0, False)
+            ok = grads[1].shape[1] in (1, 2)
+            _CUDNN_GQA[device] = None if ok else f"dK with {grads[1].shape[1]} heads"
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            _CUDNN_GQA[device] = str(e).splitlines()[0][:200]
+        if _CUDNN_GQA[device] is not None:
+            warnings.warn(f"ringcc: this cuDNN rejects GQA K/V at their own heads ({_CUDNN_GQA[device]}); "
+                          "expanding K/V to the query heads instead", stacklevel=3)
+    return _CUDNN_GQA[device]
 
 
 def _cudnn_call(op, q, k_bgsd, v_bgsd, *args, **kwargs):
-    """op(q, k, v, *args) with K/V at their own g heads where cuDNN takes them, else expanded;
-    the first rejection switches this process to the expanded form."""
+    """op(q, k, v, *args) with K/V at their own g heads where cuDNN takes them, else expanded."""
     h, g = q.shape[1], k_bgsd.shape[1]
-    if _cudnn_native_gqa(h, g):
-        try:
-            return op(q, k_bgsd, v_bgsd, *args, **kwargs)
-        except RuntimeError as e:
-            if g == h:
-                raise
-            _CUDNN_GQA_REJECTED.append(str(e).splitlines()[0][:200])
-            warnings.warn(f"ringcc: cuDNN attention rejected {g} K/V heads for {h} query heads "
-                          f"({_CUDNN_GQA_REJECTED[0]}); expanding K/V from now on", stacklevel=3)
-    return op(q, _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h), *args, **kwargs)
-
-
-def _math_fwd(q, k, v, scale, mask):
-    s = torch.matmul(q.to(acc_dtype(q.dtype)), k.to(acc_dtype(q.dtype)).transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - ref.unsqueeze(-1))
-    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
-
-
-def _math_bwd(dout, q, k, v, out, lse, scale, mask):
-    dt = acc_dtype(q.dtype)
-    qf, kf, vf, dof = q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dof)
-    dp = torch.matmul(dof, vf.transpose(-1, -2))
-    delta = (dof * out.to(dt)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
+    if g != h and (not native_gqa_setting() or _cudnn_gqa_unsupported(q.device) is not None):
+        k_bgsd, v_bgsd = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
+    return op(q, k_bgsd, v_bgsd, *args, **kwargs)
 
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):

@@ -102,7 +102,7 @@ def _native_gqa(q: TensorSize) -> bool:
     """Whether the block kernels take K/V at their own heads (CUDA's cuDNN kernels: kernels.py)."""
     from . import kernels
 
-    return q.device_type == "cuda" and kernels._cuda_kernel() == "cudnn" and kernels._cudnn_native_gqa(2, 1)
+    return q.device_type == "cuda" and kernels._cuda_kernel() == "cudnn" and kernels.native_gqa_setting()
 
 
 def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
