@@ -248,9 +248,14 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs}, indent=1))
     if dist.is_initialized():
-        # Rank 0 prints and writes the JSON first: a peer that tore down gloo meanwhile could
-        # abort rank 0's connection threads (seen on a loaded 2-core machine).
-        dist.barrier()
+        dist.barrier()  # rank 0 has printed and written the JSON
+        if args.cpu:
+            # gloo's teardown at exit sometimes aborts one rank ("terminate called without an
+            # active exception") after everything is written (seen in 3 of 4 full CPU test runs
+            # on a 2-core machine, never alone): the results are complete, so leave without it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         dist.destroy_process_group()
     return 0
 
