@@ -292,3 +292,14 @@ def test_ring_timeline_runs_on_gloo(tmp_path):
     assert all(s["ms"] > 0 and "timeline" not in s for s in settings)
     with_comm = [s["out_checksum_rank0"] for s in settings if not s["skip_comm"]]
     assert with_comm[0] == pytest.approx(with_comm[1], rel=1e-5)
+
+
+def test_short_cells_get_more_warm_up():
+    """Run 8 (RESULTS.md) timed the 16K/GPU cells after one warm-up (77.6% causal), run 9 after
+    about 0.25 s of them (86.3%): short iterations warm up longer, long ones not at all."""
+    bench = _load_bench()
+    args = type("Args", (), {"reps": 20, "target_seconds": 1.0})()
+    assert bench.plan_iters(0.035, args) == (7, 20)  # a 35 ms cell: 7 warm-ups, 20 timed
+    assert bench.plan_iters(0.001, args) == (10, 20)  # at most 10 warm-ups
+    assert bench.plan_iters(0.5, args) == (1, 2)
+    assert bench.plan_iters(3.0, args) == (0, 1)  # the memory run is the only warm-up
