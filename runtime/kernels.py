@@ -114,6 +114,28 @@ def _cudnn_call(op, q, k_bgsd, v_bgsd, *args, **kwargs):
     return op(q, k_bgsd, v_bgsd, *args, **kwargs)
 
 
+def _math_fwd(q, k, v, scale, mask):
+    s = torch.matmul(q.to(acc_dtype(q.dtype)), k.to(acc_dtype(q.dtype)).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - ref.unsqueeze(-1))
+    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, scale, mask):
+    dt = acc_dtype(q.dtype)
+    qf, kf, vf, dof = q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    delta = (dof * out.to(dt)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
+
+
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
     """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
