@@ -10,7 +10,6 @@ OUT="${OUT:-$PWD/gpu_checks_out}"
 mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source benchmarks/gpu_env.sh >"$OUT/env.log" 2>&1
-nvidia-smi --query-gpu=index,name,memory.total --format=csv >>"$OUT/env.log" 2>&1
 set -o pipefail
 timeout 170 python3 -m pytest -p no:cacheprovider tests/test_ring_gpu.py -q -rf --tb=short 2>&1 \
   | tee "$OUT/ring_gpu.log" | tail -4

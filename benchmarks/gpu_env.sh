@@ -1,6 +1,7 @@
 # Source on a GPU machine (no package registry there): makes `import ringcc` work for the
 # system python without network. Tries an editable install first; falls back to a symlink
 # tree that reproduces the package-dir mapping (passes/ -> ringcc.passes, runtime/ -> ringcc.runtime).
+# Then prints where ringcc and torch come from and the GPUs (callers send it to their log).
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 _root="$(pwd)"
 if ! python3 -m pip install -q --no-build-isolation --no-deps --no-index -e "$_root" >/tmp/ringcc_pip.log 2>&1; then
@@ -11,3 +12,4 @@ if ! python3 -m pip install -q --no-build-isolation --no-deps --no-index -e "$_r
   export PYTHONPATH="/tmp/ringcc_site:${PYTHONPATH:-}"
 fi
 python3 -c "import ringcc, torch; print('ringcc from', ringcc.__file__, 'torch', torch.__version__, 'cuda', torch.cuda.device_count())"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>&1 || true

@@ -18,7 +18,6 @@ mkdir -p "$OUT" "$W"
 # shellcheck disable=SC1091
 source benchmarks/gpu_env.sh >"$OUT/env.log" 2>&1
 export RINGCC_CUDA_KERNEL=cudnn
-nvidia-smi --query-gpu=index,name,memory.total --format=csv >>"$OUT/env.log" 2>&1
 LOG="$OUT/bench.log"
 P="${P:-4}"
 LENGTHS="$((16384 * P)),$((65536 * P))"

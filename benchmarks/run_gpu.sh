@@ -13,20 +13,9 @@ OUT="${OUT:-$PWD/bench_out}"
 mkdir -p "$OUT"
 LOG="$OUT/bench.log"
 
-if [ -f benchmarks/gpu_env.sh ]; then
-  # shellcheck disable=SC1091
-  source benchmarks/gpu_env.sh >>"$LOG" 2>&1  # makes `import ringcc` work without a registry
-else
-  mkdir -p /tmp/ringcc_site/ringcc
-  for f in "$PWD"/ringcc/*; do ln -sf "$f" /tmp/ringcc_site/ringcc/; done
-  ln -sfn "$PWD/passes" /tmp/ringcc_site/ringcc/passes
-  ln -sfn "$PWD/runtime" /tmp/ringcc_site/ringcc/runtime
-  export PYTHONPATH="/tmp/ringcc_site:${PYTHONPATH:-}"
-fi
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-
-{ date -u; nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>&1; } >>"$LOG"
-python3 -c "import ringcc, torch; print('ringcc', ringcc.__file__, 'torch', torch.__version__)" >>"$LOG" 2>&1
+date -u >>"$LOG"
+# shellcheck disable=SC1091
+source benchmarks/gpu_env.sh >>"$LOG" 2>&1  # makes `import ringcc` work without a registry; logs the GPUs
 
 python3 benchmarks/bench_attention.py --worlds 1,4,2 --out "$OUT" --work-dir /tmp/ringcc_bench \
   --max-minutes "${BENCH_MINUTES:-9}" --results-md benchmarks/RESULTS.md "$@" 2>&1 | tee -a "$LOG"

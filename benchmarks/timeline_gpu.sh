@@ -14,7 +14,6 @@ TMP=/tmp/ringcc_timeline
 mkdir -p "$OUT" "$TMP"
 # shellcheck disable=SC1091
 source benchmarks/gpu_env.sh >"$OUT/env.log" 2>&1
-nvidia-smi --query-gpu=index,name,memory.total --format=csv >>"$OUT/env.log" 2>&1
 P="${P:-$(nvidia-smi -L | wc -l)}"
 export RINGCC_CUDA_KERNEL=cudnn
 if [ -n "${PREV_TREE:-}" ]; then
