@@ -105,11 +105,10 @@ class _Mailbox:
 
     def __init__(self, group, device: torch.device, slot_bytes: int):
         symm = _compat.symmetric_memory()
-        sizes = torch.tensor([slot_bytes, -slot_bytes], dtype=torch.int64, device=device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-        if int(sizes[0]) != slot_bytes or -int(sizes[1]) != slot_bytes:
-            raise RuntimeError(f"copy-engine ring: ranks asked for receive slots of {-int(sizes[1])} to "
-                               f"{int(sizes[0])} bytes (this rank {slot_bytes}); every rank must run the same schedule")
+        ((lo, hi),) = group_extremes([slot_bytes], group, device)
+        if lo != slot_bytes or hi != slot_bytes:
+            raise RuntimeError(f"copy-engine ring: ranks asked for receive slots of {lo} to {hi} bytes "
+                               f"(this rank {slot_bytes}); every rank must run the same schedule")
         self.group, self.device, self.slot_bytes = group, device, slot_bytes
         before = torch.cuda.memory_allocated(device)
         self.buf = symm.empty(self.HEADER + 2 * slot_bytes, dtype=torch.uint8, device=device)
@@ -142,6 +141,14 @@ class _Mailbox:
 # Keyed by the group object, not its name: names come back after destroy_process_group.
 _MAILBOXES: dict[tuple[object, int], _Mailbox] = {}
 _CE_USABLE: dict[object, bool | str] = {}  # group -> True, or why not
+
+
+def group_extremes(values: list[int], group, device) -> list[tuple[int, int]]:
+    """(min, max) over the ranks of `group` of each of `values`, in one all_reduce: the ranks
+    agree on a value exactly when both equal this rank's."""
+    t = torch.tensor([x for v in values for x in (v, -v)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [(-int(t[2 * i + 1]), int(t[2 * i])) for i in range(len(values))]
 
 
 def _align(nbytes: int) -> int:
@@ -194,7 +201,6 @@ class CopyEngineRing:
 
     def __init__(self, group, device: torch.device):
         self.group, self.device = group, device
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.bytes_sent = 0
         self._queued = None
         self._inflight = None
@@ -213,16 +219,16 @@ class CopyEngineRing:
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
-            total += _align(t.numel() * t.element_size())
+            total += _align(t.nbytes)
         box = _mailbox(self.group, self.device, total)
         seq = box.seq + 1
         base = box.HEADER + (seq % 2) * box.slot_bytes
         out, parts = [], []
         for t, off in zip(tensors, offsets):
-            nb = t.numel() * t.element_size()
-            out.append(box.buf[base + off:base + off + nb].view(t.dtype).view(t.shape))
-            parts.append((t, base + off, nb))
-            self.bytes_sent += nb
+            start, end = base + off, base + off + t.nbytes
+            out.append(box.buf[start:end].view(t.dtype).view(t.shape))
+            parts.append((t, start, end))
+            self.bytes_sent += t.nbytes
         self._queued = (box, seq, parts)
         return out
 
@@ -240,8 +246,8 @@ class CopyEngineRing:
             box.driver.write(side, box.prev_free_addr, seq)
             box.driver.wait_geq(side, box.free_addr, seq)
             with torch.cuda.stream(side):
-                for t, off, nb in parts:
-                    box.next_buf[off:off + nb].copy_(t.reshape(-1).view(torch.uint8))
+                for t, start, end in parts:
+                    box.next_buf[start:end].copy_(t.reshape(-1).view(torch.uint8))
             box.driver.write(side, box.next_ready_addr, seq)
         box.seq = seq
         self._queued, self._inflight = None, (box, seq, parts)

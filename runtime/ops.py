@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ringcc import _compat
 
 from . import layout as L
+from .comm import group_extremes
 from . import workspace
 from .ring import RingSetup, resolve_world, ring_backward, ring_forward
 
@@ -264,16 +265,14 @@ def _check_same_length(n_local: int, group) -> None:
     if backend == "nccl" and key in _CHECKED_LENGTHS:
         return
     code = _settings_code()
-    t = torch.tensor([n_local, -n_local, code, -code], dtype=torch.int64)
-    if backend == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if int(t[0]) != n_local or -int(t[1]) != n_local:
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    (n_lo, n_hi), codes = group_extremes([n_local, code], group, device)
+    if n_lo != n_local or n_hi != n_local:
         raise ValueError(
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
-            f"the group has lengths from {-int(t[1])} to {int(t[0])}"
+            f"the group has lengths from {n_lo} to {n_hi}"
         )
-    if int(t[2]) != code or -int(t[3]) != code:
+    if codes != (code, code):
         raise ValueError(
             f"ranks run ring attention with different runtime settings (this rank: "
             f"{', '.join(schedule_settings())}); set {' and '.join(SCHEDULE_SETTINGS)} the same on every rank"
