@@ -648,7 +648,7 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
     with count_ring_bytes() as sent:
         extra = peak_memory(step, env)
     if env.cuda and env.world > 1:
-        # The copy-engine ring's receive areas live outside the caching allocator: counted here.
+        # The copy-engine ring's receive areas, where the caching allocator does not count them.
         comm_buffers = ring_comm.comm_buffer_bytes(torch.device("cuda", torch.cuda.current_device()))
         extra += comm_buffers
     times = time_ms(step, warm, iters, env)

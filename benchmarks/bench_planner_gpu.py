@@ -10,7 +10,7 @@ runs op by op, as the planner models it), takes the plan the backend stored in e
 report, runs one training step (forward + backward) and compares:
 
   measured  = torch.cuda.max_memory_allocated() during the step - memory_allocated() before it
-              + the copy-engine ring's receive areas (outside the allocator; runtime/comm.py)
+              + the copy-engine ring's receive areas where the allocator does not count them (comm.py)
   planned   = plan peak - resident bytes (parameters, gradients, graph inputs)
 
 Parameters, their gradients and the inputs are allocated before the step in both, so the
@@ -156,7 +156,7 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
         compiled(*inputs).backward()
         torch.cuda.synchronize()
         # The copy-engine ring's receive areas (runtime/comm.py) hold the received blocks the
-        # planner's ring formula counts; they live outside the caching allocator.
+        # planner's ring formula counts; added where the caching allocator does not count them.
         from ringcc.runtime.comm import comm_buffer_bytes
 
         row["comm_buffer_bytes"] = comm_buffer_bytes(device)

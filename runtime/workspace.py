@@ -22,7 +22,8 @@ bench_planner_gpu.py; results in benchmarks/RESULTS.md).
 
 Received blocks: through NCCL/gloo they are fresh allocations per step; with the copy-engine
 transport (the GPU default, runtime/comm.py) they are slots of a receive area that persists
-between calls, outside torch's caching allocator. The formulas count the same bytes either way
+between calls (outside torch's caching allocator on torch 2.11; comm.py measures which). The
+formulas count the same bytes either way
 (GPU measurements add the area: benchmarks/bench_attention.py, bench_planner_gpu.py).
 
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
