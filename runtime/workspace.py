@@ -106,6 +106,13 @@ def _native_gqa(q: TensorSize) -> bool:
     return q.device_type == "cuda" and kernels._cuda_kernel() == "cudnn" and kernels.native_gqa_setting()
 
 
+def _side_stream(q: TensorSize) -> bool:
+    """Whether the ring merges and accumulates on a side stream (CUDA, ring.py)."""
+    from .ring import accumulate_stream_setting
+
+    return q.device_type == "cuda" and accumulate_stream_setting()
+
+
 def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
     """GQA: K and V expanded to q's heads inside the block kernel (none for MHA, or where the
     kernel takes K/V at their own heads)."""
@@ -131,7 +138,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
     # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
     # product, which the fused CUDA merge never materialises.
-    kernel = _expanded_kv(q, k) + q.nbytes + rows_f32
+    # With the accumulation stream (CUDA), the previous block's out/lse are still held while
+    # the next block's kernel runs (Note [Accumulation stream] in ring.py).
+    kernel = _expanded_kv(q, k) + q.nbytes + rows_f32 + (q.nbytes + rows_f32 if _side_stream(q) else 0)
     merge = q.nbytes + 4 * rows_f32
     if q.device_type != "cuda":
         merge += (q32 if low else 0) + q32
@@ -167,8 +176,11 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         grads = 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes if gqa else 2 * kk.nbytes
         return _expanded_kv(q, kk) + grads + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
 
-    block_first = block_bytes(k)
-    block_later = block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) if zigzag_causal else block_first
+    # with the accumulation stream, the previous block's dq/dk/dv are still held while the next
+    # block's kernel runs
+    held = q.nbytes + 2 * k.nbytes if _side_stream(q) else 0
+    block_first = block_bytes(k) + held
+    block_later = (block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) + held) if zigzag_causal else block_first
     one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
     dq_acc, dkv_acc = q32, 2 * k32
     pending = one * dkv_acc
@@ -271,12 +283,18 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> i
         qs = TensorSize(tuple(q.shape), q.element_size())
         budget = int(default_ring_budget(qs, TensorSize(tuple(k.shape), k.element_size())))
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
+    from . import kernels
+    from .ring import accumulate_stream_setting
+
+    # the settings the formulas read, so that the cache never answers for other settings
+    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting(), accumulate_stream_setting())
     return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
-                          q.device.type, world, budget, bool(zigzag_causal))
+                          q.device.type, world, budget, bool(zigzag_causal), settings)
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal) -> int:
+def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal,
+                   settings) -> int:
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)

@@ -81,19 +81,21 @@ def test_ring_nccl_bf16_head_chunks(pools, world, is_causal, layout, h, g, padde
             assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
 
 
-def case_transports_agree(rank, world, is_causal, layout, g, shapes):
-    """The ring under each transport (RINGCC_RING_TRANSPORT), for several shapes in turn (the
-    copy-engine receive area grows and is reused): outputs bitwise equal, since the schedule
-    and kernels are the same and only the transfer differs; gradients within bf16 rounding
-    (the kernels' backward may accumulate dQ with atomics, in any order)."""
+def case_settings_agree(rank, world, is_causal, layout, g, shapes, setting, values, fixed):
+    """The ring under each value of one setting (the transport, the accumulation stream), for
+    several shapes in turn (the copy-engine receive area grows and is reused): outputs bitwise
+    equal, since the schedule and kernels are the same and only the transfer or the stream
+    differs; gradients within bf16 rounding (the kernels' backward may accumulate dQ with
+    atomics, in any order). `fixed`: other settings for every run."""
     from ringcc.runtime import comm
 
     dev = torch.device("cuda", rank)
     os.environ["RINGCC_CUDA_KERNEL"] = "cudnn"
+    saved = {k: os.environ.get(k) for k in (setting, "RINGCC_RING_WORKSPACE_MIB", *fixed)}
+    os.environ.update(fixed)
     results = {}
-    for transport in ("nccl", "copy-engine"):
-        os.environ["RINGCC_RING_TRANSPORT"] = transport
-        os.environ["RINGCC_RING_WORKSPACE_MIB"] = "auto"
+    for value in values:
+        os.environ[setting] = value
         for h, n_local, budget in shapes:
             os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
             gen = torch.Generator(device="cpu").manual_seed(n_local + h)
@@ -101,14 +103,17 @@ def case_transports_agree(rank, world, is_causal, layout, g, shapes):
             ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
             out = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout)
             out.backward(dout)
-            results[(transport, h, n_local, budget)] = [t.detach().clone() for t in (out, ql.grad, kl.grad, vl.grad)]
-        if transport == "copy-engine":
+            results[(value, h, n_local, budget)] = [t.detach().clone() for t in (out, ql.grad, kl.grad, vl.grad)]
+        if os.environ.get("RINGCC_RING_TRANSPORT") == "copy-engine":
             assert comm.comm_buffer_bytes(dev) > 0, "the copy-engine ring did not run"
-    os.environ["RINGCC_RING_TRANSPORT"] = "auto"
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "512"
+    for key, old in saved.items():
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
     mismatched = []
     for h, n_local, budget in shapes:
-        a, b = results[("nccl", h, n_local, budget)], results[("copy-engine", h, n_local, budget)]
+        a, b = (results[(value, h, n_local, budget)] for value in values)
         if not torch.equal(a[0], b[0]):
             mismatched.append((h, n_local, budget, "out", _rel(b[0], a[0])))
         mismatched += [(h, n_local, budget, name, _rel(y, x))
@@ -116,15 +121,31 @@ def case_transports_agree(rank, world, is_causal, layout, g, shapes):
     return mismatched
 
 
+# Small, large (the area grows), chunked (one K/V head per chunk: many batches), then small
+# again (the large area is reused).
+SHAPES = [(8, 256, "auto"), (8, 2048, "auto"), (8, 1024, "0.001"), (8, 256, "auto")]
+
+
 @pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
 @pytest.mark.parametrize("g", [8, 2])
 def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
-    # Small, large (the area grows), chunked (one K/V head per chunk: many batches), then small
-    # again (the large area is reused).
-    shapes = [(8, 256, "auto"), (8, 2048, "auto"), (8, 1024, "0.001"), (8, 256, "auto")]
-    for mismatched in pools(world, "nccl").run(case_transports_agree, is_causal, layout, g, shapes):
+    for mismatched in pools(world, "nccl").run(case_settings_agree, is_causal, layout, g, SHAPES,
+                                               "RINGCC_RING_TRANSPORT", ("nccl", "copy-engine"), {}):
+        assert mismatched == []
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("transport", ["nccl", "copy-engine"])
+@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
+def test_accumulation_stream_matches_one_stream(pools, world, transport, is_causal, layout):
+    # Merges and accumulations on the side stream (Note [Accumulation stream]) against the
+    # same schedule on one stream, through either transport.
+    for mismatched in pools(world, "nccl").run(case_settings_agree, is_causal, layout, 2, SHAPES,
+                                               "RINGCC_ACCUMULATE_STREAM", ("0", "1"),
+                                               {"RINGCC_RING_TRANSPORT": transport}):
         assert mismatched == []
 
 
