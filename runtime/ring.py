@@ -136,22 +136,24 @@ def _skip_comm() -> bool:
 
 # Note [Accumulation stream]
 # The attention kernels are compute-bound; the merges, accumulations and casts between them
-# are memory-bound (at 16K tokens per GPU they were 6% of a rank's time, run back to back with
-# the kernels on one stream). On CUDA they run on a second, high-priority stream instead, so
-# they fill the SMs that the kernel of the next step leaves free between its waves.
+# are memory-bound (at 16K tokens per GPU they were 6% of a rank's time, run back to back
+# with the kernels on one stream: benchmarks/profile_schedule.py). On CUDA the ones that
+# nothing waits for run on a second, high-priority stream, beside the next kernel: the
+# forward's merges and the backward's dQ sums. The backward's dK/dV accumulation stays on the
+# kernels' stream: the next batch carries it to rank+1, which waits for it, and work on the
+# side stream starts only once a wave of the next kernel's blocks has left the SMs (measured
+# on 4 x H200: with dK/dV on the side stream the ring at 16K/GPU causal was 5.6% slower).
 # Ordering: each side-stream block first waits for the work issued on the main stream so far
-# (the kernel whose results it reads, the batch wait that brought the accumulator it adds
-# to); nothing on the main stream waits for the side stream until the end of the ring
-# (`finish`), except one step late to release memory (below). Transfers that carry what the
-# side stream made (dK/dV accumulators) are committed from the side stream.
-# Memory: a tensor the main stream allocated and the side stream uses may be reused by the
-# main stream only after the main stream has waited for that use, so the side stream holds
+# (the kernel whose results it reads); the main stream waits for the side stream only at the
+# end of the ring (`join`), and one step late to release memory (below).
+# Memory: a tensor the main stream allocated and the side stream reads may be reused by the
+# main stream only after the main stream has waited for that read, so the side stream holds
 # it (`run(*borrowed)`) until `settle()` makes the main stream wait for the side work of the
-# step before last, one step behind: at most one extra set of block results (out/lse in
-# forward, dq/dk/dv in backward) is alive, and the main stream never waits for work
-# that is still running. Side-allocated tensors need nothing: every side block starts by
-# waiting for the main stream, so no later side work can overwrite them while the main
-# stream still reads them. RINGCC_ACCUMULATE_STREAM=0 runs everything on one stream.
+# step before last: one more block result (out/lse in forward, dQ in backward) is alive, and
+# the main stream never waits for work that is still running. Side-allocated tensors need
+# nothing: every side block starts by waiting for the main stream, so no later side work can
+# overwrite them while the main stream still reads them. The side stream never reads a
+# transport's receive buffers. RINGCC_ACCUMULATE_STREAM=0 runs everything on one stream.
 
 
 def accumulate_stream_setting() -> bool:
@@ -318,22 +320,19 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, commit_on=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
-    One batch per step is one rendezvous of the ranks per step. `commit_on`: a context in
-    which to commit (the side stream, when the carry is made there); receive buffers are
-    allocated outside it."""
+    One batch per step is one rendezvous of the ranks per step."""
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
         recv, n_held = [], len(held) if step + 1 < setup.world else 0
         if comm is not None and send:
             recv = comm.send_recv(send)
-            with commit_on() if commit_on is not None else contextlib.nullcontext():
-                comm.commit()
+            comm.commit()
         src = (setup.rank - step) % setup.world
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None else None,
                       setup.masked_calls(s, src, device), comm if recv else None,
@@ -351,8 +350,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
     the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]).
-    The accumulations run on the side stream (Note [Accumulation stream]), and the batches
-    that carry their results are committed from it."""
+    dQ is summed on the side stream (Note [Accumulation stream])."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -375,11 +373,10 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     done = {}
 
     # Received tensors may be views of the transport's own buffers (copy-engine ring): the
-    # gradients returned are then copies. Otherwise they are main-stream allocations that the
-    # side stream reads (borrowed).
+    # gradients returned are then copies.
     own = comm is not None and comm.borrows_buffers
 
-    def finish(hk, dk_acc, dv_acc):  # on the side stream
+    def finish(hk, dk_acc, dv_acc):
         if whole:
             done["dk"], done["dv"] = dk_acc.to(k.dtype, copy=own), dv_acc.to(v.dtype, copy=own)
         else:
@@ -393,8 +390,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
-        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            commit_on=side.run)
+        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None)
         del k_c, v_c
         for st in steps:
             side.settle()
@@ -412,30 +408,31 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             # Wait for this step's batch only now, so it overlaps this step's kernels. It brings
             # the accumulator of the block held now (at step 0: the last chunk's, coming home).
             incoming = st.wait()
-            borrowed = [t for _, *gs in grads for t in gs] + ([] if own or incoming is None else list(incoming))
-            with side.run(*borrowed):
+            # dQ is summed on the side stream (nothing waits for it until the chunk ends); dK/dV
+            # stay on this stream: the next batch carries them to rank+1, which waits for them.
+            with side.run(*(dq_b for _, dq_b, _, _ in grads)):
                 for c, dq_b, _, _ in grads:
                     dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
-                if incoming is not None:
-                    if st.index == 0:
-                        finish(home[0], *incoming)
-                        home = None
-                    else:
-                        dk_acc, dv_acc = incoming
-                while grads:
-                    c, _, dk_b, dv_b = grads.pop()
-                    dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
-                    dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt)
-                    del dk_b, dv_b
-                if dk_acc is None:  # no kernel call against this block: it still travels
-                    dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
-                    dv_acc = torch.zeros_like(dk_acc)
-                if use_comm and st.index == world - 1 and dk_acc.dtype != k.dtype:
-                    # The sum is complete: the hop home carries the input dtype, as the owner
-                    # would cast it on arrival (same values, half the bytes of the one hop
-                    # that no later kernel of this chunk can hide).
-                    dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-            del incoming, borrowed
+            if incoming is not None:
+                if st.index == 0:
+                    finish(home[0], *incoming)
+                    home = None
+                else:
+                    dk_acc, dv_acc = incoming
+            del incoming
+            while grads:
+                c, _, dk_b, dv_b = grads.pop()
+                dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
+                dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt)
+                del dk_b, dv_b
+            if dk_acc is None:  # no kernel call against this block: it still travels
+                dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
+                dv_acc = torch.zeros_like(dk_acc)
+            if use_comm and st.index == world - 1 and dk_acc.dtype != k.dtype:
+                # The sum is complete: the hop home carries the input dtype, as the owner
+                # would cast it on arrival (same values, half the bytes of the one hop
+                # that no later kernel of this chunk can hide).
+                dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 with the next batch (it
                 # holds that block next step; after the last step the hop brings it home).
@@ -445,9 +442,9 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                     st.carry_out = [dk_acc, dv_acc]
                 dk_acc = dv_acc = None
             del st
+        if not use_comm:
+            finish(hk, dk_acc, dv_acc)
         with side.run():
-            if not use_comm:
-                finish(hk, dk_acc, dv_acc)
             if dq is None:  # no key visible to any row
                 dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
             if whole:
@@ -457,11 +454,9 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         del dq, dk_acc, dv_acc, steps
     if home is not None:  # the last chunk's hop home: nothing left to overlap it with
         arrived = comm.send_recv(home[1])
-        with side.run():
-            comm.commit()
+        comm.commit()
         comm.wait()
-        with side.run(*([] if own else arrived)):
-            finish(home[0], *arrived)
+        finish(home[0], *arrived)
         del arrived
     side.join()
     if whole:

@@ -138,18 +138,19 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
     # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
     # product, which the fused CUDA merge never materialises.
-    # With the accumulation stream (CUDA), the previous block's out/lse are still held while
-    # the next block's kernel runs (Note [Accumulation stream] in ring.py).
-    kernel = _expanded_kv(q, k) + q.nbytes + rows_f32 + (q.nbytes + rows_f32 if _side_stream(q) else 0)
+    kernel = _expanded_kv(q, k) + q.nbytes + rows_f32
     merge = q.nbytes + 4 * rows_f32
     if q.device_type != "cuda":
         merge += (q32 if low else 0) + q32
+    # With the accumulation stream (CUDA) a block's merge runs beside the next block's kernel
+    # (Note [Accumulation stream] in ring.py): both phases at once, not one after the other.
+    blocks = kernel + merge if _side_stream(q) else sympy.Max(kernel, merge)
     if chunked:
-        forward = received + q32 + rows_f32 + sympy.Max(kernel, merge)
+        forward = received + q32 + rows_f32 + blocks
     else:
         # A low-precision output is allocated after the last merge, when the block
         # temporaries are gone: the planner counts it already, so the overlap is taken off.
-        forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
+        forward = received + _acc_extra(q) + blocks - (q.nbytes if low else 0)
 
     # Backward, by phase of the schedule (ring.py, ring_backward); at most one of them is
     # alive at a time, so the workspace is their maximum:
@@ -176,9 +177,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         grads = 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes if gqa else 2 * kk.nbytes
         return _expanded_kv(q, kk) + grads + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
 
-    # with the accumulation stream, the previous block's dq/dk/dv are still held while the next
+    # with the accumulation stream, the previous block's dq is still held while the next
     # block's kernel runs
-    held = q.nbytes + 2 * k.nbytes if _side_stream(q) else 0
+    held = q.nbytes if _side_stream(q) else 0
     block_first = block_bytes(k) + held
     block_later = (block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) + held) if zigzag_causal else block_first
     one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
