@@ -219,8 +219,7 @@ class Env:
             "smoke": self.smoke, "dtype": str(self.dtype).replace("torch.", ""), "d": self.d, "b": B,
             "heads": self.heads, "argv": sys.argv[1:],
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL", "RINGCC_RING_WORKSPACE_MIB",
-                                                   "RINGCC_ACCUMULATE_STREAM", "NCCL_CTA_POLICY", "NCCL_MIN_CTAS",
-                                                   "NCCL_MAX_CTAS")},
+                                                   "NCCL_CTA_POLICY", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS")},
         }
         try:
             import ringcc
@@ -429,24 +428,21 @@ def cp_method(kernel: str, rotate: str):
     return make
 
 
-def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transport: str | None = None,
-                one_stream: bool = False):
+def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transport: str | None = None):
     @contextlib.contextmanager
     def make(cell: Cell, env: Env):
         import ringcc
         from ringcc.runtime import workspace
 
         # Read by ringcc.runtime at each call: same schedule with transfers skipped; the
-        # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule); the transport;
-        # merges and accumulations on a side stream (the default) or on the kernels' stream.
+        # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule); the transport.
         budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto")
         transport_ = transport or os.environ.get("RINGCC_RING_TRANSPORT", "auto")
-        side = "0" if one_stream else os.environ.get("RINGCC_ACCUMULATE_STREAM", "1")
         with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
-                _env_var("RINGCC_RING_TRANSPORT", transport_), _env_var("RINGCC_ACCUMULATE_STREAM", side):
+                _env_var("RINGCC_RING_TRANSPORT", transport_):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
-                     "workspace_mib": budget, "transport": transport_, "accumulate_stream": side,
+                     "workspace_mib": budget, "transport": transport_,
                      "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, cell.causal and layout == "zigzag")
                      or k.shape[1]}
             yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
@@ -517,9 +513,6 @@ METHODS: dict[str, Method] = {
     # copy-engine ring where symmetric memory works: runtime/comm.py).
     "ring-zigzag-nccl": Method(ring_method("zigzag", False, transport="nccl"), "ring", "multi", cpu=True),
     "ring-contiguous-nccl": Method(ring_method("contiguous", False, transport="nccl"), "ring", "multi", cpu=True),
-    # The same ring with merges and accumulations on the kernels' stream (Note [Accumulation stream]).
-    "ring-zigzag-onestream": Method(ring_method("zigzag", False, one_stream=True), "ring", "multi", cpu=True),
-    "ring-contiguous-onestream": Method(ring_method("contiguous", False, one_stream=True), "ring", "multi", cpu=True),
     "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
     "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
     "dilated": Method(dilated_method, "dilated", "any", cpu=True),

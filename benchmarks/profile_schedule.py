@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--budgets", default="", help="extra RINGCC_RING_WORKSPACE_MIB settings, comma-separated")
-    ap.add_argument("--ab", default="", help="A/B an environment setting, e.g. RINGCC_ACCUMULATE_STREAM=1,0")
+    ap.add_argument("--ab", default="", help="A/B an environment setting, e.g. RINGCC_CUDA_KERNEL=cudnn,flash")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -22,7 +22,6 @@ GQA: K/V travel with their own g heads; heads are expanded only inside the block
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -134,84 +133,6 @@ def _skip_comm() -> bool:
     return os.environ.get("RINGCC_SKIP_COMM", "0") == "1"
 
 
-# Note [Accumulation stream]
-# The attention kernels are compute-bound; the merges, accumulations and casts between them
-# are memory-bound (at 16K tokens per GPU they were 6% of a rank's time, run back to back
-# with the kernels on one stream: benchmarks/profile_schedule.py). On CUDA the ones that
-# nothing waits for run on a second, high-priority stream, beside the next kernel: the
-# forward's merges and the backward's dQ sums. The backward's dK/dV accumulation stays on the
-# kernels' stream: the next batch carries it to rank+1, which waits for it, and work on the
-# side stream starts only once a wave of the next kernel's blocks has left the SMs (measured
-# on 4 x H200: with dK/dV on the side stream the ring at 16K/GPU causal was 5.6% slower).
-# Ordering: each side-stream block first waits for the work issued on the main stream so far
-# (the kernel whose results it reads); the main stream waits for the side stream only at the
-# end of the ring (`join`), and one step late to release memory (below).
-# Memory: a tensor the main stream allocated and the side stream reads may be reused by the
-# main stream only after the main stream has waited for that read, so the side stream holds
-# it (`run(*borrowed)`) until `settle()` makes the main stream wait for the side work of the
-# step before last: one more block result (out/lse in forward, dQ in backward) is alive, and
-# the main stream never waits for work that is still running. Side-allocated tensors need
-# nothing: every side block starts by waiting for the main stream, so no later side work can
-# overwrite them while the main stream still reads them. The side stream never reads a
-# transport's receive buffers. RINGCC_ACCUMULATE_STREAM=0 runs everything on one stream.
-
-
-def accumulate_stream_setting() -> bool:
-    return os.environ.get("RINGCC_ACCUMULATE_STREAM", "1") != "0"
-
-
-_SIDE_STREAMS: dict = {}
-
-
-class _Side:
-    """Where a ring runs its merges and accumulations (Note [Accumulation stream]): a
-    high-priority side stream on CUDA, or inline (CPU, or the setting off)."""
-
-    def __init__(self, device):
-        self.side = None
-        if device.type == "cuda" and accumulate_stream_setting():
-            self.main = torch.cuda.current_stream(device)
-            key = (device.index, self.main)
-            if key not in _SIDE_STREAMS:
-                lo, hi = torch.cuda.Stream.priority_range()
-                _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=hi)
-            self.side = _SIDE_STREAMS[key]
-        self._held: list[tuple[object, list]] = []  # (event after a side block, what it borrowed)
-        self._mark = 0  # side blocks issued before the current step
-
-    @contextlib.contextmanager
-    def run(self, *borrowed):
-        """Run the block on the side stream after the main stream's work so far; `borrowed`
-        are main-stream tensors it uses (kept from reuse until the main stream waited)."""
-        if self.side is None:
-            yield
-            return
-        self.side.wait_stream(self.main)
-        with torch.cuda.stream(self.side):
-            yield
-        ev = torch.cuda.Event()
-        ev.record(self.side)
-        self._held.append((ev, [t for t in borrowed if t is not None]))
-
-    def settle(self) -> None:
-        """Once per step: the main stream waits for the side blocks issued before the
-        previous step began (long done: the previous step's kernel ran since) and releases
-        what they borrowed."""
-        if self.side is None:
-            return
-        if self._mark:
-            self.main.wait_event(self._held[self._mark - 1][0])
-            del self._held[:self._mark]
-        self._mark = len(self._held)
-
-    def join(self) -> None:
-        """The main stream waits for every side block (before it reads their results)."""
-        if self.side is not None:
-            self.main.wait_stream(self.side)
-            self._held.clear()
-            self._mark = 0
-
-
 def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
     """(query-head slice, K/V-head slice) per chunk of `kv_chunk` K/V heads (0: one chunk)."""
     kv_chunk = kv_chunk or g
@@ -232,22 +153,16 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    side = _Side(q.device)
     if len(chunks) == 1:
-        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup, side)
-        with side.run(out_acc, lse):
-            out = out_acc.to(q.dtype)
-        side.join()
-        return out, lse
+        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup)
+        return out_acc.to(q.dtype), lse
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, side)
-        with side.run(o, l):
-            out[:, hq].copy_(o)  # the cast to the input dtype, in the same pass
-            lse[:, hq].copy_(l)
+        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
+        out[:, hq].copy_(o)  # the cast to the input dtype, in the same pass
+        lse[:, hq].copy_(l)
         del o, l
-    side.join()
     return out, lse
 
 
@@ -264,40 +179,38 @@ def _accumulate(acc, blk, r0: int, r1: int, shape, dtype):
     return acc
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, side: _Side):
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
     """-> (out in the accumulator dtype, lse); the first block that covers every row starts
-    the accumulators (no -inf/zero fill and no merge for it). The accumulators are made on
-    the main stream and filled on the side stream (Note [Accumulation stream])."""
+    the accumulators (no -inf/zero fill and no merge for it)."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
+
+    def empty_rows():  # out = 0, lse = -inf: rows that have seen no key yet
+        return (torch.zeros(b, h, s, d, dtype=adt, device=q.device),
+                torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+
     out_acc = lse_acc = None
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
-        side.settle()
         for c, allowed in st.calls:
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
                 key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
             )
-            first = out_acc is None
-            if first:
+            if out_acc is None and c.q0 == 0 and c.q1 == s:
                 out_acc = torch.empty(b, h, s, d, dtype=adt, device=q.device)
                 lse_acc = torch.empty(b, h, s, dtype=adt, device=q.device)
-            with side.run(o, l, out_acc, lse_acc):
-                if first and c.q0 == 0 and c.q1 == s:
-                    out_acc.copy_(o)
-                    lse_acc.copy_(l)
-                else:
-                    if first:  # out = 0, lse = -inf: rows that have seen no key yet
-                        out_acc.zero_()
-                        lse_acc.fill_(float("-inf"))
-                    merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
+                out_acc.copy_(o)
+                lse_acc.copy_(l)
+            else:
+                if out_acc is None:
+                    out_acc, lse_acc = empty_rows()
+                merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
             del o, l  # not alive at the final cast
         del st
     if out_acc is None:  # no key visible to any row
-        out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
-        lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+        out_acc, lse_acc = empty_rows()
     return out_acc, lse_acc
 
 
@@ -349,8 +262,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse.
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
-    the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]).
-    dQ is summed on the side stream (Note [Accumulation stream])."""
+    the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule])."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -359,7 +271,6 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
-    side = _Side(q.device)
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
@@ -393,9 +304,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None)
         del k_c, v_c
         for st in steps:
-            side.settle()
             kv_shape = st.k.shape
-            grads = []
+            kv_grads = []
             for c, allowed in st.calls:
                 dq_b, dk_b, dv_b = kernels.block_bwd(
                     do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
@@ -403,16 +313,12 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
                     key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
                 )
-                grads.append((c, dq_b, dk_b, dv_b))
+                dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
+                kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
             # Wait for this step's batch only now, so it overlaps this step's kernels. It brings
             # the accumulator of the block held now (at step 0: the last chunk's, coming home).
             incoming = st.wait()
-            # dQ is summed on the side stream (nothing waits for it until the chunk ends); dK/dV
-            # stay on this stream: the next batch carries them to rank+1, which waits for them.
-            with side.run(*(dq_b for _, dq_b, _, _ in grads)):
-                for c, dq_b, _, _ in grads:
-                    dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
             if incoming is not None:
                 if st.index == 0:
                     finish(home[0], *incoming)
@@ -420,22 +326,22 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 else:
                     dk_acc, dv_acc = incoming
             del incoming
-            while grads:
-                c, _, dk_b, dv_b = grads.pop()
+            while kv_grads:
+                c, dk_b, dv_b = kv_grads.pop()
                 dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
                 dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt)
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels
                 dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
                 dv_acc = torch.zeros_like(dk_acc)
-            if use_comm and st.index == world - 1 and dk_acc.dtype != k.dtype:
-                # The sum is complete: the hop home carries the input dtype, as the owner
-                # would cast it on arrival (same values, half the bytes of the one hop
-                # that no later kernel of this chunk can hide).
-                dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 with the next batch (it
                 # holds that block next step; after the last step the hop brings it home).
+                if st.index == world - 1 and dk_acc.dtype != k.dtype:
+                    # The sum is complete: the hop home carries the input dtype, as the owner
+                    # would cast it on arrival (same values, half the bytes of the one hop
+                    # that no later kernel of this chunk can hide).
+                    dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
                 if st.index == world - 1:
                     home = (hk, [dk_acc, dv_acc])
                 else:
@@ -444,21 +350,18 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             del st
         if not use_comm:
             finish(hk, dk_acc, dv_acc)
-        with side.run():
-            if dq is None:  # no key visible to any row
-                dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
-            if whole:
-                done["dq"] = dq.to(q.dtype)
-            else:
-                dq_out[:, hq].copy_(dq)
+        if dq is None:  # no key visible to any row
+            dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
+        if whole:
+            done["dq"] = dq.to(q.dtype)
+        else:
+            dq_out[:, hq].copy_(dq)
         del dq, dk_acc, dv_acc, steps
     if home is not None:  # the last chunk's hop home: nothing left to overlap it with
         arrived = comm.send_recv(home[1])
         comm.commit()
         comm.wait()
         finish(home[0], *arrived)
-        del arrived
-    side.join()
     if whole:
         return done["dq"], done["dk"], done["dv"]
     return dq_out, dk_out, dv_out

@@ -106,13 +106,6 @@ def _native_gqa(q: TensorSize) -> bool:
     return q.device_type == "cuda" and kernels._cuda_kernel() == "cudnn" and kernels.native_gqa_setting()
 
 
-def _side_stream(q: TensorSize) -> bool:
-    """Whether the ring merges and accumulates on a side stream (CUDA, ring.py)."""
-    from .ring import accumulate_stream_setting
-
-    return q.device_type == "cuda" and accumulate_stream_setting()
-
-
 def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
     """GQA: K and V expanded to q's heads inside the block kernel (none for MHA, or where the
     kernel takes K/V at their own heads)."""
@@ -142,15 +135,12 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     merge = q.nbytes + 4 * rows_f32
     if q.device_type != "cuda":
         merge += (q32 if low else 0) + q32
-    # With the accumulation stream (CUDA) a block's merge runs beside the next block's kernel
-    # (Note [Accumulation stream] in ring.py): both phases at once, not one after the other.
-    blocks = kernel + merge if _side_stream(q) else sympy.Max(kernel, merge)
     if chunked:
-        forward = received + q32 + rows_f32 + blocks
+        forward = received + q32 + rows_f32 + sympy.Max(kernel, merge)
     else:
         # A low-precision output is allocated after the last merge, when the block
         # temporaries are gone: the planner counts it already, so the overlap is taken off.
-        forward = received + _acc_extra(q) + blocks - (q.nbytes if low else 0)
+        forward = received + _acc_extra(q) + sympy.Max(kernel, merge) - (q.nbytes if low else 0)
 
     # Backward, by phase of the schedule (ring.py, ring_backward); at most one of them is
     # alive at a time, so the workspace is their maximum:
@@ -177,11 +167,8 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         grads = 2 * TensorSize((b, h) + tuple(kk.shape[2:]), kk.itemsize).nbytes if gqa else 2 * kk.nbytes
         return _expanded_kv(q, kk) + grads + q.nbytes + q32 + 2 * rows_f32 + (2 * kk.nbytes if gqa else 0)
 
-    # with the accumulation stream, the previous block's dq is still held while the next
-    # block's kernel runs
-    held = q.nbytes if _side_stream(q) else 0
-    block_first = block_bytes(k) + held
-    block_later = (block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) + held) if zigzag_causal else block_first
+    block_first = block_bytes(k)
+    block_later = block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) if zigzag_causal else block_first
     one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
     dq_acc, dkv_acc = q32, 2 * k32
     pending = one * dkv_acc
@@ -285,10 +272,9 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> i
         budget = int(default_ring_budget(qs, TensorSize(tuple(k.shape), k.element_size())))
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
     from . import kernels
-    from .ring import accumulate_stream_setting
 
     # the settings the formulas read, so that the cache never answers for other settings
-    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting(), accumulate_stream_setting())
+    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting())
     return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
                           q.device.type, world, budget, bool(zigzag_causal), settings)
 

@@ -2,8 +2,7 @@
 benchmarks/results/2026-11-26_4xH200_planner_vs_measured_final.json (4 x H200, one training
 step, `max_memory_allocated` minus what was allocated before) is re-planned here on CPU, as
 CUDA, at the same n and p; the plan must stay within 10% of what the GPU measured. This keeps
-formula changes honest between GPU sessions (the run used RINGCC_RING_WORKSPACE_MIB=512, and
-predates the accumulation stream: RINGCC_ACCUMULATE_STREAM=0 is that schedule)."""
+formula changes honest between GPU sessions (the run used RINGCC_RING_WORKSPACE_MIB=512)."""
 
 import json
 from pathlib import Path
@@ -20,7 +19,6 @@ RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measure
 @pytest.mark.parametrize("model,p", [("attention", 1), ("attention", 2), ("llama", 4)])
 def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "512")
-    monkeypatch.setenv("RINGCC_ACCUMULATE_STREAM", "0")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_planner_gpu
 
