@@ -158,3 +158,19 @@ def test_cudnn_native_gqa_matches_expanded_kv(monkeypatch, causal, g):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res["1"], res["0"]):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+
+
+@pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_by_kernel_is_bitwise(dtype):
+    """The ring's same-dtype copies run as kernels (not memcpys on the copy engines): exact,
+    -0.0 and NaN kept, into strided views too."""
+    from ringcc.runtime.ring import copy_by_kernel
+
+    src = torch.randn(2, 4, 64, 8, device="cuda").to(dtype)
+    src[0, 0, 0, :3] = torch.tensor([-0.0, float("nan"), float("inf")], dtype=dtype)
+    dst = torch.empty(2, 8, 64, 8, device="cuda", dtype=dtype)
+    copy_by_kernel(dst[:, 2:6], src)
+    same = dst[:, 2:6].view(torch.int16 if dtype == torch.bfloat16 else torch.int32) == src.view(
+        torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    assert bool(same.all())
