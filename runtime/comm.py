@@ -95,9 +95,9 @@ class RingComm:
 # (our copies have read their sources, so the allocator may reuse them).
 # Received tensors are views of the slot: valid until batch j+2 is committed, so a caller
 # that keeps one longer copies it (`borrows_buffers`).
-# The copy engines are shared: a same-dtype copy that the ring's caller issues on its own
-# stream is a memcpy too, and can wait behind these peer copies (which wait for FREE); the
-# ring makes its own copies with kernels (`ring.copy_by_kernel`).
+# The copy engines are shared: a same-dtype copy on the kernels' stream is a memcpy too, and
+# may wait behind these peer copies; the ring makes its own copies with kernels
+# (`ring.copy_by_kernel`, measured there).
 
 
 class _Mailbox:
