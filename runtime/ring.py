@@ -212,8 +212,9 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
                 key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
             )
             if out_acc is None and c.q0 == 0 and c.q1 == s:
-                # the block's own out (cast) and lse become the accumulators: no copies
-                out_acc, lse_acc = o.to(adt), l
+                # the block's own out (cast) and lse become the accumulators: no copies (in the
+                # layout the merges always see, so the fused merge compiles once)
+                out_acc, lse_acc = o.to(adt, memory_format=torch.contiguous_format), l.contiguous()
             else:
                 if out_acc is None:
                     out_acc, lse_acc = empty_rows()
