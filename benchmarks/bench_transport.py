@@ -27,9 +27,9 @@ import torch.distributed as dist
 def _time(fn, iters: int, device) -> float:
     """Median milliseconds (slowest rank per iteration), after 3 warm-ups."""
     from bench_attention import time_ms  # benchmarks/ is this script's directory
-    from ring_timeline import _Ranks
+    from ring_timeline import Ranks
 
-    return statistics.median(time_ms(fn, 3, iters, _Ranks(device)))
+    return statistics.median(time_ms(fn, 3, iters, Ranks(device)))
 
 
 def main(argv=None) -> int:

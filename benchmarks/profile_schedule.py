@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,18 +31,11 @@ import torch
 
 
 def _timed(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
+    """Per-iteration milliseconds (CUDA events) after `warmup` calls, as the harness times."""
+    from bench_attention import time_ms  # benchmarks/ is this script's directory
+    from ring_timeline import Ranks
+
+    return time_ms(fn, warmup, iters, Ranks(torch.device("cuda")))
 
 
 def _category(name: str) -> str:
@@ -65,12 +57,9 @@ def _profile(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    ks = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    from ring_timeline import trace_events
+
+    ks = [e for e in trace_events(prof) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_cat: dict = defaultdict(float)
     count: dict = defaultdict(int)
     top: dict = defaultdict(float)
@@ -127,8 +116,9 @@ def run_case(args, n_local: int, causal: bool) -> dict:
         if ab is not None:
             os.environ[ab_name] = ab
         os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-        chunk = workspace.ring_kv_chunk(q, k, None, p, causal) or h
-        setup = RingSetup(None, rank, p, layout, causal, scale, kv_chunk=workspace.ring_kv_chunk(q, k, None, p, causal))
+        kv_chunk = workspace.ring_kv_chunk(q, k, None, p, causal)
+        chunk = kv_chunk or h
+        setup = RingSetup(None, rank, p, layout, causal, scale, kv_chunk=kv_chunk)
 
         def step():
             out, lse = ring_forward(q, k, v, None, setup)

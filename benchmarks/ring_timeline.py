@@ -111,7 +111,16 @@ def _step(q, k, v, dout, causal: bool, layout: str):
     torch.autograd.grad(out, (q, k, v), dout)
 
 
-class _Ranks:
+def trace_events(prof) -> list[dict]:
+    """The chrome-trace events of a finished torch.profiler run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+class Ranks:
     """What bench_attention.time_ms needs of its Env: the device kind, a barrier, a max over ranks."""
 
     def __init__(self, device):
@@ -148,7 +157,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
-    times = time_ms(step, args.warmup, args.iters, _Ranks(device))
+    times = time_ms(step, args.warmup, args.iters, Ranks(device))
     import ringcc
 
     with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
@@ -167,12 +176,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
             step()
             torch.cuda.synchronize()
         if not dist.is_initialized() or dist.get_rank() == 0:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "trace.json"
-                prof.export_chrome_trace(str(path))
-                events = json.loads(path.read_text())
-                events = events["traceEvents"] if isinstance(events, dict) else events
-            rec["timeline"] = analyze_trace(events, args.gap_us)
+            rec["timeline"] = analyze_trace(trace_events(prof), args.gap_us)
     del q, k, v, dout
     if cuda:
         torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ Note [Ring attention schedule]
 Each rank holds q/k/v for its chunks of the global sequence (see layout.py). In forward,
 K/V (and the key padding mask) travel around the ring: at step i rank r holds the K/V of
 rank (r - i) mod p. The transfer for step i+1 is issued before step i's compute, so it
-overlaps it (the receive buffers are fresh each step: double buffering). Each step's
+overlaps it (double buffering: the block held and the one arriving; fresh buffers per step
+through the process group, two alternating slots with the copy-engine transport, comm.py). Each step's
 partial (out, lse) is merged into fp32 accumulators by the one LSE merge.
 In backward, K/V travel the same way together with their fp32 dK/dV accumulators, which
 trail one step behind: the accumulator of the block a rank held at step i goes to rank+1
@@ -17,7 +18,8 @@ the next head chunk's first batch. dQ stays local. Per block, the kernel's backw
 the global (out, lse).
 Causality is decided per (query chunk, key chunk) pair in global chunk ids: earlier key
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
-GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel.
+GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
+(not at all by the cuDNN kernels, which take g heads: kernels.py).
 """
 
 from __future__ import annotations

@@ -309,8 +309,6 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout, budget):
 def case_ring_backward_batches(rank, world, budget):
     """Counts the ring backward's batches and bytes: one batch per step (next K/V and the
     previous step's dK/dV accumulator together), the hop home in the input dtype."""
-    import os
-
     from ringcc.runtime import workspace
     from ringcc.runtime.comm import RingComm
 

@@ -81,17 +81,16 @@ def test_ring_nccl_bf16_head_chunks(pools, world, is_causal, layout, h, g, padde
             assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
 
 
-def case_settings_agree(rank, world, is_causal, layout, g, shapes, setting, values, fixed):
+def case_settings_agree(rank, world, is_causal, layout, g, shapes, setting, values):
     """The ring under each value of one setting (e.g. the transport), for several shapes in turn
     (the copy-engine receive area grows and is reused): outputs bitwise equal, since the
-    schedule and kernels are the same and only the transfer differs; gradients within bf16 rounding (the kernels' backward may accumulate dQ with
-    atomics, in any order). `fixed`: other settings for every run."""
+    schedule and kernels are the same and only the transfer differs; gradients within bf16
+    rounding (the kernels' backward may accumulate dQ with atomics, in any order)."""
     from ringcc.runtime import comm
 
     dev = torch.device("cuda", rank)
     os.environ["RINGCC_CUDA_KERNEL"] = "cudnn"
-    saved = {k: os.environ.get(k) for k in (setting, "RINGCC_RING_WORKSPACE_MIB", *fixed)}
-    os.environ.update(fixed)
+    saved = {k: os.environ.get(k) for k in (setting, "RINGCC_RING_WORKSPACE_MIB")}
     results = {}
     for value in values:
         os.environ[setting] = value
@@ -103,7 +102,7 @@ def case_settings_agree(rank, world, is_causal, layout, g, shapes, setting, valu
             out = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout)
             out.backward(dout)
             results[(value, h, n_local, budget)] = [t.detach().clone() for t in (out, ql.grad, kl.grad, vl.grad)]
-        if os.environ.get("RINGCC_RING_TRANSPORT") == "copy-engine":
+        if setting == "RINGCC_RING_TRANSPORT" and value == "copy-engine":
             assert comm.comm_buffer_bytes(dev) > 0, "the copy-engine ring did not run"
     for key, old in saved.items():
         if old is None:
@@ -131,7 +130,7 @@ SHAPES = [(8, 256, "auto"), (8, 2048, "auto"), (8, 1024, "0.001"), (8, 256, "aut
 @pytest.mark.parametrize("g", [8, 2])
 def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
     for mismatched in pools(world, "nccl").run(case_settings_agree, is_causal, layout, g, SHAPES,
-                                               "RINGCC_RING_TRANSPORT", ("nccl", "copy-engine"), {}):
+                                               "RINGCC_RING_TRANSPORT", ("nccl", "copy-engine")):
         assert mismatched == []
 
 
