@@ -78,9 +78,10 @@ def _names(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", nargs="?", default="all", choices=["all", "phase", "report"],
-                    help="all: launch one torchrun per world size, then report (default); "
-                         "phase: run under torchrun for its world size; report: from saved JSON")
+    ap.add_argument("command", nargs="?", default="all", choices=["all", "phase", "probe", "report"],
+                    help="all: launch one torchrun per world size, the max-length probes, then report "
+                         "(default); phase: run under torchrun for its world size; probe: one max-length "
+                         "probe under torchrun (--method, --probe-n); report: from saved JSON")
     ap.add_argument("inputs", nargs="*", help="report: results.json or part files")
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, fp32, tiny sizes (CI)")
     ap.add_argument("--worlds", default=None, help="world sizes to launch, in order (default 1,4,2; smoke 1,2)")
@@ -102,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--maxlen-methods", default="sdpa-cudnn,ring-zigzag,cp-cudnn-alltoall",
                     help="methods whose largest length is searched (MHA, causal, fwd+bwd); '' for none")
     ap.add_argument("--probe-seconds", type=float, default=15.0, help="longest estimated single probe")
+    ap.add_argument("--maxlen-allocators", default="default",
+                    help="comma list of allocator settings the max-length search runs under, each for every p: "
+                         + ", ".join(f"{k} ({v or 'PyTorch default'})" for k, v in ALLOCATORS.items()))
+    ap.add_argument("--maxlen-probes", type=int, default=8, help="most probes per max-length search")
+    ap.add_argument("--maxlen-minutes", type=float, default=4.0,
+                    help="launcher: part of --max-minutes kept for the max-length probes (after the phases)")
+    ap.add_argument("--method", default=None, help="probe: the method")
+    ap.add_argument("--probe-n", type=int, default=0, help="probe: the total length")
     ap.add_argument("--maxlen-cap-gib", type=float, default=0.0,
                     help="search the largest length under this per-GPU allocator cap (GiB; 0 = the whole "
                          "device), the same for every p: keeps O(n^2) probes short")
@@ -127,10 +136,16 @@ def finish_args(args) -> argparse.Namespace:
     args.causals = {"both": [True, False], "causal": [True], "noncausal": [False]}[args.causal]
     args.modes = _names(args.modes)
     args.maxlen_methods = _names(args.maxlen_methods)
+    args.maxlen_allocators = _names(args.maxlen_allocators)
+    if any(a not in ALLOCATORS for a in args.maxlen_allocators):
+        raise SystemExit(f"unknown --maxlen-allocators {args.maxlen_allocators}; available: {', '.join(ALLOCATORS)}")
     args.profile_cells = {(m, int(n)) for m, n in (x.split("@") for x in _names(args.profile))}
     bad = [m for m in args.modes if m not in ("fwdbwd", "fwd")] + [a for a in args.attn if a not in ("mha", "gqa")]
     if bad:
         raise SystemExit(f"unknown mode/attn {bad}; modes: fwdbwd, fwd; attn: mha, gqa")
+    if args.command == "probe" and (args.method not in METHODS or args.probe_n <= 0 or not args.part):
+        raise SystemExit(f"probe needs --method (one of {', '.join(METHODS)}; got {args.method!r}), "
+                         f"--probe-n > 0 (got {args.probe_n}) and --part")
     names = list(METHODS) if args.methods == "all" else _names(args.methods)
     unknown = [m for m in names if m not in METHODS]
     if unknown:
@@ -801,17 +816,13 @@ def describe(rec: dict) -> str:
     return f"{head} {rec['ms']:9.2f} ms {rec['tflops_per_gpu']:7.1f} TF/s/GPU{peak} comm {rec['comm_bytes'] / MiB:.1f} MiB"
 
 
-PREDICTED_OOM = "predicted OOM"
-
-
-def search_max_length(fits: Callable[[int], bool | str | None], start: int, step: int, max_probes: int) -> dict:
+def search_max_length(fits: Callable[[int], bool | None], start: int, step: int, max_probes: int) -> dict:
     """Largest n (a multiple of `step`) with fits(n) True: doubling from `start` (known to fit),
-    then bisection. fits returns None when a probe is not run (too long): the search stops there
-    and the answer is a lower bound. It returns PREDICTED_OOM where running is unsafe and the
-    measured peaks predict an OOM (p > 1: an OOM on one rank strands its peers in NCCL): that
-    length bounds the bisection like an OOM but is not one (`first_fail` stays a real OOM only)."""
-    lo, hi, probes, stopped, bound = start, None, [], "probe limit", None
-    while sum(ok is not PREDICTED_OOM for _, ok in probes) < max_probes:
+    then bisection. fits returns None when a probe is not run (too long, out of budget, or it
+    failed other than by running out of memory): the search stops there and the answer is a
+    lower bound. `first_fail` is the shortest length that ran out of memory (None if none did)."""
+    lo, hi, probes, stopped = start, None, [], "probe limit"
+    while len(probes) < max_probes:
         n = 2 * lo if hi is None else (lo + hi) // 2 // step * step
         if hi is not None and n <= lo:
             stopped = "converged"
@@ -821,37 +832,17 @@ def search_max_length(fits: Callable[[int], bool | str | None], start: int, step
         if ok is None:
             stopped = "not probed"
             break
-        if ok is PREDICTED_OOM:
-            hi = bound = n
-        elif ok:
+        if ok:
             lo = n
         else:
             hi = n
-    if bound is not None and stopped == "converged":
-        stopped = f"converged below the model's predicted OOM at {bound}"
-    first_fail = hi if hi is not None and hi != bound else None
-    return {"max_fit": lo, "first_fail": first_fail, "model_bound": bound, "stopped_by": stopped, "probes": probes}
+    return {"max_fit": lo, "first_fail": hi, "stopped_by": stopped, "probes": probes}
 
 
-def probe_is_safe(n: int, peaks: list[tuple[int, int]], reserved: list[tuple[int, int]], capacity: float,
-                  capped: bool) -> bool:
-    """Whether a multi-rank probe at n may run: the peaks measured in the cells (allocated bytes,
-    a + b*n) predict it fits. Under an allocator cap, which limits *reserved* memory, the
-    prediction is scaled by the largest reserved/predicted ratio seen in the probes that fit
-    (1.15 before the first), and must stay under 92% of the cap; run 5 of RESULTS.md hung when
-    a probe that the allocated peaks let through (85% of an 8 GiB cap) ran out of memory."""
-    if not peaks:
-        return False
-    a, b = fit_line(peaks)
-    predicted = a + b * n
-    if not capped:
-        return predicted <= 0.92 * capacity
-    ratio = max([1.0] + [res / (a + b * m) for m, res in reserved]) if reserved else 1.15
-    return predicted * ratio <= 0.92 * capacity
-
-
-def _maxlen_capacity(env: Env) -> float:
+def _maxlen_capacity(env: Env) -> float | None:
     """Bytes a probe may use: the --maxlen-cap-gib allocator cap (set here), else the device."""
+    if not env.cuda:
+        return None
     total = torch.cuda.get_device_properties(env.device).total_memory
     cap = env.args.maxlen_cap_gib * GiB
     if cap <= 0 or cap >= total:
@@ -860,85 +851,164 @@ def _maxlen_capacity(env: Env) -> float:
     return cap
 
 
-def run_maxlen(env: Env, records: list[dict]) -> list[dict]:
-    """Largest MHA causal fwd+bwd length per method of --maxlen-methods that runs at this p."""
+# Note [Max-length probes]
+# Each probe is its own torchrun job: one MHA causal fwd+bwd at one length. A rank that runs out
+# of memory writes a marker and exits at once; torchrun then stops its peers, which may be
+# waiting in NCCL for it (in one process that wait is a hang: run 5 of RESULTS.md). So every
+# length is really run, at p > 1 too, and the answer is the largest that ran. Subprocesses also
+# let each probe start with the allocator configuration under test (PYTORCH_CUDA_ALLOC_CONF is
+# read once, at the first CUDA allocation). ringcc's ring probes run at its leanest setting (one
+# K/V head per head chunk) through the process group (NCCL), whose receive buffers come from the
+# capped caching allocator; the copy-engine ring's areas would be outside the cap on torch 2.11.
+
+PROBE_OOM_EXIT = 3
+PROBE_START_S = 25.0  # budgeted per probe for the job's start (torchrun, CUDA, NCCL)
+ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
+
+
+def probe_settings(method: str, allocator: str) -> dict[str, str]:
+    """Environment of a max-length probe of `method` under `allocator` (a key of ALLOCATORS)."""
+    env = {}
+    if METHODS[method].family == "ring":
+        env.update(RINGCC_RING_WORKSPACE_MIB="0.001", RINGCC_RING_TRANSPORT="nccl")
+    if ALLOCATORS[allocator]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATORS[allocator]
+    return env
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "alloc_failed" in text
+
+
+def run_probe(args) -> None:
+    """One probe under torchrun (Note [Max-length probes]): --part gets the peaks when it fits."""
+    env = Env(args)
+    capacity = _maxlen_capacity(env)
+    part = Path(args.part)
+    cell = Cell(args.method, "mha", True, args.probe_n, env.world)
+    if skip_reason(cell, env):
+        raise SystemExit(f"probe {args.method} n={args.probe_n} p={env.world}: {skip_reason(cell, env)}")
+    t = time.monotonic()
+    try:
+        with METHODS[args.method].make(cell, env) as bench:
+            if env.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            bench.step(True)
+            if env.cuda:
+                torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - an OOM ends this rank now; anything else is raised
+        if not _is_oom(e):
+            raise
+        part.with_name(f"{part.name}.oom{env.rank}").write_text(f"{type(e).__name__}: {e}"[:4000])
+        print(f"[rank {env.rank}] probe n={args.probe_n}: out of memory", flush=True)
+        os._exit(PROBE_OOM_EXIT)  # no NCCL teardown: peers may be waiting for this rank
+    seconds = time.monotonic() - t
+    alloc, reserved, secs = env.all_max([torch.cuda.max_memory_allocated() if env.cuda else 0,
+                                         torch.cuda.max_memory_reserved() if env.cuda else 0, seconds])
+    if env.rank == 0:
+        part.write_text(json.dumps({"n": args.probe_n, "p": env.world, "method": args.method, "fits": True,
+                                    "peak_allocated": int(alloc), "peak_reserved": int(reserved),
+                                    "capacity_bytes": capacity, "seconds": secs,
+                                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_probe_job(args, method: str, p: int, n: int, allocator: str, work: Path, timeout: float) -> dict:
+    """Launch one probe job; -> {"outcome": "fits" | "oom" | "timeout" | "error", ...peaks}."""
+    part = work / f"probe_{method}_p{p}_{allocator}_{n}.json"
+    for old in [part, *work.glob(part.name + ".oom*")]:
+        old.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p}",
+           str(Path(__file__).resolve()), "probe", "--method", method, "--probe-n", str(n), "--part", str(part),
+           "--maxlen-cap-gib", str(args.maxlen_cap_gib), "--nccl-timeout", str(args.nccl_timeout)]
+    cmd += ["--smoke"] if args.smoke else []
+    env = {**os.environ, **probe_settings(method, allocator)}
+    t = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        rc = None
+    out = {"n": n, "job_seconds": round(time.monotonic() - t, 1)}
+    ooms = sorted(work.glob(part.name + ".oom*"))
+    if ooms:
+        out.update(outcome="oom", detail=ooms[0].read_text()[:300])
+    elif rc is None:
+        out.update(outcome="timeout", detail=f"no result after {timeout:.0f} s")
+    elif rc == 0 and part.exists():
+        out.update(outcome="fits", **{k: v for k, v in json.loads(part.read_text()).items()
+                                      if k in ("peak_allocated", "peak_reserved", "seconds")})
+    else:
+        out.update(outcome="error", detail=f"exit {rc}: " + "\n".join((log or "").splitlines()[-15:]))
+    return out
+
+
+def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dict]:
+    """Largest MHA causal fwd+bwd length per method of --maxlen-methods and world size that ran
+    in the phases, once per --maxlen-allocators setting; one job per probe (Note [Max-length
+    probes]). Starts from the longest measured cell under 80% of the capacity; probe times are
+    extrapolated from it (O(n^2))."""
+    res = load_results(parts)
+    ok = [r for r in res["records"] if r["status"] == "ok"]
     results = []
-    capacity = _maxlen_capacity(env) if env.cuda else None
-    if env.cuda and env.world > 1:
-        from ringcc.runtime import comm as ring_comm
+    for allocator in args.maxlen_allocators:
+        for phase in res["phases"]:
+            p, total = phase["world"], phase.get("device_total_memory")
+            for name in args.maxlen_methods:
+                if name not in METHODS or (p == 1) != (METHODS[name].family == "single"):
+                    continue
+                head = {"method": name, "p": p, "attn": "mha", "causal": True, "allocator": allocator}
+                if not total:
+                    results.append({**head, "status": "skipped", "reason": "CPU (no device memory to fill)"})
+                    continue
+                capped = 0 < args.maxlen_cap_gib * GiB < total
+                capacity = args.maxlen_cap_gib * GiB if capped else float(total)
+                done = [r for r in ok if r["method"] == name and r["p"] == p and r["attn"] == "mha" and r["causal"]
+                        and r["mode"] == "fwdbwd" and r.get("peak_bytes") and r["peak_bytes"] <= 0.8 * capacity]
+                if not done:
+                    results.append({**head, "status": "skipped", "reason": "no measured fwd+bwd cell fits under the capacity"})
+                    continue
+                base = max(done, key=lambda r: r["n"])
+                probes, why = [], {}
 
-        ring_comm.release_comm_buffers()  # the probes run through NCCL (below)
-    for name in env.args.maxlen_methods:
-        # The target compares the single-GPU kernel with the distributed methods.
-        if name not in METHODS or (env.world == 1) != (METHODS[name].family == "single"):
-            continue
-        probe_cell = Cell(name, "mha", True, 0, env.world)
-        if skip_reason(dataclasses.replace(probe_cell, n=2 * env.world), env):
-            continue
-        done = [r for r in records if r["method"] == name and r["attn"] == "mha" and r["causal"]
-                and r["mode"] == "fwdbwd" and r["status"] == "ok"]
-        # Start from the longest measured cell that fits comfortably under the capacity.
-        starts = [r["n"] for r in done if r.get("peak_bytes") and r["peak_bytes"] <= 0.8 * capacity] if env.cuda else []
-        if not starts:
-            results.append({"method": name, "p": env.world, "status": "skipped",
-                            "reason": "CPU" if not env.cuda else "no measured fwd+bwd cell fits under the capacity"})
-            continue
-        start = max(starts)
-        step = 2 * env.world * 8192
-        peaks = [(r["n"], r["peak_bytes"]) for r in done if r.get("peak_bytes")]
-        reserved: list[tuple[int, int]] = []  # (n, peak reserved bytes) of the probes that fit
-        probed: list[tuple[int, int]] = []  # (n, peak allocated bytes) of the probes that fit
-        # ringcc at its leanest: one K/V head per head chunk (the default rule trades memory for
-        # speed: more heads per chunk when the workspace is small next to q, k, v and out).
-        lean = {"RINGCC_RING_WORKSPACE_MIB": "0.001"} if METHODS[name].family == "ring" else {}
-        why = {}
+                def fits(n: int, base=base, name=name, p=p, allocator=allocator, capacity=capacity) -> bool | None:
+                    secs = base["ms"] / 1000 * (n / base["n"]) ** 2
+                    if secs > args.probe_seconds:
+                        why["stop"] = f"time cap (n={n} estimated {secs:.0f} s > --probe-seconds)"
+                        return None
+                    if time.monotonic() + PROBE_START_S + 4 * secs > deadline:
+                        why["stop"] = "time budget"
+                        return None
+                    probe = run_probe_job(args, name, p, n, allocator, work, timeout=4 * PROBE_START_S + 10 * secs)
+                    probes.append(probe)
+                    print(f"max-length probe {name} p={p} {allocator} n={n}: {probe['outcome']}"
+                          + (f" (reserved {probe['peak_reserved'] / GiB:.2f} GiB)" if "peak_reserved" in probe else "")
+                          + (f" ({probe['detail']})" if probe["outcome"] in ("error", "timeout") else ""), flush=True)
+                    if probe["outcome"] == "fits" and probe["peak_reserved"] > capacity:
+                        why["stop"] = why["invalid"] = (f"the cap was not enforced (n={n} reserved "
+                                                        f"{probe['peak_reserved']} bytes > {capacity:.0f})")
+                        return None
+                    if probe["outcome"] in ("error", "timeout"):
+                        why["stop"] = f"probe {probe['outcome']} at n={n}"
+                        return None
+                    return probe["outcome"] == "fits"
 
-        def fits(n: int) -> bool | str | None:
-            cell = dataclasses.replace(probe_cell, n=n)
-            t = est_seconds(cell, env, "fwdbwd")
-            if not env.agree(t <= env.args.probe_seconds):
-                why["stop"] = f"time cap (probe at n={n} estimated {t:.0f} s > --probe-seconds)"
-                return None
-            if not env.agree(3 * t < env.left()):
-                why["stop"] = "time budget"
-                return None
-            if env.world > 1:
-                # An OOM on one rank in the middle of the ring would leave its peers waiting in
-                # NCCL: with p > 1, probe only lengths that the measured peaks predict to fit.
-                # The measured cells' peaks until two probes (in the probes' own setting) fit.
-                model = probed if len(probed) >= 2 else peaks
-                safe = probe_is_safe(n, model, reserved if model is probed else [], capacity, env.args.maxlen_cap_gib > 0)
-                if not env.agree(safe):
-                    return PREDICTED_OOM
-            ok = True
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                # Through NCCL: its receive buffers come from the caching allocator, which the cap
-                # limits (the copy-engine ring's areas are outside it; same bytes, see comm.py).
-                with contextlib.ExitStack() as stack:
-                    stack.enter_context(_env_var("RINGCC_RING_TRANSPORT", "nccl"))
-                    for key, value in lean.items():
-                        stack.enter_context(_env_var(key, value))
-                    bench = stack.enter_context(METHODS[name].make(cell, env))
-                    bench.step(True)
-                    torch.cuda.synchronize()
-            except torch.cuda.OutOfMemoryError:
-                ok = False
-            ok = env.agree(ok)  # every rank makes the same collectives below; the next probe frees the pool first
-            if ok:
-                reserved.append((n, int(env.all_max([torch.cuda.max_memory_reserved()])[0])))
-                probed.append((n, int(env.all_max([torch.cuda.max_memory_allocated()])[0])))
-            env.log(f"max-length probe {name} n={n}: {'fits' if ok else 'OOM'}")
-            return ok
-
-        res = search_max_length(fits, start, step, max_probes=6)
-        res["stopped_by"] = why.get("stop", res["stopped_by"])
-        results.append({"method": name, "p": env.world, "attn": "mha", "causal": True, "status": "ok",
-                        "transport": "nccl" if env.world > 1 else None, "setting": lean or None,
-                        "capacity_bytes": capacity, "capped": env.args.maxlen_cap_gib > 0, **res})
-        env.log(f"max length {name}: >= {res['max_fit']} ({res['stopped_by']})")
+                found = search_max_length(fits, base["n"], 2 * p * 1024, max_probes=args.maxlen_probes)
+                found["stopped_by"] = why.get("stop", found["stopped_by"])
+                found["probes"] = probes
+                if "invalid" in why:
+                    found.update(status="failed", reason=why["invalid"])
+                results.append({**head, "status": "ok", **found,
+                                "transport": "nccl" if METHODS[name].family == "ring" else None,
+                                "setting": probe_settings(name, allocator) or None, "capacity_bytes": capacity,
+                                "capped": capped})
+                print(f"max length {name} p={p} {allocator}: >= {found['max_fit']} ({found['stopped_by']})", flush=True)
     return results
 
 
@@ -956,9 +1026,6 @@ def run_phase(args) -> None:
     env.log(f"{part['phases'][0].get('device')} torch {torch.__version__}; budget {args.max_minutes:.1f} min")
     for cell in plan_cells(env):
         part["records"] += run_cell(cell, env, part["records"])
-        save()
-    if args.maxlen_methods:
-        part["maxlen"] = run_maxlen(env, part["records"])
         save()
     env.log(f"phase done in {time.monotonic() - T0:.0f} s")
     if dist.is_initialized():
@@ -1080,9 +1147,14 @@ def check_targets(res: dict) -> list[str]:
         if cps:
             lines.append(f"info  context parallel peak: {min(c['peak_vs_ideal'] for c in cps):.2f}-"
                          f"{max(c['peak_vs_ideal'] for c in cps):.2f}x ideal")
-    single = next((m for m in res["maxlen"] if m["method"] == BASELINE and m["p"] == 1 and m["status"] == "ok"), None)
-    multi = next((m for m in res["maxlen"] if m["method"] == headline_ring(True) and m["p"] == p and m["status"] == "ok"), None)
-    if single and multi:
+    searched = False
+    for allocator in dict.fromkeys(m.get("allocator", "default") for m in res["maxlen"]):
+        found = [m for m in res["maxlen"] if m.get("allocator", "default") == allocator and m["status"] == "ok"]
+        single = next((m for m in found if m["method"] == BASELINE and m["p"] == 1), None)
+        multi = next((m for m in found if m["method"] == headline_ring(True) and m["p"] == p), None)
+        if not (single and multi):
+            continue
+        searched = True
         v = multi["max_fit"] / single["max_fit"]
         model = ""
         if single.get("max_model") and multi.get("max_model"):
@@ -1091,19 +1163,16 @@ def check_targets(res: dict) -> list[str]:
         cap = ""
         if single.get("capped") or multi.get("capped"):
             cap = f" under a {single.get('capacity_bytes', 0) / GiB:.0f} GiB allocator cap per GPU"
-        # The multi-GPU fit is a lower bound (run without an OOM); the single-GPU first OOM bounds
-        # its maximum from above, so their ratio is a lower bound on the true ratio.
-        if single["first_fail"] is not None:
-            lower = multi["max_fit"] / single["first_fail"]
-            ok = lower >= 3.8
-            state = verdict(ok) if ok or multi["first_fail"] is not None else "n/a  "
-            bound = f", at least {lower:.2f}x against the first single-GPU OOM ({single['first_fail']})"
-        else:
-            state, bound = "n/a  ", ""
-        lines.append(f"{state}  longest fwd+bwd p={p} / 1 GPU{cap}: {multi['max_fit']} / {single['max_fit']} = "
-                     f"{v:.2f}x{bound} (searches: {multi['stopped_by']} / {single['stopped_by']}){model} "
-                     f"(target >= 3.8x)")
-    else:
+        # Both searches ran every length they report (Note [Max-length probes]); the ratio is a
+        # lower bound on the true one when the multi-GPU search stopped before an OOM, and the
+        # single-GPU first OOM bounds the single-GPU maximum from above.
+        lower = multi["max_fit"] / single["first_fail"] if single["first_fail"] else None
+        state = verdict(v >= 3.8) if v >= 3.8 or multi["first_fail"] is not None else "n/a  "
+        bound = f", {lower:.2f}x against the first single-GPU OOM ({single['first_fail']})" if lower else ""
+        lines.append(f"{state}  longest fwd+bwd p={p} / 1 GPU{cap}, {allocator} allocator: {multi['max_fit']} / "
+                     f"{single['max_fit']} = {v:.2f}x{bound} (searches: {multi['stopped_by']} / "
+                     f"{single['stopped_by']}){model} (target >= 3.8x)")
+    if not searched:
         lines.append("n/a   longest sequence: no max-length search for both")
     hidden = []
     for r in res["records"]:
@@ -1177,12 +1246,18 @@ def format_table(res: dict) -> str:
         for m in res["maxlen"]:
             if m["status"] == "ok":
                 cap = f" (cap {m['capacity_bytes'] / GiB:.0f} GiB)" if m.get("capped") else ""
-                out.append(f"  {m['method']:<22} p={m['p']}{cap}: fits {m['max_fit']}, first OOM {m['first_fail'] or '-'}, "
-                           f"stopped by {m['stopped_by']}; model {m.get('max_model') or '-'}"
+                peak = next((x for x in reversed(m.get("probes", [])) if x.get("n") == m["max_fit"]
+                             and "peak_reserved" in x), None)
+                out.append(f"  {m['method']:<22} p={m['p']}{cap} {m.get('allocator', 'default')} allocator: fits "
+                           f"{m['max_fit']}" + (f" (peak {peak['peak_allocated'] / GiB:.2f} GiB allocated, "
+                                                f"{peak['peak_reserved'] / GiB:.2f} reserved)" if peak else "")
+                           + f", first OOM {m['first_fail'] or '-'}, stopped by {m['stopped_by']}; model "
+                           f"{m.get('max_model') or '-'}"
                            + (f"; {m['transport']} transfers" if m.get("transport") else "")
-                           + ("; one K/V head per chunk" if m.get("setting") else ""))
+                           + ("; one K/V head per chunk" if (m.get("setting") or {}).get("RINGCC_RING_WORKSPACE_MIB") else ""))
             else:
-                out.append(f"  {m['method']:<22} p={m['p']}: {m['status']} ({m.get('reason', '')})")
+                out.append(f"  {m['method']:<22} p={m['p']} {m.get('allocator', 'default')} allocator: {m['status']} "
+                           f"({m.get('reason', '')})")
     return "\n".join(out)
 
 
@@ -1306,7 +1381,8 @@ def launch_all(args) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ringcc_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     deadline = T0 + 60.0 * args.max_minutes
-    reserve = 20.0  # for the report
+    probing = bool(args.maxlen_methods) and not args.smoke
+    reserve = 20.0 + (60.0 * args.maxlen_minutes if probing else 0.0)  # the report, the max-length probes
     gpus = None
     if not args.smoke:
         gpus = torch.cuda.device_count()
@@ -1346,6 +1422,11 @@ def launch_all(args) -> int:
     if not parts:
         print("no phase produced results", flush=True)
         return 1
+    if probing:
+        print(f"=== max-length probes: {deadline - 20.0 - time.monotonic():.0f} s", flush=True)
+        part = work / "part_maxlen.json"
+        part.write_text(json.dumps({"phases": [], "records": [], "maxlen": run_maxlen(args, parts, work, deadline - 20.0)}))
+        parts.append(part)
     print(report(parts, out, args.results_md), flush=True)
     return 0
 
@@ -1358,6 +1439,9 @@ def main(argv=None) -> int:
         return 0
     if args.command == "phase":
         run_phase(args)
+        return 0
+    if args.command == "probe":
+        run_probe(args)
         return 0
     if args.command == "report":
         if not args.inputs:

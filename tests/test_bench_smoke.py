@@ -113,18 +113,6 @@ def test_search_and_memory_model():
     assert res["max_fit"] == 5000 and res["first_fail"] == 5100 and res["stopped_by"] == "converged"
     capped = bench.search_max_length(lambda n: None if n > 2000 else True, start=1000, step=100, max_probes=20)
     assert capped["max_fit"] == 2000 and capped["first_fail"] is None and capped["stopped_by"] == "not probed"
-    # Multi-rank searches bisect below the memory model's predicted OOM without ever running one.
-    ran = []
-
-    def predicted(n):
-        if n > 4000:
-            return bench.PREDICTED_OOM
-        ran.append(n)
-        return True
-
-    modeled = bench.search_max_length(predicted, start=1000, step=100, max_probes=3)
-    assert modeled["max_fit"] == 4000 and modeled["first_fail"] is None and modeled["model_bound"] == 4100
-    assert ran == [2000, 4000] and modeled["stopped_by"].startswith("converged below the model's predicted OOM")
     # peak = 100 + 3 n: the largest n under 1000 bytes is 300.
     assert bench.model_max_length([(10, 130), (50, 250), (90, 370)], 1000, 1) == 300
     section = bench.RESULTS_BEGIN + "\nnew\n" + bench.RESULTS_END
@@ -187,13 +175,18 @@ def test_targets_on_gpu_shaped_results():
     # ideal = 16 GiB / 4 = 4 GiB: 8 GiB > 1.1 * 4 GiB + 256 MiB.
     assert any(x.startswith("MISS  ring peak <= 1.1 x (1-GPU peak / p) + 256 MiB: 1/2 cells; worst 2.00x") for x in lines)
     assert "info  context parallel peak: 3.00-3.00x ideal" in text
-    # Without an OOM bracketing the 4-GPU search, the ratio is a lower bound: n/a, not PASS/MISS.
-    assert any(x.startswith("n/a    longest fwd+bwd p=4 / 1 GPU: 7340032 / 2097152 = 3.50x, at least 3.11x") for x in lines)
-    # A multi-GPU lower bound over the single GPU's first OOM that clears 3.8x is a verified PASS.
+    # Without an OOM bracketing the 4-GPU search, a ratio under 3.8x is a lower bound: n/a, not MISS.
+    assert any(x.startswith("n/a    longest fwd+bwd p=4 / 1 GPU, default allocator: 7340032 / 2097152 = 3.50x, "
+                            "3.11x against the first single-GPU OOM") for x in lines)
+    # A length that ran on 4 GPUs, 3.8x past the single GPU's, is a PASS even without an OOM ...
     res["maxlen"][1]["max_fit"] = 9 * K * K
-    assert any(x.startswith("PASS  longest fwd+bwd p=4 / 1 GPU: 9437184 / 2097152 = 4.50x, at least 4.00x")
+    assert any(x.startswith("PASS  longest fwd+bwd p=4 / 1 GPU, default allocator: 9437184 / 2097152 = 4.50x")
                for x in bench.check_targets(res))
-    res["maxlen"][1]["max_fit"] = 7 * K * K
+    # ... and one bracketed by a 4-GPU OOM below 3.8x is a MISS.
+    res["maxlen"][1].update(max_fit=7 * K * K, first_fail=7 * K * K + 8 * K)
+    assert any(x.startswith("MISS  longest fwd+bwd p=4 / 1 GPU, default allocator: 7340032 / 2097152 = 3.50x")
+               for x in bench.check_targets(res))
+    res["maxlen"][1].update(first_fail=None)
     assert any(x.startswith("PASS  communication hidden") and "worst 1.040" in x for x in lines)
     assert "PASS  dilated time(4n) <= 4.6 x time(n), causal fwdbwd: 256K->1024K 4.50x" in text
     assert "PASS  dilated vs dense ring at 1M, causal fwdbwd: 200.0x faster (target >= 10x)" in text
@@ -255,24 +248,57 @@ def test_compare_variants_rows(tmp_path):
     assert "cta" in cv.format_rows(rows)
 
 
-def test_multi_rank_probe_safety_models_reserved_memory_under_a_cap():
-    """Run 5 (RESULTS.md): under an 8 GiB cap, 655360 tokens fit on 4 GPUs and 720896 ran out of
-    memory on one rank, which hangs its peers. The allocated peaks of the cells alone let 720896
-    through; scaled by the reserved memory of the probes that fit, it is refused."""
+def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
+    """The launcher's search (Note [Max-length probes]) on a fake probe job: doubling, then
+    bisection to the step; OOMs bound it; a probe whose reserved peak passes the cap stops it
+    (the cap was not enforced); the ring probes run lean, through the process group."""
     bench = _load_bench()
     G = 2**30
-    peaks = [(65536, int(0.78 * G)), (262144, int(2.57 * G))]
-    cap = 8 * G
-    assert bench.probe_is_safe(524288, peaks, [], cap, capped=True)
-    # Before any probe the default ratio (1.15) already keeps 720896 out ...
-    assert not bench.probe_is_safe(720896, peaks, [], cap, capped=True)
-    # ... and a probe's reserved peak above its allocated model tightens the bound further.
-    reserved = [(524288, int(5.6 * G)), (655360, int(7.4 * G))]
-    assert bench.probe_is_safe(655360, peaks, reserved[:1], cap, capped=True)
-    assert not bench.probe_is_safe(720896, peaks, reserved, cap, capped=True)
-    # Without a cap the allocated model is compared with 92% of the device, as before.
-    assert bench.probe_is_safe(720896, peaks, [], 80 * G, capped=False)
-    assert not bench.probe_is_safe(720896, [], [], 80 * G, capped=False)
+    args = bench.finish_args(bench.build_parser().parse_args(
+        ["--maxlen-methods", "sdpa-cudnn,ring-zigzag", "--maxlen-cap-gib", "8", "--maxlen-allocators",
+         "default,expandable", "--maxlen-probes", "12"]))
+    phases = {"phases": [{"world": 1, "device_total_memory": 80 * G}, {"world": 4, "device_total_memory": 80 * G}],
+              "records": [_rec("sdpa-cudnn", "single", 65536, 1, 100.0, peak=int(2.5 * G)),
+                          _rec("ring-zigzag", "ring", 262144, 4, 400.0, peak=int(2.7 * G))], "maxlen": []}
+    for r in phases["records"]:
+        r["causal"] = True
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps(phases))
+    calls = []
+
+    def fake_job(args_, method, p, n, allocator, work, timeout):
+        calls.append((method, p, n, allocator))
+        limit = {1: 200000, 4: 800000}[p] * (1.1 if allocator == "expandable" else 1.0)
+        if n > limit:
+            return {"n": n, "outcome": "oom", "detail": "CUDA out of memory"}
+        reserved = 9 * G if (allocator, p) == ("expandable", 1) and n > 150000 else 7 * G
+        return {"n": n, "outcome": "fits", "peak_allocated": 6 * G, "peak_reserved": reserved, "seconds": 1.0}
+
+    monkeypatch.setattr(bench, "run_probe_job", fake_job)
+    found = bench.run_maxlen(args, [part], tmp_path, deadline=bench.time.monotonic() + 3600)
+    by = {(m["method"], m["allocator"]): m for m in found}
+    assert by[("sdpa-cudnn", "default")]["max_fit"] == 198656  # multiple of 2 * 1 * 1024, <= 200000
+    assert by[("sdpa-cudnn", "default")]["first_fail"] == 200704
+    assert by[("sdpa-cudnn", "default")]["stopped_by"] == "converged"
+    assert by[("ring-zigzag", "default")]["max_fit"] == 794624 and by[("ring-zigzag", "default")]["first_fail"] == 802816
+    assert by[("ring-zigzag", "default")]["setting"] == {"RINGCC_RING_WORKSPACE_MIB": "0.001",
+                                                         "RINGCC_RING_TRANSPORT": "nccl"}
+    assert by[("ring-zigzag", "expandable")]["setting"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert by[("sdpa-cudnn", "expandable")]["status"] == "failed"
+    assert by[("sdpa-cudnn", "expandable")]["reason"].startswith("the cap was not enforced (n=196608")
+    assert all(n % (2 * p * 1024) == 0 for _, p, n, _ in calls)
+    text = "\n".join(bench.check_targets({**phases, "maxlen": found}))
+    assert "longest fwd+bwd p=4 / 1 GPU under a 8 GiB allocator cap per GPU, default allocator: 794624 / 198656 = 4.00x" in text
+    assert bench._is_oom(RuntimeError("CUDA error: out of memory")) and not bench._is_oom(RuntimeError("bad shape"))
+
+
+def test_max_length_probe_job_on_gloo(tmp_path):
+    """One real probe job (torchrun, p = 2, gloo, the smoke sizes): it fits and reports."""
+    bench = _load_bench()
+    args = bench.finish_args(bench.build_parser().parse_args(["--smoke", "--maxlen-cap-gib", "0"]))
+    out = bench.run_probe_job(args, "ring-zigzag", 2, 256, "default", tmp_path, timeout=240)
+    assert out["outcome"] == "fits", out
+    assert out["n"] == 256 and out["seconds"] > 0
 
 
 def test_ring_timeline_runs_on_gloo(tmp_path):
