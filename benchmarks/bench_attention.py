@@ -862,6 +862,7 @@ def _maxlen_capacity(env: Env) -> float | None:
 # capped caching allocator; the copy-engine ring's areas would be outside the cap on torch 2.11.
 
 PROBE_OOM_EXIT = 3
+CAP_SLACK = 64 * MiB  # reserved bytes past the cap that still count as under it
 PROBE_START_S = 25.0  # budgeted per probe for the job's start (torchrun, CUDA, NCCL)
 ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
 
@@ -990,7 +991,9 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                     print(f"max-length probe {name} p={p} {allocator} n={n}: {probe['outcome']}"
                           + (f" (reserved {probe['peak_reserved'] / GiB:.2f} GiB)" if "peak_reserved" in probe else "")
                           + (f" ({probe['detail']})" if probe["outcome"] in ("error", "timeout") else ""), flush=True)
-                    if probe["outcome"] == "fits" and probe["peak_reserved"] > capacity:
+                    # expandable segments map 2 MiB pages: a few MiB past the cap is the cap (the
+                    # 4-GPU run of session 6 saw +10 MiB at 8 GiB)
+                    if probe["outcome"] == "fits" and probe["peak_reserved"] > capacity + CAP_SLACK:
                         why["stop"] = why["invalid"] = (f"the cap was not enforced (n={n} reserved "
                                                         f"{probe['peak_reserved']} bytes > {capacity:.0f})")
                         return None

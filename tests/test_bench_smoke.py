@@ -271,7 +271,7 @@ def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
         limit = {1: 200000, 4: 800000}[p] * (1.1 if allocator == "expandable" else 1.0)
         if n > limit:
             return {"n": n, "outcome": "oom", "detail": "CUDA out of memory"}
-        reserved = 9 * G if (allocator, p) == ("expandable", 1) and n > 150000 else 7 * G
+        reserved = 9 * G if (allocator, p) == ("expandable", 1) and n > 150000 else 8 * G + 32 * 2**20
         return {"n": n, "outcome": "fits", "peak_allocated": 6 * G, "peak_reserved": reserved, "seconds": 1.0}
 
     monkeypatch.setattr(bench, "run_probe_job", fake_job)
