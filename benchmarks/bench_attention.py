@@ -816,17 +816,27 @@ def describe(rec: dict) -> str:
     return f"{head} {rec['ms']:9.2f} ms {rec['tflops_per_gpu']:7.1f} TF/s/GPU{peak} comm {rec['comm_bytes'] / MiB:.1f} MiB"
 
 
-def search_max_length(fits: Callable[[int], bool | None], start: int, step: int, max_probes: int) -> dict:
+def search_max_length(fits: Callable[[int], bool | None], start: int, step: int, max_probes: int,
+                      guess: Callable[[], int | None] | None = None) -> dict:
     """Largest n (a multiple of `step`) with fits(n) True: doubling from `start` (known to fit),
     then bisection. fits returns None when a probe is not run (too long, out of budget, or it
     failed other than by running out of memory): the search stops there and the answer is a
-    lower bound. `first_fail` is the shortest length that ran out of memory (None if none did)."""
+    lower bound. `first_fail` is the shortest length that ran out of memory (None if none did).
+    `guess()`, when given, predicts the largest fitting length from what was measured so far:
+    a prediction inside the open bracket (doubling at most) is probed instead of the midpoint
+    (one past the last fit when it predicts that fit; ignored below it), so a good model ends
+    the search in a few probes and a bad one costs probes, never correctness."""
     lo, hi, probes, stopped = start, None, [], "probe limit"
     while len(probes) < max_probes:
         n = 2 * lo if hi is None else (lo + hi) // 2 // step * step
         if hi is not None and n <= lo:
             stopped = "converged"
             break
+        g = guess() if guess else None
+        if g is not None and g >= lo:  # (a model that says lo does not fit is wrong: bisect)
+            g = max(g // step * step, lo + step)  # it says lo is the answer: try the next length
+            if g < (hi if hi is not None else 2 * lo + step):
+                n = g
         ok = fits(n)
         probes.append([n, ok])
         if ok is None:
@@ -977,6 +987,13 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                     continue
                 base = max(done, key=lambda r: r["n"])
                 probes, why = [], {}
+                cells = [(r["n"], r["peak_bytes"]) for r in done]
+
+                def guess(probes=probes, cells=cells, capacity=capacity) -> int | None:
+                    # peak = a + b*n from the probes that fit (their own setting), else the cells
+                    pts = [(x["n"], x["peak_allocated"]) for x in probes if x["outcome"] == "fits"] or cells
+                    a, b = fit_line(pts)
+                    return int((capacity - a) / b) if b > 0 else None
 
                 def fits(n: int, base=base, name=name, p=p, allocator=allocator, capacity=capacity) -> bool | None:
                     secs = base["ms"] / 1000 * (n / base["n"]) ** 2
@@ -1002,7 +1019,7 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                         return None
                     return probe["outcome"] == "fits"
 
-                found = search_max_length(fits, base["n"], 2 * p * 1024, max_probes=args.maxlen_probes)
+                found = search_max_length(fits, base["n"], 2 * p * 1024, max_probes=args.maxlen_probes, guess=guess)
                 found["stopped_by"] = why.get("stop", found["stopped_by"])
                 found["probes"] = probes
                 if "invalid" in why:

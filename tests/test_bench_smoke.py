@@ -111,6 +111,15 @@ def test_search_and_memory_model():
     bench = _load_bench()
     res = bench.search_max_length(lambda n: n <= 5000, start=1000, step=100, max_probes=20)
     assert res["max_fit"] == 5000 and res["first_fail"] == 5100 and res["stopped_by"] == "converged"
+    # A model that knows the answer: its guess, then one step past it (the first OOM).
+    ran = []
+    guided = bench.search_max_length(lambda n: ran.append(n) or n <= 5000, start=3000, step=100, max_probes=20,
+                                     guess=lambda: 5049)
+    assert (guided["max_fit"], guided["first_fail"], ran) == (5000, 5100, [5000, 5100])
+    # A wrong model (below what already fits, or past an OOM) changes the probes, not the answer.
+    for wrong in (lambda: 10, lambda: 10**6, lambda: 5400):
+        res = bench.search_max_length(lambda n: n <= 5000, start=1000, step=100, max_probes=30, guess=wrong)
+        assert (res["max_fit"], res["first_fail"], res["stopped_by"]) == (5000, 5100, "converged")
     capped = bench.search_max_length(lambda n: None if n > 2000 else True, start=1000, step=100, max_probes=20)
     assert capped["max_fit"] == 2000 and capped["first_fail"] is None and capped["stopped_by"] == "not probed"
     # peak = 100 + 3 n: the largest n under 1000 bytes is 300.
@@ -249,9 +258,9 @@ def test_compare_variants_rows(tmp_path):
 
 
 def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
-    """The launcher's search (Note [Max-length probes]) on a fake probe job: doubling, then
-    bisection to the step; OOMs bound it; a probe whose reserved peak passes the cap stops it
-    (the cap was not enforced); the ring probes run lean, through the process group."""
+    """The launcher's search (Note [Max-length probes]) on a fake probe job: guided by the
+    probes' own peaks, down to the step; OOMs bound it; a probe whose reserved peak passes the
+    cap stops it (the cap was not enforced); the ring probes run lean, through the process group."""
     bench = _load_bench()
     G = 2**30
     args = bench.finish_args(bench.build_parser().parse_args(
@@ -272,7 +281,9 @@ def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
         if n > limit:
             return {"n": n, "outcome": "oom", "detail": "CUDA out of memory"}
         reserved = 9 * G if (allocator, p) == ("expandable", 1) and n > 150000 else 8 * G + 32 * 2**20
-        return {"n": n, "outcome": "fits", "peak_allocated": 6 * G, "peak_reserved": reserved, "seconds": 1.0}
+        # allocated grows linearly to the 8 GiB cap at the limit: the guided search needs few probes
+        return {"n": n, "outcome": "fits", "peak_allocated": int(8 * G * n / limit), "peak_reserved": reserved,
+                "seconds": 1.0}
 
     monkeypatch.setattr(bench, "run_probe_job", fake_job)
     found = bench.run_maxlen(args, [part], tmp_path, deadline=bench.time.monotonic() + 3600)
@@ -285,8 +296,10 @@ def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
                                                          "RINGCC_RING_TRANSPORT": "nccl"}
     assert by[("ring-zigzag", "expandable")]["setting"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert by[("sdpa-cudnn", "expandable")]["status"] == "failed"
-    assert by[("sdpa-cudnn", "expandable")]["reason"].startswith("the cap was not enforced (n=196608")
+    assert by[("sdpa-cudnn", "expandable")]["reason"].startswith("the cap was not enforced (n=219136")
     assert all(n % (2 * p * 1024) == 0 for _, p, n, _ in calls)
+    # doubling once from the measured cell, then the model's guess from that probe, then one step past it
+    assert [n for m, p, n, a in calls if (m, a) == ("sdpa-cudnn", "default")] == [131072, 198656, 200704]
     text = "\n".join(bench.check_targets({**phases, "maxlen": found}))
     assert "longest fwd+bwd p=4 / 1 GPU under a 8 GiB allocator cap per GPU, default allocator: 794624 / 198656 = 4.00x" in text
     assert bench._is_oom(RuntimeError("CUDA error: out of memory")) and not bench._is_oom(RuntimeError("bad shape"))
