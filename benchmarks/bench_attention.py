@@ -4,6 +4,9 @@ Everything (one launcher: one torchrun per world size, then the report; see READ
     python benchmarks/bench_attention.py --worlds 1,4,2 --out OUT --max-minutes 11
 One world size (what the launcher runs; writes a part file):
     torchrun --nproc-per-node 4 benchmarks/bench_attention.py phase --part part_p4.json
+One max-length probe (what the launcher runs per probe, with probe_settings' environment):
+    torchrun --nproc-per-node 4 benchmarks/bench_attention.py probe --method ring-zigzag --probe-n 786432 \
+        --maxlen-cap-gib 8 --part probe.json
 Report (table, JSON, plots, RESULTS.md section) from saved results:
     python benchmarks/bench_attention.py report OUT/results.json --out OUT --results-md benchmarks/RESULTS.md
 CPU smoke (gloo, fp32, tiny sizes; what CI runs):
@@ -28,10 +31,14 @@ Note [Benchmark metrics]
 - bytes communicated per rank per iteration: ringcc measured (RingComm.bytes_sent during the
   memory run); context parallel from its schedule (K/V all-gather or all-to-all ring, dK/dV in
   fp32 around the ring in backward), marked "model".
-- largest length: doubling from the largest measured length, then bisection, for one method
-  per world size; each probe is one fwd+bwd. Probes cost O(n^2) time, so a probe whose estimated
-  time exceeds --probe-seconds is not run and the result is a lower bound ("time cap"). The
-  report adds a model estimate from the measured peaks (peak = a + b*n fitted per method).
+- largest length (MHA causal fwd+bwd): after the phases, per method of --maxlen-methods, world
+  size and --maxlen-allocators setting, one torchrun job per probe (Note [Max-length probes]):
+  from the largest measured length, each next length is where a line fitted to the probes'
+  allocated peaks reaches the capacity (inside the bracket), else doubling / bisection, to a
+  step of 2p * 1024 tokens, until an OOM brackets it. Probes cost O(n^2) time, so a probe whose
+  estimated time exceeds --probe-seconds (or the budget) is not run and the result is a lower
+  bound; a probe that fails otherwise, times out, or reserves past the cap ends its search. The
+  report adds a model estimate from the measured cells' peaks (peak = a + b*n per method).
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-iter-seconds", type=float, default=8.0,
                     help="a mode whose estimated iteration is longer is not run")
     ap.add_argument("--maxlen-methods", default="sdpa-cudnn,ring-zigzag,cp-cudnn-alltoall",
-                    help="methods whose largest length is searched (MHA, causal, fwd+bwd); '' for none")
+                    help="launcher: methods whose largest length is searched after the phases (MHA, causal, "
+                         "fwd+bwd; one torchrun job per probe); '' for none")
     ap.add_argument("--probe-seconds", type=float, default=15.0, help="longest estimated single probe")
     ap.add_argument("--maxlen-allocators", default="default",
                     help="comma list of allocator settings the max-length search runs under, each for every p: "
@@ -836,12 +844,12 @@ def search_max_length(fits: Callable[[int], bool | None], start: int, step: int,
     (one past the last fit when it predicts that fit; ignored below it), so a good model ends
     the search in a few probes and a bad one costs probes, never correctness."""
     lo, hi, probes, stopped = start, None, [], "probe limit"
+    crawled = False  # the last probe was a guess one step past a fit, and fit too: the model is low
     while len(probes) < max_probes:
         n = 2 * lo if hi is None else (lo + hi) // 2 // step * step
         if hi is not None and n <= lo:
-            stopped = "converged"
             break
-        g = guess() if guess else None
+        g = guess() if guess and not crawled else None
         if g is not None and g >= lo:  # (a model that says lo does not fit is wrong: bisect)
             g = max(g // step * step, lo + step)  # it says lo is the answer: try the next length
             if g < (hi if hi is not None else 2 * lo + step):
@@ -851,10 +859,13 @@ def search_max_length(fits: Callable[[int], bool | None], start: int, step: int,
         if ok is None:
             stopped = "not probed"
             break
+        crawled = bool(ok) and n == lo + step and n != 2 * lo
         if ok:
             lo = n
         else:
             hi = n
+    if hi is not None and hi - lo <= step:
+        stopped = "converged"
     return {"max_fit": lo, "first_fail": hi, "stopped_by": stopped, "probes": probes}
 
 
@@ -884,6 +895,11 @@ PROBE_OOM_EXIT = 3
 CAP_SLACK = 64 * MiB  # reserved bytes past the cap that still count as under it
 PROBE_START_S = 25.0  # budgeted per probe for the job's start (torchrun, CUDA, NCCL)
 ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
+
+
+def maxlen_step(p: int) -> int:
+    """Resolution of the largest-length search at p ranks: zigzag needs 2p chunks of equal length."""
+    return 2 * p * 1024
 
 
 def probe_settings(method: str, allocator: str) -> dict[str, str]:
@@ -935,6 +951,19 @@ def run_probe(args) -> None:
         dist.destroy_process_group()
 
 
+def _stop_job(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """Stop a torchrun job started in its own session: SIGTERM (torchrun then stops its workers),
+    SIGKILL after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_probe_job(args, method: str, p: int, n: int, allocator: str, work: Path, timeout: float) -> dict:
     """Launch one probe job; -> {"outcome": "fits" | "oom" | "timeout" | "error", ...peaks}."""
     part = work / f"probe_{method}_p{p}_{allocator}_{n}.json"
@@ -946,15 +975,18 @@ def run_probe_job(args, method: str, p: int, n: int, allocator: str, work: Path,
     cmd += ["--smoke"] if args.smoke else []
     env = {**os.environ, **probe_settings(method, allocator)}
     t = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        rc = None
+    log_path = part.with_suffix(".log")
+    # The job writes to a file, not a pipe: torchrun's workers run in their own sessions, and a
+    # worker left behind would hold a pipe open. On timeout torchrun gets SIGTERM, on which it
+    # stops its workers, then SIGKILL.
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            _stop_job(proc)
+    log = log_path.read_text(errors="replace")
     out = {"n": n, "job_seconds": round(time.monotonic() - t, 1)}
     ooms = sorted(work.glob(part.name + ".oom*"))
     if ooms:
@@ -965,7 +997,7 @@ def run_probe_job(args, method: str, p: int, n: int, allocator: str, work: Path,
         out.update(outcome="fits", **{k: v for k, v in json.loads(part.read_text()).items()
                                       if k in ("peak_allocated", "peak_reserved", "seconds")})
     else:
-        out.update(outcome="error", detail=f"exit {rc}: " + "\n".join((log or "").splitlines()[-15:]))
+        out.update(outcome="error", detail=f"exit {rc}: " + "\n".join(log.splitlines()[-15:]))
     return out
 
 
@@ -1012,7 +1044,8 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                     if time.monotonic() + PROBE_START_S + 4 * secs > deadline:
                         why["stop"] = "time budget"
                         return None
-                    probe = run_probe_job(args, name, p, n, allocator, work, timeout=4 * PROBE_START_S + 10 * secs)
+                    timeout = min(4 * PROBE_START_S + 10 * secs, deadline - time.monotonic())
+                    probe = run_probe_job(args, name, p, n, allocator, work, timeout=timeout)
                     probes.append(probe)
                     print(f"max-length probe {name} p={p} {allocator} n={n}: {probe['outcome']}"
                           + (f" (reserved {probe['peak_reserved'] / GiB:.2f} GiB)" if "peak_reserved" in probe else "")
@@ -1028,11 +1061,13 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                         return None
                     return probe["outcome"] == "fits"
 
-                found = search_max_length(fits, base["n"], 2 * p * 1024, max_probes=args.maxlen_probes, guess=guess)
+                found = search_max_length(fits, base["n"], maxlen_step(p), max_probes=args.maxlen_probes, guess=guess)
                 found["stopped_by"] = why.get("stop", found["stopped_by"])
                 found["probes"] = probes
                 if "invalid" in why:
                     found.update(status="failed", reason=why["invalid"])
+                elif not probes:
+                    found.update(status="not probed", reason=why.get("stop", "no probe ran"))
                 results.append({**head, "status": "ok", **found,
                                 "transport": "nccl" if METHODS[name].family == "ring" else None,
                                 "setting": probe_settings(name, allocator) or None, "capacity_bytes": capacity,
@@ -1092,7 +1127,7 @@ def derive(res: dict) -> None:
         pts = [(r["n"], r["peak_bytes"]) for r in ok if r["method"] == m["method"] and r["p"] == m["p"]
                and r["attn"] == "mha" and r["causal"] and r["mode"] == "fwdbwd" and r.get("peak_bytes")]
         cap = m.get("capacity_bytes") or capacity.get(m["p"])
-        m["max_model"] = model_max_length(pts, 0.95 * cap, 2 * m["p"] * 8192) if cap and pts else None
+        m["max_model"] = model_max_length(pts, 0.95 * cap, maxlen_step(m["p"])) if cap and pts else None
 
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -1192,11 +1227,13 @@ def check_targets(res: dict) -> list[str]:
         cap = ""
         if single.get("capped") or multi.get("capped"):
             cap = f" under a {single.get('capacity_bytes', 0) / GiB:.0f} GiB allocator cap per GPU"
-        # Both searches ran every length they report (Note [Max-length probes]); the ratio is a
-        # lower bound on the true one when the multi-GPU search stopped before an OOM, and the
-        # single-GPU first OOM bounds the single-GPU maximum from above.
+        # Both searches ran every length they report (Note [Max-length probes]). The ratio lies
+        # between multi fit / single first OOM and multi first OOM / single fit: PASS when the
+        # lower end clears 3.8x, MISS when the upper end does not, else n/a (so a single-GPU
+        # search stopped before an OOM never makes a PASS).
         lower = multi["max_fit"] / single["first_fail"] if single["first_fail"] else None
-        state = verdict(v >= 3.8) if v >= 3.8 or multi["first_fail"] is not None else "n/a  "
+        upper = multi["first_fail"] / single["max_fit"] if multi["first_fail"] else None
+        state = "PASS" if lower and lower >= 3.8 else "MISS" if upper and upper < 3.8 else "n/a  "
         bound = f", {lower:.2f}x against the first single-GPU OOM ({single['first_fail']})" if lower else ""
         lines.append(f"{state}  longest fwd+bwd p={p} / 1 GPU{cap}, {allocator} allocator: {multi['max_fit']} / "
                      f"{single['max_fit']} = {v:.2f}x{bound} (searches: {multi['stopped_by']} / "
@@ -1389,13 +1426,12 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 
 
 PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
-               "max_iter_seconds", "probe_seconds", "maxlen_cap_gib", "nccl_timeout", "profile"]
+               "max_iter_seconds", "nccl_timeout", "profile"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 
 
 def phase_argv(args) -> list[str]:
-    argv = ["--attn", ",".join(args.attn), "--modes", ",".join(args.modes),
-            "--maxlen-methods", ",".join(args.maxlen_methods)]
+    argv = ["--attn", ",".join(args.attn), "--modes", ",".join(args.modes)]
     for name in PHASE_FLAGS:
         v = getattr(args, name)
         argv += [f"--{name.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
@@ -1412,6 +1448,10 @@ def launch_all(args) -> int:
     deadline = T0 + 60.0 * args.max_minutes
     probing = bool(args.maxlen_methods) and not args.smoke
     reserve = 20.0 + (60.0 * args.maxlen_minutes if probing else 0.0)  # the report, the max-length probes
+    if deadline - time.monotonic() - reserve < 30:
+        raise SystemExit(f"--max-minutes {args.max_minutes} leaves the phases nothing after the report (20 s)"
+                         + (f" and --maxlen-minutes {args.maxlen_minutes}" if probing else "")
+                         + ": raise --max-minutes or lower --maxlen-minutes")
     gpus = None
     if not args.smoke:
         gpus = torch.cuda.device_count()
@@ -1436,12 +1476,8 @@ def launch_all(args) -> int:
             rc = proc.wait(timeout=share + 90)
         except subprocess.TimeoutExpired:
             print(f"p={p}: past its budget + 90 s; stopping it (its finished cells are kept)", flush=True)
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+            _stop_job(proc, grace=15)
+            rc = proc.returncode
         if rc:
             print(f"p={p}: exit code {rc}", flush=True)
         if part.exists():

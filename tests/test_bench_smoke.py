@@ -185,6 +185,7 @@ def test_targets_on_gpu_shaped_results():
     assert any(x.startswith("MISS  ring peak <= 1.1 x (1-GPU peak / p) + 256 MiB: 1/2 cells; worst 2.00x") for x in lines)
     assert "info  context parallel peak: 3.00-3.00x ideal" in text
     # Without an OOM bracketing the 4-GPU search, a ratio under 3.8x is a lower bound: n/a, not MISS.
+    # (The ratio lies between 4-GPU fit / 1-GPU first OOM and 4-GPU first OOM / 1-GPU fit.)
     assert any(x.startswith("n/a    longest fwd+bwd p=4 / 1 GPU, default allocator: 7340032 / 2097152 = 3.50x, "
                             "3.11x against the first single-GPU OOM") for x in lines)
     # A length that ran on 4 GPUs, 3.8x past the single GPU's, is a PASS even without an OOM ...
@@ -195,7 +196,13 @@ def test_targets_on_gpu_shaped_results():
     res["maxlen"][1].update(max_fit=7 * K * K, first_fail=7 * K * K + 8 * K)
     assert any(x.startswith("MISS  longest fwd+bwd p=4 / 1 GPU, default allocator: 7340032 / 2097152 = 3.50x")
                for x in bench.check_targets(res))
-    res["maxlen"][1].update(first_fail=None)
+    # A single-GPU search stopped before any OOM cannot make a PASS, however long the 4-GPU fit.
+    res["maxlen"][0].update(first_fail=None)
+    res["maxlen"][1].update(max_fit=9 * K * K, first_fail=None)
+    assert any(x.startswith("n/a    longest fwd+bwd p=4 / 1 GPU, default allocator: 9437184 / 2097152 = 4.50x")
+               for x in bench.check_targets(res))
+    res["maxlen"][0].update(first_fail=2304 * K)
+    res["maxlen"][1].update(max_fit=7 * K * K, first_fail=None)
     assert any(x.startswith("PASS  communication hidden") and "worst 1.040" in x for x in lines)
     assert "PASS  dilated time(4n) <= 4.6 x time(n), causal fwdbwd: 256K->1024K 4.50x" in text
     assert "PASS  dilated vs dense ring at 1M, causal fwdbwd: 200.0x faster (target >= 10x)" in text
@@ -303,6 +310,20 @@ def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
     text = "\n".join(bench.check_targets({**phases, "maxlen": found}))
     assert "longest fwd+bwd p=4 / 1 GPU under a 8 GiB allocator cap per GPU, default allocator: 794624 / 198656 = 4.00x" in text
     assert bench._is_oom(RuntimeError("CUDA error: out of memory")) and not bench._is_oom(RuntimeError("bad shape"))
+    # No time for a single probe: no result, not the measured cell's length passed off as one.
+    late = bench.run_maxlen(args, [part], tmp_path, deadline=bench.time.monotonic() + 10)
+    assert {m["status"] for m in late} == {"not probed"} and all(m["reason"] == "time budget" for m in late)
+
+
+def test_max_length_probe_job_timeout_stops_the_job(tmp_path):
+    """A probe job past its timeout is stopped (torchrun, then its workers) and reported as such,
+    without waiting for the workers' output."""
+    bench = _load_bench()
+    args = bench.finish_args(bench.build_parser().parse_args(["--smoke", "--maxlen-cap-gib", "0"]))
+    t = bench.time.monotonic()
+    out = bench.run_probe_job(args, "ring-zigzag", 2, 256, "default", tmp_path, timeout=0.5)
+    assert out["outcome"] == "timeout" and "0 s" in out["detail"]
+    assert bench.time.monotonic() - t < 60
 
 
 def test_max_length_probe_job_on_gloo(tmp_path):
