@@ -869,15 +869,21 @@ def search_max_length(fits: Callable[[int], bool | None], start: int, step: int,
     return {"max_fit": lo, "first_fail": hi, "stopped_by": stopped, "probes": probes}
 
 
+def maxlen_capacity(cap_gib: float, total: int) -> tuple[float, bool]:
+    """(bytes a probe may use, whether that is a cap below the device's `total`): a
+    --maxlen-cap-gib of 0, or one past the device, means the whole device."""
+    cap = cap_gib * GiB
+    return (cap, True) if 0 < cap < total else (float(total), False)
+
+
 def _maxlen_capacity(env: Env) -> float | None:
     """Bytes a probe may use: the --maxlen-cap-gib allocator cap (set here), else the device."""
     if not env.cuda:
         return None
     total = torch.cuda.get_device_properties(env.device).total_memory
-    cap = env.args.maxlen_cap_gib * GiB
-    if cap <= 0 or cap >= total:
-        return float(total)
-    torch.cuda.set_per_process_memory_fraction(cap / total, env.device)
+    cap, capped = maxlen_capacity(env.args.maxlen_cap_gib, total)
+    if capped:
+        torch.cuda.set_per_process_memory_fraction(cap / total, env.device)
     return cap
 
 
@@ -923,8 +929,9 @@ def run_probe(args) -> None:
     capacity = _maxlen_capacity(env)
     part = Path(args.part)
     cell = Cell(args.method, "mha", True, args.probe_n, env.world)
-    if skip_reason(cell, env):
-        raise SystemExit(f"probe {args.method} n={args.probe_n} p={env.world}: {skip_reason(cell, env)}")
+    why = skip_reason(cell, env)
+    if why:
+        raise SystemExit(f"probe {args.method} n={args.probe_n} p={env.world}: {why}")
     t = time.monotonic()
     try:
         with METHODS[args.method].make(cell, env) as bench:
@@ -1019,8 +1026,7 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                 if not total:
                     results.append({**head, "status": "skipped", "reason": "CPU (no device memory to fill)"})
                     continue
-                capped = 0 < args.maxlen_cap_gib * GiB < total
-                capacity = args.maxlen_cap_gib * GiB if capped else float(total)
+                capacity, capped = maxlen_capacity(args.maxlen_cap_gib, total)
                 done = [r for r in ok if r["method"] == name and r["p"] == p and r["attn"] == "mha" and r["causal"]
                         and r["mode"] == "fwdbwd" and r.get("peak_bytes") and r["peak_bytes"] <= 0.8 * capacity]
                 if not done:
