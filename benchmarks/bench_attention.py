@@ -606,8 +606,10 @@ def count_ring_bytes():
             cls.send_recv = original
 
 
-def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env) -> list[float]:
-    """Per-iteration milliseconds (slowest rank), warm-up excluded."""
+def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env,
+            before: Callable[[], None] | None = None) -> list[float]:
+    """Per-iteration milliseconds (slowest rank), warm-up excluded. `before` (CUDA) runs after
+    each barrier, before the start event: GPU work there is not timed."""
     for _ in range(warmup):
         step()
     times = []
@@ -615,6 +617,8 @@ def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env) -> list
         env.barrier()
         if env.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if before is not None:
+                before()
             start.record()
             step()
             end.record()

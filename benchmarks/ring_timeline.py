@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -92,13 +93,17 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
             late = launch is not None and launch["ts"] + launch.get("dur", 0.0) > end + 0.5 * gap
             cpu_late += gap if late else 0.0
             waiting += 0.0 if late else gap
-            gaps.append({"us": round(gap, 1), "cause": "cpu late" if late else "waiting",
+            gaps.append({"us": round(gap, 1), "cause": "cpu late" if late else "waiting", "at_us": round(end - t0, 1),
                          "after": prev["name"][:60], "before": e["name"][:60],
                          "host": _host_during(host_ops, end, e["ts"]) if late else []})
         if e["ts"] + e["dur"] > end:
             end, prev = e["ts"] + e["dur"], e
     gaps.sort(key=lambda g: -g["us"])
-    return {"kernels": len(kernels), "span_us": span, "compute_busy_us": busy_compute,
+    # The host's view of the step (record_function "timeline_step" around it): how long the
+    # host took to issue it, and how long after the step began the first kernel started.
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "timeline_step"]
+    host = {"host_issue_us": marks[0]["dur"], "first_kernel_after_us": t0 - marks[0]["ts"]} if marks else {}
+    return {"kernels": len(kernels), "span_us": span, **host, "compute_busy_us": busy_compute,
             "non_nccl_busy_us": busy_non_nccl, "nccl_only_us": busy_all - busy_non_nccl,
             "idle_us": span - busy_all, "nccl_kernel_us": sum(e["dur"] for e in nccl),
             "gaps_cpu_late_us": cpu_late, "gaps_waiting_us": waiting, "gaps": gaps}
@@ -140,6 +145,37 @@ class Ranks:
         return t.tolist()
 
 
+def host_ahead(device, ms: float):
+    """A callable that keeps `device` busy for about `ms` before a timed step, so the host issues
+    the step ahead of the GPU (its launch cost hidden, as inside a model). Calibrated once."""
+    from ringcc import _compat
+
+    _compat.cuda_spin(1_000_000)  # warm
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    _compat.cuda_spin(10_000_000)
+    b.record()
+    b.synchronize()
+    cycles = ms * 10_000_000 / max(a.elapsed_time(b), 1e-3)
+    return lambda: _compat.cuda_spin(cycles)
+
+
+def time_host(step, iters: int, env) -> tuple[list[float], list[float]]:
+    """(GPU ms per iteration on this rank, host ms to issue it), warmed up by the caller."""
+    gpu, host = [], []
+    for _ in range(iters):
+        env.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        step()
+        host.append(1e3 * (time.perf_counter() - t))
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return gpu, host
+
+
 def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto") -> dict:
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
@@ -150,14 +186,17 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     dtype = torch.bfloat16 if cuda else torch.float32
     gen = torch.Generator(device=device).manual_seed(7 + (dist.get_rank() if dist.is_initialized() else 0))
     shape = (1, args.heads, args.n_local, args.head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    kv_shape = (1, args.kv_heads or args.heads, args.n_local, args.head_dim)
+    q = torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
+    k, v = (torch.randn(kv_shape, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(2))
     dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    chunk = workspace.ring_kv_chunk(q, k, None, world, args.causal and args.layout == "zigzag") or args.heads
+    chunk = workspace.ring_kv_chunk(q, k, None, world, args.causal and args.layout == "zigzag") or kv_shape[1]
     step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
-    times = time_ms(step, args.warmup, args.iters, Ranks(device))
+    env = Ranks(device)
+    times = time_ms(step, args.warmup, args.iters, env)
     import ringcc
 
     with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
@@ -167,16 +206,28 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
            "ms_iters": times, "out_checksum_rank0": checksum}
     if cuda:
+        # The same step issued while the GPU is still busy (the host ahead, as in a model's
+        # middle), and the host's own issue time: what of `ms` is the host's launch cost.
+        gpu, host = time_host(step, args.iters, env)
+        lead = host_ahead(device, args.host_ahead_ms) if args.host_ahead_ms > 0 else None
+        ahead = time_ms(step, 0, args.iters, env, before=lead) if lead else []
+        rec.update(ms_rank=statistics.median(gpu), host_issue_ms=statistics.median(host),
+                   ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
+        from torch.autograd.profiler import record_function
         from torch.profiler import ProfilerActivity, profile
 
-        if dist.is_initialized():
-            dist.barrier()
-        torch.cuda.synchronize()
+        env.barrier()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
+            with record_function("timeline_step"):
+                step()
             torch.cuda.synchronize()
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            rec["timeline"] = analyze_trace(trace_events(prof), args.gap_us)
+        tl = analyze_trace(trace_events(prof), args.gap_us)
+        every = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(every, tl)
+        else:
+            every = [tl]
+        rec["timeline"], rec["timeline_ranks"] = every[0], every
     del q, k, v, dout
     if cuda:
         torch.cuda.empty_cache()
@@ -184,16 +235,39 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
 
 
 def format_rows(recs: list[dict]) -> str:
-    head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk':>11} {'ms':>8} {'span ms':>8} {'compute':>8} {'nccl only':>9} "
-            f"{'idle':>7} {'gaps: cpu late':>14} {'waiting':>8}")
+    """One row per setting: times (slowest rank), and rank 0's profiled iteration."""
+    head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk':>11} {'ms':>8} {'ahead ms':>8} {'host ms':>8} "
+            f"{'span ms':>8} {'compute':>8} {'nccl only':>9} {'idle':>7} {'gaps: cpu late':>14} {'waiting':>8} "
+            f"{'1st kernel':>10}")
     out = [head, "-" * len(head)]
     for r in recs:
         t = r.get("timeline") or {}
         ms = lambda key: "-" if key not in t else f"{t[key] / 1e3:.2f}"  # noqa: E731
+        opt = lambda key: "-" if r.get(key) is None else f"{r[key]:.2f}"  # noqa: E731
         out.append(f"{r['budget']:>7} {'off' if r['skip_comm'] else 'on':>5} {r.get('transport', 'nccl'):>11} "
                    f"{r['kv_heads_per_chunk']:>11} "
-                   f"{r['ms']:>8.2f} {ms('span_us'):>8} {ms('compute_busy_us'):>8} {ms('nccl_only_us'):>9} "
-                   f"{ms('idle_us'):>7} {ms('gaps_cpu_late_us'):>14} {ms('gaps_waiting_us'):>8}")
+                   f"{r['ms']:>8.2f} {opt('ms_host_ahead'):>8} {opt('host_issue_ms'):>8} "
+                   f"{ms('span_us'):>8} {ms('compute_busy_us'):>8} {ms('nccl_only_us'):>9} "
+                   f"{ms('idle_us'):>7} {ms('gaps_cpu_late_us'):>14} {ms('gaps_waiting_us'):>8} "
+                   f"{ms('first_kernel_after_us'):>10}")
+    return "\n".join(out)
+
+
+def format_ranks(recs: list[dict], top: int = 3) -> str:
+    """Per setting and rank: the profiled iteration's span, gaps by cause, and its longest gaps."""
+    out = []
+    for r in recs:
+        for i, t in enumerate(r.get("timeline_ranks") or []):
+            if not t or "span_us" not in t:
+                continue
+            out.append(f"  budget {r['budget']} transport {r['transport']} rank {i}: span {t['span_us'] / 1e3:.2f} ms, "
+                       f"compute {t['compute_busy_us'] / 1e3:.2f}, cpu late {t['gaps_cpu_late_us'] / 1e3:.2f}, "
+                       f"waiting {t['gaps_waiting_us'] / 1e3:.2f}, host issue {t.get('host_issue_us', 0) / 1e3:.2f}")
+            for g in t.get("gaps", [])[:top]:
+                out.append(f"      gap {g['us']} us ({g['cause']}) at {g.get('at_us', 0) / 1e3:.2f} ms "
+                           f"after {g['after']} before {g['before']}")
+                for h in g.get("host", []):
+                    out.append(f"          host: {h}")
     return "\n".join(out)
 
 
@@ -201,7 +275,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n-local", type=int, default=16384, help="tokens per rank")
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (GQA); 0 = --heads")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--host-ahead-ms", type=float, default=5.0,
+                    help="also time each step issued while the GPU still runs a spin of this length (0: not)")
     ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
@@ -241,13 +318,7 @@ def main(argv=None) -> int:
         for r in recs:
             print(f"  budget {r['budget']} transport {r['transport']}: forward output checksum "
                   f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
-        for r in recs:
-            gaps = (r.get("timeline") or {}).get("gaps", [])[:4]
-            for g in gaps:
-                print(f"  budget {r['budget']} transport {r['transport']}: gap {g['us']} us "
-                      f"({g['cause']}) after {g['after']} before {g['before']}")
-                for h in g.get("host", []):
-                    print(f"      host: {h}")
+        print(format_ranks(recs))
         if args.json:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs}, indent=1))

@@ -4,7 +4,7 @@
 # 0. tests/test_ring_gpu.py and tests/test_dilated_gpu.py on NCCL (GPU_TESTS=0 skips them);
 # 1. causal zigzag and non-causal at 16K tokens per GPU, causal and non-causal at 64K per GPU:
 #    default head chunks ("auto") and whole heads ("0", not at 64K non-causal), each with and
-#    without transfers.
+#    without transfers; gqafull64k: GQA 32/8 non-causal at 64K per GPU.
 # TRANSPORTS (default copy-engine,nccl): the ring transports each setting runs with.
 # PREV_TREE=path: a checkout of an earlier commit (e.g. a git worktree passed with the device
 # tool's carry); each setting then also runs on it, in the same run on the same machine (A/B).
@@ -48,7 +48,8 @@ for set in $SETS; do
     full16k) tl full16k --n-local 16384 --causal 0 --budgets auto,0 --no-comm ;;
     causal64k) tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --no-comm --iters 3 ;;
     full64k) tl full64k --n-local 65536 --causal 0 --layout contiguous --budgets auto --no-comm --iters 3 ;;
-    *) echo "unknown setting $set (causal16k, full16k, causal64k, full64k)"; exit 2 ;;
+    gqafull64k) tl gqafull64k --n-local 65536 --heads 32 --kv-heads 8 --causal 0 --layout contiguous --budgets auto --no-comm --iters 3 ;;
+    *) echo "unknown setting $set (causal16k, full16k, causal64k, full64k, gqafull64k)"; exit 2 ;;
   esac
 done
 python3 - "$TMP" "$OUT/timeline.json" <<'PY'

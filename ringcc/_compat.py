@@ -159,3 +159,9 @@ class CudaDriver:
 
     def write(self, stream, address: int, value: int) -> None:
         self._check(self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
+def cuda_spin(cycles: int) -> None:
+    """Keep the current CUDA stream busy for about `cycles` GPU clock cycles (torch.cuda._sleep):
+    benchmarks use it to let the host run ahead of the GPU."""
+    torch.cuda._sleep(int(cycles))
