@@ -176,6 +176,25 @@ def time_host(step, iters: int, env) -> tuple[list[float], list[float]]:
     return gpu, host
 
 
+def host_profile(step, iters: int, env, rows: int = 30) -> str:
+    """cProfile of `iters` steps on this rank (host side; the GPU synchronised once at the
+    end): the host functions by their own time."""
+    import cProfile
+    import io
+    import pstats
+
+    env.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
+
+
 def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto") -> dict:
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
@@ -213,6 +232,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         ahead = time_ms(step, 0, args.iters, env, before=lead) if lead else []
         rec.update(ms_rank=statistics.median(gpu), host_issue_ms=statistics.median(host),
                    ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
+        if args.cprofile:
+            rec["cprofile"] = host_profile(step, args.cprofile, env)
         from torch.autograd.profiler import record_function
         from torch.profiler import ProfilerActivity, profile
 
@@ -279,6 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--host-ahead-ms", type=float, default=5.0,
                     help="also time each step issued while the GPU still runs a spin of this length (0: not)")
+    ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
     ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
@@ -319,6 +341,9 @@ def main(argv=None) -> int:
             print(f"  budget {r['budget']} transport {r['transport']}: forward output checksum "
                   f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
         print(format_ranks(recs))
+        for r in recs:
+            if r.get("cprofile"):
+                print(f"--- host profile, budget {r['budget']} transport {r['transport']} (rank 0)\n{r['cprofile']}")
         if args.json:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs}, indent=1))

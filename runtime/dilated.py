@@ -201,17 +201,67 @@ def dilated_plan(
     return tuple(plans)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Compressed heads [c0, c1) are the rows offset::r of the heads start:stop:step."""
+
+    c0: int
+    c1: int
+    start: int
+    stop: int
+    step: int
+    offset: int
+
+
+def pieces(heads: tuple[int, ...], offsets: tuple[int, ...]) -> tuple[Piece, ...]:
+    """The (head, offset) list of a compressed tensor as runs of equally spaced heads with one
+    offset: each run is a strided view of the full tensor (no index tensor, no gather kernel).
+    A head never repeats within a run, so adding a run in place never meets itself."""
+    out: list[Piece] = []
+    i = 0
+    while i < len(heads):
+        j, step = i + 1, None
+        while j < len(heads) and offsets[j] == offsets[i]:
+            d = heads[j] - heads[j - 1]
+            if d <= 0 or (step is not None and d != step):
+                break
+            step, j = d, j + 1
+        step = step or 1
+        out.append(Piece(i, j, heads[i], heads[j - 1] + 1, step, offsets[i]))
+        i = j
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=256)
-def _indices(bp: BranchPlan, n_local: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat row indices into [heads * n_local] of the branch's queries and K/V slots."""
-    steps = torch.arange(0, n_local, bp.r, device=device)
+def _branch_pieces(bp: BranchPlan) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+    """(query pieces, K/V slot pieces) of a branch."""
+    return pieces(bp.q_heads, bp.q_offsets), pieces(bp.slot_kv, bp.slot_offsets)
 
-    def flat(heads, offsets):
-        h = torch.tensor(heads, device=device)[:, None]
-        o = torch.tensor(offsets, device=device)[:, None]
-        return (h * n_local + o + steps).reshape(-1)
 
-    return flat(bp.q_heads, bp.q_offsets), flat(bp.slot_kv, bp.slot_offsets)
+def _rows(x, pc: Piece, r: int):
+    """The strided view of piece `pc` in x [b, heads, s, ...]: [b, c1 - c0, s / r, ...]."""
+    return x[:, pc.start:pc.stop:pc.step, pc.offset::r]
+
+
+def _is_whole(ps: tuple[Piece, ...], r: int, heads: int) -> bool:
+    return r == 1 and len(ps) == 1 and ps[0].start == 0 and ps[0].stop == heads and ps[0].step == 1
+
+
+def compress(x, ps: tuple[Piece, ...], r: int):
+    """The compressed rows of x [b, heads, s, ...] (contiguous; x itself when a branch takes
+    every row of every head in order)."""
+    if _is_whole(ps, r, x.shape[1]):
+        return x.contiguous()
+    if len(ps) == 1:
+        return _rows(x, ps[0], r).contiguous()
+    return torch.cat([_rows(x, pc, r) for pc in ps], dim=1)
+
+
+def expand_(acc, x_c, ps: tuple[Piece, ...], r: int, add: bool) -> None:
+    """acc's compressed rows (strided views, acc [b, heads, s, ...]) += x_c, or = x_c."""
+    for pc in ps:
+        dst, src = _rows(acc, pc, r), x_c[:, pc.c0:pc.c1]
+        dst.add_(src) if add else dst.copy_(src)
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,24 +318,14 @@ def _from_segments(x, b: int):
     return x.reshape(b, bs // b, h, m, *x.shape[3:]).transpose(1, 2).reshape(b, h, -1, *x.shape[3:])
 
 
-def _gather(flat, idx, b, heads, d=None):
-    x = flat.index_select(1, idx)
-    return x.view(b, heads, -1, d) if d is not None else x.view(b, heads, -1)
-
-
 def dilated_forward(q, k, v, setup: DilatedSetup):
     """q [b,h,s,d], k/v [b,g,s,d] -> (out [b,h,s,d], lse [b,h,s]) of all branches merged."""
     b, h, s, d = q.shape
-    g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
-    out_acc = torch.zeros(b, h * s, d, dtype=adt, device=q.device)
-    lse_acc = torch.full((b, h * s), float("-inf"), dtype=adt, device=q.device)
-    qf, kf, vf = q.reshape(b, h * s, d), k.reshape(b, g * s, d), v.reshape(b, g * s, d)
+    out_acc = lse_acc = None
     for bp in setup.plans:
-        q_idx, kv_idx = _indices(bp, s, q.device)
-        hq, ns = len(bp.q_heads), len(bp.slot_kv)
-        q_c = _gather(qf, q_idx, b, hq, d)
-        k_c, v_c = _gather(kf, kv_idx, b, ns, d), _gather(vf, kv_idx, b, ns, d)
+        qp, kvp = _branch_pieces(bp)
+        q_c, k_c, v_c = compress(q, qp, bp.r), compress(k, kvp, bp.r), compress(v, kvp, bp.r)
         if bp.ring:
             o, lse = ring_forward(q_c, k_c, v_c, None, setup.ring(bp))
         else:
@@ -295,14 +335,26 @@ def dilated_forward(q, k, v, setup: DilatedSetup):
                 scale=setup.scale, causal=setup.is_causal,
             )
             o, lse = _from_segments(o, b), _from_segments(lse, b)
-        acc_o, acc_l = out_acc.index_select(1, q_idx), lse_acc.index_select(1, q_idx)
-        merge_(acc_o, acc_l, o.reshape(b, -1, d), lse.reshape(b, -1).to(adt))
-        out_acc.index_copy_(1, q_idx, acc_o)
-        lse_acc.index_copy_(1, q_idx, acc_l)
+        lse = lse.to(adt)
+        if out_acc is None and _is_whole(qp, bp.r, h):
+            # The first branch covers every row: its result starts the accumulators (no fill, no merge).
+            out_acc, lse_acc = o.to(adt, memory_format=torch.contiguous_format), lse.contiguous()
+        else:
+            if out_acc is None:  # out = 0, lse = -inf: rows no branch has reached yet
+                out_acc = torch.zeros(b, h, s, d, dtype=adt, device=q.device)
+                lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+            acc_o, acc_l = compress(out_acc, qp, bp.r), compress(lse_acc, qp, bp.r)
+            merge_(acc_o, acc_l, o, lse)
+            if acc_o.untyped_storage().data_ptr() != out_acc.untyped_storage().data_ptr():  # a copy: write back
+                expand_(out_acc, acc_o, qp, bp.r, add=False)
+                expand_(lse_acc, acc_l, qp, bp.r, add=False)
+            del acc_o, acc_l
         # Branches run one after another: none of this branch's rows may stay alive into the
         # next one (the memory planner counts the largest branch only).
-        del q_c, k_c, v_c, o, lse, acc_o, acc_l
-    return out_acc.view(b, h, s, d).to(q.dtype), lse_acc.view(b, h, s)
+        del q_c, k_c, v_c, o, lse
+    if out_acc is None:  # no branch has a head
+        return torch.zeros_like(q), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
+    return out_acc.to(q.dtype), lse_acc
 
 
 def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
@@ -310,17 +362,21 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
-    dq = torch.zeros(b, h * s, d, dtype=adt, device=q.device)
-    dk = torch.zeros(b, g * s, d, dtype=adt, device=q.device)
-    dv = torch.zeros_like(dk)
-    qf, kf, vf = q.reshape(b, h * s, d), k.reshape(b, g * s, d), v.reshape(b, g * s, d)
-    dof, of, lf = dout.reshape(b, h * s, d), out.reshape(b, h * s, d), lse.reshape(b, h * s)
+    grads = {"q": None, "k": None, "v": None}  # fp32 accumulators, made by the first branch
+
+    def accumulate(name, x_c, ps, r, heads, like):
+        if grads[name] is None:
+            if _is_whole(ps, r, heads):
+                grads[name] = x_c.to(adt, memory_format=torch.contiguous_format)
+                return
+            grads[name] = torch.zeros(like.shape, dtype=adt, device=like.device)
+        # Slots may repeat a (kv head, row) pair (one slot per head): pieces add one at a time.
+        expand_(grads[name], x_c, ps, r, add=True)
+
     for bp in setup.plans:
-        q_idx, kv_idx = _indices(bp, s, q.device)
-        hq, ns = len(bp.q_heads), len(bp.slot_kv)
-        q_c, do_c, o_c = (_gather(t, q_idx, b, hq, d) for t in (qf, dof, of))
-        l_c = _gather(lf, q_idx, b, hq)
-        k_c, v_c = _gather(kf, kv_idx, b, ns, d), _gather(vf, kv_idx, b, ns, d)
+        qp, kvp = _branch_pieces(bp)
+        q_c, do_c, o_c, l_c = (compress(t, qp, bp.r) for t in (q, dout, out, lse))
+        k_c, v_c = compress(k, kvp, bp.r), compress(v, kvp, bp.r)
         if bp.ring:
             dq_c, dk_c, dv_c = ring_backward(do_c, q_c, k_c, v_c, None, o_c, l_c, setup.ring(bp))
         else:
@@ -331,12 +387,13 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
                 scale=setup.scale, causal=setup.is_causal,
             )
             dq_c, dk_c, dv_c = (_from_segments(t, b) for t in (dq_c, dk_c, dv_c))
-        dq.index_add_(1, q_idx, dq_c.reshape(b, -1, d).to(adt))
-        # Slots may repeat a (kv head, row) pair (one slot per head): index_add accumulates.
-        dk.index_add_(1, kv_idx, dk_c.reshape(b, -1, d).to(adt))
-        dv.index_add_(1, kv_idx, dv_c.reshape(b, -1, d).to(adt))
-        del q_c, do_c, o_c, l_c, k_c, v_c, dq_c, dk_c, dv_c  # as in forward
-    return dq.view(b, h, s, d).to(q.dtype), dk.view(b, g, s, d).to(k.dtype), dv.view(b, g, s, d).to(v.dtype)
+        del q_c, do_c, o_c, l_c, k_c, v_c
+        accumulate("q", dq_c, qp, bp.r, h, q)
+        accumulate("k", dk_c, kvp, bp.r, g, k)
+        accumulate("v", dv_c, kvp, bp.r, g, v)
+        del dq_c, dk_c, dv_c  # as in forward
+    return tuple(torch.zeros_like(t) if grads[n] is None else grads[n].to(t.dtype)
+                 for n, t in (("q", q), ("k", k), ("v", v)))
 
 
 # ---------------------------------------------------------------------------------------

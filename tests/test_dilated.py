@@ -349,3 +349,26 @@ def test_compiles_as_one_opaque_op():
     f(qe, ke, ve).backward(dout)
     for a, b in ((qc, qe), (kc, ke), (vc, ve)):
         torch.testing.assert_close(a.grad, b.grad, **TOL)
+
+
+def test_pieces_are_strided_runs_that_reproduce_the_rows():
+    """The compressed rows come from strided views (runs of equally spaced heads with one
+    offset); a repeated slot starts a new run, so adding runs in place accumulates it twice."""
+    from ringcc.runtime.dilated import compress, expand_, pieces
+
+    assert [(p.c0, p.c1, p.start, p.stop, p.step, p.offset) for p in pieces((0, 2, 4, 1, 3, 5), (0, 0, 0, 1, 1, 1))] == [
+        (0, 3, 0, 5, 2, 0), (3, 6, 1, 6, 2, 1)]
+    assert len(pieces((0, 0, 1), (0, 0, 0))) == 2  # a repeated head is a new run
+    assert len(pieces((3, 1), (0, 0))) == 2  # descending heads are not one view
+    heads, offsets, r = (1, 3, 0, 0, 2), (1, 1, 0, 0, 0), 2
+    x = torch.randn(2, 4, 8, 3)
+    rows = torch.stack([x[:, h, o::r] for h, o in zip(heads, offsets)], dim=1)
+    ps = pieces(heads, offsets)
+    torch.testing.assert_close(compress(x, ps, r), rows, rtol=0, atol=0)
+    acc = torch.zeros_like(x)
+    expand_(acc, rows, ps, r, add=True)
+    want = torch.zeros_like(x)
+    for i, (h, o) in enumerate(zip(heads, offsets)):
+        want[:, h, o::r] += rows[:, i]
+    torch.testing.assert_close(acc, want, rtol=0, atol=0)
+    assert compress(x, pieces((0, 1, 2, 3), (0, 0, 0, 0)), 1) is x  # every row of every head: no copy
