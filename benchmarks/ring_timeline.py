@@ -147,9 +147,12 @@ class Ranks:
 
 def host_ahead(device, ms: float):
     """A callable that keeps `device` busy for about `ms` before a timed step, so the host issues
-    the step ahead of the GPU (its launch cost hidden, as inside a model). Calibrated once."""
+    the step ahead of the GPU (its launch cost hidden, as inside a model). Calibrated once.
+    None where the ringcc under test predates `_compat.cuda_spin` (an A/B against older code)."""
     from ringcc import _compat
 
+    if not hasattr(_compat, "cuda_spin"):
+        return None
     _compat.cuda_spin(1_000_000)  # warm
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
