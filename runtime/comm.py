@@ -15,7 +15,6 @@ Two transports (`ring_comm` picks one; RINGCC_RING_TRANSPORT=auto|nccl|copy-engi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 
@@ -131,11 +130,7 @@ class _Mailbox:
         self.prev_free_addr = prev_buf.data_ptr() + 4 * self.FREE
         self._prev_buf = prev_buf
         self.stream = torch.cuda.Stream(device=device)
-        # Reused for every batch: a stream wait takes the event's state when it is issued, so
-        # re-recording later does not touch waits already issued (saves an event per batch).
-        self.compute_done, self.side_done = torch.cuda.Event(), torch.cuda.Event()
         self.driver = _compat.CudaDriver()
-        self.views: dict = {}  # (slot, tensor layout) -> (received views, destination views)
         self.seq = 0
         self.last_stream = None  # the compute stream of the last wait(): the next commit orders after it too
         torch.cuda.synchronize(device)
@@ -224,46 +219,39 @@ class CopyEngineRing:
         if self._queued is not None or self._inflight is not None:
             raise RuntimeError("CopyEngineRing.send_recv called while a batch is queued or in flight; call wait() first")
         tensors = [t.contiguous() for t in tensors]
-        key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        total = sum(_align(t.nbytes) for t in tensors)
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += _align(t.nbytes)
         box = _mailbox(self.group, self.device, total)
         seq = box.seq + 1
-        views = box.views.get((seq % 2, key))
-        if views is None:  # the slot's views for this layout of tensors, made once (host cost per batch)
-            base, out, dst = box.HEADER + (seq % 2) * box.slot_bytes, [], []
-            for t in tensors:
-                out.append(box.buf[base:base + t.nbytes].view(t.dtype).view(t.shape))
-                dst.append(box.next_buf[base:base + t.nbytes])
-                base += _align(t.nbytes)
-            views = box.views[(seq % 2, key)] = (out, dst)
-        self.bytes_sent += sum(t.nbytes for t in tensors)
-        self._queued = (box, seq, list(zip(tensors, views[1])))
-        return list(views[0])
-
-    def _on_device(self):
-        """The device context the driver calls need (their stream handle 0 means the current
-        device's default stream), or a no-op when this device is current already."""
-        if torch.cuda.current_device() == self.device.index:
-            return contextlib.nullcontext()
-        return torch.cuda.device(self.device)
+        base = box.HEADER + (seq % 2) * box.slot_bytes
+        out, parts = [], []
+        for t, off in zip(tensors, offsets):
+            start, end = base + off, base + off + t.nbytes
+            out.append(box.buf[start:end].view(t.dtype).view(t.shape))
+            parts.append((t, start, end))
+            self.bytes_sent += t.nbytes
+        self._queued = (box, seq, parts)
+        return out
 
     def commit(self) -> None:
         if self._queued is None or not self._queued[2]:
             raise RuntimeError("CopyEngineRing.commit called with nothing queued")
         box, seq, parts = self._queued
-        with self._on_device():
+        # The driver calls take raw stream handles: 0, the default stream, means the current
+        # device's, so the device is made current for them.
+        with torch.cuda.device(self.device):
             compute, side = torch.cuda.current_stream(self.device), box.stream
-            box.compute_done.record(compute)
-            side.wait_event(box.compute_done)
+            side.wait_stream(compute)
             if box.last_stream is not None and box.last_stream != compute:
                 side.wait_stream(box.last_stream)  # a ring before this one ran on another stream
             box.driver.write(side, box.prev_free_addr, seq)
             box.driver.wait_geq(side, box.free_addr, seq)
             with torch.cuda.stream(side):
-                for t, dst in parts:
-                    dst.copy_(t.view(-1).view(torch.uint8))
+                for t, start, end in parts:
+                    box.next_buf[start:end].copy_(t.reshape(-1).view(torch.uint8))
             box.driver.write(side, box.next_ready_addr, seq)
-            box.side_done.record(side)
         box.seq = seq
         self._queued, self._inflight = None, (box, seq, parts)
 
@@ -271,10 +259,10 @@ class CopyEngineRing:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
         box, seq, _ = self._inflight
-        with self._on_device():
+        with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             box.driver.wait_geq(compute, box.ready_addr, seq)
-            compute.wait_event(box.side_done)
+            compute.wait_stream(box.stream)
         box.last_stream = compute
         self._inflight = None
 
