@@ -39,7 +39,8 @@ Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus pe
 compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
 the sub-ring receive buffers: at most two compressed blocks, and never more than the rows
 the branch communicates (`dilated_comm_rows`: O(w/r), independent of n and p). The largest
-branch counts (branches run one after another).
+branch counts (branches run one after another). An upper bound: a branch that takes every row
+of every head (r = 1) uses its inputs as they are, without compressed copies.
 
 Un-rewritten SDPA / multi-head attention: counted as the math path's fp32 score matrix
 [b, h, Lq, Lk]; that is what makes such a site quadratic in n (fused kernels avoid the
