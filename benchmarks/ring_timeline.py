@@ -258,6 +258,38 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     return rec
 
 
+def run_baseline(args, device, world: int) -> dict:
+    """The single-GPU cuDNN kernel on the whole length (n_local * p tokens), on rank 0 while
+    the other ranks wait, timed the same two ways as the ring settings."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from bench_attention import time_ms
+
+    env, rank = Ranks(device), dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        def step():  # the other ranks only take part in the barriers
+            return None
+    else:
+        gen = torch.Generator(device=device).manual_seed(11)
+        n = args.n_local * world
+        q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        kv = [torch.randn(1, args.kv_heads or args.heads, n, args.head_dim, device=device, dtype=torch.bfloat16,
+                          generator=gen) for _ in range(2)]
+        q, k, v = (t.requires_grad_() for t in (q, *kv))
+        dout = torch.randn_like(q)
+
+        def step():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=k.shape[1] != q.shape[1])
+            torch.autograd.grad(out, (q, k, v), dout)
+    times = time_ms(step, args.warmup, args.iters, env)
+    lead = host_ahead(device, args.host_ahead_ms) if args.host_ahead_ms > 0 else None
+    ahead = time_ms(step, 0, args.iters, env, before=lead) if lead else []
+    return {"n": args.n_local * world, "ms": statistics.median(times),
+            "ms_host_ahead": statistics.median(ahead) if ahead else None}
+
+
 def format_rows(recs: list[dict]) -> str:
     """One row per setting: times (slowest rank), and rank 0's profiled iteration."""
     head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk':>11} {'ms':>8} {'ahead ms':>8} {'host ms':>8} "
@@ -303,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--host-ahead-ms", type=float, default=5.0,
                     help="also time each step issued while the GPU still runs a spin of this length (0: not)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time the 1-GPU cuDNN kernel on the whole length (rank 0), both ways")
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
     ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
@@ -335,11 +369,20 @@ def main(argv=None) -> int:
             recs.append(run_setting(args, device, budget, False, transport))
         if args.no_comm:
             recs.append(run_setting(args, device, budget, True))
+    base = run_baseline(args, device, world) if args.baseline and device.type == "cuda" else None
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device: {name} x{world}; torch {torch.__version__}; n_local {args.n_local}, h {args.heads}, "
               f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, fwd+bwd")
         print(format_rows(recs))
+        if base:
+            print(f"  1-GPU cuDNN SDPA on the whole {base['n']} tokens (rank 0): {base['ms']:.2f} ms, host ahead "
+                  f"{base['ms_host_ahead'] or float('nan'):.2f} ms; per GPU at p = {world}: "
+                  f"{base['ms'] / world:.2f} / {(base['ms_host_ahead'] or float('nan')) / world:.2f} ms")
+            for r in recs:
+                eff = lambda a, b: "-" if not a or not b else f"{100 * a / world / b:.1f}%"  # noqa: E731
+                print(f"  budget {r['budget']} transport {r['transport']}: efficiency {eff(base['ms'], r['ms'])}, "
+                      f"host ahead {eff(base['ms_host_ahead'], r.get('ms_host_ahead'))}")
         for r in recs:
             print(f"  budget {r['budget']} transport {r['transport']}: forward output checksum "
                   f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
@@ -349,7 +392,7 @@ def main(argv=None) -> int:
                 print(f"--- host profile, budget {r['budget']} transport {r['transport']} (rank 0)\n{r['cprofile']}")
         if args.json:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
-                                                   "args": vars(args), "settings": recs}, indent=1))
+                                                   "args": vars(args), "settings": recs, "baseline": base}, indent=1))
     if dist.is_initialized():
         dist.barrier()  # rank 0 has printed and written the JSON
         if args.cpu:
