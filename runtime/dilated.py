@@ -168,15 +168,18 @@ def _branch_mode(w: int, r: int, n: int, world: int, layout: L.Layout) -> tuple[
 
 
 def _slots(pairs, rep: int):
-    """Slot-major query heads and the (kv head, offset) slots they read."""
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    """Slot-major query heads and the (kv head, offset) slots they read. Slots are ordered by
+    offset, then kv head (then query head), so that the heads of one offset are equally spaced
+    runs: one strided view per offset rather than one per head (`pieces`)."""
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for h, off in pairs:
-        groups.setdefault((h // rep, off), []).append((h, off))
+        groups.setdefault((off, h // rep), []).append((h, off))
     if len({len(v) for v in groups.values()}) > 1:
         # Unequal sharing cannot use the kernels' uniform GQA expansion: one slot per head.
-        groups = {(i, h // rep, off): [(h, off)] for i, (h, off) in enumerate(pairs)}
-    q_pairs = [p for v in groups.values() for p in v]
-    slots = [key[-2:] for key in groups]
+        groups = {(off, h // rep, h): [(h, off)] for h, off in pairs}
+    order = sorted(groups)
+    q_pairs = [p for key in order for p in sorted(groups[key])]
+    slots = [(key[1], key[0]) for key in order]
     return (
         tuple(h for h, _ in q_pairs), tuple(o for _, o in q_pairs),
         tuple(kv for kv, _ in slots), tuple(o for _, o in slots),
@@ -350,9 +353,11 @@ def dilated_forward(q, k, v, setup: DilatedSetup):
                 lse_acc = torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
             acc_o, acc_l = compress(out_acc, qp, bp.r), compress(lse_acc, qp, bp.r)
             merge_(acc_o, acc_l, o, lse)
-            if acc_o.untyped_storage().data_ptr() != out_acc.untyped_storage().data_ptr():  # a copy: write back
-                expand_(out_acc, acc_o, qp, bp.r, add=False)
-                expand_(lse_acc, acc_l, qp, bp.r, add=False)
+            # compress() returns a view where the rows are contiguous already (merged in place
+            # then); a copy is written back.
+            for acc, merged in ((out_acc, acc_o), (lse_acc, acc_l)):
+                if merged.untyped_storage().data_ptr() != acc.untyped_storage().data_ptr():
+                    expand_(acc, merged, qp, bp.r, add=False)
             del acc_o, acc_l
         # Branches run one after another: none of this branch's rows may stay alive into the
         # next one (the memory planner counts the largest branch only).

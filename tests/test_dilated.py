@@ -117,13 +117,15 @@ def test_strided_inputs_scale_and_zigzag_at_p1():
 def test_gqa_slots_shared_and_uneven():
     # h=8, h_kv=2, r=2: each kv head serves offsets {0, 1}, two query heads each: 4 slots.
     (even,) = D.dilated_plan(ringcc.DilatedSpec([8], [2]), 8, 8, 2, 0, 1, "contiguous")
-    assert even.slot_kv == (0, 0, 1, 1) and even.slot_offsets == (0, 1, 0, 1)
-    assert even.q_heads == (0, 2, 1, 3, 4, 6, 5, 7)  # slot-major
+    assert even.slot_kv == (0, 1, 0, 1) and even.slot_offsets == (0, 0, 1, 1)  # by offset, then kv head
+    assert even.q_heads == (0, 2, 4, 6, 1, 3, 5, 7)  # slot-major
+    # one strided view per offset for the queries and for the K/V slots
+    assert [len(ps) for ps in D._branch_pieces(even)] == [2, 2]
     # h=6, h_kv=2, r=2: kv head 0 serves offset 0 twice (heads 0, 2) but offset 1 once:
     # unequal sharing, so every query head gets its own slot; the result stays exact.
     spec = ringcc.DilatedSpec([4, 8], [1, 2])
     plans = D.dilated_plan(spec, 8, 6, 2, 0, 1, "contiguous")
-    assert len(plans[1].slot_kv) == 6 and plans[1].slot_kv == (0, 0, 0, 1, 1, 1)
+    assert plans[1].slot_kv == (0, 0, 1, 0, 1, 1) and plans[1].q_heads == (0, 2, 4, 1, 3, 5)
     q, k, v, dout = _inputs(10, 2, 6, 2, 8, 4)
     for is_causal in (False, True):
         ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
@@ -372,3 +374,18 @@ def test_pieces_are_strided_runs_that_reproduce_the_rows():
         want[:, h, o::r] += rows[:, i]
     torch.testing.assert_close(acc, want, rtol=0, atol=0)
     assert compress(x, pieces((0, 1, 2, 3), (0, 0, 0, 0)), 1) is x  # every row of every head: no copy
+
+
+def test_partial_heads_merge_in_place_at_batch_one():
+    """b = 1, head groups with r = 1: a branch's rows are a contiguous slice of the
+    accumulators, merged in place (no write-back); the result is still the reference's."""
+    spec = ringcc.DilatedSpec([4, 8], [1, 1], offsets="head_groups")
+    q, k, v, dout = _inputs(12, 1, 4, 4, 16, 4)
+    for is_causal in (False, True):
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
+        out.backward(dout)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
+        ref_out.backward(dout)
+        assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
