@@ -114,6 +114,19 @@ def test_strided_inputs_scale_and_zigzag_at_p1():
     assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)), TOL)
 
 
+def _matches_reference_single_device(spec, q, k, v, dout):
+    """ringcc's dilated attention (p = 1) against the dense reference, causal and not:
+    outputs, lse and the gradients of q, k and v."""
+    for is_causal in (False, True):
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
+        out.backward(dout)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
+        ref_out.backward(dout)
+        assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
+
+
 def test_gqa_slots_shared_and_uneven():
     # h=8, h_kv=2, r=2: each kv head serves offsets {0, 1}, two query heads each: 4 slots.
     (even,) = D.dilated_plan(ringcc.DilatedSpec([8], [2]), 8, 8, 2, 0, 1, "contiguous")
@@ -127,14 +140,7 @@ def test_gqa_slots_shared_and_uneven():
     plans = D.dilated_plan(spec, 8, 6, 2, 0, 1, "contiguous")
     assert plans[1].slot_kv == (0, 0, 1, 0, 1, 1) and plans[1].q_heads == (0, 2, 4, 1, 3, 5)
     q, k, v, dout = _inputs(10, 2, 6, 2, 8, 4)
-    for is_causal in (False, True):
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
-        out.backward(dout)
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
-        ref_out.backward(dout)
-        assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
+    _matches_reference_single_device(spec, q, k, v, dout)
 
 
 def test_branches_mix_as_one_softmax_with_duplicates():
@@ -381,11 +387,4 @@ def test_partial_heads_merge_in_place_at_batch_one():
     accumulators, merged in place (no write-back); the result is still the reference's."""
     spec = ringcc.DilatedSpec([4, 8], [1, 1], offsets="head_groups")
     q, k, v, dout = _inputs(12, 1, 4, 4, 16, 4)
-    for is_causal in (False, True):
-        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
-        out.backward(dout)
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref_out, ref_lse = reference.dilated_attention(qr, kr, vr, spec, is_causal=is_causal)
-        ref_out.backward(dout)
-        assert_shard_matches(_whole, out, lse, ref_out, ref_lse, ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
+    _matches_reference_single_device(spec, q, k, v, dout)
