@@ -607,9 +607,10 @@ def count_ring_bytes():
 
 
 def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env,
-            before: Callable[[], None] | None = None) -> list[float]:
+            before: Callable[[], None] | None = None, host: list[float] | None = None) -> list[float]:
     """Per-iteration milliseconds (slowest rank), warm-up excluded. `before` (CUDA) runs after
-    each barrier, before the start event: GPU work there is not timed."""
+    each barrier, before the start event: GPU work there is not timed. `host` (CUDA), when
+    given, gets this rank's host milliseconds to issue each step."""
     for _ in range(warmup):
         step()
     times = []
@@ -620,7 +621,10 @@ def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env,
             if before is not None:
                 before()
             start.record()
+            t = time.perf_counter()
             step()
+            if host is not None:
+                host.append(1e3 * (time.perf_counter() - t))
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))

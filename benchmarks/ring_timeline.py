@@ -17,12 +17,12 @@ CPU/gloo (--cpu): times only (no kernel timeline). Writes JSON with every gap ov
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -145,10 +145,10 @@ class Ranks:
         return t.tolist()
 
 
-def host_ahead(device, ms: float):
-    """A callable that keeps `device` busy for about `ms` before a timed step, so the host issues
-    the step ahead of the GPU (its launch cost hidden, as inside a model). Calibrated once.
-    None where the ringcc under test predates `_compat.cuda_spin` (an A/B against older code)."""
+@functools.lru_cache(maxsize=None)
+def _spin_cycles_per_ms(device) -> float | None:
+    """GPU clock cycles of `_compat.cuda_spin` per millisecond on `device`, measured once; None
+    where the ringcc under test predates `cuda_spin` (an A/B against older code)."""
     from ringcc import _compat
 
     if not hasattr(_compat, "cuda_spin"):
@@ -159,24 +159,21 @@ def host_ahead(device, ms: float):
     _compat.cuda_spin(10_000_000)
     b.record()
     b.synchronize()
-    cycles = ms * 10_000_000 / max(a.elapsed_time(b), 1e-3)
-    return lambda: _compat.cuda_spin(cycles)
+    return 10_000_000 / max(a.elapsed_time(b), 1e-3)
 
 
-def time_host(step, iters: int, env) -> tuple[list[float], list[float]]:
-    """(GPU ms per iteration on this rank, host ms to issue it), warmed up by the caller."""
-    gpu, host = [], []
-    for _ in range(iters):
-        env.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        step()
-        host.append(1e3 * (time.perf_counter() - t))
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
-    return gpu, host
+def time_host_ahead(step, args, env, device) -> list[float]:
+    """Per-iteration ms (slowest rank) of `step` issued while the GPU still runs a spin of
+    --host-ahead-ms, so the host is ahead of the GPU (its launch cost hidden, as inside a
+    model); [] when switched off or unavailable."""
+    from bench_attention import time_ms
+
+    cycles = _spin_cycles_per_ms(device) if args.host_ahead_ms > 0 else None
+    if cycles is None:
+        return []
+    from ringcc import _compat
+
+    return time_ms(step, 0, args.iters, env, before=lambda: _compat.cuda_spin(cycles * args.host_ahead_ms))
 
 
 def host_profile(step, iters: int, env, rows: int = 30) -> str:
@@ -218,7 +215,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
     env = Ranks(device)
-    times = time_ms(step, args.warmup, args.iters, env)
+    host: list[float] = []
+    times = time_ms(step, args.warmup, args.iters, env, host=host if cuda else None)
     import ringcc
 
     with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
@@ -230,10 +228,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     if cuda:
         # The same step issued while the GPU is still busy (the host ahead, as in a model's
         # middle), and the host's own issue time: what of `ms` is the host's launch cost.
-        gpu, host = time_host(step, args.iters, env)
-        lead = host_ahead(device, args.host_ahead_ms) if args.host_ahead_ms > 0 else None
-        ahead = time_ms(step, 0, args.iters, env, before=lead) if lead else []
-        rec.update(ms_rank=statistics.median(gpu), host_issue_ms=statistics.median(host),
+        ahead = time_host_ahead(step, args, env, device)
+        rec.update(host_issue_ms=statistics.median(host),
                    ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
         if args.cprofile:
             rec["cprofile"] = host_profile(step, args.cprofile, env)
@@ -284,8 +280,7 @@ def run_baseline(args, device, world: int) -> dict:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=k.shape[1] != q.shape[1])
             torch.autograd.grad(out, (q, k, v), dout)
     times = time_ms(step, args.warmup, args.iters, env)
-    lead = host_ahead(device, args.host_ahead_ms) if args.host_ahead_ms > 0 else None
-    ahead = time_ms(step, 0, args.iters, env, before=lead) if lead else []
+    ahead = time_host_ahead(step, args, env, device)
     return {"n": args.n_local * world, "ms": statistics.median(times),
             "ms_host_ahead": statistics.median(ahead) if ahead else None}
 
