@@ -195,6 +195,89 @@ def host_profile(step, iters: int, env, rows: int = 30) -> str:
     return buf.getvalue()
 
 
+# Host functions timed by --host-breakdown, as "module:attribute" where the callers look them up
+# (an imported name is patched in the importing module). Times are inclusive: block_fwd
+# contains its cuDNN call, commit its driver calls.
+HOST_SITES = (
+    "ringcc.runtime.ops:_setup", "ringcc.runtime.ops:ring_forward", "ringcc.runtime.ops:ring_backward",
+    "ringcc.runtime.ring:ring_comm", "ringcc.runtime.ring:RingSetup.masked_calls",
+    "ringcc.runtime.kernels:block_fwd", "ringcc.runtime.kernels:block_bwd",
+    "ringcc._compat:cuda_cudnn_fwd", "ringcc._compat:cuda_cudnn_bwd",
+    "ringcc.runtime.ring:merge_", "ringcc.runtime.ring:_accumulate", "ringcc.runtime.ring:copy_by_kernel",
+    "ringcc.runtime.comm:CopyEngineRing.send_recv", "ringcc.runtime.comm:CopyEngineRing.commit",
+    "ringcc.runtime.comm:CopyEngineRing.wait", "ringcc.runtime.comm:RingComm.send_recv",
+    "ringcc.runtime.comm:RingComm.commit", "ringcc.runtime.comm:RingComm.wait",
+    "ringcc._compat:CudaDriver.write", "ringcc._compat:CudaDriver.wait_geq",
+)
+
+
+def _resolve(site: str):
+    """(object holding the attribute, attribute name) of "module:Attr.sub"."""
+    import importlib
+
+    mod, attr = site.split(":")
+    owner = importlib.import_module(mod)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST_SITES) -> list[dict]:
+    """Host time per call site over `steps` steps (each issued behind a GPU spin of
+    `ahead_cycles`, so the host never waits for the GPU), by perf_counter wrappers that work in
+    autograd's backward thread too (cProfile sees only the thread that started it)."""
+    import time
+
+    from ringcc import _compat
+
+    stats = {s: [0, 0.0] for s in sites}
+    patched = []
+    for site in sites:
+        try:
+            owner, name = _resolve(site)
+        except (ImportError, AttributeError):
+            continue  # not in the code under test (an A/B against older code)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+        def timed(*a, _f=original, _s=stats[site], **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **kw)
+            finally:
+                _s[0] += 1
+                _s[1] += time.perf_counter() - t
+
+        setattr(owner, name, timed)
+        patched.append((owner, name, original))
+    total = 0.0
+    try:
+        for _ in range(steps):
+            env.barrier()
+            if ahead_cycles:
+                _compat.cuda_spin(ahead_cycles)
+            t = time.perf_counter()
+            step()
+            total += time.perf_counter() - t
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+    rows = [{"site": "step (the whole fwd+bwd)", "calls_per_step": 1.0, "ms_per_step": 1e3 * total / steps,
+             "us_per_call": 1e6 * total / steps}]
+    for site, (calls, secs) in stats.items():
+        if calls:
+            rows.append({"site": site.split(":")[1], "calls_per_step": calls / steps, "ms_per_step": 1e3 * secs / steps,
+                         "us_per_call": 1e6 * secs / calls})
+    return rows
+
+
+def format_breakdown(rows: list[dict]) -> str:
+    out = [f"      {'host site':<32} {'calls/step':>10} {'ms/step':>8} {'us/call':>8}"]
+    for r in rows:
+        out.append(f"      {r['site']:<32} {r['calls_per_step']:>10.1f} {r['ms_per_step']:>8.2f} {r['us_per_call']:>8.1f}")
+    return "\n".join(out)
+
+
 def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto") -> dict:
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
@@ -225,6 +308,9 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         del out
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
            "ms_iters": times, "out_checksum_rank0": checksum}
+    if args.host_breakdown:
+        cycles = _spin_cycles_per_ms(device) if cuda else None
+        rec["host_breakdown"] = host_breakdown(step, args.host_breakdown, cycles and cycles * 40, env)
     if cuda:
         # The same step issued while the GPU is still busy (the host ahead, as in a model's
         # middle), and the host's own issue time: what of `ms` is the host's launch cost.
@@ -333,6 +419,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", action="store_true",
                     help="also time the 1-GPU cuDNN kernel on the whole length (rank 0), both ways")
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
+    ap.add_argument("--host-breakdown", type=int, default=0,
+                    help="also time the host per call site over this many steps, each behind a 40 ms GPU spin")
     ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
@@ -382,6 +470,10 @@ def main(argv=None) -> int:
             print(f"  budget {r['budget']} transport {r['transport']}: forward output checksum "
                   f"(rank 0) sum {r['out_checksum_rank0'][0]:.6e} abs {r['out_checksum_rank0'][1]:.6e}")
         print(format_ranks(recs))
+        for r in recs:
+            if r.get("host_breakdown"):
+                print(f"--- host time by call site, budget {r['budget']} transport {r['transport']} (rank 0)\n"
+                      f"{format_breakdown(r['host_breakdown'])}")
         for r in recs:
             if r.get("cprofile"):
                 print(f"--- host profile, budget {r['budget']} transport {r['transport']} (rank 0)\n{r['cprofile']}")

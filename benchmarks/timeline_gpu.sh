@@ -6,6 +6,8 @@
 #    default head chunks ("auto") and whole heads ("0", not at 64K non-causal), each with and
 #    without transfers; gqafull64k: GQA 32/8 non-causal at 64K per GPU.
 # TRANSPORTS (default copy-engine,nccl): the ring transports each setting runs with.
+# GPU_TEST_FILES (default both files above), GPU_TEST_TIMEOUT (s, default 240);
+# TL_EXTRA: more ring_timeline.py options for every setting (e.g. "--host-breakdown 5 --baseline").
 # PREV_TREE=path: a checkout of an earlier commit (e.g. a git worktree passed with the device
 # tool's carry); each setting then also runs on it, in the same run on the same machine (A/B).
 set -u
@@ -25,7 +27,8 @@ if [ -n "${PREV_TREE:-}" ]; then
   (cd /tmp && PYTHONPATH=/tmp/ringcc_prev_site python3 -c "import ringcc.runtime.ring as r; print('prev ring from', r.__file__)") >>"$OUT/env.log" 2>&1
 fi
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -p no:cacheprovider tests/test_ring_gpu.py tests/test_dilated_gpu.py -q -rf --tb=short \
+  # shellcheck disable=SC2086
+  timeout "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider ${GPU_TEST_FILES:-tests/test_ring_gpu.py tests/test_dilated_gpu.py} -q -rf --tb=short \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 fi
 tl() {  # name args...
@@ -37,7 +40,7 @@ tl() {  # name args...
     local pp="${PYTHONPATH:-}"
     [ "$tree" = prev ] && pp="/tmp/ringcc_prev_site${pp:+:$pp}"
     PYTHONPATH="$pp" timeout 150 torchrun --standalone --nproc-per-node "$P" benchmarks/ring_timeline.py \
-      --json "$TMP/${name}_$tree.json" --transports "${TRANSPORTS:-copy-engine,nccl}" "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS|Warning|warn|return func" \
+      --json "$TMP/${name}_$tree.json" --transports "${TRANSPORTS:-copy-engine,nccl}" ${TL_EXTRA:-} "$@" 2>&1 | grep -v -E "^W[0-9]|\*\*\*\*|OMP_NUM_THREADS|Warning|warn|return func" \
       | tee -a "$OUT/timeline.txt"
   done
 }

@@ -341,7 +341,7 @@ def test_ring_timeline_runs_on_gloo(tmp_path):
     out = tmp_path / "tl.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "benchmarks" / "ring_timeline.py"), "--cpu", "--n-local", "32", "--heads", "4",
-           "--head-dim", "8", "--budgets", "0.0001,0", "--no-comm", "--warmup", "1", "--iters", "1", "--json", str(out)]
+           "--head-dim", "8", "--budgets", "0.0001,0", "--no-comm", "--warmup", "1", "--iters", "1", "--host-breakdown", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -352,6 +352,12 @@ def test_ring_timeline_runs_on_gloo(tmp_path):
     assert all(s["ms"] > 0 and "timeline" not in s for s in settings)
     with_comm = [s["out_checksum_rank0"] for s in settings if not s["skip_comm"]]
     assert with_comm[0] == pytest.approx(with_comm[1], rel=1e-5)
+    # Host time by call site: chunks make more kernel calls per step than whole heads, and
+    # the wrappers are gone afterwards (the next setting's breakdown starts from zero).
+    calls = [{r["site"]: r["calls_per_step"] for r in s["host_breakdown"]} for s in settings]
+    assert calls[0]["block_fwd"] == 4 * calls[2]["block_fwd"] > 0
+    assert "RingComm.commit" in calls[0] and "RingComm.commit" not in calls[1]
+    assert all(c["step (the whole fwd+bwd)"] == 1.0 for c in calls)
 
 
 def test_short_cells_get_more_warm_up():
