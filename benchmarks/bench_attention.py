@@ -464,10 +464,11 @@ def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transpo
         with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
                 _env_var("RINGCC_RING_TRANSPORT", transport_):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
+            zz = cell.causal and layout == "zigzag"
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
                      "workspace_mib": budget, "transport": transport_,
-                     "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, cell.causal and layout == "zigzag")
-                     or k.shape[1]}
+                     "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, zz) or k.shape[1],
+                     "kv_heads_per_chunk_fwd": workspace.ring_kv_chunk(q, k, None, cell.p, zz, forward=True) or k.shape[1]}
             yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
 
     return make

@@ -44,11 +44,13 @@ def _group_from(group_name: str, world_size: int):
     return group, dist.get_rank(group), world
 
 
-def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0) -> RingSetup:
+def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0, *,
+           forward: bool) -> RingSetup:
     group, rank, world = _group_from(group_name, world_size)
     lay = L.Layout(layout)
-    # K/V heads per chunk: the same rule (and so the same schedule) in forward and backward
-    kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG)
+    # K/V heads per chunk: the planner's rule (workspace.py), per direction
+    kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
+                                       forward=forward)
     return RingSetup(group, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
 
 
@@ -69,7 +71,7 @@ def ring_attention_op(
     layout: str,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True)
     out, lse = ring_forward(q, k, v, key_valid, setup)
     return out.contiguous(), lse.contiguous()
 
@@ -98,7 +100,7 @@ def ring_attention_backward_op(
     layout: str,
     window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False)
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

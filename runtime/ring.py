@@ -163,6 +163,10 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # full-size outputs, which are allocated once; the ring's own buffers then scale with the
 # chunk, not with all heads. In backward the last dK/dV hop of a chunk is waited for only
 # after the next chunk's first kernels, so chunk boundaries add no exposed transfer.
+# Forward and backward choose their chunks separately (workspace.ring_kv_chunk): the forward
+# sends K/V alone, so it may take up to 3x the backward's heads (bf16) in a batch of no more
+# bytes than the backward's K/V with fp32 dK/dV, and the copy-engine area (sized by the
+# largest batch) does not grow; fewer chunks mean fewer steps, kernel calls and merges.
 
 
 def ring_forward(q, k, v, key_valid, setup: RingSetup):

@@ -32,8 +32,12 @@ Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exce
 budget (RINGCC_RING_WORKSPACE_MIB, or by default 256 MiB + 3/4 of the bytes of q, k, v and
 the output), the ring runs once per chunk of K/V heads,
 the largest divisor of the K/V head count whose workspace fits (else one K/V head), and the
-buffers above are those of one chunk. The formula is a Piecewise over those choices, the
-same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
+buffers above are those of one chunk. The forward, which sends K/V only, may take larger
+chunks than that backward choice: the largest whose forward workspace fits and whose batch
+(K and V of the chunk) is no larger than the backward's (K, V and their fp32 dK/dV), so it
+never needs a larger receive area than the backward (3x the heads for bf16). Fewer, larger
+chunks make fewer steps, kernel calls and merges. The formulas are Piecewise over those
+choices, the same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
 
 Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
 compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
@@ -246,9 +250,24 @@ def _fits(forward, backward, budget):
     return sympy.Max(forward, backward) <= budget
 
 
+def _forward_may_take(hk_f: int, hk_b: int, g: int, itemsize: int) -> bool:
+    """Whether the forward may run chunks of hk_f K/V heads when the backward runs chunks of
+    hk_b (0 = all g): as many heads or more, and a batch (K and V) no larger than the
+    backward's (K, V and the fp32/fp64 dK/dV accumulators); the key mask rides both."""
+    hk_f, hk_b = hk_f or g, hk_b or g
+    acc = 8 if itemsize == 8 else FP32
+    return hk_f >= hk_b and hk_f * itemsize <= hk_b * (itemsize + acc)
+
+
+def _forward_options(opts, i: int, g: int, itemsize: int):
+    """The forward's candidates, largest first, when the backward takes option i."""
+    return [o for o in opts if _forward_may_take(o[0], opts[i][0], g, itemsize)]
+
+
 def ring_attention(a: dict, p) -> Workspace:
     """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
-    when that fits the budget, else the largest chunk that does, else one K/V head."""
+    when that fits the budget, else the largest chunk that does, else one K/V head; the
+    forward's chunk as large as its own workspace and the backward's batch allow."""
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     budget = ring_workspace_budget()
     if budget is None:
@@ -258,13 +277,22 @@ def ring_attention(a: dict, p) -> Workspace:
     if budget == 0 or len(opts) == 1:
         return Workspace(*opts[0][1:])
     conds = [_fits(f, b, budget) for _, f, b in opts[:-1]] + [True]
-    return Workspace(sympy.Piecewise(*[(f, c) for (_, f, _), c in zip(opts, conds)]),
+    g = int(k.shape[1])
+    forwards = []
+    for i, cond in enumerate(conds):
+        # the largest candidate whose forward fits, else the backward's own choice (which fits
+        # wherever the budget chose it, and is the answer for the one-head fallback)
+        larger = [f for hk, f, _ in _forward_options(opts, i, g, k.itemsize) if hk != opts[i][0]]
+        fwd = sympy.Piecewise(*[(f, f <= budget) for f in larger], (opts[i][1], True)) if larger else opts[i][1]
+        forwards.append((fwd, cond))
+    return Workspace(sympy.Piecewise(*forwards),
                      sympy.Piecewise(*[(b, c) for (_, _, b), c in zip(opts, conds)]))
 
 
-def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> int:
-    """K/V heads per chunk for these concrete tensors (0: all heads at once), by the same
-    rule as `ring_attention`: evaluated once per shape."""
+def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forward: bool = False) -> int:
+    """K/V heads per chunk for these concrete tensors (0: all heads at once) in the backward,
+    or with `forward` in the forward, by the same rule as `ring_attention`: evaluated once
+    per shape."""
     budget = ring_workspace_budget()
     if budget == 0 or k.shape[1] == 1:
         return 0
@@ -276,17 +304,21 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False) -> i
 
     # the settings the formulas read, so that the cache never answers for other settings
     settings = (kernels._cuda_kernel(), kernels.native_gqa_setting())
-    return _ring_kv_chunk(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
-                          q.device.type, world, budget, bool(zigzag_causal), settings)
+    fwd, bwd = _ring_kv_chunks(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
+                               q.device.type, world, budget, bool(zigzag_causal), settings)
+    return fwd if forward else bwd
 
 
 @functools.lru_cache(maxsize=256)
-def _ring_kv_chunk(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal,
-                   settings) -> int:
+def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal,
+                    settings) -> tuple[int, int]:
+    """(forward, backward) K/V heads per chunk."""
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
-    return next((hk for hk, f, b in opts if _fits(f, b, budget)), opts[-1][0])
+    i = next((j for j, (hk, f, b) in enumerate(opts) if _fits(f, b, budget)), len(opts) - 1)
+    fwd = next((hk for hk, f, _ in _forward_options(opts, i, k_shape[1], k_item) if f <= budget), opts[i][0])
+    return fwd, opts[i][0]
 
 
 def _dilated_branches(a: dict, p):

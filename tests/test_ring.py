@@ -75,16 +75,25 @@ def test_ring_sliding_window(pools, world, is_causal, layout, window, padded):
     assert max(errs) < 1e-5
 
 
-def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window):
-    """The same parity with a tiny workspace budget: the ring runs once per K/V head."""
+# RINGCC_RING_WORKSPACE_MIB -> {(h, g): (forward, backward) K/V heads per chunk at p = 1, 2, 3,
+# 4} on these tiny fp32 tensors ([2, h, 10, 8], a key mask): one K/V head per chunk; then a
+# budget where the forward takes larger chunks than the backward (0 = all heads).
+HEAD_CHUNK_BUDGETS = {"0.0001": {(8, 4): [(1, 1)] * 4, (4, 4): [(1, 1)] * 4},
+                      "0.0191": {(8, 4): [(2, 1)] * 4, (4, 4): [(0, 0), (0, 0), (0, 2), (0, 2)]}}
+
+
+def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window, budget):
+    """The same parity with a small workspace budget: the ring runs per chunk of K/V heads."""
     import os
 
     from ringcc.runtime import workspace
 
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0.0001"
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
     try:
-        q = torch.empty(2, h, 10, 8)
-        assert workspace.ring_kv_chunk(q, torch.empty(2, g, 10, 8), None, world) == 1
+        q, k = torch.empty(2, h, 10, 8), torch.empty(2, g, 10, 8)
+        mask = torch.ones(2, 10, dtype=torch.bool)
+        assert tuple(workspace.ring_kv_chunk(q, k, mask, world, forward=f) for f in (True, False)) \
+            == HEAD_CHUNK_BUDGETS[budget][(h, g)][world - 1]
         return case_ring(rank, world, is_causal, layout, h, g, 10, padded, window)
     finally:
         del os.environ["RINGCC_RING_WORKSPACE_MIB"]
@@ -93,11 +102,13 @@ def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ring_head_chunks_match_reference(pools, world, is_causal, layout):
+@pytest.mark.parametrize("budget", sorted(HEAD_CHUNK_BUDGETS))
+def test_ring_head_chunks_match_reference(pools, world, is_causal, layout, budget):
     # GQA 8/4 with padding and a sliding window, then MHA: every chunk's out/lse and
-    # dq/dk/dv land in the right heads, and the last dK/dV hop of each chunk comes home.
-    errs = pools(world).run(case_ring_head_chunks, is_causal, layout, 8, 4, True, 13)
-    errs += pools(world).run(case_ring_head_chunks, is_causal, layout, 4, 4, False, None)
+    # dq/dk/dv land in the right heads, and the last dK/dV hop of each chunk comes home,
+    # also where forward and backward run different chunks.
+    errs = pools(world).run(case_ring_head_chunks, is_causal, layout, 8, 4, True, 13, budget)
+    errs += pools(world).run(case_ring_head_chunks, is_causal, layout, 4, 4, False, None, budget)
     assert max(errs) < 1e-5
 
 
@@ -115,9 +126,12 @@ def test_head_chunk_rule_follows_the_budget(monkeypatch):
     # auto (the default): 256 MiB + 3/4 of q, k, v and out; MHA h=16 bf16 at 16K and 64K
     # tokens per rank -> 4 and 2 heads per chunk (the settings measured on GPU)
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB")
-    for n_local, heads in ((16384, 4), (65536, 2)):
+    # The forward, sending K/V only, takes the largest chunk whose batch is no larger than the
+    # backward's (3x the heads for bf16) and whose workspace fits: 8 and 4.
+    for n_local, heads, fwd_heads in ((16384, 4, 8), (65536, 2, 4)):
         big = torch.empty(1, 16, n_local, 128, dtype=torch.bfloat16, device="meta")
         assert workspace.ring_kv_chunk(big, big, None, 4, zigzag_causal=True) == heads
+        assert workspace.ring_kv_chunk(big, big, None, 4, zigzag_causal=True, forward=True) == fwd_heads
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "lots")
     with pytest.raises(ValueError, match="RINGCC_RING_WORKSPACE_MIB"):
         workspace.ring_kv_chunk(q, k, None, 4)
