@@ -293,7 +293,12 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     k, v = (torch.randn(kv_shape, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(2))
     dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    chunk = workspace.ring_kv_chunk(q, k, None, world, args.causal and args.layout == "zigzag") or kv_shape[1]
+    zz = args.causal and args.layout == "zigzag"
+    chunk = workspace.ring_kv_chunk(q, k, None, world, zz) or kv_shape[1]
+    try:
+        chunk_fwd = workspace.ring_kv_chunk(q, k, None, world, zz, forward=True) or kv_shape[1]
+    except TypeError:  # code under test from before the forward had its own chunks (A/B)
+        chunk_fwd = chunk
     step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
@@ -306,7 +311,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk, "ms": statistics.median(times),
+    rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk,
+           "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
            "ms_iters": times, "out_checksum_rank0": checksum}
     if args.host_breakdown:
         cycles = _spin_cycles_per_ms(device) if cuda else None
@@ -373,7 +379,7 @@ def run_baseline(args, device, world: int) -> dict:
 
 def format_rows(recs: list[dict]) -> str:
     """One row per setting: times (slowest rank), and rank 0's profiled iteration."""
-    head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk':>11} {'ms':>8} {'ahead ms':>8} {'host ms':>8} "
+    head = (f"{'budget':>7} {'comm':>5} {'transport':>11} {'heads/chunk f/b':>15} {'ms':>8} {'ahead ms':>8} {'host ms':>8} "
             f"{'span ms':>8} {'compute':>8} {'nccl only':>9} {'idle':>7} {'gaps: cpu late':>14} {'waiting':>8} "
             f"{'1st kernel':>10}")
     out = [head, "-" * len(head)]
@@ -382,7 +388,7 @@ def format_rows(recs: list[dict]) -> str:
         ms = lambda key: "-" if key not in t else f"{t[key] / 1e3:.2f}"  # noqa: E731
         opt = lambda key: "-" if r.get(key) is None else f"{r[key]:.2f}"  # noqa: E731
         out.append(f"{r['budget']:>7} {'off' if r['skip_comm'] else 'on':>5} {r.get('transport', 'nccl'):>11} "
-                   f"{r['kv_heads_per_chunk']:>11} "
+                   f"{str(r.get('kv_heads_per_chunk_fwd', '-')) + '/' + str(r['kv_heads_per_chunk']):>15} "
                    f"{r['ms']:>8.2f} {opt('ms_host_ahead'):>8} {opt('host_issue_ms'):>8} "
                    f"{ms('span_us'):>8} {ms('compute_busy_us'):>8} {ms('nccl_only_us'):>9} "
                    f"{ms('idle_us'):>7} {ms('gaps_cpu_late_us'):>14} {ms('gaps_waiting_us'):>8} "

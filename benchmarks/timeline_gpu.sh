@@ -7,6 +7,7 @@
 #    without transfers; gqafull64k: GQA 32/8 non-causal at 64K per GPU.
 # TRANSPORTS (default copy-engine,nccl): the ring transports each setting runs with.
 # GPU_TEST_FILES (default both files above), GPU_TEST_TIMEOUT (s, default 240);
+# TL_BUDGETS: the workspace budgets of the 16K and causal 64K settings (default auto,0);
 # TL_EXTRA: more ring_timeline.py options for every setting (e.g. "--host-breakdown 5 --baseline").
 # PREV_TREE=path: a checkout of an earlier commit (e.g. a git worktree passed with the device
 # tool's carry); each setting then also runs on it, in the same run on the same machine (A/B).
@@ -47,9 +48,9 @@ tl() {  # name args...
 SETS="${SETS:-causal16k full16k causal64k}"  # which of the settings below to run
 for set in $SETS; do
   case $set in
-    causal16k) tl causal16k --n-local 16384 --causal 1 --budgets auto,0 --no-comm ;;
-    full16k) tl full16k --n-local 16384 --causal 0 --budgets auto,0 --no-comm ;;
-    causal64k) tl causal64k --n-local 65536 --causal 1 --budgets auto,0 --no-comm --iters 3 ;;
+    causal16k) tl causal16k --n-local 16384 --causal 1 --budgets "${TL_BUDGETS:-auto,0}" --no-comm ;;
+    full16k) tl full16k --n-local 16384 --causal 0 --budgets "${TL_BUDGETS:-auto,0}" --no-comm ;;
+    causal64k) tl causal64k --n-local 65536 --causal 1 --budgets "${TL_BUDGETS:-auto,0}" --no-comm --iters 3 ;;
     full64k) tl full64k --n-local 65536 --causal 0 --layout contiguous --budgets auto --no-comm --iters 3 ;;
     gqafull64k) tl gqafull64k --n-local 65536 --heads 32 --kv-heads 8 --causal 0 --layout contiguous --budgets auto --no-comm --iters 3 ;;
     *) echo "unknown setting $set (causal16k, full16k, causal64k, full64k, gqafull64k)"; exit 2 ;;

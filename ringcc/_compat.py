@@ -132,33 +132,68 @@ def symm_rendezvous(buf: torch.Tensor, group):
 
 
 class CudaDriver:
-    """The two CUDA driver stream memory operations torch does not bind for Python:
-    cuStreamWaitValue32 (a stream waits, without a kernel, until a 32-bit word in device memory
-    reaches a value) and cuStreamWriteValue32 (a stream writes one, after a system-wide fence).
-    Loaded from libcuda with ctypes."""
+    """CUDA driver calls for the copy-engine ring, loaded from libcuda with ctypes: the stream
+    memory operations torch does not bind for Python, cuStreamWaitValue32 (a stream waits,
+    without a kernel, until a 32-bit word in device memory reaches a value) and
+    cuStreamWriteValue32 (a stream writes one, after a system-wide fence); and the few
+    stream calls the ring issues per batch (async copy, event record, stream wait on an event),
+    which through the driver cost the host a few microseconds each instead of torch's tens
+    (host time by call site: benchmarks/ring_timeline.py --host-breakdown).
+    Streams are raw handles (`torch.cuda.Stream.cuda_stream`; 0 is the current device's
+    default stream, so callers make their device current)."""
 
     WAIT_GEQ = 0x0
+    EVENT_DISABLE_TIMING = 0x2
 
     def __init__(self):
         import ctypes
 
         lib = ctypes.CDLL("libcuda.so.1")
+        self._ctypes = ctypes
         self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
         self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         for f in (self._wait, self._write):
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._copy = lib.cuMemcpyDtoDAsync_v2
+        self._copy.restype = ctypes.c_int
+        self._copy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._event_create = lib.cuEventCreate
+        self._event_create.restype = ctypes.c_int
+        self._event_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._event_record = lib.cuEventRecord
+        self._event_record.restype = ctypes.c_int
+        self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._wait_event = lib.cuStreamWaitEvent
+        self._wait_event.restype = ctypes.c_int
+        self._wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
         if rc != 0:
             raise RuntimeError(f"{what} failed with CUDA driver error {rc}")
 
-    def wait_geq(self, stream, address: int, value: int) -> None:
-        self._check(self._wait(stream.cuda_stream, address, value & 0xFFFFFFFF, self.WAIT_GEQ), "cuStreamWaitValue32")
+    def wait_geq(self, stream: int, address: int, value: int) -> None:
+        self._check(self._wait(stream, address, value & 0xFFFFFFFF, self.WAIT_GEQ), "cuStreamWaitValue32")
 
-    def write(self, stream, address: int, value: int) -> None:
-        self._check(self._write(stream.cuda_stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+    def write(self, stream: int, address: int, value: int) -> None:
+        self._check(self._write(stream, address, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        """Device-to-device copy of nbytes on `stream` (a peer's mapped address works as dst)."""
+        self._check(self._copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def event(self) -> int:
+        """A new event without timing, of the current device's context (never destroyed: the
+        ring makes two per receive area)."""
+        ev = self._ctypes.c_void_p()
+        self._check(self._event_create(self._ctypes.byref(ev), self.EVENT_DISABLE_TIMING), "cuEventCreate")
+        return ev.value
+
+    def order(self, later: int, earlier: int, event: int) -> None:
+        """Work queued on stream `later` from now on waits for what is queued on `earlier` now."""
+        self._check(self._event_record(event, earlier), "cuEventRecord")
+        self._check(self._wait_event(later, event, 0), "cuStreamWaitEvent")
 
 
 def cuda_spin(cycles: int) -> None:

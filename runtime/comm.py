@@ -15,6 +15,7 @@ Two transports (`ring_comm` picks one; RINGCC_RING_TRANSPORT=auto|nccl|copy-engi
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -129,16 +130,38 @@ class _Mailbox:
         self.next_ready_addr = self.next_buf.data_ptr() + 4 * self.READY
         self.prev_free_addr = prev_buf.data_ptr() + 4 * self.FREE
         self._prev_buf = prev_buf
+        self.next_ptr = self.next_buf.data_ptr()
         self.stream = torch.cuda.Stream(device=device)
+        self.side = self.stream.cuda_stream  # raw handles for the driver calls
         self.driver = _compat.CudaDriver()
+        with torch.cuda.device(device):
+            self.to_side, self.to_compute = self.driver.event(), self.driver.event()
         self.seq = 0
         self.last_stream = None  # the compute stream of the last wait(): the next commit orders after it too
+        self._layouts: dict = {}
         torch.cuda.synchronize(device)
         _barrier(group, device)  # every area is zeroed before any neighbour writes a flag
 
     @property
     def nbytes(self) -> int:
         return self.buf.numel()
+
+    def layout(self, slot: int, key: tuple) -> tuple[list[torch.Tensor], list[int]]:
+        """(views of slot `slot` for a batch of tensors of `key` = ((dtype, shape), ...),
+        their byte offsets in the slot), made once per slot and key."""
+        got = self._layouts.get((slot, key))
+        if got is None:
+            if len(self._layouts) >= 64:  # shapes come and go (other models, lengths): keep a few
+                self._layouts.clear()
+            views, offsets, off = [], [], 0
+            base = self.HEADER + slot * self.slot_bytes
+            for dtype, shape in key:
+                nbytes = math.prod(shape) * dtype.itemsize
+                views.append(self.buf[base + off:base + off + nbytes].view(dtype).view(shape))
+                offsets.append(off)
+                off += _align(nbytes)
+            got = self._layouts[(slot, key)] = (views, offsets)
+        return got
 
 
 # Keyed by the group object, not its name: names come back after destroy_process_group.
@@ -219,52 +242,64 @@ class CopyEngineRing:
         if self._queued is not None or self._inflight is not None:
             raise RuntimeError("CopyEngineRing.send_recv called while a batch is queued or in flight; call wait() first")
         tensors = [t.contiguous() for t in tensors]
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += _align(t.nbytes)
-        box = _mailbox(self.group, self.device, total)
+        key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        box = _mailbox(self.group, self.device, sum(_align(t.nbytes) for t in tensors))
         seq = box.seq + 1
-        base = box.HEADER + (seq % 2) * box.slot_bytes
-        out, parts = [], []
-        for t, off in zip(tensors, offsets):
-            start, end = base + off, base + off + t.nbytes
-            out.append(box.buf[start:end].view(t.dtype).view(t.shape))
-            parts.append((t, start, end))
-            self.bytes_sent += t.nbytes
-        self._queued = (box, seq, parts)
-        return out
+        views, offsets = box.layout(seq % 2, key)
+        self.bytes_sent += sum(t.nbytes for t in tensors)
+        self._queued = (box, seq, tensors, offsets)
+        return list(views)
 
     def commit(self) -> None:
         if self._queued is None or not self._queued[2]:
             raise RuntimeError("CopyEngineRing.commit called with nothing queued")
-        box, seq, parts = self._queued
-        # The driver calls take raw stream handles: 0, the default stream, means the current
-        # device's, so the device is made current for them.
-        with torch.cuda.device(self.device):
-            compute, side = torch.cuda.current_stream(self.device), box.stream
-            side.wait_stream(compute)
+        box, seq, tensors, offsets = self._queued
+        d, side = box.driver, box.side
+        with _current(self.device):
+            compute = torch.cuda.current_stream(self.device).cuda_stream
+            d.order(side, compute, box.to_side)
             if box.last_stream is not None and box.last_stream != compute:
-                side.wait_stream(box.last_stream)  # a ring before this one ran on another stream
-            box.driver.write(side, box.prev_free_addr, seq)
-            box.driver.wait_geq(side, box.free_addr, seq)
-            with torch.cuda.stream(side):
-                for t, start, end in parts:
-                    box.next_buf[start:end].copy_(t.reshape(-1).view(torch.uint8))
-            box.driver.write(side, box.next_ready_addr, seq)
+                d.order(side, box.last_stream, box.to_side)  # a ring before this one ran on another stream
+            d.write(side, box.prev_free_addr, seq)
+            d.wait_geq(side, box.free_addr, seq)
+            base = box.next_ptr + box.HEADER + (seq % 2) * box.slot_bytes
+            for t, off in zip(tensors, offsets):
+                if t.nbytes:
+                    d.copy(side, base + off, t.data_ptr(), t.nbytes)
+            d.write(side, box.next_ready_addr, seq)
         box.seq = seq
-        self._queued, self._inflight = None, (box, seq, parts)
+        self._queued, self._inflight = None, (box, seq)
 
     def wait(self) -> None:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
-        box, seq, _ = self._inflight
-        with torch.cuda.device(self.device):
-            compute = torch.cuda.current_stream(self.device)
+        box, seq = self._inflight
+        with _current(self.device):
+            compute = torch.cuda.current_stream(self.device).cuda_stream
             box.driver.wait_geq(compute, box.ready_addr, seq)
-            compute.wait_stream(box.stream)
+            box.driver.order(compute, box.side, box.to_compute)
         box.last_stream = compute
         self._inflight = None
+
+
+class _current:
+    """Makes `device` current for raw-handle driver calls (handle 0, the default stream, is the
+    current device's), switching only when it is not (the usual case needs no switch)."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, device: torch.device):
+        self.index = device.index
+
+    def __enter__(self):
+        cur = torch.cuda.current_device()
+        self.prev = None if cur == self.index else cur
+        if self.prev is not None:
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
 
 
 TRANSPORTS = ("auto", "nccl", "copy-engine")
@@ -290,8 +325,8 @@ def _copy_engine_usable(group, device: torch.device) -> bool | str:
             driver, word = _compat.CudaDriver(), torch.zeros(1, dtype=torch.int32, device=device)
             with torch.cuda.device(device):
                 stream = torch.cuda.current_stream(device)
-                driver.write(stream, word.data_ptr(), 1)
-                driver.wait_geq(stream, word.data_ptr(), 1)
+                driver.write(stream.cuda_stream, word.data_ptr(), 1)
+                driver.wait_geq(stream.cuda_stream, word.data_ptr(), 1)
             torch.cuda.synchronize(device)
             if int(word.item()) != 1:
                 why = "a CUDA stream memory write did not land"
