@@ -268,12 +268,15 @@ class CopyEngineRing:
                     d.copy(side, base + off, t.data_ptr(), t.nbytes)
             d.write(side, box.next_ready_addr, seq)
         box.seq = seq
-        self._queued, self._inflight = None, (box, seq)
+        # The sources stay referenced until wait() orders the compute stream after the copies:
+        # send_recv's contiguous copies have no other owner, and the allocator would hand their
+        # memory to the next kernels while the copies still read it.
+        self._queued, self._inflight = None, (box, seq, tensors)
 
     def wait(self) -> None:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
-        box, seq = self._inflight
+        box, seq, _sources = self._inflight
         with _current(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             box.driver.wait_geq(compute, box.ready_addr, seq)
