@@ -20,6 +20,7 @@ Prints a table and writes JSON (device named).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -116,12 +117,13 @@ def run_case(args, n_local: int, causal: bool) -> dict:
         if ab is not None:
             os.environ[ab_name] = ab
         os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-        kv_chunk = workspace.ring_kv_chunk(q, k, None, p, causal)
-        chunk = kv_chunk or h
-        setup = RingSetup(None, rank, p, layout, causal, scale, kv_chunk=kv_chunk)
+        kv_f, kv_b = (workspace.ring_kv_chunk(q, k, None, p, causal, forward=f) for f in (True, False))
+        chunk = f"{kv_f or h}/{kv_b or h}"
+        setup = RingSetup(None, rank, p, layout, causal, scale, kv_chunk=kv_b)
+        setup_f = dataclasses.replace(setup, kv_chunk=kv_f)  # the forward's own chunks, as ops.py runs them
 
         def step():
-            out, lse = ring_forward(q, k, v, None, setup)
+            out, lse = ring_forward(q, k, v, None, setup_f)
             ring_backward(dout, q, k, v, None, out, lse, setup)
 
         torch.cuda.reset_peak_memory_stats()
@@ -134,7 +136,7 @@ def run_case(args, n_local: int, causal: bool) -> dict:
             r["profile"] = _profile(step)
             # the A/B settings must not change a single bit of the results
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-            out, lse = ring_forward(qg, kg, vg, None, setup)
+            out, lse = ring_forward(qg, kg, vg, None, setup_f)
             got = [out, lse, *ring_backward(dout, qg, kg, vg, None, out, lse, setup)]
             torch.cuda.synchronize()
             ref_vals = grads_by_value.setdefault((rank, label), got)
@@ -147,18 +149,21 @@ def run_case(args, n_local: int, causal: bool) -> dict:
         os.environ.pop(ab_name, None)
 
     # the attention kernels alone, at the default schedule's block calls (rank ranks[0])
-    setup = RingSetup(None, ranks[0], p, layout, causal, scale, kv_chunk=workspace.ring_kv_chunk(q, k, None, p, causal))
-    hc = (setup.kv_chunk or h)
+    # (forward, backward) heads per chunk, as the default schedule runs them
+    hf, hb = (workspace.ring_kv_chunk(q, k, None, p, causal, forward=f) or h for f in (True, False))
+    setup = RingSetup(None, ranks[0], p, layout, causal, scale, kv_chunk=hb)
     calls = [c for src_step in range(p) for c in setup.calls(n_local, (ranks[0] - src_step) % p)]
-    qs, ks = q[:, :hc].contiguous(), k[:, :hc].contiguous()
-    vs, ds = v[:, :hc].contiguous(), dout[:, :hc].contiguous()
+    q_f, k_f, v_f = (t[:, :hf].contiguous() for t in (q, k, v))
+    qs, ks, vs, ds = (t[:, :hb].contiguous() for t in (q, k, v, dout))
     o_all, l_all = kernels.block_fwd(qs, ks, vs, scale=scale, causal=False)
     l_all = kernels.bwd_lse(l_all)
 
     def blocks():
-        for _ in range(h // hc):
+        for _ in range(h // hf):
             for c in calls:
-                kernels.block_fwd(qs[:, :, c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1], scale=scale, causal=c.causal)
+                kernels.block_fwd(q_f[:, :, c.q0:c.q1], k_f[:, :, c.k0:c.k1], v_f[:, :, c.k0:c.k1], scale=scale, causal=c.causal)
+        for _ in range(h // hb):
+            for c in calls:
                 kernels.block_bwd(ds[:, :, c.q0:c.q1], qs[:, :, c.q0:c.q1], ks[:, :, c.k0:c.k1], vs[:, :, c.k0:c.k1],
                                   o_all[:, :, c.q0:c.q1], l_all[:, :, c.q0:c.q1], scale=scale, causal=c.causal,
                                   lse_prepared=True)
@@ -166,22 +171,22 @@ def run_case(args, n_local: int, causal: bool) -> dict:
     rec["blocks_ms"] = statistics.median(_timed(blocks, 2, args.iters))
     rec["blocks_eff"] = ideal / rec["blocks_ms"]
     rec["block_calls"] = [[c.q1 - c.q0, c.k1 - c.k0, c.causal] for c in calls]
-    del q, k, v, dout, qs, ks, vs, ds, o_all, l_all
+    del q, k, v, dout, q_f, k_f, v_f, qs, ks, vs, ds, o_all, l_all
     torch.cuda.empty_cache()
     return rec
 
 
 def format_table(recs: list[dict]) -> str:
-    head = f"{'n/GPU':>7} {'mask':>6} {'rank':>4} {'setting':>8} {'h/chunk':>7} {'ms':>8} {'ideal':>8} {'eff':>6} {'extra MiB':>9}"
+    head = f"{'n/GPU':>7} {'mask':>6} {'rank':>4} {'setting':>8} {'h/chunk f/b':>11} {'ms':>8} {'ideal':>8} {'eff':>6} {'extra MiB':>9}"
     lines = [head, "-" * len(head)]
     for r in recs:
         mask = "causal" if r["causal"] else "full"
         for x in r["ring"]:
             diff = x.get("max_abs_diff_vs_first_ab")
-            lines.append(f"{r['n_local']:>7} {mask:>6} {x['rank']:>4} {x['setting']:>8} {x['heads_per_chunk']:>7} "
+            lines.append(f"{r['n_local']:>7} {mask:>6} {x['rank']:>4} {x['setting']:>8} {x['heads_per_chunk']:>11} "
                          f"{x['ms']:>8.2f} {r['ideal_rank_ms']:>8.2f} {100 * x['eff']:>5.1f}% {x['peak_extra_mib']:>9.0f}"
                          + ("" if diff is None else f"  results vs first A/B value: max |diff| {diff:.3g}"))
-        lines.append(f"{r['n_local']:>7} {mask:>6} {'':>4} {'kernels':>8} {'':>7} {r['blocks_ms']:>8.2f} "
+        lines.append(f"{r['n_local']:>7} {mask:>6} {'':>4} {'kernels':>8} {'':>11} {r['blocks_ms']:>8.2f} "
                      f"{r['ideal_rank_ms']:>8.2f} {100 * r['blocks_eff']:>5.1f}%   (attention kernels alone)")
         prof = next((x["profile"] for x in r["ring"] if "profile" in x), None)
         if prof:

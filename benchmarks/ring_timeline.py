@@ -208,6 +208,7 @@ HOST_SITES = (
     "ringcc.runtime.comm:CopyEngineRing.wait", "ringcc.runtime.comm:RingComm.send_recv",
     "ringcc.runtime.comm:RingComm.commit", "ringcc.runtime.comm:RingComm.wait",
     "ringcc._compat:CudaDriver.write", "ringcc._compat:CudaDriver.wait_geq",
+    "ringcc._compat:CudaDriver.copy", "ringcc._compat:CudaDriver.order",
 )
 
 
@@ -226,32 +227,39 @@ def _resolve(site: str):
 def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST_SITES) -> list[dict]:
     """Host time per call site over `steps` steps (each issued behind a GPU spin of
     `ahead_cycles`, so the host never waits for the GPU), by perf_counter wrappers that work in
-    autograd's backward thread too (cProfile sees only the thread that started it)."""
+    autograd's backward thread too (cProfile sees only the thread that started it). Every
+    wrapper is removed afterwards, also when a step fails."""
+    import inspect
     import time
 
     from ringcc import _compat
 
+    sites = tuple(dict.fromkeys(sites))  # a site twice would wrap its own wrapper
     stats = {s: [0, 0.0] for s in sites}
     patched = []
-    for site in sites:
-        try:
-            owner, name = _resolve(site)
-        except (ImportError, AttributeError):
-            continue  # not in the code under test (an A/B against older code)
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-
-        def timed(*a, _f=original, _s=stats[site], **kw):
-            t = time.perf_counter()
-            try:
-                return _f(*a, **kw)
-            finally:
-                _s[0] += 1
-                _s[1] += time.perf_counter() - t
-
-        setattr(owner, name, timed)
-        patched.append((owner, name, original))
     total = 0.0
     try:
+        for site in sites:
+            try:
+                owner, name = _resolve(site)
+                original = inspect.getattr_static(owner, name)
+            except (ImportError, AttributeError):
+                continue  # not in the code under test (an A/B against older code)
+            # static and class methods: time the function inside, keep the descriptor
+            kind = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+            func = original.__func__ if kind else original
+
+            def timed(*a, _f=func, _s=stats[site], **kw):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **kw)
+                finally:
+                    _s[0] += 1
+                    _s[1] += time.perf_counter() - t
+
+            own = not isinstance(owner, type) or name in owner.__dict__  # else inherited: deleted again after
+            setattr(owner, name, kind(timed) if kind else timed)
+            patched.append((owner, name, original if own else None))
         for _ in range(steps):
             env.barrier()
             if ahead_cycles:
@@ -260,8 +268,11 @@ def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST
             step()
             total += time.perf_counter() - t
     finally:
-        for owner, name, original in patched:
-            setattr(owner, name, original)
+        for owner, name, original in reversed(patched):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
     rows = [{"site": "step (the whole fwd+bwd)", "calls_per_step": 1.0, "ms_per_step": 1e3 * total / steps,
              "us_per_call": 1e6 * total / steps}]
     for site, (calls, secs) in stats.items():

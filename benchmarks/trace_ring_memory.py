@@ -106,7 +106,7 @@ def main() -> int:
                     plan = pf if phase == "fwd" else pb
                     row = dict(p=world, n_local=n_local, layout=layout, causal=causal, h=h, g=g, phase=phase,
                                strided=args.strided,
-                               kv_chunk=workspace.ring_kv_chunk(q, k, None, world), measured=peak, planned=plan,
+                               kv_chunk=workspace.ring_kv_chunk(q, k, None, world, forward=phase == "fwd"), measured=peak, planned=plan,
                                top_events=[(nm, b) for nm, b in top])
                     got = [None] * world
                     dist.all_gather_object(got, row)

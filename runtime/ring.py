@@ -165,8 +165,9 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # after the next chunk's first kernels, so chunk boundaries add no exposed transfer.
 # Forward and backward choose their chunks separately (workspace.ring_kv_chunk): the forward
 # sends K/V alone, so it may take up to 3x the backward's heads (bf16) in a batch of no more
-# bytes than the backward's K/V with fp32 dK/dV, and the copy-engine area (sized by the
-# largest batch) does not grow; fewer chunks mean fewer steps, kernel calls and merges.
+# bytes than the backward's K/V with fp32 dK/dV, so in training the copy-engine area (sized by
+# the largest batch) does not grow (forward-only use sizes it by the forward's batch, which the
+# planner's forward formula counts); fewer chunks mean fewer steps, kernel calls and merges.
 
 
 def ring_forward(q, k, v, key_valid, setup: RingSetup):

@@ -360,6 +360,59 @@ def test_ring_timeline_runs_on_gloo(tmp_path):
     assert all(c["step (the whole fwd+bwd)"] == 1.0 for c in calls)
 
 
+def test_host_breakdown_times_every_kind_of_site_and_restores_them(monkeypatch):
+    """ring_timeline.host_breakdown on CPU: module functions, instance, static, class and
+    inherited methods are timed per call; a site named twice is timed once; every attribute is
+    exactly as before afterwards, also when a step fails."""
+    import types
+
+    import torch
+
+    tl = _load("ring_timeline")
+    mod = types.ModuleType("hb_probe")
+
+    class Base:
+        def inherited(self):
+            return "i"
+
+    class C(Base):
+        def method(self):
+            return "m"
+
+        @staticmethod
+        def static(x):
+            return x
+
+        @classmethod
+        def klass(cls):
+            return cls.__name__
+
+    mod.C, mod.func = C, lambda: "f"
+    monkeypatch.setitem(sys.modules, "hb_probe", mod)
+    before = {k: C.__dict__[k] for k in ("method", "static", "klass")}
+    func = mod.func
+    sites = ("hb_probe:func", "hb_probe:C.method", "hb_probe:C.static", "hb_probe:C.klass", "hb_probe:C.inherited",
+             "hb_probe:C.method", "hb_probe:missing")
+
+    def step():
+        c = C()
+        assert (mod.func(), c.method(), C.static(3), c.static(4), C.klass(), c.inherited()) == ("f", "m", 3, 4, "C", "i")
+
+    env = tl.Ranks(torch.device("cpu"))
+    rows = {r["site"]: r["calls_per_step"] for r in tl.host_breakdown(step, 2, None, env, sites=sites)}
+    assert rows == {"step (the whole fwd+bwd)": 1.0, "func": 1.0, "C.method": 1.0, "C.static": 2.0, "C.klass": 1.0,
+                    "C.inherited": 1.0}
+
+    def check_restored():
+        assert mod.func is func and "inherited" not in C.__dict__
+        assert all(C.__dict__[k] is v for k, v in before.items())
+
+    check_restored()
+    with pytest.raises(ZeroDivisionError):
+        tl.host_breakdown(lambda: 1 / 0, 1, None, env, sites=sites)
+    check_restored()
+
+
 def test_short_cells_get_more_warm_up():
     """Run 8 (RESULTS.md) timed the 16K/GPU cells after one warm-up (77.6% causal), run 9 after
     about 0.25 s of them (86.3%): short iterations warm up longer, long ones not at all."""
