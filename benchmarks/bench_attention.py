@@ -963,8 +963,23 @@ def run_probe(args) -> None:
                                     "peak_allocated": int(alloc), "peak_reserved": int(reserved),
                                     "capacity_bytes": capacity, "seconds": secs,
                                     "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group(not env.cuda)
+
+
+def leave_group(cpu: bool) -> None:
+    """End a torchrun worker's part: a barrier (rank 0 has written what it writes), then leave
+    the process group. On CPU the process exits here without it: gloo's teardown sometimes
+    aborts one rank ("terminate called without an active exception", SIGABRT) after everything
+    is written (seen in full CPU test runs on a 2-core machine and in a CI run of the probe
+    test), which would make a finished job look failed."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    if cpu:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()
 
 
 def _stop_job(proc: subprocess.Popen, grace: float = 30.0) -> None:
@@ -1107,8 +1122,7 @@ def run_phase(args) -> None:
         part["records"] += run_cell(cell, env, part["records"])
         save()
     env.log(f"phase done in {time.monotonic() - T0:.0f} s")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group(not env.cuda)
 
 
 # ---------------------------------------------------------------------------------------

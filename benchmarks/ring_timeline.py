@@ -497,16 +497,9 @@ def main(argv=None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"device": name, "world": world, "torch": torch.__version__,
                                                    "args": vars(args), "settings": recs, "baseline": base}, indent=1))
-    if dist.is_initialized():
-        dist.barrier()  # rank 0 has printed and written the JSON
-        if args.cpu:
-            # gloo's teardown at exit sometimes aborts one rank ("terminate called without an
-            # active exception") after everything is written (seen in 3 of 4 full CPU test runs
-            # on a 2-core machine, never alone): the results are complete, so leave without it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        dist.destroy_process_group()
+    from bench_attention import leave_group
+
+    leave_group(args.cpu)  # after rank 0 has printed and written the JSON
     return 0
 
 
