@@ -157,9 +157,12 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
         torch.cuda.synchronize()
         # The copy-engine ring's receive areas (runtime/comm.py) hold the received blocks the
         # planner's ring formula counts; added where the caching allocator does not count them.
-        from ringcc.runtime.comm import comm_buffer_bytes
+        from ringcc.runtime.comm import comm_buffer_bytes, transport_info
 
         row["comm_buffer_bytes"] = comm_buffer_bytes(device)
+        # which transport the ring used, and whether its receive area (made by the warm-up) is
+        # already in `before`: then the step's measurement leaves out bytes the plan counts
+        row["ring_transport"] = transport_info(group, device)
         row["measured_step_bytes"] = torch.cuda.max_memory_allocated() - before + row["comm_buffer_bytes"]
         row["measured_peak_bytes"] = torch.cuda.max_memory_allocated() + row["comm_buffer_bytes"]
         row["rel_err"] = row["planned_step_bytes"] / row["measured_step_bytes"] - 1
@@ -239,6 +242,14 @@ def _print_row(r: dict, measured: bool) -> None:
     if measured:
         line += (f"  measured step {r['measured_step_bytes'] / mib:9.1f} MiB "
                  f"(peak {r['measured_peak_bytes'] / mib:9.1f})  err {100 * r['rel_err']:+6.1f}%")
+        t = r.get("ring_transport") or {}
+        if t:
+            line += f"  ring {t['transport']}"
+            if t["area_bytes"]:
+                line += (f" (area {t['area_bytes'] / mib:.0f} MiB, "
+                         f"{'in' if t['area_counted_by_allocator'] else 'outside'} the allocator)")
+            if t["copy_engine_unusable"]:
+                line += f" [copy engines unusable: {t['copy_engine_unusable'][:80]}]"
     print(line, flush=True)
 
 

@@ -211,6 +211,19 @@ def comm_buffer_bytes(device: torch.device | None = None) -> int:
                if b.outside_allocator and (device is None or idx == device.index))
 
 
+def transport_info(group, device: torch.device) -> dict:
+    """What the rings over `group` on `device` have used so far, for measurements: the transport
+    ("copy-engine" once it made a receive area, else "process group"), why copy engines were
+    unusable where that was decided, and the area's bytes and whether the caching allocator
+    counts them (then memory_allocated() before a step already includes the area)."""
+    box = _MAILBOXES.get((group, device.index)) if device.type == "cuda" else None
+    usable = _CE_USABLE.get(group)
+    return {"transport": "copy-engine" if box is not None else "process group",
+            "copy_engine_unusable": usable if isinstance(usable, str) else None,
+            "area_bytes": box.nbytes if box is not None else 0,
+            "area_counted_by_allocator": box is not None and not box.outside_allocator}
+
+
 def release_comm_buffers() -> None:
     """Free the copy-engine receive areas (collective over each area's group: call it on every
     rank, with no ring in flight). The next ring allocates them again."""

@@ -112,6 +112,16 @@ def test_ring_head_chunks_match_reference(pools, world, is_causal, layout, budge
     assert max(errs) < 1e-5
 
 
+def test_transport_info_without_a_copy_engine_ring():
+    """On CPU (and before any copy-engine ring ran) the rings use the process group and hold no
+    receive area; measurements read this to know what the allocator saw."""
+    from ringcc.runtime import comm
+
+    info = comm.transport_info(object(), torch.device("cpu"))
+    assert info == {"transport": "process group", "copy_engine_unusable": None, "area_bytes": 0,
+                    "area_counted_by_allocator": False}
+
+
 def test_head_chunk_rule_follows_the_budget(monkeypatch):
     from ringcc.runtime import workspace
 
