@@ -268,7 +268,9 @@ class CopyEngineRing:
             raise RuntimeError("CopyEngineRing.commit called with nothing queued")
         box, seq, tensors, offsets = self._queued
         d, side = box.driver, box.side
-        with _current(self.device):
+        # The driver calls take raw stream handles: 0, the default stream, means the current
+        # device's, so the device is made current for them.
+        with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             d.order(side, compute, box.to_side)
             if box.last_stream is not None and box.last_stream != compute:
@@ -290,32 +292,12 @@ class CopyEngineRing:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
         box, seq, _sources = self._inflight
-        with _current(self.device):
+        with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             box.driver.wait_geq(compute, box.ready_addr, seq)
             box.driver.order(compute, box.side, box.to_compute)
         box.last_stream = compute
         self._inflight = None
-
-
-class _current:
-    """Makes `device` current for raw-handle driver calls (handle 0, the default stream, is the
-    current device's), switching only when it is not (the usual case needs no switch)."""
-
-    __slots__ = ("index", "prev")
-
-    def __init__(self, device: torch.device):
-        self.index = device.index
-
-    def __enter__(self):
-        cur = torch.cuda.current_device()
-        self.prev = None if cur == self.index else cur
-        if self.prev is not None:
-            torch.cuda.set_device(self.index)
-
-    def __exit__(self, *exc):
-        if self.prev is not None:
-            torch.cuda.set_device(self.prev)
 
 
 TRANSPORTS = ("auto", "nccl", "copy-engine")
