@@ -199,7 +199,8 @@ def host_profile(step, iters: int, env, rows: int = 30) -> str:
 # (an imported name is patched in the importing module). Times are inclusive: block_fwd
 # contains its cuDNN call, commit its driver calls.
 HOST_SITES = (
-    "ringcc.runtime.ops:_setup", "ringcc.runtime.ops:ring_forward", "ringcc.runtime.ops:ring_backward",
+    "ringcc.runtime.ops:_check_inputs", "ringcc.runtime.ops:_check_same_length", "ringcc.runtime.ops:_setup",
+    "ringcc.runtime.workspace:ring_kv_chunk", "ringcc.runtime.ring:_ring_forward_chunk", "ringcc.runtime.ops:ring_forward", "ringcc.runtime.ops:ring_backward",
     "ringcc.runtime.ring:ring_comm", "ringcc.runtime.ring:RingSetup.masked_calls",
     "ringcc.runtime.kernels:block_fwd", "ringcc.runtime.kernels:block_bwd",
     "ringcc._compat:cuda_cudnn_fwd", "ringcc._compat:cuda_cudnn_bwd",
@@ -235,7 +236,8 @@ def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST
     from ringcc import _compat
 
     sites = tuple(dict.fromkeys(sites))  # a site twice would wrap its own wrapper
-    stats = {s: [0, 0.0] for s in sites}
+    stats = {s: [0, 0.0, 0.0, 0] for s in sites}  # calls, seconds, first-call offsets, steps with a call
+    this_step = {"t0": 0.0, "seen": set()}  # when the step began, the sites called in it so far
     patched = []
     total = 0.0
     try:
@@ -249,8 +251,12 @@ def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST
             kind = type(original) if isinstance(original, (staticmethod, classmethod)) else None
             func = original.__func__ if kind else original
 
-            def timed(*a, _f=func, _s=stats[site], **kw):
+            def timed(*a, _f=func, _s=stats[site], _site=site, **kw):
                 t = time.perf_counter()
+                if _site not in this_step["seen"]:  # how long after the step's start the site is first reached
+                    this_step["seen"].add(_site)
+                    _s[2] += t - this_step["t0"]
+                    _s[3] += 1
                 try:
                     return _f(*a, **kw)
                 finally:
@@ -264,7 +270,8 @@ def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST
             env.barrier()
             if ahead_cycles:
                 _compat.cuda_spin(ahead_cycles)
-            t = time.perf_counter()
+            t = this_step["t0"] = time.perf_counter()
+            this_step["seen"] = set()
             step()
             total += time.perf_counter() - t
     finally:
@@ -274,18 +281,21 @@ def host_breakdown(step, steps: int, ahead_cycles: float | None, env, sites=HOST
             else:
                 setattr(owner, name, original)
     rows = [{"site": "step (the whole fwd+bwd)", "calls_per_step": 1.0, "ms_per_step": 1e3 * total / steps,
-             "us_per_call": 1e6 * total / steps}]
-    for site, (calls, secs) in stats.items():
+             "us_per_call": 1e6 * total / steps, "first_call_us": 0.0}]
+    for site, (calls, secs, first, seen) in stats.items():
         if calls:
             rows.append({"site": site.split(":")[1], "calls_per_step": calls / steps, "ms_per_step": 1e3 * secs / steps,
-                         "us_per_call": 1e6 * secs / calls})
+                         "us_per_call": 1e6 * secs / calls, "first_call_us": 1e6 * first / seen})
     return rows
 
 
 def format_breakdown(rows: list[dict]) -> str:
-    out = [f"      {'host site':<32} {'calls/step':>10} {'ms/step':>8} {'us/call':>8}"]
+    """One line per site; "first at": µs from the step's start to the site's first call in it
+    (the forward's first kernel call bounds when an idle GPU can start)."""
+    out = [f"      {'host site':<32} {'calls/step':>10} {'ms/step':>8} {'us/call':>8} {'first at':>9}"]
     for r in rows:
-        out.append(f"      {r['site']:<32} {r['calls_per_step']:>10.1f} {r['ms_per_step']:>8.2f} {r['us_per_call']:>8.1f}")
+        out.append(f"      {r['site']:<32} {r['calls_per_step']:>10.1f} {r['ms_per_step']:>8.2f} {r['us_per_call']:>8.1f}"
+                   f" {r.get('first_call_us', 0.0):>9.0f}")
     return "\n".join(out)
 
 

@@ -293,12 +293,9 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forw
     """K/V heads per chunk for these concrete tensors (0: all heads at once) in the backward,
     or with `forward` in the forward, by the same rule as `ring_attention`: evaluated once
     per shape."""
-    budget = ring_workspace_budget()
+    budget = ring_workspace_budget()  # None: the default rule, evaluated in the cached function
     if budget == 0 or k.shape[1] == 1:
         return 0
-    if budget is None:
-        qs = TensorSize(tuple(q.shape), q.element_size())
-        budget = int(default_ring_budget(qs, TensorSize(tuple(k.shape), k.element_size())))
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
     from . import kernels
 
@@ -314,6 +311,8 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
                     settings) -> tuple[int, int]:
     """(forward, backward) K/V heads per chunk."""
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
+    if budget is None:
+        budget = int(default_ring_budget(qs, ks))
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
     i = next((j for j, (hk, f, b) in enumerate(opts) if _fits(f, b, budget)), len(opts) - 1)

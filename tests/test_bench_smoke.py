@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -396,12 +397,18 @@ def test_host_breakdown_times_every_kind_of_site_and_restores_them(monkeypatch):
 
     def step():
         c = C()
-        assert (mod.func(), c.method(), C.static(3), c.static(4), C.klass(), c.inherited()) == ("f", "m", 3, 4, "C", "i")
+        assert (mod.func(), c.method(), C.static(3), c.static(4), C.klass()) == ("f", "m", 3, 4, "C")
+        time.sleep(0.02)  # the last site is first reached at least 20 ms into the step
+        assert c.inherited() == "i"
 
     env = tl.Ranks(torch.device("cpu"))
-    rows = {r["site"]: r["calls_per_step"] for r in tl.host_breakdown(step, 2, None, env, sites=sites)}
+    got = tl.host_breakdown(step, 2, None, env, sites=sites)
+    rows = {r["site"]: r["calls_per_step"] for r in got}
     assert rows == {"step (the whole fwd+bwd)": 1.0, "func": 1.0, "C.method": 1.0, "C.static": 2.0, "C.klass": 1.0,
                     "C.inherited": 1.0}
+    first = {r["site"]: r["first_call_us"] for r in got}
+    assert 0 <= first["func"] <= first["C.method"] <= first["C.static"] <= first["C.klass"] < 2e4 <= first["C.inherited"]
+    assert "first at" in tl.format_breakdown(got)
 
     def check_restored():
         assert mod.func is func and "inherited" not in C.__dict__
