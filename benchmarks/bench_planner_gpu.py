@@ -155,15 +155,16 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
         torch.cuda.reset_peak_memory_stats()
         compiled(*inputs).backward()
         torch.cuda.synchronize()
-        # The copy-engine ring's receive areas (runtime/comm.py) hold the received blocks the
-        # planner's ring formula counts; added where the caching allocator does not count them.
+        # The copy-engine ring's receive area (runtime/comm.py) holds the received blocks the
+        # planner's ring formula counts as the step's. The warm-up made it, so where the caching
+        # allocator counts it, it is in `before`; where not, max_memory_allocated misses it. Either
+        # way the step's bytes are the allocator's step plus the area, and the peak adds the area
+        # only where the allocator does not count it.
         from ringcc.runtime.comm import comm_buffer_bytes, transport_info
 
         row["comm_buffer_bytes"] = comm_buffer_bytes(device)
-        # which transport the ring used, and whether its receive area (made by the warm-up) is
-        # already in `before`: then the step's measurement leaves out bytes the plan counts
-        row["ring_transport"] = transport_info(group, device)
-        row["measured_step_bytes"] = torch.cuda.max_memory_allocated() - before + row["comm_buffer_bytes"]
+        row["ring_transport"] = info = transport_info(group, device)
+        row["measured_step_bytes"] = torch.cuda.max_memory_allocated() - before + info["area_bytes"]
         row["measured_peak_bytes"] = torch.cuda.max_memory_allocated() + row["comm_buffer_bytes"]
         row["rel_err"] = row["planned_step_bytes"] / row["measured_step_bytes"] - 1
     else:
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     rank, size = dist.get_rank(), dist.get_world_size()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
     lengths = args.lengths or ([64, 128] if args.smoke else [16384, 32768, 65536])
     worlds = [w for w in args.worlds if w <= size]

@@ -138,11 +138,23 @@ class Ranks:
             torch.cuda.synchronize()
 
     def all_max(self, values: list[float]) -> list[float]:
+        self.own = list(values)  # this rank's own values of the last call (`rank_medians`)
         if not dist.is_initialized():
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.tolist()
+
+
+def rank_medians(env: Ranks) -> list[float]:
+    """Every rank's own median of the values of its last `all_max` (rank order): a slow card or
+    a late start shows as the rank that sets the slowest-rank time."""
+    mine = statistics.median(env.own)
+    if not dist.is_initialized():
+        return [mine]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 @functools.lru_cache(maxsize=None)
@@ -326,6 +338,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
     env = Ranks(device)
     host: list[float] = []
     times = time_ms(step, args.warmup, args.iters, env, host=host if cuda else None)
+    per_rank = rank_medians(env)
     import ringcc
 
     with torch.no_grad():  # a fingerprint of the forward output, to compare runs of other code (A/B)
@@ -334,7 +347,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         del out
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk,
            "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
-           "ms_iters": times, "out_checksum_rank0": checksum}
+           "ms_iters": times, "ms_per_rank": per_rank, "out_checksum_rank0": checksum}
     if args.host_breakdown:
         cycles = _spin_cycles_per_ms(device) if cuda else None
         rec["host_breakdown"] = host_breakdown(step, args.host_breakdown, cycles and cycles * 40, env)
@@ -342,6 +355,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         # The same step issued while the GPU is still busy (the host ahead, as in a model's
         # middle), and the host's own issue time: what of `ms` is the host's launch cost.
         ahead = time_host_ahead(step, args, env, device)
+        if ahead:
+            rec["ms_host_ahead_per_rank"] = rank_medians(env)
         rec.update(host_issue_ms=statistics.median(host),
                    ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
         if args.cprofile:
@@ -421,6 +436,10 @@ def format_ranks(recs: list[dict], top: int = 3) -> str:
     """Per setting and rank: the profiled iteration's span, gaps by cause, and its longest gaps."""
     out = []
     for r in recs:
+        for key, what in (("ms_per_rank", "ms"), ("ms_host_ahead_per_rank", "ahead ms")):
+            if r.get(key):
+                out.append(f"  budget {r['budget']} transport {r['transport']}: {what} per rank (own medians) "
+                           + " / ".join(f"{x:.2f}" for x in r[key]))
         for i, t in enumerate(r.get("timeline_ranks") or []):
             if not t or "span_us" not in t:
                 continue

@@ -203,12 +203,19 @@ def _mailbox(group, device: torch.device, slot_bytes: int) -> _Mailbox:
     return box
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The CUDA device index of `device`; "cuda" without one is the current device."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def comm_buffer_bytes(device: torch.device | None = None) -> int:
     """Bytes of copy-engine receive areas on `device` (all devices: None) that torch's caching
     allocator does not count (memory measurements add them); 0 where the areas come from an
     allocator pool, which memory_allocated already sees."""
-    return sum(b.nbytes for (_, idx), b in _MAILBOXES.items()
-               if b.outside_allocator and (device is None or idx == device.index))
+    idx = None if device is None or device.type != "cuda" else _cuda_index(device)
+    if device is not None and idx is None:
+        return 0  # no receive areas off CUDA
+    return sum(b.nbytes for (_, i), b in _MAILBOXES.items() if b.outside_allocator and (idx is None or i == idx))
 
 
 def transport_info(group, device: torch.device) -> dict:
@@ -216,7 +223,7 @@ def transport_info(group, device: torch.device) -> dict:
     ("copy-engine" once it made a receive area, else "process group"), why copy engines were
     unusable where that was decided, and the area's bytes and whether the caching allocator
     counts them (then memory_allocated() before a step already includes the area)."""
-    box = _MAILBOXES.get((group, device.index)) if device.type == "cuda" else None
+    box = _MAILBOXES.get((group, _cuda_index(device))) if device.type == "cuda" else None
     usable = _CE_USABLE.get(group)
     return {"transport": "copy-engine" if box is not None else "process group",
             "copy_engine_unusable": usable if isinstance(usable, str) else None,

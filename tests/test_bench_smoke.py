@@ -351,6 +351,8 @@ def test_ring_timeline_runs_on_gloo(tmp_path):
     assert [(s["budget"], s["skip_comm"]) for s in settings] == [("0.0001", False), ("0.0001", True), ("0", False), ("0", True)]
     assert [s["kv_heads_per_chunk"] for s in settings] == [1, 1, 4, 4]
     assert all(s["ms"] > 0 and "timeline" not in s for s in settings)
+    # each rank's own median; the slowest-rank median is at least every rank's (one iteration here)
+    assert all(len(s["ms_per_rank"]) == 2 and max(s["ms_per_rank"]) == pytest.approx(s["ms"]) for s in settings)
     with_comm = [s["out_checksum_rank0"] for s in settings if not s["skip_comm"]]
     assert with_comm[0] == pytest.approx(with_comm[1], rel=1e-5)
     # Host time by call site: chunks make more kernel calls per step than whole heads, and

@@ -122,6 +122,25 @@ def test_transport_info_without_a_copy_engine_ring():
                     "area_counted_by_allocator": False}
 
 
+def test_receive_areas_are_found_for_cuda_without_an_index(monkeypatch):
+    """bench_planner_gpu asked about torch.device("cuda") and was told "process group, 0 bytes"
+    while its rings ran on copy engines (the areas are keyed by device index): a device without
+    an index means the current one."""
+    from ringcc.runtime import comm
+
+    group = object()
+    box = type("Box", (), {"nbytes": 3 << 20, "outside_allocator": True})()
+    monkeypatch.setitem(comm._MAILBOXES, (group, 1), box)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for dev in (torch.device("cuda"), torch.device("cuda", 1)):
+        assert comm.transport_info(group, dev) == {"transport": "copy-engine", "copy_engine_unusable": None,
+                                                   "area_bytes": 3 << 20, "area_counted_by_allocator": False}
+        assert comm.comm_buffer_bytes(dev) == 3 << 20
+    assert comm.comm_buffer_bytes(torch.device("cuda", 0)) == 0
+    assert comm.comm_buffer_bytes(torch.device("cpu")) == 0
+    assert comm.comm_buffer_bytes() == 3 << 20
+
+
 def test_head_chunk_rule_follows_the_budget(monkeypatch):
     from ringcc.runtime import workspace
 
