@@ -122,10 +122,12 @@ def make(model: str, n: int, device, dtype, smoke: bool):
 
 def step_bytes(plan: planner.MemoryPlan, seq_len: int | None = None, world_size: int | None = None) -> int:
     """The plan's peak minus the bytes alive before the step (parameters and their gradients,
-    graph inputs), at n = seq_len, p = world_size (default: the traced values)."""
+    graph inputs, the copy-engine receive area made by the warm-up), at n = seq_len,
+    p = world_size (default: the traced values)."""
     at = plan._subs(seq_len, world_size)
     inputs = sum(nd.bytes_at(at) for nd in plan.nodes if nd.op == "placeholder" and not nd.static)
-    return plan.peak_bytes(seq_len, world_size) - int(planner._evaluate(plan.static, at)) - inputs
+    resident = int(planner._evaluate(plan.static, at)) + int(planner._evaluate(plan.area, at))
+    return plan.peak_bytes(seq_len, world_size) - resident - inputs
 
 
 def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
@@ -155,16 +157,16 @@ def measure(model_name: str, n: int, group, device, dtype, smoke: bool) -> dict:
         torch.cuda.reset_peak_memory_stats()
         compiled(*inputs).backward()
         torch.cuda.synchronize()
-        # The copy-engine ring's receive area (runtime/comm.py) holds the received blocks the
-        # planner's ring formula counts as the step's. The warm-up made it, so where the caching
-        # allocator counts it, it is in `before`; where not, max_memory_allocated misses it. Either
-        # way the step's bytes are the allocator's step plus the area, and the peak adds the area
-        # only where the allocator does not count it.
+        # The copy-engine ring's receive area (runtime/comm.py) is resident once the warm-up made
+        # it, as in the plan (`MemoryPlan.area`): the step's bytes leave it out (where the caching
+        # allocator counts it, it is in `before`; where not, max_memory_allocated never sees it),
+        # the peak includes it (added where the allocator does not count it).
         from ringcc.runtime.comm import comm_buffer_bytes, transport_info
 
         row["comm_buffer_bytes"] = comm_buffer_bytes(device)
-        row["ring_transport"] = info = transport_info(group, device)
-        row["measured_step_bytes"] = torch.cuda.max_memory_allocated() - before + info["area_bytes"]
+        row["ring_transport"] = transport_info(group, device)
+        row["planned_area_bytes"] = max(int(planner._evaluate(pl.area, pl._subs())) for pl in plans)
+        row["measured_step_bytes"] = torch.cuda.max_memory_allocated() - before
         row["measured_peak_bytes"] = torch.cuda.max_memory_allocated() + row["comm_buffer_bytes"]
         row["rel_err"] = row["planned_step_bytes"] / row["measured_step_bytes"] - 1
     else:
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
     lengths = args.lengths or ([64, 128] if args.smoke else [16384, 32768, 65536])
     worlds = [w for w in args.worlds if w <= size]
     groups = {w: dist.new_group(list(range(w))) for w in worlds}  # every rank creates every group
+    from ringcc.runtime.comm import release_comm_buffers
 
     rows = []
     for model_name in args.models:
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
                 if n % (2 * w):
                     continue
                 row = None
+                if use_cuda:  # every rank (a collective per area): each cell makes its own area, which only grows
+                    release_comm_buffers()
                 if rank < w:
                     row = measure(model_name, n, groups[w], device, dtype, args.smoke)
                 gathered = [None] * size
@@ -247,7 +252,7 @@ def _print_row(r: dict, measured: bool) -> None:
         if t:
             line += f"  ring {t['transport']}"
             if t["area_bytes"]:
-                line += (f" (area {t['area_bytes'] / mib:.0f} MiB, "
+                line += (f" (area {t['area_bytes'] / mib:.0f} MiB, planned {r.get('planned_area_bytes', 0) / mib:.0f}, "
                          f"{'in' if t['area_counted_by_allocator'] else 'outside'} the allocator)")
             if t["copy_engine_unusable"]:
                 line += f" [copy engines unusable: {t['copy_engine_unusable'][:80]}]"

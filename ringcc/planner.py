@@ -38,9 +38,11 @@ Note [Memory plan]
    before the step and are accumulated into). Checked on CPU against the tensors autograd
    saves and against the peak of live tensor bytes (tests/test_planner.py).
 4. Workspace. Each custom op declares its transient bytes, forward and backward, in
-   runtime/workspace.py (`FORMULAS`), counted at its own program point.
-5. Peak per rank = static + max over program points of the live sum, kept as a Max of the
-   candidates that no other candidate dominates term by term.
+   runtime/workspace.py (`FORMULAS`), counted at its own program point. A ring on the
+   copy-engine transport also leaves its receive area allocated (shared by every ring of the
+   graph, grown to the largest batch): the plan counts the largest once, as resident (`area`).
+5. Peak per rank = static + area + max over program points of the live sum, kept as a Max
+   of the candidates that no other candidate dominates term by term.
 6. Verdict. O(n/p) holds iff the graph's own live sum (graph inputs excluded: the execution
    model hands every rank the full inputs) divided by n/p is bounded as n -> oo by a bound
    independent of p (so a graph that never divides by p, or gathers something to full
@@ -138,13 +140,15 @@ class MemoryPlan:
     reasons: list[str]
     training: bool
     divisor: sympy.Expr = p  # n must be a multiple of this (2p for zigzag)
+    # the copy-engine receive area of the graph's rings (resident once made: workspace.py)
+    area: sympy.Expr = sympy.Integer(0)
 
     @property
     def peak(self) -> sympy.Expr:
         sums = [c for _, c in self.candidates] or [_ZERO]
         # evaluate=False: the candidates are already pruned, and sympy's own Max
         # simplification of symbolic arguments is slow.
-        return self.static + (sympy.Max(*sums, evaluate=False) if len(sums) > 1 else sums[0])
+        return self.static + self.area + (sympy.Max(*sums, evaluate=False) if len(sums) > 1 else sums[0])
 
     def _subs(self, seq_len: int | None = None, world_size: int | None = None) -> dict:
         subs = dict(self.hints)
@@ -259,6 +263,7 @@ class MemoryPlan:
                          for c in self.culprits],
             "peak_formula": str(self.peak),  # sympy.sympify reads it back (symbols n, p)
             "static_bytes": _evaluate(self.static, self._subs()),
+            "area_bytes": _evaluate(self.area, self._subs()),
             "peak_bytes": self.peak_bytes(),
             "peak_point": self.peak_point(),
             "peak_at": self.point_name(self.peak_point()),
@@ -288,6 +293,9 @@ class MemoryPlan:
                          f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}")
         lines.append(f"  static (parameters{', gradients' if self.training else ''}): {self.static} = "
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
+        if self.area != 0:
+            lines.append(f"  copy-engine receive area (resident once the first ring ran): {self.area} = "
+                         f"{_fmt_bytes(_evaluate(self.area, subs))}")
         lines.append(f"  peak per rank {self.readable_peak()}")
         lines.append(f"                = {_fmt_bytes(self.peak_bytes())} at n = {subs.get(n)}, p = {subs.get(p)} "
                      f"(program point {self.peak_point()}: {self.point_name(self.peak_point())})")
@@ -763,11 +771,15 @@ class _Builder:
                            "computed from the inputs alone): " + ", ".join(replicated))
         layouts = {a for node in self.nodes if op_name(node).startswith("ringcc::")
                    for a in node.args if a in ("zigzag",)}
+        # one receive area per group and device, grown to the largest batch: the largest need
+        areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
+        areas = [a for a in areas if a != 0]
+        area = _ZERO if not areas else areas[0] if len(areas) == 1 else sympy.Max(*areas)
         return MemoryPlan(
             graph=graph_name, world_size=self.world, symbols=symbols, hints=hints,
             nodes=list(plans.values()), static=static, candidates=candidates, verdict=verdict,
             culprits=culprits, reasons=reasons, training=bool(training),
-            divisor=2 * p if layouts else p,
+            divisor=2 * p if layouts else p, area=area,
         )
 
     def _input_like(self, plans) -> set:

@@ -20,11 +20,15 @@ one block's gradients with the kernel's own fp32 dQ accumulator, plus dout made 
 Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
 bench_planner_gpu.py; results in benchmarks/RESULTS.md).
 
-Received blocks: through NCCL/gloo they are fresh allocations per step; with the copy-engine
-transport (the GPU default, runtime/comm.py) they are slots of a receive area that persists
-between calls (outside torch's caching allocator on torch 2.11; comm.py measures which). The
-formulas count the same bytes either way
-(GPU measurements add the area: benchmarks/bench_attention.py, bench_planner_gpu.py).
+Received blocks: through NCCL/gloo they are fresh allocations per step, counted in the
+phases above. With the copy-engine transport (the GPU default, runtime/comm.py) they land in
+a receive area of a header and two slots of the largest batch, which stays allocated after
+the op (outside torch's caching allocator on torch 2.11; comm.py measures which): the
+workspace then leaves the received blocks out, and `Workspace.area_*` gives the area, which
+the planner counts once per graph as resident. Counting received blocks per phase instead
+under-predicted a training step on 4 x H200 by 12-38% once the area was measured (RESULTS.md,
+session 9). The head-chunk rule decides on the per-phase numbers on every transport, so the
+chunks (and the measured schedules) do not depend on the transport.
 
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
 
@@ -89,6 +93,11 @@ class Workspace:
 
     forward: sympy.Expr = sympy.Integer(0)
     backward: sympy.Expr = sympy.Integer(0)
+    # Bytes the op leaves allocated after it returns, for every later op of its kind to share
+    # (the copy-engine receive area, grown to the largest batch), in an inference run and in a
+    # training step: the plan counts the largest of a graph's once, as resident.
+    area_forward: sympy.Expr = sympy.Integer(0)
+    area_training: sympy.Expr = sympy.Integer(0)
 
 
 def _nbytes(t) -> sympy.Expr:
@@ -120,18 +129,25 @@ def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
 
 
 def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
-                zigzag_causal: bool = False) -> tuple[sympy.Expr, sympy.Expr]:
-    """(forward, backward) workspace of the ring over the heads of q/k (one head chunk when
-    `chunked`: its accumulators are then always extra, since the outputs are allocated once
-    up front; the chunk's K/V slice is made contiguous to be sent)."""
+                zigzag_causal: bool = False, area: bool = False) -> tuple[sympy.Expr, ...]:
+    """(forward, backward, forward batch, backward batch): the workspace of the ring over the
+    heads of q/k (one head chunk when `chunked`: its accumulators are then always extra, since
+    the outputs are allocated once up front; the chunk's K/V slice is made contiguous to be
+    sent), and the bytes of one batch it sends per step. With `area` the received blocks land
+    in the copy-engine receive area (`receive_area`), so the workspace leaves them out."""
     b, h, s, d = q.shape
     rows_f32 = sympy.Integer(FP32) * b * h * s  # one [b, h, s] fp32 tensor
     q32, k32 = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
     low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
     kv, mask = 2 * k.nbytes, _nbytes(kv_mask)  # K and V have one shape
-    # Double buffering: the held block and the one in flight; a chunk's own K/V slice is a
-    # contiguous copy while it is sent (step 0), so then also two sets at p = 2.
-    received = (sympy.Min(2, 2 * (p - 1)) * kv if chunked else _kv_in_flight(p) * kv) + _kv_in_flight(p) * mask
+    one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
+    if area:
+        # only a chunk's own K/V slice, a contiguous copy while it is sent (step 0)
+        received = one * kv if chunked else sympy.Integer(0)
+    else:
+        # Double buffering: the held block and the one in flight; a chunk's own K/V slice is a
+        # contiguous copy while it is sent (step 0), so then also two sets at p = 2.
+        received = (sympy.Min(2, 2 * (p - 1)) * kv if chunked else _kv_in_flight(p) * kv) + _kv_in_flight(p) * mask
 
     # Forward: the kernel phase (expanded K/V, block out/lse), then the merge phase: block out
     # and a few fp32 row vectors; eagerly (CPU) also the block's fp32 cast and the weighted
@@ -174,13 +190,14 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
 
     block_first = block_bytes(k)
     block_later = block_bytes(TensorSize((b, k.shape[1], s / 2, d), k.itemsize)) if zigzag_causal else block_first
-    one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
     dq_acc, dkv_acc = q32, 2 * k32
-    pending = one * dkv_acc
-    # the last hop of an accumulator (home) carries the input dtype: its sum is complete
+    # the last hop of an accumulator (home) carries the input dtype: its sum is complete (with
+    # the area: its cast copy, alive until the hop is waited for)
     home = one * (2 * k.nbytes if low else dkv_acc)
-    next_kv = one * (kv + mask)
-    held_next = _kv_in_flight(p) * (kv + mask)
+    # received: the arriving accumulator, the next K/V, the held and next K/V (area: in it)
+    pending = 0 if area else one * dkv_acc
+    next_kv = 0 if area else one * (kv + mask)
+    held_next = 0 if area else _kv_in_flight(p) * (kv + mask)
     own = one * kv if chunked else 0
     phases = [
         dq_acc + own + next_kv + block_first + (home if chunked else 0),
@@ -197,7 +214,26 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     backward = sympy.Max(*phases)
     if not chunked:
         backward = backward - (q.nbytes + 2 * k.nbytes)
-    return forward, backward
+    return forward, backward, kv + mask, kv + mask + dkv_acc
+
+
+AREA_HEADER, AREA_ALIGN = 4096, 256  # runtime/comm.py, _Mailbox
+
+
+def receive_area(batch, tensors: int, p) -> sympy.Expr:
+    """Bytes of the copy-engine receive area (runtime/comm.py) for batches of at most `batch`
+    bytes in `tensors` tensors: a header and two slots, each tensor aligned (counted as its
+    bytes plus the alignment's most); none at p = 1."""
+    return sympy.Min(1, p - 1) * (AREA_HEADER + 2 * (batch + tensors * AREA_ALIGN))
+
+
+def uses_receive_area(q: TensorSize) -> bool:
+    """Whether the ring's received blocks land in the copy-engine receive area: CUDA tensors,
+    unless RINGCC_RING_TRANSPORT=nccl (with the default "auto" the runtime falls back to the
+    process group, with a warning, only where symmetric memory does not work)."""
+    import os
+
+    return q.device_type == "cuda" and os.environ.get("RINGCC_RING_TRANSPORT", "auto").strip().lower() != "nccl"
 
 
 def _with_heads(t: TensorSize, heads) -> TensorSize:
@@ -232,17 +268,19 @@ def default_ring_budget(q: TensorSize, k: TensorSize):
     return 256 * 2**20 + sympy.Rational(3, 4) * (2 * q.nbytes + 2 * k.nbytes)
 
 
-def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False):
-    """[(K/V heads per chunk, forward, backward)] from the whole heads (0) down to one K/V
-    head per chunk (divisors of the K/V head count). The backward includes dout made
-    contiguous (the full tensor, whatever the chunks)."""
+def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False, area: bool = False):
+    """[(K/V heads per chunk, forward, backward, forward batch, backward batch)] from the whole
+    heads (0) down to one K/V head per chunk (divisors of the K/V head count). The backward
+    includes dout made contiguous (the full tensor, whatever the chunks). The head-chunk rule
+    decides on the workspaces without `area` (the same choice on every transport)."""
     h, g = q.shape[1], k.shape[1]
-    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal))]
+    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area))]
     if isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer)):
         g, rep = int(g), int(h) // int(g)
         for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
-            opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True, zigzag_causal)))
-    return [(hk, f, b + q.nbytes) for hk, f, b in opts]
+            opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True,
+                                          zigzag_causal, area)))
+    return [(hk, f, b + q.nbytes, bf, bb) for hk, f, b, bf, bb in opts]
 
 
 def _fits(forward, backward, budget):
@@ -267,26 +305,51 @@ def _forward_options(opts, i: int, g: int, itemsize: int):
 def ring_attention(a: dict, p) -> Workspace:
     """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
     when that fits the budget, else the largest chunk that does, else one K/V head; the
-    forward's chunk as large as its own workspace and the backward's batch allow."""
+    forward's chunk as large as its own workspace and the backward's batch allow. On the
+    copy-engine transport, the receive area its batches need instead of received blocks."""
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     budget = ring_workspace_budget()
     if budget is None:
         budget = default_ring_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
-    opts = _chunk_options(q, k, kv_mask, p, zz)
+    opts = _chunk_options(q, k, kv_mask, p, zz)  # what the rule decides on
+    area = uses_receive_area(q)
+    mem = _chunk_options(q, k, kv_mask, p, zz, area=True) if area else opts  # what is allocated
+    n_t = 2 + (kv_mask is not None)  # tensors per forward batch (K, V, mask); the backward adds dK, dV
+
+    def workspace(fwd, bwd, batch_f, batch_b) -> Workspace:
+        if not area:
+            return Workspace(fwd, bwd)
+        # a training step sizes the area by the larger of its batches (the backward's, by the rule)
+        return Workspace(fwd, bwd, receive_area(batch_f, n_t, p), receive_area(sympy.Max(batch_f, batch_b), n_t + 2, p))
+
     if budget == 0 or len(opts) == 1:
-        return Workspace(*opts[0][1:])
-    conds = [_fits(f, b, budget) for _, f, b in opts[:-1]] + [True]
+        return workspace(*mem[0][1:])
+    conds = [_fits(o[1], o[2], budget) for o in opts[:-1]] + [True]
     g = int(k.shape[1])
     forwards = []
     for i, cond in enumerate(conds):
         # the largest candidate whose forward fits, else the backward's own choice (which fits
-        # wherever the budget chose it, and is the answer for the one-head fallback)
-        larger = [f for hk, f, _ in _forward_options(opts, i, g, k.itemsize) if hk != opts[i][0]]
-        fwd = sympy.Piecewise(*[(f, f <= budget) for f in larger], (opts[i][1], True)) if larger else opts[i][1]
-        forwards.append((fwd, cond))
-    return Workspace(sympy.Piecewise(*forwards),
-                     sympy.Piecewise(*[(b, c) for (_, _, b), c in zip(opts, conds)]))
+        # wherever the budget chose it, and is the answer for the one-head fallback): the
+        # forward's workspace and batch, decided on the rule's numbers
+        larger = [j for j, o in enumerate(opts) if o[0] != opts[i][0] and _forward_may_take(o[0], opts[i][0], g, k.itemsize)]
+        forwards.append(([(mem[j][1], mem[j][3]) for j in larger], [opts[j][1] <= budget for j in larger], i, cond))
+
+    def by_choice(pick) -> sympy.Expr:
+        """Piecewise over the backward's choice, and inside it the forward's, of pick(fwd, bwd, batch_f, batch_b)."""
+        pieces = []
+        for cands, fits, i, cond in forwards:
+            own = pick(mem[i][1], mem[i][2], mem[i][3], mem[i][4])
+            inner = [(pick(f, mem[i][2], bf, mem[i][4]), c) for (f, bf), c in zip(cands, fits)]
+            pieces.append((sympy.Piecewise(*inner, (own, True)) if inner else own, cond))
+        return sympy.Piecewise(*pieces)
+
+    fw = workspace(by_choice(lambda f, b, bf, bb: f), sympy.Piecewise(*[(o[2], c) for o, c in zip(mem, conds)]),
+                   sympy.Integer(0), sympy.Integer(0))
+    if not area:
+        return fw
+    return Workspace(fw.forward, fw.backward, by_choice(lambda f, b, bf, bb: receive_area(bf, n_t, p)),
+                     by_choice(lambda f, b, bf, bb: receive_area(sympy.Max(bf, bb), n_t + 2, p)))
 
 
 def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forward: bool = False) -> int:
@@ -315,8 +378,8 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
         budget = int(default_ring_budget(qs, ks))
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
-    i = next((j for j, (hk, f, b) in enumerate(opts) if _fits(f, b, budget)), len(opts) - 1)
-    fwd = next((hk for hk, f, _ in _forward_options(opts, i, k_shape[1], k_item) if f <= budget), opts[i][0])
+    i = next((j for j, o in enumerate(opts) if _fits(o[1], o[2], budget)), len(opts) - 1)
+    fwd = next((o[0] for o in _forward_options(opts, i, k_shape[1], k_item) if o[1] <= budget), opts[i][0])
     return fwd, opts[i][0]
 
 

@@ -379,15 +379,23 @@ def test_cli_exact_ring_example_is_linear_and_json_round_trips(tmp_path, capsys)
     assert "verdict: True" in capsys.readouterr().out
 
 
-def test_cli_device_cuda_plans_the_gpu_kernels_from_a_cpu_trace(tmp_path):
-    # Traced on CPU, planned as CUDA: the fused LSE merge has no eager fp32 temporaries, so the
-    # ring's forward workspace, and with it no point of the plan, is larger than on CPU.
+def test_cli_device_cuda_plans_the_gpu_kernels_from_a_cpu_trace(tmp_path, monkeypatch):
+    # Traced on CPU, planned as CUDA: the fused LSE merge has no eager fp32 temporaries, so with
+    # the rings on NCCL the ring's forward workspace, and with it no point of the plan, is larger
+    # than on CPU. On the copy-engine transport (CUDA's default) the received blocks move into the
+    # receive area, which the plan counts once as resident.
     cpu = _plan_example(tmp_path, "exact_ring", 2)
+    monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")
+    nccl = _plan_example(tmp_path, "exact_ring", 2, "--device", "cuda")
+    monkeypatch.delenv("RINGCC_RING_TRANSPORT")
     cuda = _plan_example(tmp_path, "exact_ring", 2, "--device", "cuda")
-    assert cuda["verdict"] is True and cuda["peak_bytes"] <= cpu["peak_bytes"]
-    ws_cpu, ws_cuda = ([row["workspace"] for row in g["graphs"][0]["nodes"] if row["op"] == "ringcc::ring_attention"]
-                       for g in (cpu, cuda))
-    assert ws_cpu and len(ws_cpu) == len(ws_cuda) and all(a != b for a, b in zip(ws_cpu, ws_cuda))
+    assert nccl["verdict"] is True and nccl["peak_bytes"] <= cpu["peak_bytes"]
+    ws_cpu, ws_nccl, ws_cuda = ([row["workspace"] for row in g["graphs"][0]["nodes"] if row["op"] == "ringcc::ring_attention"]
+                                for g in (cpu, nccl, cuda))
+    assert ws_cpu and len(ws_cpu) == len(ws_nccl) and all(a != b for a, b in zip(ws_cpu, ws_nccl))
+    (g_cpu,), (g_nccl,), (g_cuda,) = cpu["graphs"], nccl["graphs"], cuda["graphs"]
+    assert g_cpu["area_bytes"] == g_nccl["area_bytes"] == 0 < g_cuda["area_bytes"]
+    assert cuda["verdict"] is True and all(a != b for a, b in zip(ws_nccl, ws_cuda))
 
 
 def test_cli_full_length_logits_example_names_the_gather(tmp_path):
@@ -462,6 +470,7 @@ def test_ring_workspace_counts_eager_merge_temporaries_on_cpu_only(monkeypatch):
     # bf16 q/k/v: the eager (CPU) merge casts the block to fp32 and forms the weighted
     # product (2 fp32 tensors); the fused CUDA merge materialises neither.
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0")  # whole heads: one formula, no Piecewise
+    monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")  # received blocks counted alike on both
 
     def ws(device_type):
         q = TensorSize((1, 4, n / p, 64), 2, device_type)
@@ -481,20 +490,60 @@ def test_ring_workspace_follows_the_head_chunk_rule(monkeypatch):
     w = workspace.ring_attention({"q": qs, "k": ks, "v": ks, "key_valid": None}, p)
     assert w.backward.has(sympy.Piecewise)
     assert planner.growth(w.backward)[0] and planner.growth(w.forward)[0]
-    opts = workspace._chunk_options(qs, ks, None, p)
+    opts = workspace._chunk_options(qs, ks, None, p)  # what the rule decides on
+    mem = workspace._chunk_options(qs, ks, None, p, area=True)  # what is allocated (copy-engine ring on CUDA)
     for n_val, p_val in ((2**12, 2), (2**16, 4), (2**21, 4)):
         at = {n: n_val, p: p_val}
         q_t = torch.empty(1, 16, n_val // p_val, 128, dtype=torch.bfloat16, device="meta")
         k_t = torch.empty(1, 8, n_val // p_val, 128, dtype=torch.bfloat16, device="meta")
         hk = workspace.ring_kv_chunk(q_t, k_t, None, p_val)
         hk_f = workspace.ring_kv_chunk(q_t, k_t, None, p_val, forward=True)
-        chosen, chosen_f = (next(o for o in opts if o[0] == c) for c in (hk, hk_f))
+        chosen, chosen_f = (next(o for o in mem if o[0] == c) for c in (hk, hk_f))
         assert planner._evaluate(w.backward, at) == planner._evaluate(chosen[2], at)  # dout's copy included
         assert planner._evaluate(w.forward, at) == planner._evaluate(chosen_f[1], at)
         assert (hk_f or 8) >= (hk or 8)
         whole = planner._evaluate(opts[0][2], at)
         assert (hk == 0) == (whole <= 64 * 2**20)
     assert workspace.ring_kv_chunk(q_t, k_t, None, 4) == 1  # 2M tokens: one K/V head per chunk
+
+
+@pytest.mark.parametrize("budget", ["auto", "64", "0"])
+def test_receive_area_is_the_one_the_copy_engine_ring_allocates(monkeypatch, budget):
+    """The copy-engine ring's area (runtime/comm.py: a header and two slots, each the aligned
+    tensors of the largest batch) is what the formula gives, at the chunks the runtime picks:
+    a forward-only run sizes it by the forward's batch (K, V), a training step by the backward's
+    (K, V and fp32 dK, dV of its own, smaller chunk). The received blocks leave the workspace."""
+    from ringcc.runtime import comm
+
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", budget)
+    qs, ks = TensorSize((1, 16, n / p, 128), 2, "cuda"), TensorSize((1, 8, n / p, 128), 2, "cuda")
+    a = {"q": qs, "k": ks, "v": ks, "key_valid": None, "layout": "zigzag", "is_causal": True}
+    w = workspace.ring_attention(a, p)
+    monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")
+    w_nccl = workspace.ring_attention(a, p)
+    assert w_nccl.area_forward == w_nccl.area_training == 0
+    from ringcc.runtime import kernels
+
+    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting())
+    for n_val, p_val in ((2**14, 2), (2**16, 4), (2**18, 4), (2**21, 4)):
+        s_loc = n_val // p_val
+        # the runtime's rule for CUDA tensors of these shapes (ring_kv_chunk's cached core)
+        hk_f, hk_b = (0, 0) if budget == "0" else workspace._ring_kv_chunks(
+            (1, 16, s_loc, 128), (1, 8, s_loc, 128), 2, 2, None, "cuda", p_val, workspace.ring_workspace_budget(), True,
+            settings)
+        hk_f, hk_b = hk_f or 8, hk_b or 8
+
+        def area(sizes):  # runtime/comm.py's _Mailbox for batches of these tensor sizes
+            return comm._Mailbox.HEADER + 2 * sum(comm._align(x) for x in sizes)
+
+        kv_f, kv_b, acc_b = s_loc * 128 * 2 * hk_f, s_loc * 128 * 2 * hk_b, s_loc * 128 * 4 * hk_b
+        at = {n: n_val, p: p_val}
+        fwd, train = planner._evaluate(w.area_forward, at), planner._evaluate(w.area_training, at)
+        assert area([kv_f] * 2) <= fwd <= area([kv_f] * 2) + 2 * 2 * 256
+        assert area([kv_b] * 2 + [acc_b] * 2) <= train <= area([kv_b] * 2 + [acc_b] * 2) + 2 * 4 * 256
+        # the area replaces the received blocks: the workspace is smaller by at least one K/V block
+        assert planner._evaluate(w.backward, at) <= planner._evaluate(w_nccl.backward, at) - kv_b
+    assert planner.growth(w.area_training)[0]  # O(n/p)
 
 
 def test_long_peak_formulas_read_as_a_line(monkeypatch):

@@ -2,7 +2,8 @@
 benchmarks/results/2026-11-26_4xH200_planner_vs_measured_final.json (4 x H200, one training
 step, `max_memory_allocated` minus what was allocated before) is re-planned here on CPU, as
 CUDA, at the same n and p; the plan must stay within 10% of what the GPU measured. This keeps
-formula changes honest between GPU sessions (the run used RINGCC_RING_WORKSPACE_MIB=512)."""
+formula changes honest between GPU sessions (the run used RINGCC_RING_WORKSPACE_MIB=512, and its
+rings ran over NCCL: it predates the copy-engine transport, so it is re-planned with that)."""
 
 import json
 from pathlib import Path
@@ -19,6 +20,7 @@ RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measure
 @pytest.mark.parametrize("model,p", [("attention", 1), ("attention", 2), ("llama", 4)])
 def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "512")
+    monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_planner_gpu
 
