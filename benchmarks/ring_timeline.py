@@ -311,9 +311,10 @@ def format_breakdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto") -> dict:
+def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto", payload: bool = True) -> dict:
+    """One setting; `payload` False: the copy-engine ring's handshake without its copies."""
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else "0"
+    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else ("0" if payload else "payload")
     os.environ["RINGCC_RING_TRANSPORT"] = transport
     from ringcc.runtime import workspace
 
@@ -345,7 +346,8 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    rec = {"budget": budget, "skip_comm": skip_comm, "transport": "-" if skip_comm else transport, "kv_heads_per_chunk": chunk,
+    label = "-" if skip_comm else (transport if payload else "handshake")
+    rec = {"budget": budget, "skip_comm": skip_comm, "transport": label, "kv_heads_per_chunk": chunk,
            "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
            "ms_iters": times, "ms_per_rank": per_rank, "out_checksum_rank0": checksum}
     if args.host_breakdown:
@@ -471,6 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
     ap.add_argument("--no-comm", action="store_true", help="also run each budget with transfers skipped")
+    ap.add_argument("--handshake", action="store_true",
+                    help="also run each budget on the copy-engine ring with its flags but no copies")
     ap.add_argument("--transports", default="auto",
                     help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -496,6 +500,8 @@ def main(argv=None) -> int:
     for budget in args.budgets.split(","):
         for transport in args.transports.split(","):
             recs.append(run_setting(args, device, budget, False, transport))
+        if args.handshake and device.type == "cuda":
+            recs.append(run_setting(args, device, budget, False, "copy-engine", payload=False))
         if args.no_comm:
             recs.append(run_setting(args, device, budget, True))
     base = run_baseline(args, device, world) if args.baseline and device.type == "cuda" else None
