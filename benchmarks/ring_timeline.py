@@ -476,7 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument("--handshake", action="store_true",
                     help="also run each budget on the copy-engine ring with its flags but no copies")
     ap.add_argument("--transports", default="auto",
-                    help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable)")
+                    help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable; "
+                         "none: only the settings --handshake / --no-comm add)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gap-us", type=float, default=30.0)
@@ -499,7 +500,8 @@ def main(argv=None) -> int:
     recs = []
     for budget in args.budgets.split(","):
         for transport in args.transports.split(","):
-            recs.append(run_setting(args, device, budget, False, transport))
+            if transport != "none":
+                recs.append(run_setting(args, device, budget, False, transport))
         if args.handshake and device.type == "cuda":
             recs.append(run_setting(args, device, budget, False, "copy-engine", payload=False))
         if args.no_comm:
