@@ -104,6 +104,11 @@ def _nbytes(t) -> sympy.Expr:
     return sympy.Integer(0) if t is None else t.nbytes
 
 
+def _acc_itemsize(itemsize: int) -> int:
+    """Bytes per element of the ring's accumulators (kernels.acc_dtype: fp64 for fp64, else fp32)."""
+    return 8 if itemsize == 8 else FP32
+
+
 def _acc_extra(q: TensorSize) -> sympy.Expr:
     """fp32 accumulator that is not the output itself (the output is cast from it)."""
     return sympy.Integer(0) if q.itemsize >= FP32 else q.with_itemsize(FP32).nbytes
@@ -136,8 +141,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     sent), and the bytes of one batch it sends per step. With `area` the received blocks land
     in the copy-engine receive area (`receive_area`), so the workspace leaves them out."""
     b, h, s, d = q.shape
-    rows_f32 = sympy.Integer(FP32) * b * h * s  # one [b, h, s] fp32 tensor
-    q32, k32 = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
+    acc = _acc_itemsize(q.itemsize)  # the accumulators' dtype (fp64 for fp64 inputs, else fp32)
+    rows_f32 = sympy.Integer(acc) * b * h * s  # one [b, h, s] accumulator-dtype tensor
+    q32, k32 = q.with_itemsize(acc).nbytes, k.with_itemsize(acc).nbytes
     low = q.itemsize < FP32  # bf16/fp16: accumulators are extra, outputs are cast at the end
     kv, mask = 2 * k.nbytes, _nbytes(kv_mask)  # K and V have one shape
     one = sympy.Min(1, p - 1)  # 0 at p = 1, else 1
@@ -293,7 +299,7 @@ def _forward_may_take(hk_f: int, hk_b: int, g: int, itemsize: int) -> bool:
     hk_b (0 = all g): as many heads or more, and a batch (K and V) no larger than the
     backward's (K, V and the fp32/fp64 dK/dV accumulators); the key mask rides both."""
     hk_f, hk_b = hk_f or g, hk_b or g
-    acc = 8 if itemsize == 8 else FP32
+    acc = _acc_itemsize(itemsize)
     return hk_f >= hk_b and hk_f * itemsize <= hk_b * (itemsize + acc)
 
 
@@ -408,19 +414,20 @@ def dilated_receive_bytes(a: dict, p) -> tuple:
 def dilated_attention(a: dict, p) -> Workspace:
     q, k = a["q"], a["k"]
     b, h, s, d = q.shape
+    acc_item = _acc_itemsize(q.itemsize)
     fwd_branches, bwd_branches = [], []
     for (w, r, rows, ns, hq), recv in zip(_dilated_branches(a, p), dilated_receive_bytes(a, p)):
         q_c = b * hq * d * (s / r) * q.itemsize  # compressed q (and out, dout) rows
         kv_c = 2 * b * ns * d * (s / r) * k.itemsize  # compressed K and V
-        acc = b * hq * (s / r) * (d + 1) * FP32  # the branch's fp32 out/lse rows being merged
+        acc = b * hq * (s / r) * (d + 1) * acc_item  # the branch's fp32 (fp64) out/lse rows being merged
         fwd_branches.append(2 * q_c + kv_c + 2 * acc + recv)
-        # Backward: compressed dout/out/lse and q, block grads, fp32 dK/dV hops in flight.
-        dkv_hops = recv * FP32 / k.itemsize
+        # Backward: compressed dout/out/lse and q, block grads, fp32 (fp64) dK/dV hops in flight.
+        dkv_hops = recv * acc_item / k.itemsize
         bwd_branches.append(4 * q_c + 2 * kv_c + recv + dkv_hops + acc)
     # Branches run one after another: the largest counts.
     fwd = sympy.Max(*fwd_branches) if fwd_branches else sympy.Integer(0)
     bwd = sympy.Max(*bwd_branches) if bwd_branches else sympy.Integer(0)
-    acc_q, acc_k = q.with_itemsize(FP32).nbytes, k.with_itemsize(FP32).nbytes
+    acc_q, acc_k = q.with_itemsize(acc_item).nbytes, k.with_itemsize(acc_item).nbytes
     return Workspace(_acc_extra(q) + fwd, acc_q + 2 * acc_k + bwd)
 
 

@@ -546,6 +546,19 @@ def test_receive_area_is_the_one_the_copy_engine_ring_allocates(monkeypatch, bud
     assert planner.growth(w.area_training)[0]  # O(n/p)
 
 
+def test_receive_area_of_fp64_counts_fp64_accumulators(monkeypatch):
+    """fp64 inputs accumulate dK/dV in fp64 (kernels.acc_dtype), and the backward's batch carries
+    them: the area has room for 8-byte accumulators (a review found it sized for 4)."""
+    from ringcc.runtime import comm
+
+    monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0")  # whole heads
+    qs = TensorSize((1, 16, n / p, 64), 8, "cuda")
+    w = workspace.ring_attention({"q": qs, "k": qs, "v": qs, "key_valid": None}, p)
+    kv = 16 * (2**16 // 4) * 64 * 8  # one of K, V, dK, dV at n = 2^16, p = 4
+    want = comm._Mailbox.HEADER + 2 * 4 * comm._align(kv)
+    assert want <= planner._evaluate(w.area_training, {n: 2**16, p: 4}) <= want + 2 * 4 * 256
+
+
 def test_long_peak_formulas_read_as_a_line(monkeypatch):
     """A chunked ring's peak is a Piecewise hundreds of characters long: the summary shows its
     straight line for long sequences at the plan's p (checked against the exact formula) and
