@@ -6,6 +6,8 @@
 # whole length (--baseline, rank 0). Question: are the kernels power-limited, and do the
 # copies beside them lower the SM clock?
 # POWER_ARGS (default: 64K tokens per GPU, non-causal, contiguous): ring_timeline.py options.
+# POWER_HALF_GRADS=1 adds a run whose copy-engine ring sends half of each dK/dV accumulator
+# (RINGCC_SKIP_COMM=half-grads, a third fewer backward bytes; timing only).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/power_out}"
@@ -29,6 +31,9 @@ run() {  # name, ring_timeline options
   echo "$(date +%s.%N) end $name" >>"$OUT/marks.txt"
 }
 run transfers --transports copy-engine
+if [ "${POWER_HALF_GRADS:-0}" = 1 ]; then  # the backward's dK/dV with half their bytes (timing only)
+  run half-grads --transports none --half-grads
+fi
 run no-transfers --transports none --no-comm
 run transfers-again --transports copy-engine
 (cd benchmarks && timeout 200 torchrun --standalone --nproc-per-node "$P" ring_timeline.py $ARGS --transports none --baseline \

@@ -311,10 +311,11 @@ def format_breakdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto", payload: bool = True) -> dict:
-    """One setting; `payload` False: the copy-engine ring's handshake without its copies."""
+def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto", variant: str = "") -> dict:
+    """One setting; `variant` "payload": the copy-engine ring's handshake without its copies,
+    "half-grads": with half of each dK/dV accumulator's bytes (RINGCC_SKIP_COMM, comm.py)."""
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else ("0" if payload else "payload")
+    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else (variant or "0")
     os.environ["RINGCC_RING_TRANSPORT"] = transport
     from ringcc.runtime import workspace
 
@@ -346,7 +347,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    label = "-" if skip_comm else (transport if payload else "handshake")
+    label = "-" if skip_comm else {"": transport, "payload": "handshake"}.get(variant, variant)
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": label, "kv_heads_per_chunk": chunk,
            "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
            "ms_iters": times, "ms_per_rank": per_rank, "out_checksum_rank0": checksum}
@@ -475,6 +476,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-comm", action="store_true", help="also run each budget with transfers skipped")
     ap.add_argument("--handshake", action="store_true",
                     help="also run each budget on the copy-engine ring with its flags but no copies")
+    ap.add_argument("--half-grads", action="store_true",
+                    help="also run each budget on the copy-engine ring sending half of each dK/dV accumulator")
     ap.add_argument("--transports", default="auto",
                     help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable; "
                          "none: only the settings --handshake / --no-comm add)")
@@ -503,7 +506,9 @@ def main(argv=None) -> int:
             if transport != "none":
                 recs.append(run_setting(args, device, budget, False, transport))
         if args.handshake and device.type == "cuda":
-            recs.append(run_setting(args, device, budget, False, "copy-engine", payload=False))
+            recs.append(run_setting(args, device, budget, False, "copy-engine", variant="payload"))
+        if args.half_grads and device.type == "cuda":
+            recs.append(run_setting(args, device, budget, False, "copy-engine", variant="half-grads"))
         if args.no_comm:
             recs.append(run_setting(args, device, budget, True))
     base = run_baseline(args, device, world) if args.baseline and device.type == "cuda" else None

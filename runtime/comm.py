@@ -250,10 +250,13 @@ class CopyEngineRing:
         self.bytes_sent = 0
         self._queued = None
         self._inflight = None
-        # Benchmark switch RINGCC_SKIP_COMM=payload: every flag and stream order as usual, no
-        # copies (the receivers compute on stale slots), to time the handshake apart from the
-        # copies beside the kernels. Never for real results.
-        self._payload = os.environ.get("RINGCC_SKIP_COMM", "0") != "payload"
+        # Benchmark switches, never for real results: RINGCC_SKIP_COMM=payload: every flag and
+        # stream order as usual, no copies (the receivers compute on stale slots), to time the
+        # handshake apart from the copies beside the kernels; =half-grads: the first half of each
+        # fp32 tensor only (the dK/dV accumulators; K/V whole, so the kernels read real data),
+        # to time the ring with a third fewer backward bytes.
+        mode = os.environ.get("RINGCC_SKIP_COMM", "0")
+        self._payload, self._half_fp32 = mode != "payload", mode == "half-grads"
 
     def reserve(self, nbytes: list[int]) -> None:
         """Size the receive area for batches of tensors of these byte sizes now (collective),
@@ -290,8 +293,9 @@ class CopyEngineRing:
             d.wait_geq(side, box.free_addr, seq)
             base = box.next_ptr + box.HEADER + (seq % 2) * box.slot_bytes
             for t, off in zip(tensors, offsets):
-                if t.nbytes and self._payload:
-                    d.copy(side, base + off, t.data_ptr(), t.nbytes)
+                nbytes = t.nbytes // 2 if self._half_fp32 and t.dtype == torch.float32 else t.nbytes
+                if nbytes and self._payload:
+                    d.copy(side, base + off, t.data_ptr(), nbytes)
             d.write(side, box.next_ready_addr, seq)
         box.seq = seq
         # The sources stay referenced until wait() orders the compute stream after the copies:

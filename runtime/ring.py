@@ -131,8 +131,9 @@ class RingSetup:
 
 def _skip_comm() -> bool:
     # Benchmark switch: run the same schedule with transfers skipped (compute on local K/V),
-    # to show how much of the communication is hidden. Never for real results. (=payload: the
-    # copy-engine ring runs its handshake without the copies: comm.py.)
+    # to show how much of the communication is hidden. Never for real results. (=payload and
+    # =half-grads: the copy-engine ring's handshake without its copies, or with half of the
+    # dK/dV bytes: comm.py.)
     return os.environ.get("RINGCC_SKIP_COMM", "0") == "1"
 
 
