@@ -774,7 +774,7 @@ class _Builder:
         # one receive area per group and device, grown to the largest batch: the largest need
         areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
         areas = [a for a in areas if a != 0]
-        area = _ZERO if not areas else areas[0] if len(areas) == 1 else sympy.Max(*areas)
+        area = sympy.Max(*areas) if areas else _ZERO
         return MemoryPlan(
             graph=graph_name, world_size=self.world, symbols=symbols, hints=hints,
             nodes=list(plans.values()), static=static, candidates=candidates, verdict=verdict,

@@ -303,9 +303,10 @@ def _forward_may_take(hk_f: int, hk_b: int, g: int, itemsize: int) -> bool:
     return hk_f >= hk_b and hk_f * itemsize <= hk_b * (itemsize + acc)
 
 
-def _forward_options(opts, i: int, g: int, itemsize: int):
-    """The forward's candidates, largest first, when the backward takes option i."""
-    return [o for o in opts if _forward_may_take(o[0], opts[i][0], g, itemsize)]
+def _forward_options(opts, i: int, g: int, itemsize: int) -> list[int]:
+    """Indices into `opts` of the forward's candidates, largest first, when the backward takes
+    option i (option i itself among them)."""
+    return [j for j, o in enumerate(opts) if _forward_may_take(o[0], opts[i][0], g, itemsize)]
 
 
 def ring_attention(a: dict, p) -> Workspace:
@@ -323,39 +324,38 @@ def ring_attention(a: dict, p) -> Workspace:
     mem = _chunk_options(q, k, kv_mask, p, zz, area=True) if area else opts  # what is allocated
     n_t = 2 + (kv_mask is not None)  # tensors per forward batch (K, V, mask); the backward adds dK, dV
 
-    def workspace(fwd, bwd, batch_f, batch_b) -> Workspace:
-        if not area:
-            return Workspace(fwd, bwd)
-        # a training step sizes the area by the larger of its batches (the backward's, by the rule)
-        return Workspace(fwd, bwd, receive_area(batch_f, n_t, p), receive_area(sympy.Max(batch_f, batch_b), n_t + 2, p))
+    def area_forward(batch_f, batch_b):
+        return receive_area(batch_f, n_t, p)
+
+    def area_training(batch_f, batch_b):  # sized by the larger batch (the backward's, by the rule)
+        return receive_area(sympy.Max(batch_f, batch_b), n_t + 2, p)
 
     if budget == 0 or len(opts) == 1:
-        return workspace(*mem[0][1:])
+        _, fwd, bwd, batch_f, batch_b = mem[0]
+        if not area:
+            return Workspace(fwd, bwd)
+        return Workspace(fwd, bwd, area_forward(batch_f, batch_b), area_training(batch_f, batch_b))
     conds = [_fits(o[1], o[2], budget) for o in opts[:-1]] + [True]
     g = int(k.shape[1])
-    forwards = []
-    for i, cond in enumerate(conds):
-        # the largest candidate whose forward fits, else the backward's own choice (which fits
-        # wherever the budget chose it, and is the answer for the one-head fallback): the
-        # forward's workspace and batch, decided on the rule's numbers
-        larger = [j for j, o in enumerate(opts) if o[0] != opts[i][0] and _forward_may_take(o[0], opts[i][0], g, k.itemsize)]
-        forwards.append(([(mem[j][1], mem[j][3]) for j in larger], [opts[j][1] <= budget for j in larger], i, cond))
 
     def by_choice(pick) -> sympy.Expr:
-        """Piecewise over the backward's choice, and inside it the forward's, of pick(fwd, bwd, batch_f, batch_b)."""
+        """Piecewise over the backward's choice i, and inside it the forward's (decided on the
+        rule's numbers), of pick(option j of the forward, option i of the backward)."""
         pieces = []
-        for cands, fits, i, cond in forwards:
-            own = pick(mem[i][1], mem[i][2], mem[i][3], mem[i][4])
-            inner = [(pick(f, mem[i][2], bf, mem[i][4]), c) for (f, bf), c in zip(cands, fits)]
-            pieces.append((sympy.Piecewise(*inner, (own, True)) if inner else own, cond))
+        for i, cond in enumerate(conds):
+            # the largest candidate whose forward fits, else the backward's own choice (which
+            # fits wherever the budget chose it, and is the answer for the one-head fallback)
+            larger = [j for j in _forward_options(opts, i, g, k.itemsize) if opts[j][0] != opts[i][0]]
+            inner = [(pick(mem[j], mem[i]), opts[j][1] <= budget) for j in larger]
+            pieces.append((sympy.Piecewise(*inner, (pick(mem[i], mem[i]), True)) if inner else pick(mem[i], mem[i]), cond))
         return sympy.Piecewise(*pieces)
 
-    fw = workspace(by_choice(lambda f, b, bf, bb: f), sympy.Piecewise(*[(o[2], c) for o, c in zip(mem, conds)]),
-                   sympy.Integer(0), sympy.Integer(0))
+    forward = by_choice(lambda f, b: f[1])
+    backward = sympy.Piecewise(*[(o[2], c) for o, c in zip(mem, conds)])
     if not area:
-        return fw
-    return Workspace(fw.forward, fw.backward, by_choice(lambda f, b, bf, bb: receive_area(bf, n_t, p)),
-                     by_choice(lambda f, b, bf, bb: receive_area(sympy.Max(bf, bb), n_t + 2, p)))
+        return Workspace(forward, backward)
+    return Workspace(forward, backward, by_choice(lambda f, b: area_forward(f[3], b[4])),
+                     by_choice(lambda f, b: area_training(f[3], b[4])))
 
 
 def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forward: bool = False) -> int:
@@ -385,7 +385,7 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
     opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
     i = next((j for j, o in enumerate(opts) if _fits(o[1], o[2], budget)), len(opts) - 1)
-    fwd = next((o[0] for o in _forward_options(opts, i, k_shape[1], k_item) if o[1] <= budget), opts[i][0])
+    fwd = next((opts[j][0] for j in _forward_options(opts, i, k_shape[1], k_item) if opts[j][1] <= budget), opts[i][0])
     return fwd, opts[i][0]
 
 
