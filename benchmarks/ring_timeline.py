@@ -54,7 +54,8 @@ def _host_during(host_ops: list[dict], start: float, end: float, top: int = 4) -
 
 def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
     """Summary of a chrome trace's GPU kernels (see the module docstring); times in µs."""
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+               and "spin_kernel" not in e.get("name", "")]  # the spin that puts the host ahead is not the step
     if not kernels:
         return {"kernels": 0}
     launches = {}
@@ -98,6 +99,10 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
                          "host": _host_during(host_ops, end, e["ts"]) if late else []})
         if e["ts"] + e["dur"] > end:
             end, prev = e["ts"] + e["dur"], e
+    copies = _copy_batches(kernels, compute_stream, t0)
+    for g in gaps:
+        if g["cause"] == "waiting":
+            g["own_batch"] = _batch_near(copies, g["at_us"], g["at_us"] + g["us"])
     gaps.sort(key=lambda g: -g["us"])
     # The host's view of the step (record_function "timeline_step" around it): how long the
     # host took to issue it, and how long after the step began the first kernel started.
@@ -106,7 +111,52 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
     return {"kernels": len(kernels), "span_us": span, **host, "compute_busy_us": busy_compute,
             "non_nccl_busy_us": busy_non_nccl, "nccl_only_us": busy_all - busy_non_nccl,
             "idle_us": span - busy_all, "nccl_kernel_us": sum(e["dur"] for e in nccl),
-            "gaps_cpu_late_us": cpu_late, "gaps_waiting_us": waiting, "gaps": gaps}
+            "gaps_cpu_late_us": cpu_late, "gaps_waiting_us": waiting, "gaps": gaps,
+            "copies": _copy_summary(copies, [(s - t0, e - t0) for s, e in iv(comp)])}
+
+
+def _copy_batches(kernels: list[dict], compute_stream, t0: float, join_us: float = 20.0) -> list[dict]:
+    """This rank's outgoing ring copies (memcpys off the compute stream), grouped into batches:
+    copies that start within `join_us` of the previous ones' end are one batch (one commit
+    issues its copies back to back). Times in µs from the first kernel."""
+    mc = sorted((e for e in kernels if e.get("cat") == "gpu_memcpy" and e.get("args", {}).get("stream") != compute_stream),
+                key=lambda e: e["ts"])
+    batches: list[dict] = []
+    for e in mc:
+        s, end, nbytes = e["ts"] - t0, e["ts"] + e["dur"] - t0, int(e.get("args", {}).get("bytes", 0) or 0)
+        if batches and s <= batches[-1]["end_us"] + join_us:
+            b = batches[-1]
+            b["end_us"], b["bytes"], b["copies"] = max(b["end_us"], end), b["bytes"] + nbytes, b["copies"] + 1
+        else:
+            batches.append({"start_us": s, "end_us": end, "bytes": nbytes, "copies": 1})
+    return batches
+
+
+def _batch_near(batches: list[dict], gap_start: float, gap_end: float) -> dict | None:
+    """The outgoing batch that ended last before a gap of the compute stream ended (µs from the
+    first kernel, as the batches): its end shortly before the gap's end means the compute
+    stream waited for this rank's own sending (the next rank's slot was not free yet, or the
+    copy was slow); an end long before it means the wait was for the previous rank's batch."""
+    done = [b for b in batches if b["end_us"] <= gap_end + 10.0]
+    if not done:
+        return None
+    b = max(done, key=lambda b: b["end_us"])
+    return {"start_rel_gap_us": round(b["start_us"] - gap_start, 1), "end_rel_gap_end_us": round(b["end_us"] - gap_end, 1),
+            "dur_us": round(b["end_us"] - b["start_us"], 1), "mbytes": round(b["bytes"] / 2**20, 1)}
+
+
+def _copy_summary(batches: list[dict], compute: list[tuple[float, float]]) -> dict:
+    """Outgoing batches: how many, their bytes, time, rate, and how much of it ran beside the
+    compute stream's kernels (`compute`: intervals in the batches' time base)."""
+    if not batches:
+        return {"batches": 0}
+    spans = [(b["start_us"], b["end_us"]) for b in batches]
+    busy, total_bytes = _intervals_union(spans), sum(b["bytes"] for b in batches)
+    beside = busy + _intervals_union(compute) - _intervals_union(spans + compute)
+    durs = sorted(e - s for s, e in spans)
+    return {"batches": len(batches), "mbytes": total_bytes / 2**20, "busy_us": busy, "beside_compute_us": beside,
+            "gb_per_s": total_bytes / busy / 1e3 if busy else 0.0, "batch_us_median": statistics.median(durs),
+            "batch_us_max": durs[-1]}
 
 
 def _step(q, k, v, dout, causal: bool, layout: str):
@@ -313,9 +363,12 @@ def format_breakdown(rows: list[dict]) -> str:
 
 def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto", variant: str = "") -> dict:
     """One setting; `variant` "payload": the copy-engine ring's handshake without its copies,
-    "half-grads": with half of each dK/dV accumulator's bytes (RINGCC_SKIP_COMM, comm.py)."""
+    "half-grads": with half of each dK/dV accumulator's bytes (RINGCC_SKIP_COMM, comm.py),
+    "lanes:N": its copies split over N streams (RINGCC_CE_LANES)."""
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else (variant or "0")
+    lanes = variant.split(":")[1] if variant.startswith("lanes:") else "1"
+    os.environ["RINGCC_CE_LANES"] = lanes
+    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else ("0" if variant.startswith("lanes:") else variant or "0")
     os.environ["RINGCC_RING_TRANSPORT"] = transport
     from ringcc.runtime import workspace
 
@@ -347,7 +400,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    label = "-" if skip_comm else {"": transport, "payload": "handshake"}.get(variant, variant)
+    label = "-" if skip_comm else {"": transport, "payload": "handshake"}.get(variant, variant.replace(":", ""))
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": label, "kv_heads_per_chunk": chunk,
            "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
            "ms_iters": times, "ms_per_rank": per_rank, "out_checksum_rank0": checksum}
@@ -368,7 +421,12 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         from torch.profiler import ProfilerActivity, profile
 
         env.barrier()
+        spin = _spin_cycles_per_ms(device) if args.profile_ahead_ms > 0 else None
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if spin:  # the host (slowed by the profiler) ahead of the GPU: gaps are then waits, not launches
+                from ringcc import _compat
+
+                _compat.cuda_spin(spin * args.profile_ahead_ms)
             with record_function("timeline_step"):
                 step()
             torch.cuda.synchronize()
@@ -449,9 +507,18 @@ def format_ranks(recs: list[dict], top: int = 3) -> str:
             out.append(f"  budget {r['budget']} transport {r['transport']} rank {i}: span {t['span_us'] / 1e3:.2f} ms, "
                        f"compute {t['compute_busy_us'] / 1e3:.2f}, cpu late {t['gaps_cpu_late_us'] / 1e3:.2f}, "
                        f"waiting {t['gaps_waiting_us'] / 1e3:.2f}, host issue {t.get('host_issue_us', 0) / 1e3:.2f}")
+            c = t.get("copies") or {}
+            if c.get("batches"):
+                out.append(f"      outgoing copies: {c['batches']} batches, {c['mbytes']:.0f} MiB, busy {c['busy_us'] / 1e3:.2f} ms "
+                           f"({c['gb_per_s']:.0f} GB/s while copying), beside kernels {c['beside_compute_us'] / 1e3:.2f} ms; "
+                           f"batch median {c['batch_us_median']:.0f} us, max {c['batch_us_max']:.0f} us")
             for g in t.get("gaps", [])[:top]:
                 out.append(f"      gap {g['us']} us ({g['cause']}) at {g.get('at_us', 0) / 1e3:.2f} ms "
                            f"after {g['after']} before {g['before']}")
+                b = g.get("own_batch")
+                if b:
+                    out.append(f"          own last batch: {b['mbytes']} MiB in {b['dur_us']} us, started {b['start_rel_gap_us']} us "
+                               f"from the gap's start, ended {b['end_rel_gap_end_us']} us from its end")
                 for h in g.get("host", []):
                     out.append(f"          host: {h}")
     return "\n".join(out)
@@ -467,6 +534,9 @@ def main(argv=None) -> int:
                     help="also time each step issued while the GPU still runs a spin of this length (0: not)")
     ap.add_argument("--baseline", action="store_true",
                     help="also time the 1-GPU cuDNN kernel on the whole length (rank 0), both ways")
+    ap.add_argument("--profile-ahead-ms", type=float, default=0.0,
+                    help="issue the profiled step behind a GPU spin of this length (the profiler slows the host; "
+                         "with the host ahead the timeline's gaps are waits)")
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
     ap.add_argument("--host-breakdown", type=int, default=0,
                     help="also time the host per call site over this many steps, each behind a 40 ms GPU spin")
@@ -478,6 +548,9 @@ def main(argv=None) -> int:
                     help="also run each budget on the copy-engine ring with its flags but no copies")
     ap.add_argument("--half-grads", action="store_true",
                     help="also run each budget on the copy-engine ring sending half of each dK/dV accumulator")
+    ap.add_argument("--ce-lanes", default="",
+                    help="also run each budget on the copy-engine ring with its copies split over this many "
+                         "streams (comma list, RINGCC_CE_LANES)")
     ap.add_argument("--transports", default="auto",
                     help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable; "
                          "none: only the settings --handshake / --no-comm add)")
@@ -509,6 +582,8 @@ def main(argv=None) -> int:
             recs.append(run_setting(args, device, budget, False, "copy-engine", variant="payload"))
         if args.half_grads and device.type == "cuda":
             recs.append(run_setting(args, device, budget, False, "copy-engine", variant="half-grads"))
+        for lanes in (args.ce_lanes.split(",") if args.ce_lanes and device.type == "cuda" else []):
+            recs.append(run_setting(args, device, budget, False, "copy-engine", variant=f"lanes:{int(lanes)}"))
         if args.no_comm:
             recs.append(run_setting(args, device, budget, True))
     base = run_baseline(args, device, world) if args.baseline and device.type == "cuda" else None

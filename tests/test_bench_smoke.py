@@ -249,6 +249,32 @@ def test_timeline_splits_gaps_by_cause():
     assert late["before"] == "attn_bwd" and late["host"][0].startswith("aten::empty")
 
 
+def test_timeline_copy_batches():
+    """ring_timeline: outgoing copies (memcpys off the compute stream) are grouped into batches,
+    summarised (bytes, busy time, rate, time beside kernels), and a waiting gap names the batch
+    that ended last before it."""
+    tl = _load("ring_timeline")
+    ev = lambda cat, name, ts, dur, stream, nbytes=0: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur,  # noqa: E731
+                                                           args={"stream": stream, "bytes": nbytes})
+    events = [
+        ev("kernel", "spin_kernel", -500, 490, 7),  # the host-ahead spin: not part of the step
+        ev("kernel", "attn_fwd", 0, 400, 7),
+        ev("gpu_memcpy", "Memcpy PtoP", 10, 100, 9, 1000), ev("gpu_memcpy", "Memcpy PtoP", 115, 100, 9, 3000),
+        ev("kernel", "attn_fwd", 600, 400, 7),  # waited 200 us: for the batch ending at 590
+        ev("gpu_memcpy", "Memcpy PtoP", 450, 140, 9, 4000),
+        ev("gpu_memcpy", "Memcpy DtoD", 700, 10, 7, 64),  # on the compute stream (inside a kernel's time): not a ring copy
+    ]
+    r = tl.analyze_trace(events, gap_us=30)
+    assert r["span_us"] == 1000 and r["gaps_waiting_us"] == 200
+    c = r["copies"]
+    assert c["batches"] == 2 and c["mbytes"] == 8000 / 2**20
+    assert c["busy_us"] == 205 + 140 and c["beside_compute_us"] == 205
+    assert c["batch_us_median"] == 172.5 and c["batch_us_max"] == 205
+    g = next(g for g in r["gaps"] if g["cause"] == "waiting")
+    assert g["own_batch"] == {"start_rel_gap_us": 50.0, "end_rel_gap_end_us": -10.0, "dur_us": 140.0,
+                              "mbytes": round(4000 / 2**20, 1)}
+
+
 def test_compare_variants_rows(tmp_path):
     cv = _load("compare_variants")
     rec = lambda method, p, ms, n=1024, peak=100: dict(  # noqa: E731
