@@ -1,4 +1,4 @@
-"""Where a ring attention step loses time: a GPU timeline of one fwd+bwd iteration, per setting.
+"""Where a ring attention step loses time: a GPU timeline of one fwd+bwd (or fwd) iteration, per setting.
 
     torchrun --nproc-per-node 2 benchmarks/ring_timeline.py --n-local 16384 --budgets auto,0 --json t.json
 
@@ -112,7 +112,8 @@ def analyze_trace(events: list[dict], gap_us: float = 30.0) -> dict:
             "non_nccl_busy_us": busy_non_nccl, "nccl_only_us": busy_all - busy_non_nccl,
             "idle_us": span - busy_all, "nccl_kernel_us": sum(e["dur"] for e in nccl),
             "gaps_cpu_late_us": cpu_late, "gaps_waiting_us": waiting, "gaps": gaps,
-            "copies": _copy_summary(copies, [(s - t0, e - t0) for s, e in iv(comp)])}
+            "copies": _copy_summary(copies, [(s - t0, e - t0) for s, e in iv(comp)]),
+            "families": kernel_families(comp)}
 
 
 def _copy_batches(kernels: list[dict], compute_stream, t0: float, join_us: float = 20.0) -> list[dict]:
@@ -159,11 +160,37 @@ def _copy_summary(batches: list[dict], compute: list[tuple[float, float]]) -> di
             "batch_us_max": durs[-1]}
 
 
-def _step(q, k, v, dout, causal: bool, layout: str):
+def _step(q, k, v, dout, causal: bool, layout: str, backward: bool = True):
     import ringcc
 
+    if not backward:  # as the harness's forward-only mode
+        with torch.no_grad():
+            ringcc.ring_attention(q, k, v, is_causal=causal, layout=layout)
+        return
     out = ringcc.ring_attention(q, k, v, is_causal=causal, layout=layout)
     torch.autograd.grad(out, (q, k, v), dout)
+
+
+KERNEL_FAMILIES = (  # (family, name fragments), first match wins
+    ("attention fwd", ("fprop", "flash_fwd", "fmha_fwd", "attention_fwd")),
+    ("attention bwd", ("bprop", "dgrad", "flash_bwd", "fmha_bwd", "attention_bwd", "dot_do_o")),
+    ("compiled (merge)", ("triton_",)),
+    ("memcpy", ("Memcpy",)),
+    ("memset", ("Memset",)),
+    ("reduce", ("reduce_kernel",)),
+    ("elementwise", ("elementwise_kernel", "CatArrayBatched", "fill")),
+)
+
+
+def kernel_families(kernels: list[dict]) -> dict[str, dict]:
+    """Time and count of a stream's kernels by family (KERNEL_FAMILIES; "other" for the rest)."""
+    out: dict[str, dict] = {}
+    for e in kernels:
+        fam = next((f for f, keys in KERNEL_FAMILIES if any(k in e["name"] for k in keys)), "other")
+        d = out.setdefault(fam, {"us": 0.0, "count": 0})
+        d["us"] += e["dur"]
+        d["count"] += 1
+    return out
 
 
 def trace_events(prof) -> list[dict]:
@@ -363,12 +390,9 @@ def format_breakdown(rows: list[dict]) -> str:
 
 def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "auto", variant: str = "") -> dict:
     """One setting; `variant` "payload": the copy-engine ring's handshake without its copies,
-    "half-grads": with half of each dK/dV accumulator's bytes (RINGCC_SKIP_COMM, comm.py),
-    "lanes:N": its copies split over N streams (RINGCC_CE_LANES)."""
+    "half-grads": with half of each dK/dV accumulator's bytes (RINGCC_SKIP_COMM, comm.py)."""
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    lanes = variant.split(":")[1] if variant.startswith("lanes:") else "1"
-    os.environ["RINGCC_CE_LANES"] = lanes
-    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else ("0" if variant.startswith("lanes:") else variant or "0")
+    os.environ["RINGCC_SKIP_COMM"] = "1" if skip_comm else (variant or "0")
     os.environ["RINGCC_RING_TRANSPORT"] = transport
     from ringcc.runtime import workspace
 
@@ -387,7 +411,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         chunk_fwd = workspace.ring_kv_chunk(q, k, None, world, zz, forward=True) or kv_shape[1]
     except TypeError:  # code under test from before the forward had its own chunks (A/B)
         chunk_fwd = chunk
-    step = lambda: _step(q, k, v, dout, args.causal, args.layout)  # noqa: E731
+    step = lambda: _step(q, k, v, dout, args.causal, args.layout, not args.forward_only)  # noqa: E731
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
     env = Ranks(device)
@@ -400,7 +424,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         out = ringcc.ring_attention(q, k, v, is_causal=args.causal, layout=args.layout).double()
         checksum = [float(out.sum()), float(out.abs().sum())]
         del out
-    label = "-" if skip_comm else {"": transport, "payload": "handshake"}.get(variant, variant.replace(":", ""))
+    label = "-" if skip_comm else {"": transport, "payload": "handshake"}.get(variant, variant)
     rec = {"budget": budget, "skip_comm": skip_comm, "transport": label, "kv_heads_per_chunk": chunk,
            "kv_heads_per_chunk_fwd": chunk_fwd, "ms": statistics.median(times),
            "ms_iters": times, "ms_per_rank": per_rank, "out_checksum_rank0": checksum}
@@ -465,9 +489,10 @@ def run_baseline(args, device, world: int) -> dict:
         dout = torch.randn_like(q)
 
         def step():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.set_grad_enabled(not args.forward_only):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=k.shape[1] != q.shape[1])
-            torch.autograd.grad(out, (q, k, v), dout)
+            if not args.forward_only:
+                torch.autograd.grad(out, (q, k, v), dout)
     times = time_ms(step, args.warmup, args.iters, env)
     ahead = time_host_ahead(step, args, env, device)
     return {"n": args.n_local * world, "ms": statistics.median(times),
@@ -507,6 +532,10 @@ def format_ranks(recs: list[dict], top: int = 3) -> str:
             out.append(f"  budget {r['budget']} transport {r['transport']} rank {i}: span {t['span_us'] / 1e3:.2f} ms, "
                        f"compute {t['compute_busy_us'] / 1e3:.2f}, cpu late {t['gaps_cpu_late_us'] / 1e3:.2f}, "
                        f"waiting {t['gaps_waiting_us'] / 1e3:.2f}, host issue {t.get('host_issue_us', 0) / 1e3:.2f}")
+            fams = t.get("families") or {}
+            if fams:
+                out.append("      compute stream by kernel family: " + ", ".join(
+                    f"{f} {d['us'] / 1e3:.2f} ms ({d['count']})" for f, d in sorted(fams.items(), key=lambda x: -x[1]["us"])))
             c = t.get("copies") or {}
             if c.get("batches"):
                 out.append(f"      outgoing copies: {c['batches']} batches, {c['mbytes']:.0f} MiB, busy {c['busy_us'] / 1e3:.2f} ms "
@@ -540,6 +569,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
     ap.add_argument("--host-breakdown", type=int, default=0,
                     help="also time the host per call site over this many steps, each behind a 40 ms GPU spin")
+    ap.add_argument("--forward-only", action="store_true", help="time the forward alone (no_grad), as the harness's fwd mode")
     ap.add_argument("--causal", type=int, default=1, choices=[0, 1])
     ap.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous"])
     ap.add_argument("--budgets", default="auto,0", help="RINGCC_RING_WORKSPACE_MIB values (0 = whole heads)")
@@ -548,9 +578,6 @@ def main(argv=None) -> int:
                     help="also run each budget on the copy-engine ring with its flags but no copies")
     ap.add_argument("--half-grads", action="store_true",
                     help="also run each budget on the copy-engine ring sending half of each dK/dV accumulator")
-    ap.add_argument("--ce-lanes", default="",
-                    help="also run each budget on the copy-engine ring with its copies split over this many "
-                         "streams (comma list, RINGCC_CE_LANES)")
     ap.add_argument("--transports", default="auto",
                     help="RINGCC_RING_TRANSPORT values, e.g. copy-engine,nccl (auto: copy engines where usable; "
                          "none: only the settings --handshake / --no-comm add)")
@@ -582,15 +609,13 @@ def main(argv=None) -> int:
             recs.append(run_setting(args, device, budget, False, "copy-engine", variant="payload"))
         if args.half_grads and device.type == "cuda":
             recs.append(run_setting(args, device, budget, False, "copy-engine", variant="half-grads"))
-        for lanes in (args.ce_lanes.split(",") if args.ce_lanes and device.type == "cuda" else []):
-            recs.append(run_setting(args, device, budget, False, "copy-engine", variant=f"lanes:{int(lanes)}"))
         if args.no_comm:
             recs.append(run_setting(args, device, budget, True))
     base = run_baseline(args, device, world) if args.baseline and device.type == "cuda" else None
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"device: {name} x{world}; torch {torch.__version__}; n_local {args.n_local}, h {args.heads}, "
-              f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, fwd+bwd")
+              f"d {args.head_dim}, {'causal' if args.causal else 'full'} {args.layout}, {'fwd' if args.forward_only else 'fwd+bwd'}")
         print(format_rows(recs))
         if base:
             print(f"  1-GPU cuDNN SDPA on the whole {base['n']} tokens (rank 0): {base['ms']:.2f} ms, host ahead "

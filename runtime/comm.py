@@ -136,22 +136,11 @@ class _Mailbox:
         self.driver = _compat.CudaDriver()
         with torch.cuda.device(device):
             self.to_side, self.to_compute = self.driver.event(), self.driver.event()
-        self.lanes: list[tuple[int, int]] = []  # extra copy streams with their join events (`lane_streams`)
         self.seq = 0
         self.last_stream = None  # the compute stream of the last wait(): the next commit orders after it too
         self._layouts: dict = {}
         torch.cuda.synchronize(device)
         _barrier(group, device)  # every area is zeroed before any neighbour writes a flag
-
-    def lane_streams(self, n: int) -> list[tuple[int, int]]:
-        """`n` - 1 extra streams (raw handles) beside the side stream, each with an event, made
-        once: a batch's copies may be split over them (RINGCC_CE_LANES)."""
-        while len(self.lanes) < n - 1:
-            stream = torch.cuda.Stream(device=self.device)
-            self._lane_objs = getattr(self, "_lane_objs", []) + [stream]  # keeps the streams alive
-            with torch.cuda.device(self.device):
-                self.lanes.append((stream.cuda_stream, self.driver.event()))
-        return self.lanes[: n - 1]
 
     @property
     def nbytes(self) -> int:
@@ -268,8 +257,6 @@ class CopyEngineRing:
         # to time the ring with a third fewer backward bytes.
         mode = os.environ.get("RINGCC_SKIP_COMM", "0")
         self._payload, self._half_fp32 = mode != "payload", mode == "half-grads"
-        # Copy streams per batch (each tensor's copy split evenly over them; 1: the side stream).
-        self._lanes = max(1, int(os.environ.get("RINGCC_CE_LANES", "1")))
 
     def reserve(self, nbytes: list[int]) -> None:
         """Size the receive area for batches of tensors of these byte sizes now (collective),
@@ -305,20 +292,10 @@ class CopyEngineRing:
             d.write(side, box.prev_free_addr, seq)
             d.wait_geq(side, box.free_addr, seq)
             base = box.next_ptr + box.HEADER + (seq % 2) * box.slot_bytes
-            lanes = box.lane_streams(self._lanes)
-            for lane, _ in lanes:  # the extra lanes start after the handshake
-                d.order(lane, side, box.to_side)
-            streams = [side] + [lane for lane, _ in lanes]
             for t, off in zip(tensors, offsets):
                 nbytes = t.nbytes // 2 if self._half_fp32 and t.dtype == torch.float32 else t.nbytes
                 if nbytes and self._payload:
-                    piece = _align(-(-nbytes // len(streams)))
-                    for i, st in enumerate(streams):
-                        lo, hi = i * piece, min(nbytes, (i + 1) * piece)
-                        if hi > lo:
-                            d.copy(st, base + off + lo, t.data_ptr() + lo, hi - lo)
-            for lane, ev in lanes:
-                d.order(side, lane, ev)
+                    d.copy(side, base + off, t.data_ptr(), nbytes)
             d.write(side, box.next_ready_addr, seq)
         box.seq = seq
         # The sources stay referenced until wait() orders the compute stream after the copies:

@@ -258,9 +258,9 @@ def test_timeline_copy_batches():
                                                            args={"stream": stream, "bytes": nbytes})
     events = [
         ev("kernel", "spin_kernel", -500, 490, 7),  # the host-ahead spin: not part of the step
-        ev("kernel", "attn_fwd", 0, 400, 7),
+        ev("kernel", "cudnn_sdpa_flash_fprop", 0, 400, 7),
         ev("gpu_memcpy", "Memcpy PtoP", 10, 100, 9, 1000), ev("gpu_memcpy", "Memcpy PtoP", 115, 100, 9, 3000),
-        ev("kernel", "attn_fwd", 600, 400, 7),  # waited 200 us: for the batch ending at 590
+        ev("kernel", "cudnn_sdpa_flash_fprop", 600, 400, 7),  # waited 200 us: for the batch ending at 590
         ev("gpu_memcpy", "Memcpy PtoP", 450, 140, 9, 4000),
         ev("gpu_memcpy", "Memcpy DtoD", 700, 10, 7, 64),  # on the compute stream (inside a kernel's time): not a ring copy
     ]
@@ -270,6 +270,7 @@ def test_timeline_copy_batches():
     assert c["batches"] == 2 and c["mbytes"] == 8000 / 2**20
     assert c["busy_us"] == 205 + 140 and c["beside_compute_us"] == 205
     assert c["batch_us_median"] == 172.5 and c["batch_us_max"] == 205
+    assert r["families"] == {"attention fwd": {"us": 800.0, "count": 2}, "memcpy": {"us": 10.0, "count": 1}}
     g = next(g for g in r["gaps"] if g["cause"] == "waiting")
     assert g["own_batch"] == {"start_rel_gap_us": 50.0, "end_rel_gap_end_us": -10.0, "dur_us": 140.0,
                               "mbytes": round(4000 / 2**20, 1)}

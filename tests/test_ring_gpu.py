@@ -134,16 +134,6 @@ def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
         assert mismatched == []
 
 
-@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
-def test_copy_engine_lanes_agree(pools, world, is_causal, layout):
-    """Copies split over 3 streams (uneven pieces) move the same bytes as one stream."""
-    for mismatched in pools(world, "nccl").run(case_settings_agree, is_causal, layout, 2, SHAPES,
-                                               "RINGCC_CE_LANES", ("1", "3")):
-        assert mismatched == []
-
-
 @pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("g", [1, 2, 4])
