@@ -1,8 +1,14 @@
-"""The one log-sum-exp merge every attention path uses.
+"""The one log-sum-exp merge every attention path uses, and the fp32 sum of partial gradients.
 
 Legend: out_* are [..., L, d], lse_* are [..., L]; lse is natural-log, in the accumulator
 dtype (fp32, or fp64 for fp64 inputs). A row that has seen no unmasked key so far has
 lse = -inf and out = 0, and stays NaN-free through any number of merges.
+
+Partial results may stay in the kernels' own dtype (bf16) while they hold one block only
+(exact: widening adds nothing); both functions here widen their inputs to the accumulator
+dtype inside the one pass, and write wherever `dst` says: in place into an fp32 accumulator,
+a new fp32 accumulator, or the output in the input dtype when the sum is complete (one pass
+instead of a widening copy, an add and a narrowing copy; Note [Fewer passes] in ring.py).
 """
 
 from __future__ import annotations
@@ -12,36 +18,70 @@ import warnings
 import torch
 
 
-def _merge_into(out_acc, lse_acc, out_blk, lse_blk) -> None:
-    lse_new = torch.logaddexp(lse_acc, lse_blk)
+def acc_dtype_of(*ts: torch.Tensor) -> torch.dtype:
+    """The accumulator dtype for these operands: fp32, or fp64 when one of them is fp64."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
+    adt = dst_lse.dtype
+    lse_new = torch.logaddexp(lse_a, lse_b)
     # Where both are -inf the row is still empty; use 0 as the reference so weights are 0.
     ref = torch.where(torch.isneginf(lse_new), torch.zeros_like(lse_new), lse_new)
-    w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
-    w_blk = torch.exp(lse_blk - ref).unsqueeze(-1)
-    out_acc.copy_(out_acc * w_acc + out_blk.to(out_acc.dtype) * w_blk)
-    lse_acc.copy_(lse_new)
+    w_a = torch.exp(lse_a - ref).unsqueeze(-1)
+    w_b = torch.exp(lse_b - ref).unsqueeze(-1)
+    dst_out.copy_(out_a.to(adt) * w_a + out_b.to(adt) * w_b)
+    dst_lse.copy_(lse_new)
 
 
-_fused_merge = None
+def _add_to(dst, a, b) -> None:
+    adt = acc_dtype_of(a, b, dst)
+    dst.copy_(a.to(adt) + b.to(adt))
 
 
-def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-    """In place: (out_acc, lse_acc) <- softmax-weighted union of itself and the block.
+_COMPILED: dict = {}
 
-    On CUDA the merge is one inductor-generated kernel (eager it takes ~6 passes over the
-    fp32 accumulator, which shows at 16K tokens per GPU); elsewhere it runs eagerly.
-    """
-    global _fused_merge
-    if out_acc.is_cuda and _fused_merge is not False:
-        if _fused_merge is None:
-            _fused_merge = torch.compile(_merge_into, fullgraph=True)
+
+def _fused(fn, *args) -> None:
+    """fn(*args) (which writes its first argument(s)) as one inductor-generated kernel on CUDA
+    (eagerly it takes several passes, which show at 16K tokens per GPU); eager elsewhere, or
+    when compilation fails (warned once)."""
+    c = _COMPILED.get(fn)
+    if args[0].is_cuda and c is not False:
+        if c is None:
+            # dynamic: row ranges and head chunks vary; one graph per dtype combination.
+            c = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
         try:
-            _fused_merge(out_acc, lse_acc, out_blk, lse_blk)
+            c(*args)
             return
         except Exception as e:  # noqa: BLE001 - compilation failed (e.g. recompile limit): stay eager
-            warnings.warn(f"ringcc: fused LSE merge unavailable ({type(e).__name__}: {e}); using the eager merge")
-            _fused_merge = False
-    _merge_into(out_acc, lse_acc, out_blk, lse_blk)
+            warnings.warn(f"ringcc: fused {fn.__name__} unavailable ({type(e).__name__}: {e}); running it eagerly")
+            _COMPILED[fn] = False
+    fn(*args)
+
+
+def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
+           out_dst: torch.Tensor | None = None, lse_dst: torch.Tensor | None = None) -> None:
+    """(out_dst, lse_dst) <- softmax-weighted union of (out_acc, lse_acc) and the block; in
+    place (into the accumulators) unless destinations are given. out_dst's dtype may be the
+    accumulator's or the input's (the last merge writes the output); out_acc may be the first
+    block's own output (input dtype)."""
+    out_dst = out_acc if out_dst is None else out_dst
+    lse_dst = lse_acc if lse_dst is None else lse_dst
+    _fused(_merge_to, out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
+
+
+def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """dst <- a + b, summed in the accumulator dtype (fp32; fp64 for fp64) whatever the dtypes of
+    a, b (the kernels' bf16 or the accumulator's) and dst (the accumulator's, or the input's
+    for the last addition); dst may be a. One pass: the CUDA kernel is fused where a needs
+    widening, and torch.add widens b itself when a is already in the accumulator dtype."""
+    adt = acc_dtype_of(a, b, dst)
+    if a.dtype == adt or b.dtype == adt:
+        x, y = (a, b) if a.dtype == adt else (b, a)  # fp addition commutes exactly
+        torch.add(x, y, out=dst)  # computed in adt (the common dtype), stored in dst's
+    else:
+        _fused(_add_to, dst, a, b)
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

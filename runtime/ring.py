@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import kernels
 from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
-from .merge import merge_
+from .merge import add_into, merge_
 
 
 @dataclass(frozen=True)
@@ -172,67 +172,93 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # planner's forward formula counts); fewer chunks mean fewer steps, kernel calls and merges.
 
 
+# Note [Fewer passes]
+# Between the kernel calls the ring runs memory-bound passes over each head chunk (dQ/dK/dV
+# sums, merges, casts): about 7% of a step at 16K tokens per GPU (ring_timeline.py, kernel
+# families). Three rules keep them few, all exact:
+# - A partial result that holds one block only (the first block's out, or its dQ/dK/dV) stays
+#   in the kernel's output dtype: widening it would add no information. It is widened inside
+#   the pass that adds the next block (merge.add_into / merge_), not by a copy of its own; the
+#   first hop of dK/dV therefore carries the input dtype (half the bytes of fp32).
+# - The last addition to a sum writes the result in the input dtype (the output's slice, or
+#   the hop home's buffer) in the same pass, instead of an fp32 add and then a narrowing copy.
+# - A sum over one block only is that block's result, with no pass at all.
+# The sums themselves are unchanged: every addition is done in the accumulator dtype, in the
+# same order, and narrowed once at the end.
+
+
+def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
+    """dst <- src on the rows (dim 2) outside [r0, r1)."""
+    if r0 > 0:
+        copy_by_kernel(dst[:, :, :r0], src[:, :, :r0])
+    if r1 < src.shape[2]:
+        copy_by_kernel(dst[:, :, r1:], src[:, :, r1:])
+
+
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     if len(chunks) == 1:
-        out_acc, lse = _ring_forward_chunk(q, k, v, key_valid, setup)
-        return out_acc.to(q.dtype), lse
+        return _ring_forward_chunk(q, k, v, key_valid, setup)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        o, l = _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup)
-        copy_by_kernel(out[:, hq], o)  # the cast to the input dtype, in the same pass
-        copy_by_kernel(lse[:, hq], l)
-        del o, l
+        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq])
     return out, lse
 
 
-def _accumulate(acc, blk, r0: int, r1: int, shape, dtype):
-    """acc[:, :, r0:r1] += blk into an fp32 accumulator of `shape`, which the first block
-    creates: a copy when it covers every row (no zero-fill pass, no read-add-write pass)."""
+def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
+    """acc (None, the first block's own (out, lse), or fp32 accumulators) merged with the block
+    (o, l) at rows [r0, r1) (Note [Fewer passes]). With dst = (out, lse), the last merge: the
+    result goes there (out in the input dtype) and dst is returned."""
     if acc is None:
-        acc = torch.empty(shape, dtype=dtype, device=blk.device)
-        if r0 == 0 and r1 == shape[2]:
-            copy_by_kernel(acc, blk)
-            return acc
-        acc.zero_()
-    acc[:, :, r0:r1] += blk
-    return acc
+        if r0 == 0 and r1 == shape[2] and dst is None:
+            return o, l  # the first block's own result, as it is
+        # out = 0, lse = -inf: rows that have seen no key yet
+        acc = (torch.zeros(shape, dtype=adt, device=o.device), torch.full(shape[:3], float("-inf"), dtype=adt, device=o.device))
+    out_a, lse_a = acc
+    if dst is None and out_a.dtype != adt:  # widened into a new accumulator, in the merge's pass
+        dst = (torch.empty(shape, dtype=adt, device=o.device), lse_a)
+    if dst is None:
+        dst = acc  # in place
+    else:
+        _copy_rows_outside(dst[0], out_a, r0, r1)
+        if dst[1] is not lse_a:
+            _copy_rows_outside(dst[1], lse_a, r0, r1)
+    merge_(out_a[:, :, r0:r1], lse_a[:, :, r0:r1], o, l, dst[0][:, :, r0:r1], dst[1][:, :, r0:r1])
+    return dst
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup):
-    """-> (out in the accumulator dtype, lse); the first block that covers every row starts
-    the accumulators (no -inf/zero fill and no merge for it)."""
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None):
+    """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
-
-    def empty_rows():  # out = 0, lse = -inf: rows that have seen no key yet
-        return (torch.zeros(b, h, s, d, dtype=adt, device=q.device),
-                torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
-
-    out_acc = lse_acc = None
+    dst = None if out is None else (out, lse)
+    acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
-        for c, allowed in st.calls:
+        last_step = st.index == setup.world - 1
+        for i, (c, allowed) in enumerate(st.calls):
             o, l = kernels.block_fwd(
                 q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
                 key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
             )
-            if out_acc is None and c.q0 == 0 and c.q1 == s:
-                # the block's own out (cast) and lse become the accumulators: no copies (in the
-                # layout the merges always see, so the fused merge compiles once)
-                out_acc, lse_acc = o.to(adt, memory_format=torch.contiguous_format), l.contiguous()
-            else:
-                if out_acc is None:
-                    out_acc, lse_acc = empty_rows()
-                merge_(out_acc[:, :, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1], o, l)
-            del o, l  # not alive at the final cast
+            done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
+            if done and dst is None:
+                dst = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(b, h, s, dtype=adt, device=q.device))
+            acc = _merge_block(acc, o, l, c.q0, c.q1, (b, h, s, d), adt, dst if done else None)
+            del o, l  # not alive at the end
         del st
-    if out_acc is None:  # no key visible to any row
-        out_acc, lse_acc = empty_rows()
-    return out_acc, lse_acc
+    if acc is None:  # no key visible to any row
+        acc = (torch.zeros_like(q), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+    if done:
+        return acc
+    if dst is None:  # the one block's own result (or the sum when the last step had no call)
+        return acc[0].to(q.dtype), acc[1]
+    copy_by_kernel(dst[0], acc[0])
+    copy_by_kernel(dst[1], acc[1])
+    return dst
 
 
 class RingStep:
@@ -279,11 +305,36 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         del st
 
 
+def _accumulate(acc, blk, r0: int, r1: int, shape, adt, dst=None):
+    """The running sum acc + blk, blk at rows [r0, r1) of `shape` (dim 2). acc: None (nothing
+    yet), one block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]).
+    Without dst returns the new running sum: the block itself when it is the first and covers
+    every row, acc updated in place when it is an accumulator, else a new one. With dst (the
+    last addition) the sum goes there in dst's dtype, in the same pass; returns dst."""
+    full = r0 == 0 and r1 == shape[2]
+    if acc is None:
+        if full and dst is None:
+            return blk
+        dst = torch.zeros(shape, dtype=adt, device=blk.device) if dst is None else dst
+        if not full:
+            dst[:, :, :r0].zero_()
+            dst[:, :, r1:].zero_()
+        copy_by_kernel(dst[:, :, r0:r1], blk)
+        return dst
+    if dst is None:
+        dst = acc if acc.dtype == adt else torch.empty(shape, dtype=adt, device=blk.device)
+    if dst is not acc:
+        _copy_rows_outside(dst, acc, r0, r1)
+    add_into(dst[:, :, r0:r1], acc[:, :, r0:r1], blk)
+    return dst
+
+
 def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse.
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
-    the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule])."""
+    the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]);
+    sums as in Note [Fewer passes]."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -298,28 +349,30 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         g_c = chunks[0][1].stop - chunks[0][1].start
         kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
         comm.reserve([kv, kv, acc, acc] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
-    if not whole:
-        dq_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        dk_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv_out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    # Chunks write into the full-size outputs; whole heads return their sums as tensors of their
+    # own (a single block's gradient as the kernel returned it: no copy).
+    full_out = None if whole else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     done = {}
 
-    # Received tensors may be views of the transport's own buffers (copy-engine ring): the
-    # gradients returned are then copies.
-    own = comm is not None and comm.borrows_buffers
+    def out_slice(i, sl, shape, dtype):
+        """Where gradient i (0 dq, 1 dk, 2 dv) of the heads `sl` is written when complete."""
+        return torch.empty(shape, dtype=dtype, device=q.device) if whole else full_out[i][:, sl]
 
-    def finish(hk, dk_acc, dv_acc):
+    def finish(i, sl, total, borrowed=False):
+        """Gradient i of heads `sl`, complete (input dtype, or the accumulator's), into the outputs;
+        `borrowed`: a view of the transport's receive area, which is reused."""
         if whole:
-            dk, dv = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-            if own and dk is dk_acc:  # still a view of the receive area
-                dk, dv = torch.empty_like(dk), torch.empty_like(dv)
-                copy_by_kernel(dk, dk_acc)
-                copy_by_kernel(dv, dv_acc)
-            done["dk"], done["dv"] = dk, dv
+            got = total.to((q, k, v)[i].dtype)
+            if borrowed and got is total:
+                got = torch.empty_like(total)
+                copy_by_kernel(got, total)
+            done[i] = got
         else:
-            copy_by_kernel(dk_out[:, hk], dk_acc)
-            copy_by_kernel(dv_out[:, hk], dv_acc)
+            dst = full_out[i][:, sl]
+            if (total.data_ptr(), total.stride(), total.dtype) != (dst.data_ptr(), dst.stride(), dst.dtype):
+                copy_by_kernel(dst, total)  # else written there by the last addition
 
+    borrowed = comm is not None and comm.borrows_buffers
     home = None  # (K/V-head slice, [dk, dv]) the last chunk finished: its hop home rides the next batch
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
@@ -331,15 +384,18 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         del k_c, v_c
         for st in steps:
             kv_shape = st.k.shape
+            last_step = st.index == world - 1
             kv_grads = []
-            for c, allowed in st.calls:
+            for i, (c, allowed) in enumerate(st.calls):
                 dq_b, dk_b, dv_b = kernels.block_bwd(
                     do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
                     o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
                     key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
                 )
-                dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt)
+                last = last_step and i == len(st.calls) - 1 and dq is not None  # dQ complete: the output
+                dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt,
+                                 out_slice(0, hq, q_c.shape, q.dtype) if last else None)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
             # Wait for this step's batch only now, so it overlaps this step's kernels. It brings
@@ -347,50 +403,52 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             incoming = st.wait()
             if incoming is not None:
                 if st.index == 0:
-                    finish(home[0], *incoming)
+                    finish(1, home[0], incoming[0], borrowed)
+                    finish(2, home[0], incoming[1], borrowed)
                     home = None
                 else:
                     dk_acc, dv_acc = incoming
             del incoming
             while kv_grads:
                 c, dk_b, dv_b = kv_grads.pop()
-                dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt)
-                dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt)
+                dk_dst = dv_dst = None
+                if last_step and not kv_grads and dk_acc is not None:
+                    # The block's sum is complete: in the input dtype, for the hop home (the owner
+                    # would narrow it on arrival: same values, half the bytes of the one hop no
+                    # later kernel of this chunk hides) or straight into the outputs.
+                    if use_comm:
+                        dk_dst, dv_dst = (torch.empty(kv_shape, dtype=t.dtype, device=q.device) for t in (k, v))
+                    else:
+                        dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
+                dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt, dk_dst)
+                dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt, dv_dst)
                 del dk_b, dv_b
-            if dk_acc is None:  # no kernel call against this block: it still travels
-                dk_acc = torch.zeros(kv_shape, dtype=adt, device=q.device)
+            if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
+                dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)
                 dv_acc = torch.zeros_like(dk_acc)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 with the next batch (it
                 # holds that block next step; after the last step the hop brings it home).
-                if st.index == world - 1 and dk_acc.dtype != k.dtype:
-                    # The sum is complete: the hop home carries the input dtype, as the owner
-                    # would cast it on arrival (same values, half the bytes of the one hop
-                    # that no later kernel of this chunk can hide).
-                    dk_acc, dv_acc = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-                if st.index == world - 1:
-                    home = (hk, [dk_acc, dv_acc])
+                if last_step:
+                    home = (hk, [dk_acc.to(k.dtype), dv_acc.to(v.dtype)])  # as is when written above
                 else:
                     st.carry_out = [dk_acc, dv_acc]
                 dk_acc = dv_acc = None
             del st
         if not use_comm:
-            finish(hk, dk_acc, dv_acc)
+            finish(1, hk, dk_acc)
+            finish(2, hk, dv_acc)
         if dq is None:  # no key visible to any row
-            dq = torch.zeros(q_c.shape, dtype=adt, device=q.device)
-        if whole:
-            done["dq"] = dq.to(q.dtype)
-        else:
-            copy_by_kernel(dq_out[:, hq], dq)
+            dq = torch.zeros(q_c.shape, dtype=q.dtype, device=q.device)
+        finish(0, hq, dq)
         del dq, dk_acc, dv_acc, steps
     if home is not None:  # the last chunk's hop home: nothing left to overlap it with
         arrived = comm.send_recv(home[1])
         comm.commit()
         comm.wait()
-        finish(home[0], *arrived)
-    if whole:
-        return done["dq"], done["dk"], done["dv"]
-    return dq_out, dk_out, dv_out
+        finish(1, home[0], arrived[0], borrowed)
+        finish(2, home[0], arrived[1], borrowed)
+    return (done[0], done[1], done[2]) if whole else tuple(full_out)
 
 
 def resolve_world(group) -> tuple[object, int, int]:

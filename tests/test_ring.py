@@ -351,7 +351,8 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout, budget):
 
 def case_ring_backward_batches(rank, world, budget):
     """Counts the ring backward's batches and bytes: one batch per step (next K/V and the
-    previous step's dK/dV accumulator together), the hop home in the input dtype."""
+    previous step's dK/dV accumulator together); the first hop and the hop home in the input
+    dtype (Note [Fewer passes])."""
     from ringcc.runtime import workspace
     from ringcc.runtime.comm import RingComm
 
@@ -392,10 +393,11 @@ def test_ring_backward_one_batch_per_step(pools, world, budget):
     for commits, n_chunks, fp32, bf16, kv_numel in pools(world).run(case_ring_backward_batches, budget):
         # p batches per head chunk, and one more for the last chunk's hop home.
         assert commits == n_chunks * world + 1
-        # fp32 on the wire: the p - 1 hops of dK and dV that are still being summed.
-        assert fp32 == n_chunks * (world - 1) * 2 * kv_numel
-        # bf16: K and V to p - 1 neighbours, plus dK and dV going home once, per chunk.
-        assert bf16 == n_chunks * ((world - 1) * 2 * kv_numel + 2 * kv_numel)
+        # fp32 on the wire: the hops of dK and dV that carry a sum of two or more blocks (p - 2).
+        assert fp32 == n_chunks * (world - 2) * 2 * kv_numel
+        # bf16: K and V to p - 1 neighbours, plus dK and dV twice per chunk: the first hop (one
+        # block's gradient as the kernel gave it: exact) and the hop home (the complete sum).
+        assert bf16 == n_chunks * ((world - 1) * 2 * kv_numel + 2 * 2 * kv_numel)
 
 
 def case_transport_choice(rank, world):
@@ -450,3 +452,62 @@ def test_exact_math_block_path_matches_cpu_kernels(causal):
     ref_grads = kernels.block_bwd(dout, q, k, v, ref_out, ref_lse, scale=d ** -0.5, causal=causal, key_valid_bs=key_valid)
     for a, r in zip(grads, ref_grads):
         torch.testing.assert_close(a, r)
+
+
+def _blocks(seed, shape, ranges, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape[0], shape[1], r1 - r0, shape[3], generator=gen).to(dtype), r0, r1) for r0, r1 in ranges]
+
+
+@pytest.mark.parametrize("ranges", [
+    [(0, 8)], [(0, 8), (0, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 4), (0, 8)], [(0, 4)], [(0, 8), (2, 6)],
+])
+@pytest.mark.parametrize("final", [False, True])
+def test_accumulate_equals_fp32_sum_narrowed_once(ranges, final):
+    """ring._accumulate (Note [Fewer passes]: one block kept in its own dtype, widening inside the
+    next addition, the last addition writing the input dtype) gives bit for bit what an fp32
+    accumulator summed in the same order and narrowed once gives."""
+    from ringcc.runtime.ring import _accumulate
+
+    shape = (1, 2, 8, 4)
+    blocks = _blocks(len(ranges), shape, ranges)
+    ref = torch.zeros(shape)
+    for blk, r0, r1 in blocks:
+        ref[:, :, r0:r1] += blk.float()
+    acc = None
+    for i, (blk, r0, r1) in enumerate(blocks):
+        last = final and i == len(blocks) - 1 and acc is not None
+        dst = torch.empty(shape, dtype=torch.bfloat16) if last else None
+        acc = _accumulate(acc, blk, r0, r1, shape, torch.float32, dst)
+        if last:
+            assert acc is dst
+    if len(blocks) == 1 and ranges[0] == (0, 8):
+        assert acc is blocks[0][0]  # one block covering every row: no pass at all
+    assert torch.equal(acc.to(torch.bfloat16), ref.to(torch.bfloat16))
+    if acc.dtype == torch.float32:
+        assert torch.equal(acc, ref)
+
+
+@pytest.mark.parametrize("ranges", [[(0, 8), (0, 8)], [(0, 8), (4, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 8)]])
+@pytest.mark.parametrize("final", [False, True])
+def test_merge_block_equals_fp32_merge_narrowed_once(ranges, final):
+    """ring._merge_block: the first block's own out (input dtype) widened inside the next merge,
+    the last merge writing the output in the input dtype: bit for bit the fp32 merge of the
+    same blocks in the same order, narrowed once."""
+    from ringcc.runtime.merge import merge_
+    from ringcc.runtime.ring import _merge_block
+
+    shape = (1, 2, 8, 4)
+    blocks = _blocks(7, shape, ranges)
+    gen = torch.Generator().manual_seed(3)
+    lses = [torch.randn(1, 2, r1 - r0, generator=gen) for _, r0, r1 in blocks]
+    ref_o, ref_l = torch.zeros(shape), torch.full(shape[:3], float("-inf"))
+    for (o, r0, r1), l in zip(blocks, lses):
+        merge_(ref_o[:, :, r0:r1], ref_l[:, :, r0:r1], o, l)
+    acc = None
+    for i, ((o, r0, r1), l) in enumerate(zip(blocks, lses)):
+        last = final and i == len(blocks) - 1 and acc is not None
+        dst = (torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape[:3])) if last else None
+        acc = _merge_block(acc, o, l.clone(), r0, r1, shape, torch.float32, dst)
+    assert torch.equal(acc[0].to(torch.bfloat16), ref_o.to(torch.bfloat16))
+    assert torch.equal(acc[1], ref_l)
