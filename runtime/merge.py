@@ -34,22 +34,18 @@ def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
     dst_lse.copy_(lse_new)
 
 
-def _add_to(dst, a, b) -> None:
-    adt = acc_dtype_of(a, b, dst)
-    dst.copy_(a.to(adt) + b.to(adt))
-
-
 _COMPILED: dict = {}
 
 
 def _fused(fn, *args) -> None:
-    """fn(*args) (which writes its first argument(s)) as one inductor-generated kernel on CUDA
-    (eagerly it takes several passes, which show at 16K tokens per GPU); eager elsewhere, or
-    when compilation fails (warned once)."""
+    """fn(*args) (which writes its first arguments) as one inductor-generated kernel on CUDA
+    (eagerly the merge takes about six passes, which show at 16K tokens per GPU); eager
+    elsewhere, or when compilation fails (warned once)."""
     c = _COMPILED.get(fn)
     if args[0].is_cuda and c is not False:
         if c is None:
-            # dynamic: row ranges and head chunks vary; one graph per dtype combination.
+            # dynamic: row ranges and head chunks vary; one graph per combination of dtypes
+            # (accumulator in place, the first block widened, the output written).
             c = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
         try:
             c(*args)
@@ -74,14 +70,19 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
 def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """dst <- a + b, summed in the accumulator dtype (fp32; fp64 for fp64) whatever the dtypes of
     a, b (the kernels' bf16 or the accumulator's) and dst (the accumulator's, or the input's
-    for the last addition); dst may be a. One pass: the CUDA kernel is fused where a needs
-    widening, and torch.add widens b itself when a is already in the accumulator dtype."""
+    for the last addition); dst may be a. One pass when a or b is in the accumulator dtype
+    (torch.add widens the other inside its kernel); else two, the first widening a. Eager on
+    purpose: a compiled kernel would save one pass here but costs the host 100-200 µs per
+    call on CUDA, more than the pass (ring_timeline.py --host-breakdown)."""
     adt = acc_dtype_of(a, b, dst)
     if a.dtype == adt or b.dtype == adt:
         x, y = (a, b) if a.dtype == adt else (b, a)  # fp addition commutes exactly
         torch.add(x, y, out=dst)  # computed in adt (the common dtype), stored in dst's
+    elif dst.dtype == adt:
+        dst.copy_(a)  # widening: a kernel, not a memcpy
+        dst.add_(b)
     else:
-        _fused(_add_to, dst, a, b)
+        torch.add(a.to(adt), b, out=dst)
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
