@@ -260,9 +260,25 @@ def time_host_ahead(step, args, env, device) -> list[float]:
     cycles = _spin_cycles_per_ms(device) if args.host_ahead_ms > 0 else None
     if cycles is None:
         return []
+    return time_ms(step, 0, args.iters, env, before=lambda: aligned_spin(cycles * args.host_ahead_ms))
+
+
+_TOKEN: dict = {}
+
+
+def aligned_spin(cycles: float) -> None:
+    """Keep this rank's GPU busy for `cycles` clock cycles, then line the ranks' streams up with
+    a one-element all_reduce (queued, the host does not wait): the spin's length in time
+    depends on each card's clock, and a ring whose ranks start apart would time that skew
+    (up to 0.6 ms behind a 20 ms spin on 2 x H200) as if it were the step's."""
     from ringcc import _compat
 
-    return time_ms(step, 0, args.iters, env, before=lambda: _compat.cuda_spin(cycles * args.host_ahead_ms))
+    _compat.cuda_spin(cycles)
+    if dist.is_initialized():
+        dev = torch.cuda.current_device()
+        if dev not in _TOKEN:
+            _TOKEN[dev] = torch.zeros(1, device=dev)
+        dist.all_reduce(_TOKEN[dev])
 
 
 def host_profile(step, iters: int, env, rows: int = 30) -> str:
@@ -450,9 +466,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         spin = _spin_cycles_per_ms(device) if args.profile_ahead_ms > 0 else None
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             if spin:  # the host (slowed by the profiler) ahead of the GPU: gaps are then waits, not launches
-                from ringcc import _compat
-
-                _compat.cuda_spin(spin * args.profile_ahead_ms)
+                aligned_spin(spin * args.profile_ahead_ms)
             with record_function("timeline_step"):
                 step()
             torch.cuda.synchronize()

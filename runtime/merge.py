@@ -6,9 +6,9 @@ lse = -inf and out = 0, and stays NaN-free through any number of merges.
 
 Partial results may stay in the kernels' own dtype (bf16) while they hold one block only
 (exact: widening adds nothing); both functions here widen their inputs to the accumulator
-dtype inside the one pass, and write wherever `dst` says: in place into an fp32 accumulator,
-a new fp32 accumulator, or the output in the input dtype when the sum is complete (one pass
-instead of a widening copy, an add and a narrowing copy; Note [Fewer passes] in ring.py).
+dtype themselves, and write wherever the destination says: in place into an fp32
+accumulator, a new fp32 accumulator, or the output in the input dtype when the sum is
+complete (Note [Fewer passes] in ring.py).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def _fused(fn, *args) -> None:
     c = _COMPILED.get(fn)
     if args[0].is_cuda and c is not False:
         if c is None:
-            # dynamic: row ranges and head chunks vary; one graph per combination of dtypes
-            # (accumulator in place, the first block widened, the output written).
-            c = _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=True)
+            # Static shapes first (dynamic=True doubled the host's cost per call, 188 -> 354 µs,
+            # ring_timeline.py --host-breakdown on 2 x H200); torch makes a graph dynamic when
+            # its shapes change.
+            c = _COMPILED[fn] = torch.compile(fn, fullgraph=True)
         try:
             c(*args)
             return
