@@ -17,6 +17,8 @@ import warnings
 
 import torch
 
+from . import fused
+
 
 def acc_dtype_of(*ts: torch.Tensor) -> torch.dtype:
     """The accumulator dtype for these operands: fp32, or fp64 when one of them is fp64."""
@@ -39,8 +41,8 @@ _COMPILED: dict = {}
 
 def _fused(fn, *args) -> None:
     """fn(*args) (which writes its first arguments) as one inductor-generated kernel on CUDA
-    (eagerly the merge takes about six passes, which show at 16K tokens per GPU); eager
-    elsewhere, or when compilation fails (warned once)."""
+    where the Triton kernels (fused.py) do not apply, e.g. fp64 (eagerly the merge takes about
+    six passes); eager elsewhere, or when compilation fails (warned once)."""
     c = _COMPILED.get(fn)
     if args[0].is_cuda and c is not False:
         if c is None:
@@ -57,6 +59,18 @@ def _fused(fn, *args) -> None:
     fn(*args)
 
 
+_TRITON = {"ok": True}
+
+
+def _triton(outs, lses=()) -> bool:
+    return _TRITON["ok"] and outs[0].is_cuda and fused.available(outs, lses)
+
+
+def _triton_failed(e: Exception) -> None:
+    warnings.warn(f"ringcc: Triton kernels for the ring's sums failed ({type(e).__name__}: {e}); using torch's")
+    _TRITON["ok"] = False
+
+
 def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,
            out_dst: torch.Tensor | None = None, lse_dst: torch.Tensor | None = None) -> None:
     """(out_dst, lse_dst) <- softmax-weighted union of (out_acc, lse_acc) and the block; in
@@ -65,17 +79,29 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     block's own output (input dtype)."""
     out_dst = out_acc if out_dst is None else out_dst
     lse_dst = lse_acc if lse_dst is None else lse_dst
+    if _triton((out_dst, out_acc, out_blk), (lse_dst, lse_acc, lse_blk)):
+        try:
+            fused.merge(out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
+            return
+        except Exception as e:  # noqa: BLE001 - a Triton failure: the compiled torch merge instead
+            _triton_failed(e)
     _fused(_merge_to, out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
 
 
 def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """dst <- a + b, summed in the accumulator dtype (fp32; fp64 for fp64) whatever the dtypes of
     a, b (the kernels' bf16 or the accumulator's) and dst (the accumulator's, or the input's
-    for the last addition); dst may be a. One pass when a or b is in the accumulator dtype
-    (torch.add widens the other inside its kernel); else two, the first widening a. Eager on
-    purpose: a compiled kernel would save one pass here but costs the host 100-200 µs per
-    call on CUDA, more than the pass (ring_timeline.py --host-breakdown)."""
+    for the last addition); dst may be a. One pass: torch.add widens the other operand inside
+    its kernel when one is in the accumulator dtype; two bf16 operands take the Triton kernel
+    on CUDA (fused.py; a compiled torch function would cost the host 100-200 µs per call),
+    elsewhere two passes, the first widening a."""
     adt = acc_dtype_of(a, b, dst)
+    if a.dtype != adt and b.dtype != adt and _triton((dst, a, b)):
+        try:
+            fused.add(dst, a, b)
+            return
+        except Exception as e:  # noqa: BLE001 - a Triton failure: torch's ops instead
+            _triton_failed(e)
     if a.dtype == adt or b.dtype == adt:
         x, y = (a, b) if a.dtype == adt else (b, a)  # fp addition commutes exactly
         torch.add(x, y, out=dst)  # computed in adt (the common dtype), stored in dst's

@@ -1,0 +1,128 @@
+"""Two elementwise kernels of the ring's sums, written in Triton: the LSE merge and the widening
+add (Note [Fewer passes] in ring.py). Each is one pass over its operands, like the kernels
+inductor generates for the same code, but launched for a few µs of host time: a compiled torch
+function costs the host 190-350 µs per call on CUDA, and at 16K tokens per GPU the forward's
+host issues its steps barely ahead of the GPU (ring_timeline.py --host-breakdown).
+
+Operands are [b, h, L, d] (out, and the add's tensors) or [b, h, L] (lse) views with any strides
+on b, h and L and a unit stride on the last dimension: head-chunk slices and row ranges of
+contiguous tensors, as the ring makes them. Sums are done in fp32 and stored in the
+destination's dtype; `available()` is False where Triton or CUDA is missing and for fp64
+(callers then use merge.py's torch versions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds of torch come without Triton
+    triton = None
+
+
+def available(outs: tuple[torch.Tensor, ...], lses: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether these operands ([b, h, L, d] `outs`, [b, h, L] `lses`) can take the Triton kernels."""
+    ts = outs + lses
+    return (triton is not None and all(t.is_cuda or _interpreting() for t in ts)
+            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in ts)
+            and all(t.dim() == 4 for t in outs) and all(t.dim() == 3 for t in lses)
+            and all(t.shape == outs[0].shape for t in outs) and all(t.shape == outs[0].shape[:3] for t in lses)
+            and all(t.shape[-1] == 1 or t.stride(-1) == 1 for t in ts))
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(oa, la, ob, lb, od, ld, H, L, D,
+                      oa_b, oa_h, oa_l, ob_b, ob_h, ob_l, od_b, od_h, od_l,
+                      la_b, la_h, lb_b, lb_h, ld_b, ld_h,
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)  # offsets in int64: a stride times an index passes 2**31
+        bi, hi = bh // H, bh % H
+        rows = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < L
+        mask = rmask[:, None] & (cols < D)[None, :]
+        ninf = float("-inf")
+        lsa = tl.load(la + bi * la_b + hi * la_h + rows, mask=rmask, other=ninf).to(tl.float32)
+        lsb = tl.load(lb + bi * lb_b + hi * lb_h + rows, mask=rmask, other=ninf).to(tl.float32)
+        # logaddexp; a row that has seen no key on either side stays (0, -inf)
+        m = tl.maximum(lsa, lsb)
+        m = tl.where(m == ninf, 0.0, m)
+        ea, eb = tl.exp(lsa - m), tl.exp(lsb - m)
+        s = ea + eb
+        empty = s == 0.0
+        s_safe = tl.where(empty, 1.0, s)
+        wa, wb = tl.where(empty, 0.0, ea / s_safe), tl.where(empty, 0.0, eb / s_safe)
+        lse = tl.where(empty, ninf, m + tl.log(s_safe))
+        xa = tl.load(oa + bi * oa_b + hi * oa_h + rows[:, None] * oa_l + cols[None, :], mask=mask, other=0.0)
+        xb = tl.load(ob + bi * ob_b + hi * ob_h + rows[:, None] * ob_l + cols[None, :], mask=mask, other=0.0)
+        y = xa.to(tl.float32) * wa[:, None] + xb.to(tl.float32) * wb[:, None]
+        tl.store(od + bi * od_b + hi * od_h + rows[:, None] * od_l + cols[None, :],
+                 y.to(od.dtype.element_ty), mask=mask)
+        tl.store(ld + bi * ld_b + hi * ld_h + rows, lse.to(ld.dtype.element_ty), mask=rmask)
+
+    @triton.jit
+    def _add_kernel(a, b, d, H, L, D, a_b, a_h, a_l, b_b, b_h, b_l, d_b, d_h, d_l,
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        bi, hi = bh // H, bh % H
+        rows = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows < L)[:, None] & (cols < D)[None, :]
+        xa = tl.load(a + bi * a_b + hi * a_h + rows[:, None] * a_l + cols[None, :], mask=mask, other=0.0)
+        xb = tl.load(b + bi * b_b + hi * b_h + rows[:, None] * b_l + cols[None, :], mask=mask, other=0.0)
+        y = xa.to(tl.float32) + xb.to(tl.float32)
+        tl.store(d + bi * d_b + hi * d_h + rows[:, None] * d_l + cols[None, :], y.to(d.dtype.element_ty), mask=mask)
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    """(rows, columns) of a program's tile: 4096 elements (32 per thread at 4 warps)."""
+    block_d = triton.next_power_of_2(D)
+    return max(1, 4096 // block_d), block_d
+
+
+def _on(device: torch.device):
+    """The device's context when it is not the current one (Triton launches on the current)."""
+    import contextlib
+
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
+    """(out_d, lse_d) <- LSE merge of (out_a, lse_a) and (out_b, lse_b); out_d may be out_a and
+    lse_d lse_a (in place). Shapes [b, h, L, d] and [b, h, L]."""
+    b, h, L, D = out_d.shape
+    if out_d.numel() == 0:
+        return
+    block_l, block_d = _blocks(D)
+    s4 = [t.stride() for t in (out_a, out_b, out_d)]
+    s3 = [t.stride() for t in (lse_a, lse_b, lse_d)]
+    with _on(out_d.device):
+        _merge_kernel[(b * h, triton.cdiv(L, block_l))](
+            out_a, lse_a, out_b, lse_b, out_d, lse_d, h, L, D,
+            *(x for s in s4 for x in s[:3]), *(x for s in s3 for x in s[:2]),
+            BLOCK_L=block_l, BLOCK_D=block_d)
+
+
+def add(dst, a, b) -> None:
+    """dst <- a + b in fp32, stored in dst's dtype; dst may be a. Shapes [b, h, L, d]."""
+    B, h, L, D = dst.shape
+    if dst.numel() == 0:
+        return
+    block_l, block_d = _blocks(D)
+    with _on(dst.device):
+        _add_kernel[(B * h, triton.cdiv(L, block_l))](
+            a, b, dst, h, L, D, *a.stride()[:3], *b.stride()[:3], *dst.stride()[:3],
+            BLOCK_L=block_l, BLOCK_D=block_d)
+
