@@ -175,6 +175,7 @@ KERNEL_FAMILIES = (  # (family, name fragments), first match wins
     ("attention fwd", ("fprop", "flash_fwd", "fmha_fwd", "attention_fwd")),
     ("attention bwd", ("bprop", "dgrad", "flash_bwd", "fmha_bwd", "attention_bwd", "dot_do_o")),
     ("compiled (merge)", ("triton_",)),
+    ("ring sums (Triton)", ("_merge_kernel", "_add_kernel")),
     ("memcpy", ("Memcpy",)),
     ("memset", ("Memset",)),
     ("reduce", ("reduce_kernel",)),
