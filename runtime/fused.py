@@ -13,6 +13,9 @@ destination's dtype; `available()` is False where Triton or CUDA is missing and 
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 try:
@@ -33,9 +36,7 @@ def available(outs: tuple[torch.Tensor, ...], lses: tuple[torch.Tensor, ...] = (
 
 
 def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (CPU tensors)
 
 
 if triton is not None:
@@ -92,8 +93,6 @@ def _blocks(D: int) -> tuple[int, int]:
 
 def _on(device: torch.device):
     """The device's context when it is not the current one (Triton launches on the current)."""
-    import contextlib
-
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
