@@ -1,0 +1,46 @@
+"""The check of runtime/fused.py's Triton kernels against merge.py's torch code, shared by the GPU
+test (tests/test_ring_gpu.py) and the CPU one through Triton's interpreter (tests/test_fused.py).
+
+On the views the ring makes (a head-chunk slice with a row range, a block output, an fp32
+accumulator merged in place, the output written in the input dtype), with rows that saw no key
+(lse = -inf): the merge within fp32 rounding, the widening add bit for bit."""
+
+import torch
+
+
+def check(device: str, dtypes, ds=(24,)) -> None:
+    from ringcc.runtime import fused
+    from ringcc.runtime.merge import _merge_to
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=gen)  # noqa: E731
+    for dt in dtypes:
+        for d in ds:
+            b, H, L = 2, 6, 37
+            full_o, full_l = rnd(b, H, L, d).to(dt), rnd(b, H, L)
+            full_l[0, 1, 5:8] = float("-inf")
+            oa, la = full_o[:, 1:4, 5:30], full_l[:, 1:4, 5:30]
+            ob, lb = rnd(b, 3, 25, d).to(dt), rnd(b, 3, 25)
+            lb[0, 0, :2] = float("-inf")  # rows 0, 1 of head 0 saw no key on either side
+            for dst_dtype in (dt, torch.float32):
+                want_o, want_l = torch.empty(b, 3, 25, d, device=device), torch.empty(b, 3, 25, device=device)
+                _merge_to(want_o, want_l, oa, la, ob, lb)
+                got_o, got_l = torch.empty(b, 3, 25, d, device=device, dtype=dst_dtype), torch.empty_like(want_l)
+                assert fused.available((got_o, oa, ob), (got_l, la, lb))
+                fused.merge(got_o, got_l, oa, la, ob, lb)
+                tol = 1e-5 if dst_dtype == torch.float32 else 1e-2
+                assert torch.allclose(got_o.float(), want_o.to(dst_dtype).float(), atol=tol, rtol=tol)
+                assert torch.allclose(got_l, want_l, atol=1e-5, rtol=1e-5)
+                assert bool(torch.isneginf(got_l[0, 0, :2]).all()) and bool((got_o[0, 0, :2] == 0).all())
+            acc_o, acc_l = full_o.float()[:, 1:4, 5:30], full_l.clone()[:, 1:4, 5:30]  # in place, strided
+            want_o, want_l = torch.empty_like(acc_o), torch.empty_like(acc_l)
+            _merge_to(want_o, want_l, acc_o, acc_l, ob, lb)
+            fused.merge(acc_o, acc_l, acc_o, acc_l, ob, lb)
+            assert torch.allclose(acc_o, want_o, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(acc_l, want_l, atol=1e-5, rtol=1e-5)
+            for dst_dtype in (torch.float32, dt):
+                dst_full = torch.zeros(b, H, L, d, device=device, dtype=dst_dtype)
+                fused.add(dst_full[:, 1:4, 5:30], oa, ob)
+                assert torch.equal(dst_full[:, 1:4, 5:30], (oa.float() + ob.float()).to(dst_dtype))
+                assert float(dst_full[:, 0].abs().sum()) == 0 and float(dst_full[:, :, :5].abs().sum()) == 0
+    assert not fused.available((torch.empty(2, 3, 4, 8, dtype=torch.float64, device=device),))  # fp64: torch's
