@@ -312,7 +312,7 @@ HOST_SITES = (
     "ringcc._compat:cuda_cudnn_fwd", "ringcc._compat:cuda_cudnn_bwd",
     "ringcc.runtime.ring:merge_", "ringcc.runtime.ring:_accumulate", "ringcc.runtime.ring:copy_by_kernel",
     "ringcc.runtime.ring:_merge_block", "ringcc.runtime.ring:add_into", "ringcc.runtime.ring:_copy_rows_outside",
-    "ringcc.runtime.merge:_fused",
+    "ringcc.runtime.merge:_merge_compiled",
     "ringcc.runtime.comm:CopyEngineRing.send_recv", "ringcc.runtime.comm:CopyEngineRing.commit",
     "ringcc.runtime.comm:CopyEngineRing.wait", "ringcc.runtime.comm:RingComm.send_recv",
     "ringcc.runtime.comm:RingComm.commit", "ringcc.runtime.comm:RingComm.wait",

@@ -28,15 +28,16 @@ except ImportError:  # CPU builds of torch come without Triton
 def available(outs: tuple[torch.Tensor, ...], lses: tuple[torch.Tensor, ...] = ()) -> bool:
     """Whether these operands ([b, h, L, d] `outs`, [b, h, L] `lses`) can take the Triton kernels."""
     ts = outs + lses
-    return (triton is not None and all(t.is_cuda or _interpreting() for t in ts)
+    return (triton is not None and all(t.is_cuda or _INTERPRET for t in ts)
             and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in ts)
             and all(t.dim() == 4 for t in outs) and all(t.dim() == 3 for t in lses)
             and all(t.shape == outs[0].shape for t in outs) and all(t.shape == outs[0].shape[:3] for t in lses)
             and all(t.shape[-1] == 1 or t.stride(-1) == 1 for t in ts))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (CPU tensors)
+# Triton's CPU interpreter (CPU tensors too; tests), which Triton itself reads when the kernels
+# below are defined.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

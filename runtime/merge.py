@@ -18,11 +18,7 @@ import warnings
 import torch
 
 from . import fused
-
-
-def acc_dtype_of(*ts: torch.Tensor) -> torch.dtype:
-    """The accumulator dtype for these operands: fp32, or fp64 when one of them is fp64."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+from .kernels import acc_dtype
 
 
 def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
@@ -36,27 +32,27 @@ def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
     dst_lse.copy_(lse_new)
 
 
-_COMPILED: dict = {}
+_compiled_merge = None  # torch.compile(_merge_to) once needed; False once it failed
 
 
-def _fused(fn, *args) -> None:
-    """fn(*args) (which writes its first arguments) as one inductor-generated kernel on CUDA
-    where the Triton kernels (fused.py) do not apply, e.g. fp64 (eagerly the merge takes about
-    six passes); eager elsewhere, or when compilation fails (warned once)."""
-    c = _COMPILED.get(fn)
-    if args[0].is_cuda and c is not False:
-        if c is None:
+def _merge_compiled(*args) -> None:
+    """_merge_to(*args) as one inductor-generated kernel on CUDA where the Triton kernels
+    (fused.py) do not apply, e.g. fp64 (eagerly the merge takes about six passes); eager
+    elsewhere, or when compilation fails (warned once)."""
+    global _compiled_merge
+    if args[0].is_cuda and _compiled_merge is not False:
+        if _compiled_merge is None:
             # Static shapes first (dynamic=True doubled the host's cost per call, 188 -> 354 µs,
             # ring_timeline.py --host-breakdown on 2 x H200); torch makes a graph dynamic when
             # its shapes change.
-            c = _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+            _compiled_merge = torch.compile(_merge_to, fullgraph=True)
         try:
-            c(*args)
+            _compiled_merge(*args)
             return
         except Exception as e:  # noqa: BLE001 - compilation failed (e.g. recompile limit): stay eager
-            warnings.warn(f"ringcc: fused {fn.__name__} unavailable ({type(e).__name__}: {e}); running it eagerly")
-            _COMPILED[fn] = False
-    fn(*args)
+            warnings.warn(f"ringcc: fused LSE merge unavailable ({type(e).__name__}: {e}); running it eagerly")
+            _compiled_merge = False
+    _merge_to(*args)
 
 
 _TRITON = {"ok": True}
@@ -85,7 +81,7 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
             return
         except Exception as e:  # noqa: BLE001 - a Triton failure: the compiled torch merge instead
             _triton_failed(e)
-    _fused(_merge_to, out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
+    _merge_compiled(out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
 
 
 def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -95,7 +91,7 @@ def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     its kernel when one is in the accumulator dtype; two bf16 operands take the Triton kernel
     on CUDA (fused.py; a compiled torch function would cost the host 100-200 µs per call),
     elsewhere two passes, the first widening a."""
-    adt = acc_dtype_of(a, b, dst)
+    adt = acc_dtype(torch.promote_types(a.dtype, b.dtype))
     if a.dtype != adt and b.dtype != adt and _triton((dst, a, b)):
         try:
             fused.add(dst, a, b)
