@@ -291,13 +291,18 @@ def host_profile(step, iters: int, env, rows: int = 30) -> str:
 
     env.barrier()
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(iters):
-        step()
-    torch.cuda.synchronize()
-    prof.disable()
+    # cProfile sees one thread: the backward runs on this one too, not on autograd's device thread
+    with torch.autograd.set_multithreading_enabled(False):
+        step()  # unprofiled: the first cuDNN calls on this thread were slow (160 ms over 24 calls, 2 x H200)
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(rows)
     return buf.getvalue()
 
 
@@ -430,7 +435,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         chunk_fwd = workspace.ring_kv_chunk(q, k, None, world, zz, forward=True) or kv_shape[1]
     except TypeError:  # code under test from before the forward had its own chunks (A/B)
         chunk_fwd = chunk
-    step = lambda: _step(q, k, v, dout, args.causal, args.layout, not args.forward_only)  # noqa: E731
+    step = functools.partial(_step, q, k, v, dout, args.causal, args.layout, not args.forward_only)
     from bench_attention import time_ms  # benchmarks/ is this script's directory
 
     env = Ranks(device)
@@ -458,6 +463,14 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
             rec["ms_host_ahead_per_rank"] = rank_medians(env)
         rec.update(host_issue_ms=statistics.median(host),
                    ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
+        if args.ahead_sweep:
+            # The step behind spins of several lengths: how far ahead the host must start for the
+            # GPU never to wait for it (the step's time stops falling there).
+            cycles = _spin_cycles_per_ms(device)
+            rec["ahead_sweep"] = {}
+            for ms_ahead in (float(x) for x in args.ahead_sweep.split(",")):
+                rec["ahead_sweep"][ms_ahead] = statistics.median(
+                    time_ms(step, 0, args.iters, env, before=lambda: aligned_spin(cycles * ms_ahead) if ms_ahead else None))
         if args.cprofile:
             rec["cprofile"] = host_profile(step, args.cprofile, env)
         from torch.autograd.profiler import record_function
@@ -478,7 +491,7 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
         else:
             every = [tl]
         rec["timeline"], rec["timeline_ranks"] = every[0], every
-    del q, k, v, dout
+    del q, k, v, dout, step
     if cuda:
         torch.cuda.empty_cache()
     return rec
@@ -583,6 +596,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-ahead-ms", type=float, default=0.0,
                     help="issue the profiled step behind a GPU spin of this length (the profiler slows the host; "
                          "with the host ahead the timeline's gaps are waits)")
+    ap.add_argument("--ahead-sweep", default="",
+                    help="also time each step behind GPU spins of these ms, e.g. 0,0.5,1,2,4")
     ap.add_argument("--cprofile", type=int, default=0, help="also cProfile the host over this many steps (rank 0 prints)")
     ap.add_argument("--host-breakdown", type=int, default=0,
                     help="also time the host per call site over this many steps, each behind a 40 ms GPU spin")
@@ -650,6 +665,10 @@ def main(argv=None) -> int:
             if r.get("host_breakdown"):
                 print(f"--- host time by call site, budget {r['budget']} transport {r['transport']} (rank 0)\n"
                       f"{format_breakdown(r['host_breakdown'])}")
+        for r in recs:
+            if r.get("ahead_sweep"):
+                print(f"  budget {r['budget']} transport {r['transport']}: ms behind a spin of (ms) "
+                      + ", ".join(f"{a:g}: {t:.2f}" for a, t in r["ahead_sweep"].items()))
         for r in recs:
             if r.get("cprofile"):
                 print(f"--- host profile, budget {r['budget']} transport {r['transport']} (rank 0)\n{r['cprofile']}")
