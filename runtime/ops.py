@@ -8,6 +8,7 @@ reuse an artifact compiled for one p at another). The rank is read at run time.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -24,9 +25,10 @@ from .ring import RingSetup, resolve_world, ring_backward, ring_forward
 # helpers
 
 
-def _group_from(group_name: str, world_size: int):
+def _resolve_group(group_name: str, world_size: int):
+    """The process group an op was built for (None at world size 1)."""
     if world_size == 1:
-        return None, 0, 1
+        return None
     if not dist.is_initialized():
         raise ValueError(
             f"ringcc op was built for world size {world_size} but no process group is "
@@ -34,7 +36,15 @@ def _group_from(group_name: str, world_size: int):
         )
     # "" is the default group of the process that runs the op: offline programs
     # (`ringcc rewrite`) are saved with it, since real group names are process-local.
-    group = dist.group.WORLD if group_name == "" else _compat.resolve_group(group_name)
+    return dist.group.WORLD if group_name == "" else _compat.resolve_group(group_name)
+
+
+def _group_from(group_name: str, world_size: int, group=None):
+    """(group, this rank in it, its size) for an op built for `group_name` of `world_size` ranks
+    (`group`: already resolved)."""
+    if world_size == 1:
+        return None, 0, 1
+    group = _resolve_group(group_name, world_size) if group is None else group
     world = dist.get_world_size(group)
     if world != world_size:
         raise ValueError(
@@ -44,14 +54,31 @@ def _group_from(group_name: str, world_size: int):
     return group, dist.get_rank(group), world
 
 
+# The RingSetup of each call signature, made once: the rank, the head-chunk rule and the
+# settings it reads took about 100 µs of host per call on the GPU machines, before an idle
+# GPU gets its first kernel (benchmarks/call_latency.py). Keyed by the group object (a name can
+# come back for a new group after destroy_process_group), every input the rule reads, and the
+# settings it reads; cleared when it grows past a few hundred signatures.
+_SETUPS: dict = {}
+
+
 def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0, *,
            forward: bool) -> RingSetup:
-    group, rank, world = _group_from(group_name, world_size)
-    lay = L.Layout(layout)
-    # K/V heads per chunk: the planner's rule (workspace.py), per direction
-    kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
-                                       forward=forward)
-    return RingSetup(group, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
+    group = _resolve_group(group_name, world_size)
+    key = (group, world_size, layout, is_causal, scale, window, forward, q.shape, q.dtype, k.shape, k.dtype,
+           None if key_valid is None else (key_valid.shape, key_valid.dtype), q.device.type, workspace.chunk_rule_settings())
+    setup = _SETUPS.get(key)
+    if setup is None:
+        group, rank, world = _group_from(group_name, world_size, group)
+        lay = L.Layout(layout)
+        # K/V heads per chunk: the planner's rule (workspace.py), per direction
+        kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
+                                           forward=forward)
+        setup = RingSetup(group, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
+        if len(_SETUPS) >= 256:
+            _SETUPS.clear()
+        _SETUPS[key] = setup
+    return setup
 
 
 # ---------------------------------------------------------------------------------------
@@ -238,11 +265,9 @@ SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RI
                      "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA")
 
 
-def schedule_settings() -> list[str]:
-    """This process's values of SCHEDULE_SETTINGS, as "NAME=value" lines."""
-    import os
-
-    return [f"{name}={os.environ.get(name, '')}" for name in SCHEDULE_SETTINGS]
+def schedule_settings() -> tuple[str, ...]:
+    """This process's values of SCHEDULE_SETTINGS, as "NAME=value" strings."""
+    return tuple(f"{name}={os.environ.get(name, '')}" for name in SCHEDULE_SETTINGS)
 
 
 def _settings_code() -> int:

@@ -358,6 +358,16 @@ def ring_attention(a: dict, p) -> Workspace:
                      by_choice(lambda f, b: area_training(f[3], b[4])))
 
 
+def chunk_rule_settings() -> tuple:
+    """The settings the head-chunk rule reads (the workspace budget as set, the CUDA kernel, the
+    native-GQA switch), so that a cache of its answers never answers for other settings."""
+    import os
+
+    from . import kernels
+
+    return os.environ.get("RINGCC_RING_WORKSPACE_MIB"), kernels._cuda_kernel(), kernels.native_gqa_setting()
+
+
 def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forward: bool = False) -> int:
     """K/V heads per chunk for these concrete tensors (0: all heads at once) in the backward,
     or with `forward` in the forward, by the same rule as `ring_attention`: evaluated once
@@ -366,12 +376,8 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forw
     if budget == 0 or k.shape[1] == 1:
         return 0
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
-    from . import kernels
-
-    # the settings the formulas read, so that the cache never answers for other settings
-    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting())
     fwd, bwd = _ring_kv_chunks(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
-                               q.device.type, world, budget, bool(zigzag_causal), settings)
+                               q.device.type, world, budget, bool(zigzag_causal), chunk_rule_settings()[1:])
     return fwd if forward else bwd
 
 

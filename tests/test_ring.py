@@ -112,6 +112,35 @@ def test_ring_head_chunks_match_reference(pools, world, is_causal, layout, budge
     assert max(errs) < 1e-5
 
 
+def case_setup_cache(rank, world):
+    """The ring's setup is made once per call signature, and never answers for another: other
+    shapes, directions or schedule settings get their own (the head-chunk rule changes with the
+    workspace budget)."""
+    from ringcc.runtime import ops
+
+    name = ops._group_args(None)[0]
+    q, k = torch.empty(2, 8, 10, 8), torch.empty(2, 4, 10, 8)
+    make = lambda q, k, forward=True: ops._setup(q, k, None, name, world, "zigzag", True, 0.5,  # noqa: E731
+                                                  forward=forward)
+    first = make(q, k)
+    assert make(q, k) is first and (first.rank, first.world) == (rank, world)
+    assert make(q, k, forward=False) is not first
+    assert make(torch.empty(2, 8, 12, 8), torch.empty(2, 4, 12, 8)) is not first
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0.0001"
+    try:
+        small = make(q, k)
+    finally:
+        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+    assert small is not first and (first.kv_chunk, small.kv_chunk) == (0, 1)
+    assert make(q, k) is first
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ring_setup_is_cached_per_signature(pools, world):
+    assert all(pools(world).run(case_setup_cache))
+
+
 def test_transport_info_without_a_copy_engine_ring():
     """On CPU (and before any copy-engine ring ran) the rings use the process group and hold no
     receive area; measurements read this to know what the allocator saw."""
