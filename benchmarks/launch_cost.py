@@ -5,9 +5,10 @@ issue each, with the GPU kept busy by a spin so no call waits for it.
 
 Rows: a plain torch op (the reference), the ring's copy, the Triton merge and add (fused.py,
 with and without the availability check), the compiled torch merge (merge.py's fallback), the
-cuDNN block kernel of one head chunk, and whole calls: ringcc.ring_attention forward and
-forward+backward against SDPA's (cuDNN), with the host µs from the call to its first attention
-kernel call. Prints a table, writes JSON, names the device.
+cuDNN block kernel of one head chunk, and whole calls: ringcc.ring_attention forward (and its
+custom op, setup and ring_forward alone) and forward+backward against SDPA's (cuDNN). Prints a
+table, writes JSON, names the device. Where a call's host time goes before its first kernel:
+call_latency.py.
 
 Under torchrun (`--dist`) every rank runs the rows at once on its own GPU with an NCCL process
 group, and the whole ring calls run at the group's p: the host cost per call in a ring
@@ -97,30 +98,6 @@ def main(argv=None) -> int:
     qg, kg, vg = (torch.randn((1, 2 * args.heads, args.rows, args.head_dim), device=dev).bfloat16().requires_grad_()
                   for _ in range(3))
     dout = torch.randn_like(qg)
-    first = {"t": None}
-    block_fwd = kernels.block_fwd
-
-    def spy(*a, **kw):  # when the ring issues its first attention kernel
-        if first["t"] is None:
-            first["t"] = time.perf_counter()
-        return block_fwd(*a, **kw)
-
-    def to_first_kernel_us(call, repeats: int = 20) -> float:
-        kernels.block_fwd = spy
-        try:
-            out = []
-            for _ in range(repeats):
-                _compat.cuda_spin(int(5e7))
-                first["t"], t = None, time.perf_counter()
-                call()
-                out.append(1e6 * (first["t"] - t))
-            return statistics.median(out)
-        finally:
-            kernels.block_fwd = block_fwd
-            torch.cuda.synchronize()
-
-    from ringcc import _compat
-
     ring_f = lambda: ringcc.ring_attention(qg, kg, vg, is_causal=True, layout="zigzag")  # noqa: E731
     sdpa_f = lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)  # noqa: E731
     from ringcc.runtime import ops
@@ -136,7 +113,6 @@ def main(argv=None) -> int:
                                                forward=True), calls=5)
         row("  ring_forward alone", lambda: ring_forward(qg, kg, vg, None, setup), calls=5)
         row("SDPA fwd, no grad", sdpa_f, calls=5)
-        rows.append({"call": f"  its first block_fwd after (p={world})", "host_us": to_first_kernel_us(ring_f)})
     row(f"ring_attention fwd+bwd (p={world})", lambda: ring_f().backward(dout), calls=5)
     row("SDPA fwd+bwd", lambda: sdpa_f().backward(dout), calls=5)
     name = torch.cuda.get_device_name(dev)

@@ -252,16 +252,21 @@ def _spin_cycles_per_ms(device) -> float | None:
     return 10_000_000 / max(a.elapsed_time(b), 1e-3)
 
 
-def time_host_ahead(step, args, env, device) -> list[float]:
+def time_behind_spin(step, cycles: float, ms_ahead: float, iters: int, env) -> list[float]:
     """Per-iteration ms (slowest rank) of `step` issued while the GPU still runs a spin of
-    --host-ahead-ms, so the host is ahead of the GPU (its launch cost hidden, as inside a
-    model); [] when switched off or unavailable."""
+    `ms_ahead` (`cycles` per ms; 0: from an idle GPU), the ranks lined up after it."""
     from bench_attention import time_ms
 
+    return time_ms(step, 0, iters, env, before=(lambda: aligned_spin(cycles * ms_ahead)) if ms_ahead > 0 else None)
+
+
+def time_host_ahead(step, args, env, device) -> list[float]:
+    """`step` behind a spin of --host-ahead-ms, so the host is ahead of the GPU (its launch cost
+    hidden, as inside a model); [] when switched off or unavailable."""
     cycles = _spin_cycles_per_ms(device) if args.host_ahead_ms > 0 else None
     if cycles is None:
         return []
-    return time_ms(step, 0, args.iters, env, before=lambda: aligned_spin(cycles * args.host_ahead_ms))
+    return time_behind_spin(step, cycles, args.host_ahead_ms, args.iters, env)
 
 
 _TOKEN: dict = {}
@@ -463,14 +468,12 @@ def run_setting(args, device, budget: str, skip_comm: bool, transport: str = "au
             rec["ms_host_ahead_per_rank"] = rank_medians(env)
         rec.update(host_issue_ms=statistics.median(host),
                    ms_host_ahead=statistics.median(ahead) if ahead else None, ms_host_ahead_iters=ahead)
-        if args.ahead_sweep:
+        cycles = _spin_cycles_per_ms(device) if args.ahead_sweep else None
+        if cycles is not None:
             # The step behind spins of several lengths: how far ahead the host must start for the
             # GPU never to wait for it (the step's time stops falling there).
-            cycles = _spin_cycles_per_ms(device)
-            rec["ahead_sweep"] = {}
-            for ms_ahead in (float(x) for x in args.ahead_sweep.split(",")):
-                rec["ahead_sweep"][ms_ahead] = statistics.median(
-                    time_ms(step, 0, args.iters, env, before=lambda: aligned_spin(cycles * ms_ahead) if ms_ahead else None))
+            rec["ahead_sweep"] = {ms_ahead: statistics.median(time_behind_spin(step, cycles, ms_ahead, args.iters, env))
+                                  for ms_ahead in (float(x) for x in args.ahead_sweep.split(","))}
         if args.cprofile:
             rec["cprofile"] = host_profile(step, args.cprofile, env)
         from torch.autograd.profiler import record_function

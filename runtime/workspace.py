@@ -377,14 +377,14 @@ def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forw
         return 0
     mask = None if key_valid is None else (tuple(key_valid.shape), key_valid.element_size())
     fwd, bwd = _ring_kv_chunks(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), mask,
-                               q.device.type, world, budget, bool(zigzag_causal), chunk_rule_settings()[1:])
+                               q.device.type, world, budget, bool(zigzag_causal), chunk_rule_settings())
     return fwd if forward else bwd
 
 
 @functools.lru_cache(maxsize=256)
 def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, budget, zigzag_causal,
                     settings) -> tuple[int, int]:
-    """(forward, backward) K/V heads per chunk."""
+    """(forward, backward) K/V heads per chunk (`settings`: chunk_rule_settings(), the cache's key)."""
     qs, ks = TensorSize(q_shape, q_item, device_type), TensorSize(k_shape, k_item, device_type)
     if budget is None:
         budget = int(default_ring_budget(qs, ks))

@@ -522,9 +522,7 @@ def test_receive_area_is_the_one_the_copy_engine_ring_allocates(monkeypatch, bud
     monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")
     w_nccl = workspace.ring_attention(a, p)
     assert w_nccl.area_forward == w_nccl.area_training == 0
-    from ringcc.runtime import kernels
-
-    settings = (kernels._cuda_kernel(), kernels.native_gqa_setting())
+    settings = workspace.chunk_rule_settings()
     for n_val, p_val in ((2**14, 2), (2**16, 4), (2**18, 4), (2**21, 4)):
         s_loc = n_val // p_val
         # the runtime's rule for CUDA tensors of these shapes (ring_kv_chunk's cached core)
