@@ -104,6 +104,7 @@ def _ring_worker(rank, world, port, args, results):
 
     import ringcc
     from ringcc import reference
+    from ringcc.launch import exit_worker
     from ringcc.runtime import layout as L
 
     _init(rank, world, port)
@@ -134,7 +135,7 @@ def _ring_worker(rank, world, port, args, results):
         errs[i] = (got.detach() - sh(want)).abs().max()
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     results.put((rank, {"seconds": dt, "peak_rss_mib": rss, "max_abs_err": dict(zip(["out", "dq", "dk", "dv"], errs.tolist()))}))
-    dist.destroy_process_group()
+    exit_worker(results)
 
 
 def _summarise(args, per_rank) -> int:
@@ -202,9 +203,9 @@ def build_model(max_positions: int = MAX_POSITIONS, vocab: int = 256, dim: int =
 
 def _train_worker(rank, world, port, args, results):
     import torch
-    import torch.distributed as dist
 
     import ringcc
+    from ringcc.launch import exit_worker
 
     _init(rank, world, port)
     n, steps = args["seq_len"], args["steps"]
@@ -257,9 +258,8 @@ def _train_worker(rank, world, port, args, results):
         out["plan"] = None if plan is None else plan.summary()
         out["plan_points"] = _plan_points(plan, n)
         _ = rep
-    dist.barrier()
     results.put((rank, out))
-    dist.destroy_process_group()
+    exit_worker(results)
 
 
 def _plan_points(plan, n):

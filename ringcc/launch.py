@@ -23,13 +23,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def exit_worker(results=None) -> None:
+    """End a CPU (gloo) worker whose work is done and whose results are sent: wait for every
+    rank, then leave the process without tearing the process group down. gloo's teardown
+    sometimes aborts a rank after everything is done ("terminate called without an active
+    exception", SIGABRT; seen in the demo's test in CI and in bench_attention's probes on a
+    2-core machine), which would make a finished job look failed. `results`: a
+    multiprocessing.Queue this worker put into (flushed first; a SimpleQueue needs nothing)."""
+    import sys
+
+    dist.barrier()
+    if hasattr(results, "join_thread"):
+        results.close()
+        results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _spawned(rank: int, world: int, port: int, fn, args: tuple, kwargs: dict, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results.put((rank, fn(rank, world, *args, **kwargs)))
-    finally:
+        out = fn(rank, world, *args, **kwargs)
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    results.put((rank, out))
+    exit_worker(results)
 
 
 def launch(fn, world: int, *args, **kwargs) -> list:
