@@ -36,6 +36,18 @@ Modes per branch (decided once per shape and cached with the index plan):
   tensors, around their own sub-ring only: each rank sends (k - 1) blocks of s / r rows per
   slot, i.e. (w - s) / r rows, independent of n and p. The sub-ring's chunk order is the
   position order, so causal blocks are skipped / full / diagonal as in the dense ring.
+
+Note [Dilated head chunks]
+The fp32 accumulators (out in forward; dQ, dK, dV in backward) of all heads at once are 2x
+and 6x a bf16 input: at 512K tokens per rank (MHA h=16, d=128) 4 and 12 GiB, the largest part
+of the op's memory. Heads never mix, so forward and backward may each run the whole
+algorithm once per chunk of K/V heads (with their query heads), writing each chunk's result
+into the output, and hold one chunk's accumulators and branch tensors at a time. The same
+rule as the ring's head chunks (workspace.dilated_kv_chunk, the budget of
+RINGCC_RING_WORKSPACE_MIB or its default): the largest chunk whose workspace fits, else one
+K/V head. A chunk's plan indexes its heads from its first query head; the offsets stay those
+of the global heads (`chunk_pairs`), so the arithmetic of every head is unchanged (the same
+bits, tests/test_dilated.py). Every rank takes the same chunks, so the sub-rings' calls match.
 """
 
 from __future__ import annotations
@@ -49,9 +61,10 @@ import torch
 
 from . import kernels
 from . import layout as L
+from . import workspace
 from .merge import merge_
 from .ops import _check_inputs, _check_same_length, _group_args, _group_from
-from .ring import RingSetup, ring_backward, ring_forward
+from .ring import RingSetup, head_chunks, ring_backward, ring_forward
 
 OFFSET_MODES = ("per_head", "head_groups")
 
@@ -186,17 +199,31 @@ def _slots(pairs, rep: int):
     )
 
 
+def chunk_pairs(spec: DilatedSpec, num_heads: int, kv_heads: int, kv_range: tuple[int, int] | None):
+    """Per branch: the (query head, offset) pairs of the query heads that read K/V heads
+    [g0, g1), with heads counted from g0's first query head (the head chunk's own tensors)."""
+    pairs = branch_heads(spec, num_heads)
+    if kv_range is None:
+        return pairs
+    rep = num_heads // kv_heads
+    h0, h1 = kv_range[0] * rep, kv_range[1] * rep
+    return tuple(tuple((h - h0, off) for h, off in branch if h0 <= h < h1) for branch in pairs)
+
+
 @functools.lru_cache(maxsize=256)
 def dilated_plan(
-    spec: DilatedSpec, n_local: int, num_heads: int, kv_heads: int, rank: int, world: int, layout: str
+    spec: DilatedSpec, n_local: int, num_heads: int, kv_heads: int, rank: int, world: int, layout: str,
+    kv_range: tuple[int, int] | None = None,
 ) -> tuple[BranchPlan, ...]:
-    """Index plan of every branch (validated; cached per shape, spec, layout, rank, world)."""
+    """Index plan of every branch (validated; cached per shape, spec, layout, rank, world), for
+    all heads, or with `kv_range` = (g0, g1) for the head chunk of K/V heads [g0, g1) and their
+    query heads, indexed within the chunk (Note [Dilated head chunks])."""
     lay = L.Layout(layout) if world > 1 else L.Layout.CONTIGUOUS  # p = 1: both layouts are natural order
     n = n_local * world
     if n_local % L.chunks_per_rank(lay):
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={n_local}")
     plans = []
-    for (w, r), pairs in zip(spec.branches, branch_heads(spec, num_heads)):
+    for (w, r), pairs in zip(spec.branches, chunk_pairs(spec, num_heads, kv_heads, kv_range)):
         if not pairs:
             continue
         we, ring = _branch_mode(w, r, n, world, lay)
@@ -289,10 +316,13 @@ def dilated_comm_rows(spec: DilatedSpec, n, p, layout: str = "contiguous") -> tu
     return tuple(sympy.Max(0, sympy.Min(w, n) - n / p) / r for w, r in spec.branches)
 
 
-def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int) -> tuple[int, ...]:
-    """Per branch: how many K/V head slots travel (kv_heads for MHA with per_head offsets)."""
+def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int,
+                     kv_range: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """Per branch: how many K/V head slots travel (kv_heads for MHA with per_head offsets), for
+    all heads or for the head chunk of K/V heads kv_range = (g0, g1)."""
     rep = num_heads // kv_heads
-    return tuple(len(_slots(pairs, rep)[2]) if pairs else 0 for pairs in branch_heads(spec, num_heads))
+    return tuple(len(_slots(pairs, rep)[2]) if pairs else 0
+                 for pairs in chunk_pairs(spec, num_heads, kv_heads, kv_range))
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,13 +330,27 @@ def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int) -> tuple[
 
 
 @dataclass(frozen=True)
+class HeadChunk:
+    """Query heads `heads` and K/V heads `kv` (slices of dim 1) and the branch plans of that
+    chunk, its heads indexed within it."""
+
+    heads: slice
+    kv: slice
+    plans: tuple[BranchPlan, ...]
+
+
+@dataclass(frozen=True)
 class DilatedSetup:
     group: object
     rank: int
     world: int
-    plans: tuple[BranchPlan, ...]
+    plans: tuple[BranchPlan, ...]  # all heads at once
     is_causal: bool
     scale: float
+    # Head chunks of the forward and of the backward (Note [Dilated head chunks]); () runs
+    # all heads at once on `plans`.
+    forward_chunks: tuple[HeadChunk, ...] = ()
+    backward_chunks: tuple[HeadChunk, ...] = ()
 
     def ring(self, bp: BranchPlan) -> RingSetup:
         return RingSetup(
@@ -328,10 +372,26 @@ def _from_segments(x, b: int):
 
 def dilated_forward(q, k, v, setup: DilatedSetup):
     """q [b,h,s,d], k/v [b,g,s,d] -> (out [b,h,s,d], lse [b,h,s]) of all branches merged."""
+    if not setup.forward_chunks:
+        out, lse = _forward_heads(q, k, v, setup.plans, setup)
+        return out.to(q.dtype), lse
+    b, h, s, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(b, h, s, dtype=kernels.acc_dtype(q.dtype), device=q.device)
+    for c in setup.forward_chunks:
+        o, l = _forward_heads(q[:, c.heads], k[:, c.kv], v[:, c.kv], c.plans, setup)
+        out[:, c.heads].copy_(o)
+        lse[:, c.heads].copy_(l)
+        del o, l  # one chunk's accumulators at a time
+    return out, lse
+
+
+def _forward_heads(q, k, v, plans, setup: DilatedSetup):
+    """(out, lse) in the accumulation dtype (fp32; fp64 for fp64) of the heads of q, k, v."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     out_acc = lse_acc = None
-    for bp in setup.plans:
+    for bp in plans:
         qp, kvp = _branch_pieces(bp)
         q_c, k_c, v_c = compress(q, qp, bp.r), compress(k, kvp, bp.r), compress(v, kvp, bp.r)
         if bp.ring:
@@ -363,12 +423,30 @@ def dilated_forward(q, k, v, setup: DilatedSetup):
         # next one (the memory planner counts the largest branch only).
         del q_c, k_c, v_c, o, lse
     if out_acc is None:  # no branch has a head
-        return torch.zeros_like(q), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device)
-    return out_acc.to(q.dtype), lse_acc
+        return (torch.zeros(b, h, s, d, dtype=adt, device=q.device),
+                torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+    return out_acc, lse_acc
 
 
 def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
     """(dq, dk, dv): per branch, the block backward fed the global merged (out, lse), summed."""
+    if not setup.backward_chunks:
+        grads = _backward_heads(dout, q, k, v, out, lse, setup.plans, setup)
+        return tuple(torch.zeros_like(t) if x is None else x.to(t.dtype) for x, t in zip(grads, (q, k, v)))
+    cf = torch.contiguous_format
+    dq, dk, dv = (torch.empty_like(t, memory_format=cf) for t in (q, k, v))
+    for c in setup.backward_chunks:
+        h, kv = c.heads, c.kv
+        grads = _backward_heads(dout[:, h], q[:, h], k[:, kv], v[:, kv], out[:, h], lse[:, h], c.plans, setup)
+        for dst, x in zip((dq[:, h], dk[:, kv], dv[:, kv]), grads):
+            dst.zero_() if x is None else dst.copy_(x)
+        del grads  # one chunk's accumulators at a time
+    return dq, dk, dv
+
+
+def _backward_heads(dout, q, k, v, out, lse, plans, setup: DilatedSetup):
+    """(dq, dk, dv) of the heads of q, k, v in the accumulation dtype, None where no branch
+    reaches a tensor."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -383,7 +461,7 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
         # Slots may repeat a (kv head, row) pair (one slot per head): pieces add one at a time.
         expand_(grads[name], x_c, ps, r, add=True)
 
-    for bp in setup.plans:
+    for bp in plans:
         qp, kvp = _branch_pieces(bp)
         q_c, do_c, o_c, l_c = (compress(t, qp, bp.r) for t in (q, dout, out, lse))
         k_c, v_c = compress(k, kvp, bp.r), compress(v, kvp, bp.r)
@@ -402,8 +480,7 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
         accumulate("k", dk_c, kvp, bp.r, g, k)
         accumulate("v", dv_c, kvp, bp.r, g, v)
         del dq_c, dk_c, dv_c  # as in forward
-    return tuple(torch.zeros_like(t) if grads[n] is None else grads[n].to(t.dtype)
-                 for n, t in (("q", q), ("k", k), ("v", v)))
+    return grads["q"], grads["k"], grads["v"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,8 +490,17 @@ def dilated_backward(dout, q, k, v, out, lse, setup: DilatedSetup):
 def _setup(q, k, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
     group, rank, world = _group_from(group_name, world_size)
     spec = DilatedSpec(segment_lengths, dilation_rates, offsets=offsets)
-    plans = dilated_plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, layout)
-    return DilatedSetup(group, rank, world, plans, is_causal, scale)
+    s, h, g = q.shape[2], q.shape[1], k.shape[1]
+    plans = dilated_plan(spec, s, h, g, rank, world, layout)
+    fwd, bwd = workspace.dilated_kv_chunk(q, k, spec, world, layout)
+
+    def chunks(kv_chunk):
+        if not kv_chunk:
+            return ()
+        return tuple(HeadChunk(hs, gs, dilated_plan(spec, s, h, g, rank, world, layout, (gs.start, gs.stop)))
+                     for hs, gs in head_chunks(h, g, kv_chunk))
+
+    return DilatedSetup(group, rank, world, plans, is_causal, scale, chunks(fwd), chunks(bwd))
 
 
 @torch.library.custom_op("ringcc::dilated_attention", mutates_args=())

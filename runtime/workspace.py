@@ -44,11 +44,14 @@ chunks make fewer steps, kernel calls and merges. The formulas are Piecewise ove
 choices, the same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
 
 Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
-compressed q/k/v/out rows (n/p / r rows each) and, for branches whose segment spans ranks,
+compressed q/k/v/out rows (n/p / r rows each; none for a branch that takes every row of every
+head, r = 1, which reads its inputs as they are) and, for branches whose segment spans ranks,
 the sub-ring receive buffers: at most two compressed blocks, and never more than the rows
 the branch communicates (`dilated_comm_rows`: O(w/r), independent of n and p). The largest
-branch counts (branches run one after another). An upper bound: a branch that takes every row
-of every head (r = 1) uses its inputs as they are, without compressed copies.
+branch counts (branches run one after another). An upper bound (the block outputs and the
+accumulators they start are both counted). Head chunks as the ring's (Note [Dilated head
+chunks]): forward and backward each take the largest chunk of K/V heads whose workspace fits
+the same budget, and then hold one chunk's accumulators and branch tensors.
 
 Un-rewritten SDPA / multi-head attention: counted as the math path's fp32 score matrix
 [b, h, Lq, Lk]; that is what makes such a site quadratic in n (fused kernels avoid the
@@ -395,46 +398,119 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
     return fwd, opts[i][0]
 
 
-def _dilated_branches(a: dict, p):
-    from .dilated import DilatedSpec, branch_heads, dilated_comm_rows, dilated_kv_slots
+def _dilated_spec(a: dict):
+    from .dilated import DilatedSpec
+
+    return DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
+
+
+def _dilated_branches(a: dict, p, kv_range: tuple[int, int] | None = None):
+    """Per branch taking part (in the head chunk of K/V heads kv_range, else in all heads):
+    (w, r, rows sent per slot, K/V slots, query heads)."""
+    from .dilated import chunk_pairs, dilated_comm_rows, dilated_kv_slots
 
     q, k = a["q"], a["k"]
-    h = q.shape[1]
-    spec = DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
+    h, g = int(q.shape[1]), int(k.shape[1])
+    spec = _dilated_spec(a)
     comm_rows = dilated_comm_rows(spec, q.shape[2] * p, p, a.get("layout", "contiguous"))
-    slots = dilated_kv_slots(spec, int(h), int(k.shape[1]))
-    heads = [len(pairs) for pairs in branch_heads(spec, int(h))]
+    slots = dilated_kv_slots(spec, h, g, kv_range)
+    heads = [len(pairs) for pairs in chunk_pairs(spec, h, g, kv_range)]
     return [(w, r, rows, ns, hq) for (w, r), rows, ns, hq in zip(spec.branches, comm_rows, slots, heads) if hq]
 
 
-def dilated_receive_bytes(a: dict, p) -> tuple:
+def dilated_receive_bytes(a: dict, p, kv_range: tuple[int, int] | None = None) -> tuple:
     """Per branch: K/V bytes received at once by a rank, at most two compressed blocks of
     n/p / r rows and never more than the rows the branch sends (`dilated_comm_rows`, O(w/r)):
     zero when the segment fits the shard."""
     q, k = a["q"], a["k"]
     b, s, d = q.shape[0], q.shape[2], q.shape[3]
     return tuple(sympy.Min(2 * s / r, rows) * 2 * b * ns * d * k.itemsize
-                 for w, r, rows, ns, hq in _dilated_branches(a, p))
+                 for w, r, rows, ns, hq in _dilated_branches(a, p, kv_range))
 
 
-def dilated_attention(a: dict, p) -> Workspace:
+def _dilated_chunk(a: dict, p, kv_range: tuple[int, int] | None) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) workspace of one head chunk (kv_range None: all heads at once)."""
     q, k = a["q"], a["k"]
     b, h, s, d = q.shape
+    g = int(k.shape[1])
+    kv = g if kv_range is None else kv_range[1] - kv_range[0]
+    hc = int(h) // g * kv
     acc_item = _acc_itemsize(q.itemsize)
+    branches = _dilated_branches(a, p, kv_range)
     fwd_branches, bwd_branches = [], []
-    for (w, r, rows, ns, hq), recv in zip(_dilated_branches(a, p), dilated_receive_bytes(a, p)):
+    for (w, r, rows, ns, hq), recv in zip(branches, dilated_receive_bytes(a, p, kv_range)):
         q_c = b * hq * d * (s / r) * q.itemsize  # compressed q (and out, dout) rows
         kv_c = 2 * b * ns * d * (s / r) * k.itemsize  # compressed K and V
         acc = b * hq * (s / r) * (d + 1) * acc_item  # the branch's fp32 (fp64) out/lse rows being merged
-        fwd_branches.append(2 * q_c + kv_c + 2 * acc + recv)
+        # A branch that takes every row of every head (r = 1) reads its inputs as they are.
+        copies = 0 if (r == 1 and hq == hc and ns == kv) else 1
+        fwd_branches.append(q_c * (1 + copies) + kv_c * copies + 2 * acc + recv)
         # Backward: compressed dout/out/lse and q, block grads, fp32 (fp64) dK/dV hops in flight.
         dkv_hops = recv * acc_item / k.itemsize
-        bwd_branches.append(4 * q_c + 2 * kv_c + recv + dkv_hops + acc)
+        bwd_branches.append(q_c * (1 + 3 * copies) + kv_c * (1 + copies) + recv + dkv_hops + acc)
     # Branches run one after another: the largest counts.
     fwd = sympy.Max(*fwd_branches) if fwd_branches else sympy.Integer(0)
     bwd = sympy.Max(*bwd_branches) if bwd_branches else sympy.Integer(0)
-    acc_q, acc_k = q.with_itemsize(acc_item).nbytes, k.with_itemsize(acc_item).nbytes
-    return Workspace(_acc_extra(q) + fwd, acc_q + 2 * acc_k + bwd)
+    qc, kc = _with_heads(q, hc).with_itemsize(acc_item), _with_heads(k, kv).with_itemsize(acc_item)
+    # All heads: the output is cast from the accumulator (none extra for fp32); in chunks each
+    # chunk's accumulator is copied into the output.
+    acc_out = _acc_extra(q) if kv_range is None else qc.nbytes
+    return acc_out + fwd, qc.nbytes + 2 * kc.nbytes + bwd
+
+
+def _dilated_options(a: dict, p) -> list[tuple[int, sympy.Expr, sympy.Expr]]:
+    """[(K/V heads per chunk, forward, backward)] from all heads (0) down to one K/V head per
+    chunk; a chunked option's workspace is its largest chunk's."""
+    g = int(a["k"].shape[1])
+    opts = [(0, *_dilated_chunk(a, p, None))]
+    for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
+        per = [_dilated_chunk(a, p, (c, c + hk)) for c in range(0, g, hk)]
+        opts.append((hk, sympy.Max(*(f for f, _ in per)), sympy.Max(*(b for _, b in per))))
+    return opts
+
+
+def _dilated_budget(a: dict):
+    budget = ring_workspace_budget()
+    return default_ring_budget(a["q"], a["k"]) if budget is None else budget
+
+
+def dilated_attention(a: dict, p) -> Workspace:
+    """The dilated op's workspace under its head-chunk rule (`dilated_kv_chunk`): forward and
+    backward each take the largest head chunk whose own workspace fits the ring's budget,
+    else one K/V head per chunk (Note [Dilated head chunks] in dilated.py)."""
+    budget = _dilated_budget(a)
+    opts = _dilated_options(a, p)
+    if budget == 0 or len(opts) == 1:
+        return Workspace(opts[0][1], opts[0][2])
+
+    def rule(i):  # the first option (the largest chunk) whose workspace fits
+        return sympy.Piecewise(*[(o[i], o[i] <= budget) for o in opts[:-1]], (opts[-1][i], True))
+
+    return Workspace(rule(1), rule(2))
+
+
+def dilated_kv_chunk(q, k, spec, world: int, layout: str) -> tuple[int, int]:
+    """(forward, backward) K/V heads per chunk of the dilated op for these concrete tensors (0:
+    all heads at once), by the rule of `dilated_attention`: evaluated once per shape."""
+    budget = ring_workspace_budget()
+    if budget == 0 or k.shape[1] == 1:
+        return 0, 0
+    return _dilated_kv_chunks(tuple(q.shape), tuple(k.shape), q.element_size(), k.element_size(), q.device.type,
+                              spec, world, layout, budget, chunk_rule_settings())
+
+
+@functools.lru_cache(maxsize=256)
+def _dilated_kv_chunks(q_shape, k_shape, q_item, k_item, device_type, spec, world, layout, budget,
+                       settings) -> tuple[int, int]:
+    a = {"q": TensorSize(q_shape, q_item, device_type), "k": TensorSize(k_shape, k_item, device_type),
+         "segment_lengths": spec.segment_lengths, "dilation_rates": spec.dilation_rates,
+         "offsets": spec.offsets, "layout": layout}
+    if budget is None:
+        budget = int(default_ring_budget(a["q"], a["k"]))
+    opts = _dilated_options(a, sympy.Integer(world))
+    fwd = next((o[0] for o in opts if o[1] <= budget), opts[-1][0])
+    bwd = next((o[0] for o in opts if o[2] <= budget), opts[-1][0])
+    return fwd, bwd
 
 
 def dense_attention(a: dict, p) -> Workspace:

@@ -1,7 +1,8 @@
 """Dilated attention (LongNet) vs the dense masked reference: single device and real gloo
 groups, p = 1, 2, 3, 4; the spec, the index plans, the custom ops and the bytes on the wire."""
 
-import math
+import contextlib
+import os
 
 import pytest
 import sympy
@@ -14,6 +15,7 @@ from parity import assert_shard_matches
 from ringcc import reference
 from ringcc.runtime import dilated as D
 from ringcc.runtime import layout as L
+from ringcc.runtime import workspace
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 N_LOCAL = 8
@@ -56,15 +58,37 @@ def _check(rank, world, spec, is_causal, h, g, layout="contiguous", n_local=N_LO
     return torch.isneginf(lse).any().item()
 
 
-def case_matrix(rank, world, offsets):
-    """Every (causal, heads) case of the LongNet schedule for this world size, one pool call."""
+def case_matrix(rank, world, offsets, budget_mib=None):
+    """Every (causal, heads) case of the LongNet schedule for this world size, one pool call;
+    with `budget_mib` (RINGCC_RING_WORKSPACE_MIB) the op runs in head chunks, checked here."""
     w, r = LONGNET[world]
     spec = ringcc.DilatedSpec(w, r, offsets=offsets)
     saw_empty_rows = False
-    for is_causal in (False, True):
-        for seed, (h, g) in enumerate(HEADS):
-            saw_empty_rows |= _check(rank, world, spec, is_causal, h, g, seed=seed)
+    with _workspace_mib(budget_mib):
+        for is_causal in (False, True):
+            for seed, (h, g) in enumerate(HEADS):
+                if budget_mib is not None and g > 1:
+                    q, k = torch.empty(2, h, N_LOCAL, 4), torch.empty(2, g, N_LOCAL, 4)
+                    assert workspace.dilated_kv_chunk(q, k, spec, world, "contiguous") == (1, 1)
+                saw_empty_rows |= _check(rank, world, spec, is_causal, h, g, seed=seed)
     return saw_empty_rows
+
+
+@contextlib.contextmanager
+def _workspace_mib(value):
+    """RINGCC_RING_WORKSPACE_MIB set to `value` inside (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get("RINGCC_RING_WORKSPACE_MIB")
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+        else:
+            os.environ["RINGCC_RING_WORKSPACE_MIB"] = old
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -74,6 +98,57 @@ def test_dilated_matches_reference(pools, world, offsets):
     if offsets == "head_groups":
         # A head in a branch with r > 1 has rows active in no branch: out 0, lse -inf.
         assert any(saw_empty)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("offsets", ["per_head", "head_groups"])
+def test_dilated_head_chunks_match_reference(pools, world, offsets):
+    # One K/V head per chunk (a tiny budget): every chunk's out/lse and dq/dk/dv land in its
+    # own heads, sub-ring branches included, and a chunk no branch reaches gives 0 / -inf.
+    pools(world).run(case_matrix, offsets, "0.0001")
+
+
+def test_head_chunks_are_exact():
+    """Head chunks change which heads run together, not any head's arithmetic: the same bits."""
+    b, h, g, n, d = 2, 8, 2, 64, 4
+    spec = ringcc.DilatedSpec([8, 16, 64], [1, 2, 4])
+    q, k, v, dout = _inputs(5, b, h, g, n, d)
+    results = []
+    for budget in ("0", "0.0001"):
+        with _workspace_mib(budget):
+            setup = D._setup(q, k, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets, True, 0.5,
+                             ringcc.runtime.ops._group_args(None)[0], 1, "contiguous")
+            out, lse = D.dilated_forward(q, k, v, setup)
+            results.append((setup, out, lse, *D.dilated_backward(dout, q, k, v, out, lse, setup)))
+    (whole, *a), (chunked, *b) = results
+    assert whole.forward_chunks == whole.backward_chunks == ()
+    assert [c.kv for c in chunked.backward_chunks] == [slice(0, 1), slice(1, 2)]
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_dilated_head_chunk_rule_and_formula():
+    """The rule picks the largest head chunk whose workspace fits the budget, the planner's
+    formula gives that chunk's workspace, and a 0 budget never chunks. MHA h=16 bf16 at 512K
+    tokens per rank (LongNet at 1M, p = 2): about 16 GiB of fp32 dQ/dK/dV accumulators with all
+    heads against a 6.25 GiB budget."""
+    n, world = 1 << 20, 2
+    ws, rs = [2048, 8192, 32768, 131072, 524288, n], [1, 2, 4, 8, 16, 32]
+    spec = ringcc.DilatedSpec(ws, rs)
+    q = torch.empty(1, 16, n // world, 128, dtype=torch.bfloat16, device="meta")
+    fwd, bwd = workspace.dilated_kv_chunk(q, q, spec, world, "contiguous")
+    assert (fwd, bwd) == (4, 4)
+    a = {"q": workspace.TensorSize(tuple(q.shape), 2, "meta"), "k": workspace.TensorSize(tuple(q.shape), 2, "meta"),
+         "segment_lengths": ws, "dilation_rates": rs, "offsets": "per_head", "layout": "contiguous"}
+    opts = {o[0]: o for o in workspace._dilated_options(a, sympy.Integer(world))}
+    budget = workspace.default_ring_budget(a["q"], a["k"])
+    planned = workspace.dilated_attention(a, sympy.Integer(world))
+    assert planned.forward == opts[4][1] <= budget < opts[8][1]
+    assert planned.backward == opts[4][2] <= budget < opts[8][2]
+    assert opts[0][2] > 2.5 * opts[4][2]  # what the chunks save
+    with _workspace_mib("0"):
+        assert workspace.dilated_kv_chunk(q, q, spec, world, "contiguous") == (0, 0)
+        assert workspace.dilated_attention(a, sympy.Integer(world)).backward == opts[0][2]
 
 
 def case_zigzag(rank, world):

@@ -14,6 +14,7 @@ import torch
 import ringcc
 from ringcc import reference
 from ringcc.runtime import layout as L
+from ringcc.runtime import workspace
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +33,12 @@ def _rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g):
+def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g, budget_mib=None):
     os.environ["RINGCC_CUDA_KERNEL"] = kernel
+    if budget_mib is None:
+        os.environ.pop("RINGCC_RING_WORKSPACE_MIB", None)
+    else:  # head chunks (Note [Dilated head chunks])
+        os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget_mib
     dev = torch.device("cuda", rank)
     b, d = 2, 64
     n = N_LOCAL * world
@@ -48,6 +53,8 @@ def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g):
     ql, kl, vl = (sh(t).bfloat16().requires_grad_() for t in (q, k, v))
     out, lse = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal, return_lse=True)
     out.backward(sh(dout).bfloat16())
+    if budget_mib is not None:
+        assert workspace.dilated_kv_chunk(ql, kl, spec, world, "contiguous") == (1, 1)
     ref_lse_l = sh(ref_lse.detach())
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse_l))
     return {
@@ -67,5 +74,16 @@ def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g):
 @pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
 def test_dilated_nccl_bf16(pools, world, kernel, offsets, is_causal, h, g):
     for rank_errs in pools(world, "nccl").run(case_dilated_nccl, kernel, offsets, is_causal, h, g):
+        for name, err in rank_errs.items():
+            assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs CUDA")
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("offsets", ["per_head", "head_groups"])
+@pytest.mark.parametrize("h,g", [(8, 8), (8, 2)])
+def test_dilated_head_chunks_nccl_bf16(pools, world, offsets, h, g):
+    # One K/V head per chunk (a tiny workspace budget), causal, cuDNN kernels.
+    for rank_errs in pools(world, "nccl").run(case_dilated_nccl, "cudnn", offsets, True, h, g, "0.0001"):
         for name, err in rank_errs.items():
             assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
