@@ -734,7 +734,7 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
     ms = statistics.median(times)
     flops = cell_flops(cell, env, backward)
     tflops = flops / cell.p / (ms * 1e-3) / 1e12
-    b2b_iters = back_to_back_iters(est_seconds(cell, env, mode), iters)
+    b2b_iters = back_to_back_iters(ms / 1e3, iters)  # on the time just measured (the budget used the estimate)
     times_b2b = time_ms(step, 0, b2b_iters, env, back_to_back=True) if b2b_iters else None
     ms_b2b = statistics.median(times_b2b) if times_b2b else None
     env.rates[(cell.method, mode)] = tflops * 1e12

@@ -180,14 +180,25 @@ def _branch_mode(w: int, r: int, n: int, world: int, layout: L.Layout) -> tuple[
     return we, True
 
 
-def _slots(pairs, rep: int):
+def _shares_slots(pairs, rep: int) -> bool:
+    """Whether the query heads of `pairs` that read one kv head with one offset can share a
+    slot: only when every such group has the same size (the kernels' uniform GQA expansion)."""
+    sizes: dict[tuple[int, int], int] = {}
+    for h, off in pairs:
+        sizes[(off, h // rep)] = sizes.get((off, h // rep), 0) + 1
+    return len(set(sizes.values())) <= 1
+
+
+def _slots(pairs, rep: int, shared: bool | None = None):
     """Slot-major query heads and the (kv head, offset) slots they read. Slots are ordered by
     offset, then kv head (then query head), so that the heads of one offset are equally spaced
-    runs: one strided view per offset rather than one per head (`pieces`)."""
+    runs: one strided view per offset rather than one per head (`pieces`). `shared` (default:
+    decided on `pairs`) whether heads share slots; a head chunk takes the decision of all heads,
+    so that its GQA sums are those of the whole run (Note [Dilated head chunks])."""
     groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for h, off in pairs:
         groups.setdefault((off, h // rep), []).append((h, off))
-    if len({len(v) for v in groups.values()}) > 1:
+    if not (_shares_slots(pairs, rep) if shared is None else shared):
         # Unequal sharing cannot use the kernels' uniform GQA expansion: one slot per head.
         groups = {(off, h // rep, h): [(h, off)] for h, off in pairs}
     order = sorted(groups)
@@ -223,11 +234,13 @@ def dilated_plan(
     if n_local % L.chunks_per_rank(lay):
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={n_local}")
     plans = []
-    for (w, r), pairs in zip(spec.branches, chunk_pairs(spec, num_heads, kv_heads, kv_range)):
+    rep = num_heads // kv_heads
+    every = branch_heads(spec, num_heads)
+    for (w, r), pairs, whole in zip(spec.branches, chunk_pairs(spec, num_heads, kv_heads, kv_range), every):
         if not pairs:
             continue
         we, ring = _branch_mode(w, r, n, world, lay)
-        q_heads, q_offsets, slot_kv, slot_offsets = _slots(pairs, num_heads // kv_heads)
+        q_heads, q_offsets, slot_kv, slot_offsets = _slots(pairs, rep, _shares_slots(whole, rep))
         members, pos = (), 0
         if ring:
             k = we // n_local
@@ -321,8 +334,9 @@ def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int,
     """Per branch: how many K/V head slots travel (kv_heads for MHA with per_head offsets), for
     all heads or for the head chunk of K/V heads kv_range = (g0, g1)."""
     rep = num_heads // kv_heads
-    return tuple(len(_slots(pairs, rep)[2]) if pairs else 0
-                 for pairs in chunk_pairs(spec, num_heads, kv_heads, kv_range))
+    return tuple(len(_slots(pairs, rep, _shares_slots(whole, rep))[2]) if pairs else 0
+                 for pairs, whole in zip(chunk_pairs(spec, num_heads, kv_heads, kv_range),
+                                         branch_heads(spec, num_heads)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -331,12 +345,22 @@ def dilated_kv_slots(spec: DilatedSpec, num_heads: int, kv_heads: int,
 
 @dataclass(frozen=True)
 class HeadChunk:
-    """Query heads `heads` and K/V heads `kv` (slices of dim 1) and the branch plans of that
+    """Query heads [h0, h1) and K/V heads [g0, g1) of dim 1, and the branch plans of that
     chunk, its heads indexed within it."""
 
-    heads: slice
-    kv: slice
+    h0: int
+    h1: int
+    g0: int
+    g1: int
     plans: tuple[BranchPlan, ...]
+
+    @property
+    def heads(self) -> slice:
+        return slice(self.h0, self.h1)
+
+    @property
+    def kv(self) -> slice:
+        return slice(self.g0, self.g1)
 
 
 @dataclass(frozen=True)
@@ -497,7 +521,8 @@ def _setup(q, k, segment_lengths, dilation_rates, offsets, is_causal, scale, gro
     def chunks(kv_chunk):
         if not kv_chunk:
             return ()
-        return tuple(HeadChunk(hs, gs, dilated_plan(spec, s, h, g, rank, world, layout, (gs.start, gs.stop)))
+        return tuple(HeadChunk(hs.start, hs.stop, gs.start, gs.stop,
+                               dilated_plan(spec, s, h, g, rank, world, layout, (gs.start, gs.stop)))
                      for hs, gs in head_chunks(h, g, kv_chunk))
 
     return DilatedSetup(group, rank, world, plans, is_causal, scale, chunks(fwd), chunks(bwd))

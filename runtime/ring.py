@@ -331,17 +331,18 @@ def _accumulate(acc, blk, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
-def _carry(acc, step: int, setup: RingSetup, adt):
+def _carry(acc, step: int, adt):
     """The dK/dV accumulator as it travels to rank+1 after `step`, in a dtype every rank knows
     without being told: a receiver's buffers mirror its own outgoing tensors (RingComm's
     empty_like, the copy-engine ring's slot layout), so sender and receiver must agree.
-    After step 0, without a window, every rank holds its own block, placed the same way
-    relative to its queries: all send the same kind of sum, and one block's gradient may stay in
-    the kernel's dtype (exact, half the bytes; Note [Fewer passes]). Later steps differ by rank
-    (a block may get one call, several, or none and be forwarded as it came): the accumulator's
-    dtype. Sending what happens to be at hand broke every ring of p >= 3 in bf16 (a size
-    mismatch on gloo and NCCL, misread slots on the copy-engine ring)."""
-    if (step == 0 and not setup.window) or acc.dtype == adt:
+    At step 0 every rank holds its own block, which `plan_block` always covers with one call
+    over all its keys (a window keeps it: the diagonal is visible): every rank's carry is one
+    block's gradient in the kernel's dtype, which may travel as it is (exact, half the bytes;
+    Note [Fewer passes]). Later steps differ by rank (a block may get one call, several, or none
+    and be forwarded as it came): the accumulator's dtype. Sending what happened to be at hand
+    broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
+    copy-engine ring; benchmarks/RESULTS.md, session 12)."""
+    if step == 0 or acc.dtype == adt:
         return acc
     return acc.to(adt)
 
@@ -449,7 +450,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 if last_step:
                     home = (hk, [dk_acc.to(k.dtype), dv_acc.to(v.dtype)])  # as is when written above
                 else:
-                    st.carry_out = [_carry(dk_acc, st.index, setup, adt), _carry(dv_acc, st.index, setup, adt)]
+                    st.carry_out = [_carry(dk_acc, st.index, adt), _carry(dv_acc, st.index, adt)]
                 dk_acc = dv_acc = None
             del st
         if not use_comm:

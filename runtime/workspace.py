@@ -442,8 +442,9 @@ def _dilated_chunk(a: dict, p, kv_range: tuple[int, int] | None) -> tuple[sympy.
         q_c = b * hq * d * (s / r) * q.itemsize  # compressed q (and out, dout) rows
         kv_c = 2 * b * ns * d * (s / r) * k.itemsize  # compressed K and V
         acc = b * hq * (s / r) * (d + 1) * acc_item  # the branch's fp32 (fp64) out/lse rows being merged
-        # A branch that takes every row of every head (r = 1) reads its inputs as they are.
-        copies = 0 if (r == 1 and hq == hc and ns == kv) else 1
+        # A branch that takes every row of every head (r = 1) reads its inputs as they are
+        # (a head chunk of them is a view without a copy only at b = 1).
+        copies = 0 if (r == 1 and hq == hc and ns == kv and (kv_range is None or b == 1)) else 1
         fwd_branches.append(q_c * (1 + copies) + kv_c * copies + 2 * acc + recv)
         # Backward: compressed dout/out/lse and q, block grads, fp32 (fp64) dK/dV hops in flight.
         dkv_hops = recv * acc_item / k.itemsize

@@ -104,15 +104,23 @@ def test_dilated_matches_reference(pools, world, offsets):
 @pytest.mark.parametrize("offsets", ["per_head", "head_groups"])
 def test_dilated_head_chunks_match_reference(pools, world, offsets):
     # One K/V head per chunk (a tiny budget): every chunk's out/lse and dq/dk/dv land in its
-    # own heads, sub-ring branches included, and a chunk no branch reaches gives 0 / -inf.
+    # own heads, sub-ring branches included; head_groups rows no branch reaches give 0 / -inf.
     pools(world).run(case_matrix, offsets, "0.0001")
 
 
-def test_head_chunks_are_exact():
+@pytest.mark.parametrize("spec,offsets,h,g,dtype", [
+    (([8, 16, 64], [1, 2, 4]), "per_head", 8, 2, torch.float32),
+    (([8, 16, 64], [1, 2, 4]), "per_head", 8, 2, torch.bfloat16),
+    # Unequal slot sharing in all heads (one slot per head) but equal inside a chunk: the chunk
+    # keeps the whole run's slots, so its GQA sums of dK/dV round the same way.
+    (([8, 16], [1, 2]), "head_groups", 12, 3, torch.bfloat16),
+    (([8, 16, 32], [1, 1, 2]), "head_groups", 8, 2, torch.bfloat16),
+])
+def test_head_chunks_are_exact(spec, offsets, h, g, dtype):
     """Head chunks change which heads run together, not any head's arithmetic: the same bits."""
-    b, h, g, n, d = 2, 8, 2, 64, 4
-    spec = ringcc.DilatedSpec([8, 16, 64], [1, 2, 4])
-    q, k, v, dout = _inputs(5, b, h, g, n, d)
+    b, n, d = 2, 64, 4
+    spec = ringcc.DilatedSpec(*spec, offsets=offsets)
+    q, k, v, dout = _inputs(5, b, h, g, n, d, dtype)
     results = []
     for budget in ("0", "0.0001"):
         with _workspace_mib(budget):
@@ -122,9 +130,26 @@ def test_head_chunks_are_exact():
             results.append((setup, out, lse, *D.dilated_backward(dout, q, k, v, out, lse, setup)))
     (whole, *a), (chunked, *b) = results
     assert whole.forward_chunks == whole.backward_chunks == ()
-    assert [c.kv for c in chunked.backward_chunks] == [slice(0, 1), slice(1, 2)]
+    assert [c.kv for c in chunked.backward_chunks] == [slice(i, i + 1) for i in range(g)]
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_head_chunk_without_a_branch():
+    """A head chunk that no branch reaches (empty plans): out 0, lse -inf, zero gradients."""
+    q, k, v, dout = _inputs(6, 1, 4, 2, 16, 4)
+    spec = ringcc.DilatedSpec([8], [1])
+    plans = D.dilated_plan(spec, 16, 4, 2, 0, 1, "contiguous", (0, 1))
+    empty = D.HeadChunk(2, 4, 1, 2, ())
+    setup = D.DilatedSetup(None, 0, 1, (), False, 0.5, (D.HeadChunk(0, 2, 0, 1, plans), empty),
+                           (D.HeadChunk(0, 2, 0, 1, plans), empty))
+    out, lse = D.dilated_forward(q, k, v, setup)
+    assert torch.equal(out[:, 2:], torch.zeros_like(out[:, 2:])) and torch.isneginf(lse[:, 2:]).all()
+    ref_out, ref_lse = reference.dilated_attention(q[:, :2], k[:, :1], v[:, :1], spec)
+    torch.testing.assert_close(out[:, :2], ref_out, **TOL)
+    dq, dk, dv = D.dilated_backward(dout, q, k, v, out, lse, setup)
+    assert all(torch.equal(t[:, sl], torch.zeros_like(t[:, sl])) for t, sl in ((dq, slice(2, 4)), (dk, slice(1, 2)), (dv, slice(1, 2))))
+    assert dq[:, :2].abs().sum() > 0
 
 
 def test_dilated_head_chunk_rule_and_formula():
