@@ -55,16 +55,17 @@ def _merge_compiled(*args) -> None:
     _merge_to(*args)
 
 
-_TRITON = {"ok": True}
+_triton_ok = True  # False once a Triton kernel failed (warned once)
 
 
 def _triton(outs, lses=()) -> bool:
-    return _TRITON["ok"] and outs[0].is_cuda and fused.available(outs, lses)
+    return _triton_ok and outs[0].is_cuda and fused.available(outs, lses)
 
 
 def _triton_failed(e: Exception) -> None:
+    global _triton_ok
     warnings.warn(f"ringcc: Triton kernels for the ring's sums failed ({type(e).__name__}: {e}); using torch's")
-    _TRITON["ok"] = False
+    _triton_ok = False
 
 
 def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor,

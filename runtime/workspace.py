@@ -268,6 +268,18 @@ def ring_workspace_budget() -> int | None:
     return int(mib * 2**20)
 
 
+def workspace_budget(q: TensorSize, k: TensorSize):
+    """The head-chunk budget of an op with these q and k: RINGCC_RING_WORKSPACE_MIB as set, else
+    `default_ring_budget` (the ring's and the dilated op's formulas)."""
+    budget = ring_workspace_budget()
+    return default_ring_budget(q, k) if budget is None else budget
+
+
+def smaller_kv_chunks(g: int) -> list[int]:
+    """The chunk sizes below all g K/V heads, largest first: the divisors of g under g."""
+    return sorted((x for x in range(1, g) if g % x == 0), reverse=True)
+
+
 def default_ring_budget(q: TensorSize, k: TensorSize):
     """The default head-chunk budget: 256 MiB plus three quarters of the bytes of q, k, v and
     the output, so the ring's scratch stays a fraction of the attention's own tensors. On
@@ -286,7 +298,7 @@ def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool
     opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area))]
     if isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer)):
         g, rep = int(g), int(h) // int(g)
-        for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
+        for hk in smaller_kv_chunks(g):
             opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True,
                                           zigzag_causal, area)))
     return [(hk, f, b + q.nbytes, bf, bb) for hk, f, b, bf, bb in opts]
@@ -318,9 +330,7 @@ def ring_attention(a: dict, p) -> Workspace:
     forward's chunk as large as its own workspace and the backward's batch allow. On the
     copy-engine transport, the receive area its batches need instead of received blocks."""
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
-    budget = ring_workspace_budget()
-    if budget is None:
-        budget = default_ring_budget(q, k)
+    budget = workspace_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
     opts = _chunk_options(q, k, kv_mask, p, zz)  # what the rule decides on
     area = uses_receive_area(q)
@@ -464,22 +474,17 @@ def _dilated_options(a: dict, p) -> list[tuple[int, sympy.Expr, sympy.Expr]]:
     chunk; a chunked option's workspace is its largest chunk's."""
     g = int(a["k"].shape[1])
     opts = [(0, *_dilated_chunk(a, p, None))]
-    for hk in sorted((x for x in range(1, g) if g % x == 0), reverse=True):
+    for hk in smaller_kv_chunks(g):
         per = [_dilated_chunk(a, p, (c, c + hk)) for c in range(0, g, hk)]
         opts.append((hk, sympy.Max(*(f for f, _ in per)), sympy.Max(*(b for _, b in per))))
     return opts
-
-
-def _dilated_budget(a: dict):
-    budget = ring_workspace_budget()
-    return default_ring_budget(a["q"], a["k"]) if budget is None else budget
 
 
 def dilated_attention(a: dict, p) -> Workspace:
     """The dilated op's workspace under its head-chunk rule (`dilated_kv_chunk`): forward and
     backward each take the largest head chunk whose own workspace fits the ring's budget,
     else one K/V head per chunk (Note [Dilated head chunks] in dilated.py)."""
-    budget = _dilated_budget(a)
+    budget = workspace_budget(a["q"], a["k"])
     opts = _dilated_options(a, p)
     if budget == 0 or len(opts) == 1:
         return Workspace(opts[0][1], opts[0][2])
