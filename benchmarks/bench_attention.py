@@ -618,16 +618,13 @@ def count_ring_bytes():
 
 
 def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env,
-            before: Callable[[], None] | None = None, host: list[float] | None = None,
-            back_to_back: bool = False) -> list[float]:
-    """Per-iteration milliseconds (slowest rank), warm-up excluded. `before` (CUDA) runs after
-    each barrier, before the start event: GPU work there is not timed. `host` (CUDA), when
-    given, gets this rank's host milliseconds to issue each step. `back_to_back`: one barrier,
-    then every iteration is issued without waiting for the last (Note [Benchmark metrics])."""
+            before: Callable[[], None] | None = None, host: list[float] | None = None) -> list[float]:
+    """Per-iteration milliseconds (slowest rank), warm-up excluded, each iteration from an idle
+    GPU (Note [Benchmark metrics]). `before` (CUDA) runs after each barrier, before the start
+    event: GPU work there is not timed. `host` (CUDA), when given, gets this rank's host
+    milliseconds to issue each step."""
     for _ in range(warmup):
         step()
-    if back_to_back:
-        return _time_back_to_back(step, iters, env)
     times = []
     for _ in range(iters):
         env.barrier()
@@ -650,7 +647,7 @@ def time_ms(step: Callable[[], None], warmup: int, iters: int, env: Env,
     return env.all_max(times)
 
 
-def _time_back_to_back(step: Callable[[], None], iters: int, env: Env) -> list[float]:
+def time_back_to_back(step: Callable[[], None], iters: int, env: Env) -> list[float]:
     """Iterations issued one after another with no wait between them, as layers run inside a
     model: the host runs ahead and the GPU never idles between iterations. On CUDA an untimed
     lead iteration runs first; each timed one is measured between the events recorded after it
@@ -733,9 +730,10 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
     times = time_ms(step, warm, iters, env)
     ms = statistics.median(times)
     flops = cell_flops(cell, env, backward)
-    tflops = flops / cell.p / (ms * 1e-3) / 1e12
+    per_gpu_tflops = lambda t_ms: flops / cell.p / (t_ms * 1e-3) / 1e12  # noqa: E731
+    tflops = per_gpu_tflops(ms)
     b2b_iters = back_to_back_iters(ms / 1e3, iters)  # on the time just measured (the budget used the estimate)
-    times_b2b = time_ms(step, 0, b2b_iters, env, back_to_back=True) if b2b_iters else None
+    times_b2b = time_back_to_back(step, b2b_iters, env) if b2b_iters else None
     ms_b2b = statistics.median(times_b2b) if times_b2b else None
     env.rates[(cell.method, mode)] = tflops * 1e12
     inputs = bench.input_bytes(backward)
@@ -746,7 +744,8 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
         comm, source = int(env.all_max([sent["bytes"]])[0]), "measured (ring transport bytes_sent)"
     rec = dict(status="ok", ms=ms, ms_iters=times, warmup=1 + warm, iters=iters, flops=flops,
                tflops_per_gpu=tflops, ms_b2b=ms_b2b, ms_b2b_iters=times_b2b,
-               tflops_b2b=None if ms_b2b is None else flops / cell.p / (ms_b2b * 1e-3) / 1e12, peak_bytes=peak, input_bytes=inputs, comm_bytes=comm,
+               tflops_b2b=None if ms_b2b is None else per_gpu_tflops(ms_b2b), peak_bytes=peak, input_bytes=inputs,
+               comm_bytes=comm,
                comm_buffer_bytes=comm_buffers,
                comm_source=source, notes=bench.notes)
     if (cell.method, cell.n) in env.args.profile_cells:
@@ -1196,9 +1195,8 @@ def derive(res: dict) -> None:
     for r in ok:
         b = base.get((r["attn"], r["causal"], r["n"], r["mode"]))
         dense = r["family"] != "dilated"
-        r["efficiency"] = r["tflops_per_gpu"] / b["tflops_per_gpu"] if b and dense else None
-        r["efficiency_b2b"] = (r["tflops_b2b"] / b["tflops_b2b"]
-                               if b and dense and r.get("tflops_b2b") and b.get("tflops_b2b") else None)
+        for _, _, tf, eff in TIMINGS:
+            r[eff] = r[tf] / b[tf] if b and dense and r.get(tf) and b.get(tf) else None
         ideal = b["peak_bytes"] / r["p"] if b and b.get("peak_bytes") else None
         r["ideal_peak_bytes"] = ideal
         r["peak_vs_ideal"] = r["peak_bytes"] / ideal if ideal and r.get("peak_bytes") else None
@@ -1237,8 +1235,9 @@ def _find(res, **kw) -> dict | None:
     return None
 
 
-# The two timings of Note [Benchmark metrics]: (record key suffix, how the line names it).
-TIMINGS = (("", "from idle"), ("_b2b", "back to back"))
+# The two timings of Note [Benchmark metrics]: how a line names it, and its record fields.
+TIMINGS = (("from idle", "ms", "tflops_per_gpu", "efficiency"),
+           ("back to back", "ms_b2b", "tflops_b2b", "efficiency_b2b"))
 
 
 def check_targets(res: dict) -> list[str]:
@@ -1257,16 +1256,15 @@ def check_targets(res: dict) -> list[str]:
         tag = f"{ring} {'causal' if causal else 'non-causal'} p={p}"
         for per_gpu, goal in ((16384, 0.95), (65536, 0.97)):
             r = _find(res, method=ring, attn="mha", causal=causal, n=per_gpu * p, p=p, mode="fwdbwd")
-            for key, timing in TIMINGS:
-                eff = None if r is None else r.get(f"efficiency{key}")
+            for timing, _, _, eff_key in TIMINGS:
+                eff = None if r is None else r.get(eff_key)
                 if eff is None:
                     lines.append(f"n/a   {tag}: efficiency at {per_gpu // 1024}K/GPU, {timing} (not measured)")
                 else:
                     lines.append(f"{verdict(eff >= goal)}  {tag}: {eff:.2%} of 1-GPU cuDNN at "
                                  f"{per_gpu // 1024}K/GPU, {timing} (target >= {goal:.0%})")
-    for key, timing in TIMINGS:
+    for timing, _, tf, _ in TIMINGS:
         beat, worst = [], None
-        tf = "tflops_per_gpu" if not key else f"tflops{key}"
         for r in res["records"]:
             if r["status"] != "ok" or r["family"] != "ring" or r["method"] != headline_ring(r["causal"]) \
                     or r["p"] < 2 or not r.get(tf):
@@ -1329,14 +1327,14 @@ def check_targets(res: dict) -> list[str]:
                      f"{single['stopped_by']}){model} (target >= 3.8x)")
     if not searched:
         lines.append("n/a   longest sequence: no max-length search for both")
-    for key, timing in TIMINGS:
+    for timing, ms_key, _, _ in TIMINGS:
         hidden = []
         for r in res["records"]:
-            if r["status"] == "ok" and r["family"] == "ring" and r["p"] > 1 and r.get(f"ms{key}"):
+            if r["status"] == "ok" and r["family"] == "ring" and r["p"] > 1 and r.get(ms_key):
                 nc = _find(res, method=r["method"] + "-nocomm", attn=r["attn"], causal=r["causal"], n=r["n"],
                            p=r["p"], mode=r["mode"])
-                if nc and nc.get(f"ms{key}"):
-                    hidden.append((r[f"ms{key}"] / nc[f"ms{key}"], r))
+                if nc and nc.get(ms_key):
+                    hidden.append((r[ms_key] / nc[ms_key], r))
         if hidden:
             worst = max(hidden, key=lambda x: x[0])
             lines.append(f"{verdict(worst[0] <= 1.05)}  communication hidden (ring / same schedule without transfers "
