@@ -1,5 +1,9 @@
-"""Shared assertion for the distributed attention tests: a rank's shard of (out, lse) and of
-every gradient equals the same shard of the dense reference."""
+"""Shared helpers of the distributed attention tests: a rank's shard of (out, lse) and of
+every gradient equals the same shard of the dense reference; the relative error of a bf16
+result; the head-chunk budget set for a block of code."""
+
+import contextlib
+import os
 
 import torch
 
@@ -11,3 +15,25 @@ def assert_shard_matches(sh, out, lse, ref_out, ref_lse, grads, tol):
     for got, ref in grads:
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, sh(ref), **tol)
+
+
+def rel_err(got, want) -> float:
+    """Largest absolute error over the reference's largest magnitude (max-norm), in fp32."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+
+
+@contextlib.contextmanager
+def workspace_mib(value):
+    """RINGCC_RING_WORKSPACE_MIB set to `value` inside (None: left as it is), restored after."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get("RINGCC_RING_WORKSPACE_MIB")
+    os.environ["RINGCC_RING_WORKSPACE_MIB"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RINGCC_RING_WORKSPACE_MIB"]
+        else:
+            os.environ["RINGCC_RING_WORKSPACE_MIB"] = old

@@ -1,9 +1,6 @@
 """Dilated attention (LongNet) vs the dense masked reference: single device and real gloo
 groups, p = 1, 2, 3, 4; the spec, the index plans, the custom ops and the bytes on the wire."""
 
-import contextlib
-import os
-
 import pytest
 import sympy
 import torch
@@ -11,7 +8,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import ringcc
-from parity import assert_shard_matches
+from parity import assert_shard_matches, rel_err, workspace_mib
 from ringcc import reference
 from ringcc.runtime import dilated as D
 from ringcc.runtime import layout as L
@@ -64,7 +61,7 @@ def case_matrix(rank, world, offsets, budget_mib=None):
     w, r = LONGNET[world]
     spec = ringcc.DilatedSpec(w, r, offsets=offsets)
     saw_empty_rows = False
-    with _workspace_mib(budget_mib):
+    with workspace_mib(budget_mib):
         for is_causal in (False, True):
             for seed, (h, g) in enumerate(HEADS):
                 if budget_mib is not None and g > 1:
@@ -72,23 +69,6 @@ def case_matrix(rank, world, offsets, budget_mib=None):
                     assert workspace.dilated_kv_chunk(q, k, spec, world, "contiguous") == (1, 1)
                 saw_empty_rows |= _check(rank, world, spec, is_causal, h, g, seed=seed)
     return saw_empty_rows
-
-
-@contextlib.contextmanager
-def _workspace_mib(value):
-    """RINGCC_RING_WORKSPACE_MIB set to `value` inside (None: left as it is)."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get("RINGCC_RING_WORKSPACE_MIB")
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["RINGCC_RING_WORKSPACE_MIB"]
-        else:
-            os.environ["RINGCC_RING_WORKSPACE_MIB"] = old
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -123,7 +103,7 @@ def test_head_chunks_are_exact(spec, offsets, h, g, dtype):
     q, k, v, dout = _inputs(5, b, h, g, n, d, dtype)
     results = []
     for budget in ("0", "0.0001"):
-        with _workspace_mib(budget):
+        with workspace_mib(budget):
             setup = D._setup(q, k, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets, True, 0.5,
                              ringcc.runtime.ops._group_args(None)[0], 1, "contiguous")
             out, lse = D.dilated_forward(q, k, v, setup)
@@ -171,7 +151,7 @@ def test_dilated_head_chunk_rule_and_formula():
     assert planned.forward == opts[4][1] <= budget < opts[8][1]
     assert planned.backward == opts[4][2] <= budget < opts[8][2]
     assert opts[0][2] > 2.5 * opts[4][2]  # what the chunks save
-    with _workspace_mib("0"):
+    with workspace_mib("0"):
         assert workspace.dilated_kv_chunk(q, q, spec, world, "contiguous") == (0, 0)
         assert workspace.dilated_attention(a, sympy.Integer(world)).backward == opts[0][2]
 
@@ -192,8 +172,7 @@ def case_bf16(rank, world):
         out = ringcc.dilated_attention(ql, kl, vl, spec, is_causal=is_causal)
         out.backward(sh(dout).bfloat16())
         for got, want in ((out, ref_out.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)):
-            want = sh(want)
-            errs.append(float((got.float() - want).abs().max() / want.abs().max()))
+            errs.append(rel_err(got, sh(want)))
     return max(errs)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ringcc
+from parity import rel_err
 from ringcc import reference
 from ringcc.runtime import layout as L
 from ringcc.runtime import workspace
@@ -27,10 +28,6 @@ LONGNET = {
     2: ([64, 256, 512, 2048], [1, 2, 4, 8]),
     4: ([64, 256, 512, 1024, 4096], [1, 2, 4, 8, 16]),
 }
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
 def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g, budget_mib=None):
@@ -58,11 +55,11 @@ def case_dilated_nccl(rank, world, kernel, offsets, is_causal, h, g, budget_mib=
     ref_lse_l = sh(ref_lse.detach())
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse_l))
     return {
-        "out": _rel(out, sh(ref.detach())),
+        "out": rel_err(out, sh(ref.detach())),
         "lse": float((lse - ref_lse_l).abs().nan_to_num(0.0).max()),
-        "dq": _rel(ql.grad, sh(qr.grad)),
-        "dk": _rel(kl.grad, sh(kr.grad)),
-        "dv": _rel(vl.grad, sh(vr.grad)),
+        "dq": rel_err(ql.grad, sh(qr.grad)),
+        "dk": rel_err(kl.grad, sh(kr.grad)),
+        "dv": rel_err(vl.grad, sh(vr.grad)),
     }
 
 

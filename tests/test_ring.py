@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ringcc
-from parity import assert_shard_matches
+from parity import assert_shard_matches, rel_err, workspace_mib
 from ringcc import reference
 from ringcc.runtime import layout as L
 
@@ -56,19 +56,12 @@ def test_ring_matches_reference(pools, world, is_causal, layout, h, g):
     assert max(errs) < 1e-5
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-
-
 def case_ring_bf16(rank, world, is_causal, layout, h, g, window, budget):
     """bf16 shards against the fp32 reference of the same (bf16-rounded) values: the largest
     relative error of out, dq, dk, dv and the largest LSE error. In bf16 a block's gradient
     may travel in the kernel's dtype (Note [Fewer passes]): sender and receiver must agree."""
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    try:
+    with workspace_mib(budget):
         return _ring_bf16_errors(rank, world, is_causal, layout, h, g, window)
-    finally:
-        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
 
 
 def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window):
@@ -82,7 +75,7 @@ def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window):
     out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window)
     out.backward(sh(dout).bfloat16())
     assert all(t.dtype == torch.bfloat16 for t in (out, ql.grad, kl.grad, vl.grad))
-    errs = [_rel(out, sh(ref_out.detach()))] + [_rel(a.grad, sh(b.grad)) for a, b in ((ql, qr), (kl, kr), (vl, vr))]
+    errs = [rel_err(out, sh(ref_out.detach()))] + [rel_err(a.grad, sh(b.grad)) for a, b in ((ql, qr), (kl, kr), (vl, vr))]
     return max(errs), float((lse - sh(ref_lse.detach())).abs().max())
 
 
@@ -126,19 +119,14 @@ HEAD_CHUNK_BUDGETS = {"0.0001": {(8, 4): [(1, 1)] * 4, (4, 4): [(1, 1)] * 4},
 
 def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window, budget):
     """The same parity with a small workspace budget: the ring runs per chunk of K/V heads."""
-    import os
-
     from ringcc.runtime import workspace
 
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = budget
-    try:
+    with workspace_mib(budget):
         q, k = torch.empty(2, h, 10, 8), torch.empty(2, g, 10, 8)
         mask = torch.ones(2, 10, dtype=torch.bool)
         assert tuple(workspace.ring_kv_chunk(q, k, mask, world, forward=f) for f in (True, False)) \
             == HEAD_CHUNK_BUDGETS[budget][(h, g)][world - 1]
         return case_ring(rank, world, is_causal, layout, h, g, 10, padded, window)
-    finally:
-        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -168,11 +156,8 @@ def case_setup_cache(rank, world):
     assert make(q, k) is first and (first.rank, first.world) == (rank, world)
     assert make(q, k, forward=False) is not first
     assert make(torch.empty(2, 8, 12, 8), torch.empty(2, 4, 12, 8)) is not first
-    os.environ["RINGCC_RING_WORKSPACE_MIB"] = "0.0001"
-    try:
+    with workspace_mib("0.0001"):
         small = make(q, k)
-    finally:
-        del os.environ["RINGCC_RING_WORKSPACE_MIB"]
     assert small is not first and (first.kv_chunk, small.kv_chunk) == (0, 1)
     assert make(q, k) is first
     return True

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ringcc
+from parity import rel_err
 from ringcc import reference
 from ringcc.runtime import layout as L
 
@@ -18,10 +19,6 @@ pytestmark = pytest.mark.gpu
 N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORLDS = [w for w in (2, 4) if w <= N_GPU]
 REL = 2e-2
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
 def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspace_mib="512"):
@@ -48,11 +45,11 @@ def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspa
     )
     out.backward(sh(dout).bfloat16())
     errs = {
-        "out": _rel(out, sh(ref.detach())),
+        "out": rel_err(out, sh(ref.detach())),
         "lse": float((lse - sh(ref_lse.detach(), 2)).abs().nan_to_num(0.0).max()),
-        "dq": _rel(ql.grad, sh(qr.grad)),
-        "dk": _rel(kl.grad, sh(kr.grad)),
-        "dv": _rel(vl.grad, sh(vr.grad)),
+        "dq": rel_err(ql.grad, sh(qr.grad)),
+        "dk": rel_err(kl.grad, sh(kr.grad)),
+        "dv": rel_err(vl.grad, sh(vr.grad)),
     }
     return errs
 
@@ -113,9 +110,9 @@ def case_settings_agree(rank, world, is_causal, layout, g, shapes, setting, valu
     for h, n_local, budget in shapes:
         a, b = (results[(value, h, n_local, budget)] for value in values)
         if not torch.equal(a[0], b[0]):
-            mismatched.append((h, n_local, budget, "out", _rel(b[0], a[0])))
-        mismatched += [(h, n_local, budget, name, _rel(y, x))
-                       for name, x, y in zip(("dq", "dk", "dv"), a[1:], b[1:]) if _rel(y, x) > 1e-2]
+            mismatched.append((h, n_local, budget, "out", rel_err(b[0], a[0])))
+        mismatched += [(h, n_local, budget, name, rel_err(y, x))
+                       for name, x, y in zip(("dq", "dk", "dv"), a[1:], b[1:]) if rel_err(y, x) > 1e-2]
     return mismatched
 
 
@@ -156,7 +153,7 @@ def test_cudnn_native_gqa_matches_expanded_kv(monkeypatch, causal, g):
     assert kernels._cudnn_gqa_unsupported(q.device) is None
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), res["1"], res["0"]):
         assert a.shape == b.shape, (name, a.shape, b.shape)
-        assert _rel(a, b) < 1e-2, (name, _rel(a, b))
+        assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
 
 
 @pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
