@@ -44,8 +44,9 @@ of the op's memory. Heads never mix, so forward and backward may each run the wh
 algorithm once per chunk of K/V heads (with their query heads), writing each chunk's result
 into the output, and hold one chunk's accumulators and branch tensors at a time. The same
 rule as the ring's head chunks (workspace.dilated_kv_chunk, the budget of
-RINGCC_RING_WORKSPACE_MIB or its default): the largest chunk whose workspace fits, else one
-K/V head. A chunk's plan indexes its heads from its first query head; the offsets stay those
+RINGCC_RING_WORKSPACE_MIB or its default, which for this op is never under 4 GiB: a chunk
+repeats every branch, and at short lengths the sub-ring branches are latency-bound): the
+largest chunk whose workspace fits, else one K/V head. A chunk's plan indexes its heads from its first query head; the offsets stay those
 of the global heads (`chunk_pairs`), so the arithmetic of every head is unchanged (the same
 bits, tests/test_dilated.py). Every rank takes the same chunks, so the sub-rings' calls match.
 """

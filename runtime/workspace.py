@@ -51,7 +51,8 @@ the branch communicates (`dilated_comm_rows`: O(w/r), independent of n and p). T
 branch counts (branches run one after another). An upper bound (the block outputs and the
 accumulators they start are both counted). Head chunks as the ring's (Note [Dilated head
 chunks]): forward and backward each take the largest chunk of K/V heads whose workspace fits
-the same budget, and then hold one chunk's accumulators and branch tensors.
+the budget (by default the ring's, but at least 4 GiB: `default_dilated_budget`), and then hold
+one chunk's accumulators and branch tensors.
 
 Un-rewritten SDPA / multi-head attention: counted as the math path's fp32 score matrix
 [b, h, Lq, Lk]; that is what makes such a site quadratic in n (fused kernels avoid the
@@ -268,11 +269,11 @@ def ring_workspace_budget() -> int | None:
     return int(mib * 2**20)
 
 
-def workspace_budget(q: TensorSize, k: TensorSize):
+def workspace_budget(q: TensorSize, k: TensorSize, default: Callable | None = None):
     """The head-chunk budget of an op with these q and k: RINGCC_RING_WORKSPACE_MIB as set, else
-    `default_ring_budget` (the ring's and the dilated op's formulas)."""
+    `default(q, k)` (`default_ring_budget` unless given: the dilated op passes its own)."""
     budget = ring_workspace_budget()
-    return default_ring_budget(q, k) if budget is None else budget
+    return (default or default_ring_budget)(q, k) if budget is None else budget
 
 
 def smaller_kv_chunks(g: int) -> list[int]:
@@ -287,6 +288,20 @@ def default_ring_budget(q: TensorSize, k: TensorSize):
     64K, the settings measured in benchmarks/RESULTS.md (about the ideal memory, 96.5% of the
     1-GPU kernel at 64K/GPU causal)."""
     return 256 * 2**20 + sympy.Rational(3, 4) * (2 * q.nbytes + 2 * k.nbytes)
+
+
+DILATED_BUDGET_FLOOR = 4 * 2**30
+
+
+def default_dilated_budget(q: TensorSize, k: TensorSize):
+    """The dilated op's default head-chunk budget: the ring's, but at least 4 GiB. A chunk
+    repeats every branch, and at short lengths the sub-ring branches are latency-bound (small
+    kernels, one hop after another), so chunks there cost time and save little memory. On
+    4 x H200 at 256K tokens (p = 4, LongNet, bf16) whole heads instead of the ring budget's 4
+    chunks made every cell faster, by 1.03-1.44x (MHA causal fwd+bwd 39.6-43.5 -> 32.3-32.5
+    ms), for 1.2 GiB (MHA) and 2.2 GiB (GQA) more per rank (RESULTS.md, session 13). From 1M tokens
+    on 4 GPUs the ring's budget is about as large or larger, so the floor changes little there."""
+    return sympy.Max(default_ring_budget(q, k), DILATED_BUDGET_FLOOR)
 
 
 def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False, area: bool = False):
@@ -484,7 +499,7 @@ def dilated_attention(a: dict, p) -> Workspace:
     """The dilated op's workspace under its head-chunk rule (`dilated_kv_chunk`): forward and
     backward each take the largest head chunk whose own workspace fits the ring's budget,
     else one K/V head per chunk (Note [Dilated head chunks] in dilated.py)."""
-    budget = workspace_budget(a["q"], a["k"])
+    budget = workspace_budget(a["q"], a["k"], default_dilated_budget)
     opts = _dilated_options(a, p)
     if budget == 0 or len(opts) == 1:
         return Workspace(opts[0][1], opts[0][2])
@@ -512,7 +527,7 @@ def _dilated_kv_chunks(q_shape, k_shape, q_item, k_item, device_type, spec, worl
          "segment_lengths": spec.segment_lengths, "dilation_rates": spec.dilation_rates,
          "offsets": spec.offsets, "layout": layout}
     if budget is None:
-        budget = int(default_ring_budget(a["q"], a["k"]))
+        budget = int(default_dilated_budget(a["q"], a["k"]))
     opts = _dilated_options(a, sympy.Integer(world))
     fwd = next((o[0] for o in opts if o[1] <= budget), opts[-1][0])
     bwd = next((o[0] for o in opts if o[2] <= budget), opts[-1][0])

@@ -146,7 +146,8 @@ def test_dilated_head_chunk_rule_and_formula():
     a = {"q": workspace.TensorSize(tuple(q.shape), 2, "meta"), "k": workspace.TensorSize(tuple(q.shape), 2, "meta"),
          "segment_lengths": ws, "dilation_rates": rs, "offsets": "per_head", "layout": "contiguous"}
     opts = {o[0]: o for o in workspace._dilated_options(a, sympy.Integer(world))}
-    budget = workspace.default_ring_budget(a["q"], a["k"])
+    budget = workspace.default_dilated_budget(a["q"], a["k"])
+    assert budget == workspace.default_ring_budget(a["q"], a["k"]) > workspace.DILATED_BUDGET_FLOOR
     planned = workspace.dilated_attention(a, sympy.Integer(world))
     assert planned.forward == opts[4][1] <= budget < opts[8][1]
     assert planned.backward == opts[4][2] <= budget < opts[8][2]
@@ -154,6 +155,27 @@ def test_dilated_head_chunk_rule_and_formula():
     with workspace_mib("0"):
         assert workspace.dilated_kv_chunk(q, q, spec, world, "contiguous") == (0, 0)
         assert workspace.dilated_attention(a, sympy.Integer(world)).backward == opts[0][2]
+
+
+def test_dilated_budget_floor_keeps_whole_heads_at_short_lengths():
+    """Under the 4 GiB floor the dilated op keeps all heads (the ring's own budget would chunk
+    them), in the rule and in the planner's formula alike: LongNet at 256K tokens on 4 ranks,
+    MHA h=16 and GQA 32/8, bf16, where whole heads need 2.8-3.6 GiB."""
+    n, world = 1 << 18, 4
+    ws, rs = [2048, 8192, 32768, 131072, n], [1, 2, 4, 8, 16]
+    spec = ringcc.DilatedSpec(ws, rs)
+    for h, g in ((16, 16), (32, 8)):
+        q = torch.empty(1, h, n // world, 128, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, g, n // world, 128, dtype=torch.bfloat16, device="meta")
+        a = {"q": workspace.TensorSize(tuple(q.shape), 2, "meta"), "k": workspace.TensorSize(tuple(k.shape), 2, "meta"),
+             "segment_lengths": ws, "dilation_rates": rs, "offsets": "per_head", "layout": "contiguous"}
+        whole = workspace._dilated_options(a, sympy.Integer(world))[0]
+        assert workspace.default_ring_budget(a["q"], a["k"]) < whole[2] <= workspace.DILATED_BUDGET_FLOOR
+        assert workspace.dilated_kv_chunk(q, k, spec, world, "contiguous") == (0, 0)
+        planned = workspace.dilated_attention(a, sympy.Integer(world))
+        assert (planned.forward, planned.backward) == (whole[1], whole[2])
+        with workspace_mib("512"):  # a budget that is set is taken as it is, with no floor
+            assert workspace.dilated_kv_chunk(q, k, spec, world, "contiguous") != (0, 0)
 
 
 def case_bf16(rank, world):
