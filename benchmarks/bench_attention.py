@@ -62,6 +62,7 @@ import gc
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -250,7 +251,7 @@ class Env:
             "world": self.world, "torch": torch.__version__, "python": sys.version.split()[0],
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "smoke": self.smoke, "dtype": str(self.dtype).replace("torch.", ""), "d": self.d, "b": B,
-            "heads": self.heads, "argv": sys.argv[1:],
+            "heads": self.heads, "argv": sys.argv[1:], "host": socket.gethostname(),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL", "RINGCC_RING_WORKSPACE_MIB",
                                                    "NCCL_CTA_POLICY", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS")},
         }
@@ -1427,7 +1428,17 @@ def header(res: dict) -> str:
     return (f"device: {', '.join(f'{d} (x{g} visible)' if g else str(d) for d, g in dev)}; torch {ph[0]['torch']}; "
             f"ringcc {ph[0].get('ringcc')}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
             f"date {max(x['date'] for x in ph)}; worlds {sorted(x['world'] for x in ph)}; "
-            f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}")
+            f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}" + _runs_note(ph))
+
+
+def _runs_note(ph: list[dict]) -> str:
+    """Where a report merges several runs (a world size twice, or phases on different hosts):
+    which phase ran where and when, since timings compare only within one run on one machine."""
+    hosts = {x.get("host") for x in ph}
+    if len(hosts) < 2 and len({x["world"] for x in ph}) == len(ph):
+        return ""
+    return "; merged runs (compare timings only within one): " + ", ".join(
+        f"p={x['world']} at {x['date'][:19]}" + (f" on {x['host']}" if x.get("host") else "") for x in ph)
 
 
 def plot(res: dict, out: Path) -> list[str]:
