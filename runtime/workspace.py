@@ -497,8 +497,9 @@ def _dilated_options(a: dict, p) -> list[tuple[int, sympy.Expr, sympy.Expr]]:
 
 def dilated_attention(a: dict, p) -> Workspace:
     """The dilated op's workspace under its head-chunk rule (`dilated_kv_chunk`): forward and
-    backward each take the largest head chunk whose own workspace fits the ring's budget,
-    else one K/V head per chunk (Note [Dilated head chunks] in dilated.py)."""
+    backward each take the largest head chunk whose own workspace fits the budget (by default
+    `default_dilated_budget`), else one K/V head per chunk (Note [Dilated head chunks] in
+    dilated.py)."""
     budget = workspace_budget(a["q"], a["k"], default_dilated_budget)
     opts = _dilated_options(a, p)
     if budget == 0 or len(opts) == 1:
