@@ -22,7 +22,8 @@ Note [Benchmark metrics]
   - "from idle" (ms, TF/s, eff): each iteration starts after a barrier and a wait for the GPU,
     so it pays the host's latency to its first kernel and the GPU's start from idle (on 1 x
     H200, 11% of a 28 ms single-GPU step, benchmarks/RESULTS.md session 11): a fixed cost that
-    weighs more on short per-GPU steps.
+    weighs more on short per-GPU steps. About --target-seconds of iterations, at most --reps, at
+    least 3 in cells of up to MEDIAN_OF_3_MAX_S seconds.
   - "back to back" (b2b ms, b2b eff): after one barrier and an untimed lead iteration, the
     iterations are issued without waits, as a layer runs inside a model (the host ahead, the
     GPU never idle between them; triton.testing.do_bench times kernels this way). At least 3
@@ -698,12 +699,21 @@ def est_seconds(cell: Cell, env: Env, mode: str) -> float:
 BACK_TO_BACK_MAX_S = 4.0  # covers the 1-GPU baselines of the 64K tokens per GPU cells at p = 4
 
 
+MEDIAN_OF_3_MAX_S = 2.0  # covers the p = 4 cells at 64K tokens per GPU, MHA and GQA
+
+
 def plan_iters(t_iter: float, args) -> tuple[int, int]:
     """(extra warm-up, timed iterations): the memory run is the first warm-up; short iterations
     get more (about 0.25 s of them, at most 10), since a ring's first calls also set up its
-    transport and the allocator's pool."""
+    transport and the allocator's pool. Timed: about --target-seconds of iterations, at most
+    --reps, and at least 3 (a median) for cells of up to MEDIAN_OF_3_MAX_S: one iteration of a
+    1 s cell differed from the back-to-back median by more than the methods compared differ
+    (session 13: 912.09 vs 924.44 ms, where context parallel took 916.41)."""
     warm = 0 if t_iter >= 1.0 else min(10, max(1, int(0.25 / max(t_iter, 1e-9))))
-    return warm, max(1, min(args.reps, int(args.target_seconds / max(t_iter, 1e-9))))
+    iters = int(args.target_seconds / max(t_iter, 1e-9))
+    if t_iter <= MEDIAN_OF_3_MAX_S:
+        iters = max(3, iters)
+    return warm, max(1, min(args.reps, iters))
 
 
 def back_to_back_iters(t_iter: float, iters: int) -> int:

@@ -465,10 +465,14 @@ def test_host_breakdown_times_every_kind_of_site_and_restores_them(monkeypatch):
 
 def test_short_cells_get_more_warm_up():
     """Run 8 (RESULTS.md) timed the 16K/GPU cells after one warm-up (77.6% causal), run 9 after
-    about 0.25 s of them (86.3%): short iterations warm up longer, long ones not at all."""
+    about 0.25 s of them (86.3%): short iterations warm up longer, long ones not at all; cells of
+    up to 2 s are timed at least 3 times (session 13)."""
     bench = _load_bench()
     args = type("Args", (), {"reps": 20, "target_seconds": 1.0})()
     assert bench.plan_iters(0.035, args) == (7, 20)  # a 35 ms cell: 7 warm-ups, 20 timed
     assert bench.plan_iters(0.001, args) == (10, 20)  # at most 10 warm-ups
-    assert bench.plan_iters(0.5, args) == (1, 2)
+    assert bench.plan_iters(0.5, args) == (1, 3)  # at least a median of 3 up to 2 s
+    assert bench.plan_iters(1.8, args) == (0, 3)
     assert bench.plan_iters(3.0, args) == (0, 1)  # the memory run is the only warm-up
+    args.reps = 2
+    assert bench.plan_iters(1.8, args) == (0, 2)  # --reps still caps it
