@@ -56,13 +56,8 @@ class Config:
     """Run the graph verifier after every pass (tests turn it on)."""
 
     def __post_init__(self):
-        _check_choice("inner", self.inner, INNER_COMPILERS)
-        _check_choice("layout", self.layout, LAYOUTS)
-        _check_choice("dropout", self.dropout, DROPOUT_MODES)
-        if self.world_size is not None and self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1; got {self.world_size}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0; got {self.bucket_mb}")
+        for f in dataclasses.fields(self):
+            _validate(f.name, getattr(self, f.name))
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -90,6 +85,37 @@ def _check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"Config.{name}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+BOOL_FIELDS = ("gather_outputs", "pad", "shard", "strict", "require_linear_memory", "verify")
+CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES}
+
+
+def _received(value) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _validate(name: str, value) -> None:
+    """One field's type and range; the error says what was received and what is allowed (a
+    string such as "no" must not switch a flag on by being non-empty)."""
+    if name in CHOICES:
+        _check_choice(name, value, CHOICES[name])
+    elif name in BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise TypeError(f"Config.{name} must be a bool (True or False); got {_received(value)}")
+    elif name in ("world_size", "seq_dim"):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"Config.{name} must be an int or None; got {_received(value)}")
+        if name == "world_size" and value is not None and value < 1:
+            raise ValueError(f"Config.world_size must be >= 1 (the number of ranks to plan for); got {value}")
+    elif name == "bucket_mb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"Config.bucket_mb must be a number of MB; got {_received(value)}")
+        if not value > 0:
+            raise ValueError(f"Config.bucket_mb must be > 0; got {value}")
+    elif name == "dump_dir":
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"Config.dump_dir must be a folder path (str or os.PathLike) or None; got {_received(value)}")
+
+
 def _parse_env(f: dataclasses.Field, raw: str):
     kind = str(f.type)
     if "bool" in kind:
@@ -98,10 +124,13 @@ def _parse_env(f: dataclasses.Field, raw: str):
         if raw.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected 1/0/true/false")
-    if "int" in kind:
-        return int(raw)
-    if "float" in kind:
-        return float(raw)
+    try:
+        if "int" in kind:
+            return int(raw)
+        if "float" in kind:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected a number") from None
     return raw
 
 
@@ -116,5 +145,10 @@ def _from_env(cls) -> dict:
             continue
         raw = os.environ.get(ENV_PREFIX + f.name.upper())
         if raw is not None and raw != "":
-            out[f.name] = _parse_env(f, raw)
+            value = _parse_env(f, raw)
+            try:
+                _validate(f.name, value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {e}") from None
+            out[f.name] = value
     return out

@@ -17,8 +17,32 @@ def test_unknown_option_lists_the_valid_ones():
 def test_bad_choice_says_what_is_allowed():
     with pytest.raises(ValueError, match=r"Config.inner='tvm' is not allowed; choose one of \['inductor', 'aot_eager', 'eager'\]"):
         Config(inner="tvm")
-    with pytest.raises(ValueError, match=r"world_size must be >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"world_size must be >= 1 \(the number of ranks to plan for\); got 0"):
         Config(world_size=0)
+
+
+@pytest.mark.parametrize("field,value,kind", [
+    ("strict", "no", "a bool"),  # a non-empty string must not switch the flag on
+    ("pad", 1, "a bool"),
+    ("world_size", 2.5, "an int or None"),
+    ("world_size", True, "an int or None"),
+    ("seq_dim", "1", "an int or None"),
+    ("bucket_mb", "big", "a number of MB"),
+    ("dump_dir", 3, "a folder path"),
+])
+def test_wrong_types_are_rejected_with_what_was_received(field, value, kind):
+    with pytest.raises(TypeError, match=rf"Config.{field} must be {kind}.*; got {type(value).__name__} {value!r}"):
+        Config(**{field: value})
+
+
+def test_environment_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("RINGCC_WORLD_SIZE", "abc")
+    with pytest.raises(ValueError, match=r"RINGCC_WORLD_SIZE='abc': expected a number"):
+        Config.from_options({})
+    monkeypatch.setenv("RINGCC_WORLD_SIZE", "2")
+    monkeypatch.setenv("RINGCC_BUCKET_MB", "-1")
+    with pytest.raises(ValueError, match=r"RINGCC_BUCKET_MB='-1': Config.bucket_mb must be > 0"):
+        Config.from_options({})
 
 
 def test_frozen_and_keyword_only():

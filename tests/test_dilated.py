@@ -474,16 +474,32 @@ def test_opcheck_forward_and_backward():
 
 
 def test_compiles_as_one_opaque_op():
+    """Dynamo captures the dilated attention as one call of the ringcc op (fullgraph: no
+    break), and the compiled function's output and gradients are eager's."""
     spec = ringcc.DilatedSpec([4, 16], [1, 4])
     q, k, v, dout = _inputs(6, 1, 4, 4, 16, 4)
 
     def f(q, k, v):
         return ringcc.dilated_attention(q, k, v, spec, is_causal=True) * 2
 
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=recording, fullgraph=True)(q, k, v)
+    calls = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert [t for t in calls if "ringcc" in str(t)] == [torch.ops.ringcc.dilated_attention.default], calls
+
     qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
     qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
-    torch.compile(f, backend="aot_eager", fullgraph=True)(qc, kc, vc).backward(dout)
-    f(qe, ke, ve).backward(dout)
+    out_c = torch.compile(f, backend="aot_eager", fullgraph=True)(qc, kc, vc)
+    out_e = f(qe, ke, ve)
+    torch.testing.assert_close(out_c, out_e, **TOL)
+    out_c.backward(dout)
+    out_e.backward(dout)
     for a, b in ((qc, qe), (kc, ke), (vc, ve)):
         torch.testing.assert_close(a.grad, b.grad, **TOL)
 
@@ -512,8 +528,9 @@ def test_pieces_are_strided_runs_that_reproduce_the_rows():
 
 
 def test_partial_heads_merge_in_place_at_batch_one():
-    """b = 1, head groups with r = 1: a branch's rows are a contiguous slice of the
-    accumulators, merged in place (no write-back); the result is still the reference's."""
+    """b = 1, head groups with r = 1, the case where a branch's rows are a contiguous slice of
+    the accumulators (which the op merges into in place, with no write-back): the result is
+    the reference's."""
     spec = ringcc.DilatedSpec([4, 8], [1, 1], offsets="head_groups")
     q, k, v, dout = _inputs(12, 1, 4, 4, 16, 4)
     _matches_reference_single_device(spec, q, k, v, dout)

@@ -159,8 +159,7 @@ def test_sliding_window_becomes_the_window_argument():
         i = torch.arange(8)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=(i[None] <= i[:, None]) & (i[:, None] - i[None] < 3))
 
-    gm, example_inputs = dynamo_graph(f, *qkv(), with_inputs=True)
-    before = gm(*example_inputs)
+    gm = dynamo_graph(f, *qkv())
     ctx = run(gm, ATTN_PASSES, world_size=2)
     (site,) = ctx.report.sites
     assert (site.decision, site.mask["window"], site.mask["causal"]) == (Decision.REWRITTEN, 3, True)
@@ -191,11 +190,16 @@ def test_lifted_mask_is_dropped_from_the_graph():
         m = (i[None, :] <= i[:, None]) & ~pad[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
-    gm = dynamo_graph(f, *qkv(), torch.zeros(2, 8, dtype=torch.bool))
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[0, 6:] = pad[1, 3] = True  # padded keys (every query still sees key 0)
+    gm, example_inputs = dynamo_graph(f, *qkv(), pad, with_inputs=True)
+    want = gm(*example_inputs)
     run(gm, ATTN_PASSES)
     (op,) = ring_nodes(gm)
     assert op.args[4] is True and op.args[3] is not None
     assert "arange" not in [getattr(t, "__name__", t) for t in targets(gm)]
+    # the lifted key mask keeps its polarity: padded keys stay hidden (p = 1 runs the graph)
+    torch.testing.assert_close(gm(*example_inputs), want, atol=1e-5, rtol=1e-5)
 
 
 def test_manual_and_masked_sites_are_idempotent_through_all_passes():

@@ -21,18 +21,19 @@ CASES = [
 
 
 def _check(results, world, masks=True):
-    errors, facts = results[0]
-    for errs in errors:
-        worst = max(errs.items(), key=lambda kv: kv[1])
-        assert worst[1] < TOL, f"p={world}: {worst[0]} differs from eager by {worst[1]:.2e} (relative)"
-    first = facts[0]
-    assert first["sites"] > 0 and first["rewritten"] == first["sites"], first
-    for f in facts:
-        assert all(why.startswith("graph output") for _, why in f["gathers"]), f["gathers"]
-        assert f["bad_rows"] == [], f["bad_rows"]
-        assert f["full_after_attention"] == [], f["full_after_attention"]
-        # (with n = head_dim, q itself looks like an (n/p) x n value: checked at n = 24 only)
-        assert not masks or f["nxn"] == [], f["nxn"]
+    """Every rank's errors against eager and every rank's graph facts."""
+    for rank, (errors, facts) in enumerate(results):
+        for errs in errors:
+            worst = max(errs.items(), key=lambda kv: kv[1])
+            assert worst[1] < TOL, f"p={world} rank {rank}: {worst[0]} differs from eager by {worst[1]:.2e} (relative)"
+        first = facts[0]
+        assert first["sites"] > 0 and first["rewritten"] == first["sites"], (rank, first)
+        for f in facts:
+            assert all(why.startswith("graph output") for _, why in f["gathers"]), (rank, f["gathers"])
+            assert f["bad_rows"] == [], (rank, f["bad_rows"])
+            assert f["full_after_attention"] == [], (rank, f["full_after_attention"])
+            # (with n = head_dim, q itself looks like an (n/p) x n value: checked at n = 24 only)
+            assert not masks or f["nxn"] == [], (rank, f["nxn"])
     # every rank took the same decisions and got the same numbers
     assert all(r[0][0]["loss"] == results[0][0][0]["loss"] for r in results)
 
