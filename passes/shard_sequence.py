@@ -61,6 +61,7 @@ SHARD = torch.ops.ringcc.shard.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
+PAD_REMEDY = "Config(pad=True) to pad it with masked tokens"
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,7 @@ class Sharder:
         if not self.n.is_Integer or int(self.n) % div == 0:
             return self.n  # a symbolic n is checked at run time by ringcc::shard
         if not ctx.config.pad:
-            raise ValueError(
-                f"sequence length {int(self.n)} is not divisible by {div} (world size {self.p}, layout "
-                f"{self.layout!r}); use a length that is a multiple of {div}, or Config(pad=True) to pad "
-                f"it with masked tokens")
+            L.check_length(int(self.n), self.p, self.layout, remedy=PAD_REMEDY)
         padded = -(-int(self.n) // div) * div
         ctx.report.notes.append(f"sequence of {int(self.n)} tokens padded to {padded} (a multiple of {div})")
         return sympy.Integer(padded)
@@ -1090,6 +1088,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     w = Sharder(gm, ctx)
     w.run()
     gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
+    ctx.report.layout = w.layout
     ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
                             f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
                             f"{len(ctx.report.gathers)} gathered")

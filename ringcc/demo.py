@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.world_size < 1:
         raise SystemExit(f"--world-size must be >= 1; got {args.world_size}")
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1 (training steps); got {args.steps}")
+    if not args.lr > 0:
+        raise SystemExit(f"--lr must be > 0 (the AdamW learning rate); got {args.lr}")
     div = 2 * args.world_size
     if not 0 < args.seq_len <= MAX_POSITIONS:
         raise SystemExit(f"--seq-len must be in 1..{MAX_POSITIONS} (the demo model's position table); got {args.seq_len}")

@@ -25,20 +25,48 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str) -> int:
+    """A positive size such as 80GiB (argparse shows the message of an ArgumentTypeError)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"budget {text!r} is not a size; write e.g. 80GiB, 40GB, 512MiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise argparse.ArgumentTypeError(
+            f"budget {text!r} is not a size; write e.g. 80GiB, 40GB, 512MiB or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"budget {text!r} must be more than 0 bytes")
+    return size
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (sequence lengths)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def writable_path(text: str) -> str:
+    """An output file whose folder exists (checked before the work, not after it)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no folder {folder!r} for {text!r}; create it first")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, inputs[, options])")
-    parser.add_argument("--seq-len", type=int, required=True, help="global sequence length N to evaluate at")
+    parser.add_argument("--seq-len", type=positive_int, required=True, help="global sequence length N to evaluate at")
     parser.add_argument("--world-size", type=int, default=1, help="number of ranks P to plan for (default 1)")
     parser.add_argument("--budget", type=parse_bytes, default=None, help="memory per rank, e.g. 80GiB: report the longest n that fits")
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the plan as JSON")
-    parser.add_argument("--plot", default=None, metavar="F.png", help="plot peak bytes per rank vs n for p = 1, 2, 4, 8")
-    parser.add_argument("--trace-len", type=int, default=None,
+    parser.add_argument("--json", dest="json_path", type=writable_path, default=None, metavar="PATH",
+                        help="write the plan as JSON")
+    parser.add_argument("--plot", type=writable_path, default=None, metavar="F.png",
+                        help="plot peak bytes per rank vs n for p = 1, 2, 4, 8")
+    parser.add_argument("--pad", action="store_true",
+                        help="pad a length the layout does not divide (p, or 2p for zigzag) with masked tokens")
+    parser.add_argument("--trace-len", type=positive_int, default=None,
                         help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
     parser.add_argument("--inference", action="store_true", help="plan the forward only (no backward)")
@@ -227,7 +255,29 @@ def run(args) -> int:
     except ValueError as e:  # what the user gave: target, factory, sizes
         print(f"ringcc plan: error: {e}", file=sys.stderr)
         return 2
-    return _plan(args, static, model, inputs, options, trace_len)
+    if args.pad:
+        options = {**options, "pad": True}
+    try:
+        return _plan(args, static, model, inputs, options, trace_len)
+    except Exception as e:  # noqa: BLE001 - only a length error is the user's; the rest re-raised
+        bad = length_error(e)
+        if bad is None:
+            raise
+        print(f"ringcc plan: error: {bad} (on the command line: --pad)", file=sys.stderr)
+        return 2
+
+
+def length_error(e: BaseException):
+    """The SequenceLengthError behind `e` (torch.compile wraps a backend's errors), or None."""
+    from ringcc.runtime.layout import SequenceLengthError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SequenceLengthError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _load_target(args):
@@ -259,6 +309,13 @@ def _plan(args, static, model, inputs, options, trace_len) -> int:
                                  device_type=args.device)
     if not plans:
         raise ValueError(f"{args.target}: dynamo produced no graph to plan")
+    if not args.pad:
+        from ringcc.passes.shard_sequence import PAD_REMEDY
+        from ringcc.runtime.layout import check_length
+
+        for report in reports:  # a symbolic trace plans any n: say when N cannot run as it is
+            if report.layout is not None:
+                check_length(args.seq_len, args.world_size, report.layout, remedy=PAD_REMEDY)
     for report, plan in zip(reports, plans):
         at = dataclasses.replace(plan, hints={**plan.hints, planner.n: args.seq_len, planner.p: args.world_size})
         rewritten = f"{len(report.rewritten)}/{len(report.sites)} attention sites rewritten"

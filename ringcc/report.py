@@ -61,6 +61,7 @@ class GraphReport:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     plan: Any = None  # planner.MemoryPlan when the planner ran
     notes: list[str] = field(default_factory=list)
+    layout: Optional[str] = None  # the sequence layout, when the sequence was sharded
 
     @property
     def rewritten(self) -> list[Site]:

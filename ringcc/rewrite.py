@@ -45,6 +45,8 @@ import json
 import os
 import sys
 
+from ringcc.planner_cli import length_error, positive_int
+
 EXIT_OK, EXIT_BAD_ARGS, EXIT_NOTHING_REWRITTEN = 0, 2, 3
 
 
@@ -61,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dynamic-seq", action="store_true",
                         help="export with a symbolic sequence length (one program for every length the layout divides)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
-    parser.add_argument("--seq-len", type=int, default=None, help="pass seq_len=N to a factory that takes it")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="pass seq_len=N to a factory that takes it")
+    parser.add_argument("--pad", action="store_true",
+                        help="pad a length the layout does not divide (p, or 2p for zigzag) with masked tokens")
 
 
 def parse_dilation(text: str):
@@ -233,15 +237,23 @@ def run(args) -> int:
         model, inputs, options = load(args.target, args.seq_len)
         if args.dilation is not None:
             options["dilation"] = parse_dilation(args.dilation)
+        if args.pad:
+            options["pad"] = True
         from ringcc.config import Config
 
         try:
             Config.from_options(options)
         except ValueError as e:
             raise BadArguments(f"{args.target} returned options ringcc does not take: {e}") from None
-        ep, report = rewrite(model, inputs, world_size=args.world_size, options=options,
-                             dynamic=args.dynamic_seq, seq_dim=args.seq_dim,
-                             graph_name=args.target.rsplit(":", 1)[1])
+        try:
+            ep, report = rewrite(model, inputs, world_size=args.world_size, options=options,
+                                 dynamic=args.dynamic_seq, seq_dim=args.seq_dim,
+                                 graph_name=args.target.rsplit(":", 1)[1])
+        except Exception as e:  # noqa: BLE001 - only a length error is the user's; the rest re-raised
+            bad = length_error(e)
+            if bad is None:
+                raise
+            raise BadArguments(f"{bad} (on the command line: --pad)") from None
     except BadArguments as e:
         print(f"ringcc rewrite: error: {e}", file=sys.stderr)
         return EXIT_BAD_ARGS

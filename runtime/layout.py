@@ -44,13 +44,21 @@ def divisor(world: int, layout: Layout) -> int:
     return world * chunks_per_rank(layout)
 
 
-def check_length(n: int, world: int, layout: Layout, what: str = "sequence length") -> None:
+class SequenceLengthError(ValueError):
+    """A sequence length the layout does not divide: an error in what the user gave (the CLIs
+    report it as one, exit 2), not in ringcc."""
+
+
+def check_length(n: int, world: int, layout: Layout, what: str = "sequence length",
+                 remedy: str = "pad the sequence to a multiple of {div} (masking the padded keys)") -> None:
+    """Raises SequenceLengthError unless the layout divides n (p, or 2p for zigzag); `remedy`
+    (with {div}) says how to pad where the caller can."""
     div = divisor(world, layout)
     if n % div:
-        raise ValueError(
+        raise SequenceLengthError(
             f"{what} {n} is not divisible by {div} (world size {world}, layout "
-            f"{Layout(layout).value!r}); pad the sequence to a multiple of {div} "
-            f"(masking the padded keys), or use a length that divides evenly"
+            f"{Layout(layout).value!r}); use a length that is a multiple of {div}, or "
+            + remedy.format(div=div)
         )
 
 

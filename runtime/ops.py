@@ -337,11 +337,19 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
+def _seq_dim(x, dim: int) -> int:
+    """`dim` of x, negative counted from the end; out of range is an error, not a wrap-around."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-D tensor of shape "
+                         f"{tuple(x.shape)}; got {dim!r}")
+    return dim % x.dim()
+
+
 def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """This rank's shard of the full-length `x` along `dim` (differentiable)."""
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group)
-    dim = dim % x.dim()
+    dim = _seq_dim(x, dim)
     L.check_length(x.shape[dim], world, lay)
     return shard_op(x, dim, name, world, lay.value)
 
@@ -350,7 +358,7 @@ def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """Full-length tensor from every rank's shard along `dim` (the inverse of shard_sequence)."""
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group)
-    dim = dim % x.dim()
+    dim = _seq_dim(x, dim)
     if lay is L.Layout.ZIGZAG and x.shape[dim] % 2:
         raise ValueError(f"zigzag layout needs an even shard length; got {x.shape[dim]} along dim {dim}")
     return gather_op(x, dim, name, world, lay.value)

@@ -32,3 +32,12 @@ def test_demo_rejects_indivisible_length(tmp_path):
 
     with pytest.raises(SystemExit, match=r"--seq-len 100 must be divisible by 2 x world size = 8"):
         cli.main(["demo", "--world-size", "4", "--seq-len", "100", "--out", str(tmp_path)])
+
+
+def test_demo_rejects_bad_steps_and_learning_rate(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match=r"--steps must be >= 1 \(training steps\); got 0"):
+        cli.main(["demo", "--steps", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--lr must be > 0 \(the AdamW learning rate\); got -1.0"):
+        cli.main(["demo", "--lr", "-1", "--out", str(tmp_path)])

@@ -415,11 +415,15 @@ def test_cli_dilated_example_is_linear(tmp_path):
 
 
 def test_budget_parse_errors():
+    import argparse
+
     from ringcc.planner_cli import parse_bytes
 
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
-    with pytest.raises(ValueError, match="is not a size"):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):  # argparse shows the message
         parse_bytes("eighty gigs")
+    with pytest.raises(argparse.ArgumentTypeError, match="must be more than 0 bytes"):
+        parse_bytes("0")
 
 
 def test_require_linear_memory_error_names_culprit():

@@ -135,6 +135,8 @@ def test_nothing_rewritten_exits_3_with_reasons(tmp_path, capsys):
     (["--dilation", "16;64"], 'is not "w1,w2,...:r1,r2,..."'),
     (["--dilation", "16,64:1,3"], "divisible by its dilation rate"),
     (["--world-size", "0"], "--world-size must be >= 1"),
+    # the exact-ring model is causal: zigzag at p = 2 needs a multiple of 4
+    (["--seq-len", "42", "--world-size", "2"], "sequence length 42 is not divisible by 4"),
 ])
 def test_bad_arguments_exit_2(tmp_path, capsys, args, message):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:exact_ring", *args)
@@ -153,6 +155,32 @@ def test_factory_not_found_exits_2(tmp_path, capsys, target, message):
     code, _ = _rewrite(tmp_path, target)
     assert code == rw.EXIT_BAD_ARGS
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["rewrite", "plan"])
+@pytest.mark.parametrize("args,message", [
+    (["--seq-len", "0"], "argument --seq-len: must be >= 1; got 0"),
+    (["--seq-len", "x"], "argument --seq-len: expected a whole number of tokens; got 'x'"),
+])
+def test_bad_lengths_are_argument_errors(tmp_path, capsys, command, args, message):
+    argv = [command, f"{PLAN_MODEL}:exact_ring", *args] + (["-o", str(tmp_path / "o")] if command == "rewrite" else [])
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_length_errors_exit_2_and_pad_plans_them(tmp_path, capsys):
+    """A length p does not divide is the user's error (exit 2, no traceback, naming --pad);
+    with --pad the plan is made; an output folder that does not exist fails before the work."""
+    target = f"{PLAN_MODEL}:exact_ring"
+    assert cli.main(["plan", target, "--seq-len", "42", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence length 42 is not divisible by 4" in err and "--pad" in err and "Traceback" not in err
+    assert cli.main(["plan", target, "--seq-len", "42", "--world-size", "2", "--pad"]) == 0
+    assert "verdict: True" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", target, "--seq-len", "40", "--json", str(tmp_path / "missing" / "p.json")])
+    assert e.value.code == 2 and "create it first" in capsys.readouterr().err
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -287,6 +287,17 @@ def test_opcheck_forward_and_backward(is_causal):
     torch.library.opcheck(torch.ops.ringcc.gather.default, (x, 1, "", 1, "zigzag"))
 
 
+@pytest.mark.parametrize("fn", ["shard_sequence", "gather_sequence"])
+def test_sequence_dim_out_of_range_is_an_error(fn):
+    """A dim outside the tensor's dims is an error naming the range, also at p = 1 (no
+    wrap-around: dim 9 of a 4-D tensor is not dim 1)."""
+    x = torch.randn(1, 2, 8, 4)
+    for dim in (9, -5, 1.0):
+        with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 3\] for a 4-D tensor of shape \(1, 2, 8, 4\)"):
+            getattr(ringcc, fn)(x, dim)
+    assert getattr(ringcc, fn)(x, -2).shape == x.shape
+
+
 def case_shard_gather_roundtrip(rank, world, layout):
     x = torch.arange(2 * 12 * world * 3, dtype=torch.float32).view(2, 12 * world, 3).requires_grad_()
     s = ringcc.shard_sequence(x, 1, layout=layout)
