@@ -64,7 +64,7 @@ from . import kernels
 from . import layout as L
 from . import workspace
 from .merge import merge_
-from .ops import _check_inputs, _check_same_length, _group_args, _group_from
+from .ops import _check_inputs, _check_same_length, _group_args, _group_from, call_signature
 from .ring import RingSetup, head_chunks, ring_backward, ring_forward
 
 OFFSET_MODES = ("per_head", "head_groups")
@@ -616,18 +616,21 @@ def dilated_attention(
     Shard convention as `ring_attention`: q [b, h, n_local, d], k/v [b, h_kv, n_local, d],
     this rank's part of n = n_local * p tokens in `layout`; p = 1 is the single-device case.
     Semantics in Note [Dilated attention]. Returns this rank's output shard (and the fp32 LSE
-    [b, h, n_local] when return_lse; rows active in no branch give 0 and -inf).
+    [b, h, n_local] when return_lse, without gradient as ring_attention's; rows active in no
+    branch give 0 and -inf).
     """
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
-    _check_inputs(q, k, v, None)
+    _check_inputs(q, k, v, None, op="dilated_attention")
     lay = L.parse_layout(layout)
     name, world, rank = _group_args(group)
     # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).
     plan = dilated_plan.__wrapped__ if torch.compiler.is_compiling() else dilated_plan
     plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)
-    _check_same_length(q.shape[2], group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    _check_same_length(q.shape[2], group, call_signature(
+        "dilated_attention", q, k, spec=(spec.segment_lengths, spec.dilation_rates, spec.offsets),
+        is_causal=bool(is_causal), scale=scale, layout=lay.value))
     out, lse = dilated_attention_op(
         q, k, v, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets,
         bool(is_causal), scale, name, world, lay.value,

@@ -56,10 +56,16 @@ def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int
     return m
 
 
-def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None):
+FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
+
+
+def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None, dtype=None):
     """The block's combined bool mask [b or 1, 1, Lq, Lk] (True = attend), or None when the
-    block needs none (unmasked, or a plain causal diagonal that the kernels do themselves)."""
-    if key_valid_bs is None and allowed_qk is None:
+    block needs none (unmasked, or a plain causal diagonal that the kernels do themselves).
+    On CUDA a dtype the fused kernels do not take (fp32, fp64) always gets one: such blocks
+    run the math path (exact, in that dtype; it holds the block's scores)."""
+    math_only = device.type == "cuda" and dtype is not None and dtype not in FUSED_CUDA_DTYPES
+    if key_valid_bs is None and allowed_qk is None and not math_only:
         return None
     m = _bool_mask(key_valid_bs, causal, lq, lk, device)
     return m if allowed_qk is None else m & allowed_qk[None, None]
@@ -140,7 +146,7 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
-    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
     if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
         res = _cudnn_call(_compat.cuda_cudnn_fwd, q_bhsd, k_bgsd, v_bgsd, None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1).to(acc_dtype(q_bhsd.dtype))
@@ -191,7 +197,7 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
-    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
     if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
         seed = _zero_seed(dev)

@@ -225,11 +225,19 @@ def _group_args(group) -> tuple[str, int, int]:
     return ("" if group is None else _compat.group_name(group)), world, rank
 
 
-def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "ring_attention"):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"ring_attention expects {name} of shape [batch, heads, n_local, head_dim]; got {got}")
+            raise ValueError(f"{op} expects {name} of shape [batch, heads, n_local, head_dim]; got {got}")
+        if 0 in t.shape:
+            raise ValueError(f"{op} needs at least one batch row, head, token and feature in {name}; "
+                             f"got shape {tuple(t.shape)}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op} takes float16, bfloat16, float32 or float64 q/k/v; got {q.dtype}")
     b, h, s, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -256,7 +264,7 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None):
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device}, q on {q.device}")
 
 
-_CHECKED_LENGTHS: set[tuple[str, int]] = set()
+_CHECKED_LENGTHS: set[tuple[str, int, str]] = set()
 
 # Runtime settings that shape the ring's schedule (head chunks, whether and how transfers
 # happen; the kernel choice enters the head-chunk rule through its GQA workspace): ranks that
@@ -271,29 +279,42 @@ def schedule_settings() -> tuple[str, ...]:
 
 
 def _settings_code() -> int:
+    return _crc("\n".join(schedule_settings()))
+
+
+def call_signature(op: str, q, k, **args) -> str:
+    """What every rank's call must agree on besides the length: shapes (but n_local), dtype and
+    the arguments that shape the schedule."""
+    b, h, _, d = q.shape
+    return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, " + \
+        ", ".join(f"{name}={value!r}" for name, value in sorted(args.items())) + ")"
+
+
+def _crc(text: str) -> int:
     import zlib
 
-    return zlib.crc32("\n".join(schedule_settings()).encode()) & 0x7FFFFFFF
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def _check_same_length(n_local: int, group) -> None:
-    """Every rank must hold a shard of the same length, and run with the same schedule
-    settings (else the ring would hang).
+def _check_same_length(n_local: int, group, call: str = "") -> None:
+    """Every rank must hold a shard of the same length, make the same call (`call_signature`:
+    shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
+    would hang, or compute with what another rank sent in another format.
 
     The check is a collective plus a host sync. On gloo it runs on every call (cheap next to
-    CPU attention). On NCCL it runs once per (group, length), since a host sync per call
+    CPU attention). On NCCL it runs once per (group, length, call), since a host sync per call
     stalls the GPU pipeline; a rank that later changes length alone is then not caught here.
     """
     group, _, world = resolve_world(group)
     if world == 1:
         return
-    key = (_compat.group_name(group), n_local)
+    key = (_compat.group_name(group), n_local, call)
     backend = dist.get_backend(group)
     if backend == "nccl" and key in _CHECKED_LENGTHS:
         return
-    code = _settings_code()
+    code, call_code = _settings_code(), _crc(call)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    (n_lo, n_hi), codes = group_extremes([n_local, code], group, device)
+    (n_lo, n_hi), codes, calls = group_extremes([n_local, code, call_code], group, device)
     if n_lo != n_local or n_hi != n_local:
         raise ValueError(
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
@@ -304,6 +325,10 @@ def _check_same_length(n_local: int, group) -> None:
             f"ranks run ring attention with different runtime settings (this rank: "
             f"{', '.join(schedule_settings())}); set {' and '.join(SCHEDULE_SETTINGS)} the same on every rank"
         )
+    if calls != (call_code, call_code):
+        raise ValueError(
+            f"ranks call attention with different arguments; this rank: {call}. Every rank must pass "
+            f"the same shapes (but n_local), dtype, masks and options")
     _CHECKED_LENGTHS.add(key)
 
 
@@ -320,18 +345,21 @@ def ring_attention(
     nn.MultiheadAttention. window: optional sliding window in global positions (key j is
     visible to query i iff |i - j| < window; i - j < window when causal). Causality is in
     global positions. Returns this rank's shard of the output (and the fp32 natural-log
-    LSE [b, h, n_local] when return_lse).
+    LSE [b, h, n_local] when return_lse; the LSE carries no gradient: it is marked
+    non-differentiable, so a loss that uses it gets no gradient through it).
     """
     _check_inputs(q, k, v, key_padding_mask)
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group)
     s = q.shape[2]
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
-    _check_same_length(s, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    _check_same_length(s, group, call_signature(
+        "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
+        layout=lay.value, window=window or 0))
     key_valid = None if key_padding_mask is None else ~key_padding_mask
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
     return (out, lse) if return_lse else out

@@ -62,6 +62,7 @@ matrix, but the site is still unsharded and needs full-length K/V on every rank)
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -262,11 +263,13 @@ def ring_workspace_budget() -> int | None:
     try:
         mib = float(raw)
     except ValueError:
+        mib = math.nan
+    if not math.isfinite(mib):
         raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be a number of MiB (0 = never chunk heads) or 'auto'; "
-                         f"got {raw!r}") from None
+                         f"got {raw!r}")
     if mib < 0:
         raise ValueError(f"RINGCC_RING_WORKSPACE_MIB must be >= 0; got {raw!r}")
-    return int(mib * 2**20)
+    return 0 if mib == 0 else max(1, int(mib * 2**20))  # under a byte is still a budget, not 0 (never chunk)
 
 
 def workspace_budget(q: TensorSize, k: TensorSize, default: Callable | None = None):

@@ -238,6 +238,10 @@ def _qkv(h=4, g=4, s=8, d=8, dtype=torch.float32):
         (lambda: (_qkv()[0], *_qkv(dtype=torch.float64)[1:]), r"must share a dtype"),
         (lambda: (_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), r"must be on one device"),
         (lambda: (_qkv()[0], _qkv(s=6)[1], _qkv(s=6)[2]), r"k/v must be \[batch=1, kv_heads, n_local=8"),
+        # an empty shard crashed the CPU kernel (SIGFPE); zero K/V heads divided by zero
+        (lambda: _qkv(s=0), r"ring_attention needs at least one batch row, head, token and feature in q; got shape \(1, 4, 0, 8\)"),
+        (lambda: _qkv(g=0), r"at least one batch row, head, token and feature in k; got shape \(1, 0, 8, 8\)"),
+        (lambda: tuple(t.long() for t in _qkv()), r"takes float16, bfloat16, float32 or float64 q/k/v; got torch.int64"),
     ],
 )
 def test_bad_inputs_are_value_errors(make, match):
@@ -251,8 +255,9 @@ def test_bad_padding_mask_and_layout():
         ringcc.ring_attention(q, k, v, key_padding_mask=torch.zeros(1, 8))
     with pytest.raises(ValueError, match=r"layout='diagonal' is not supported; allowed: \['contiguous', 'zigzag'\]"):
         ringcc.ring_attention(q, k, v, layout="diagonal")
-    with pytest.raises(ValueError, match=r"window must be a positive int \(sliding window in tokens\) or None; got 0"):
-        ringcc.ring_attention(q, k, v, window=0)
+    for bad in (0, True):  # True is not a window of 1
+        with pytest.raises(ValueError, match=rf"window must be a positive int \(sliding window in tokens\) or None; got {bad}"):
+            ringcc.ring_attention(q, k, v, window=bad)
     q7, k7, v7 = _qkv(s=7)
     with pytest.raises(ValueError, match=r"zigzag layout needs an even n_local"):
         ringcc.ring_attention(q7, k7, v7, layout="zigzag")
@@ -351,6 +356,31 @@ def test_different_schedule_settings_raise_on_every_rank(pools, name, values):
     # for each other forever: an error instead.
     for m in pools(2).run(case_different_settings, name, values):
         assert "different runtime settings" in m and name in m, m
+
+
+def case_different_arguments(rank, world, what):
+    """Rank 1 differs from rank 0 in one argument; same bytes per tensor where it can."""
+    q, k, v = _qkv()
+    kwargs = {}
+    if what == "dtype" and rank == 1:
+        q, k, v = (t.double() for t in (q, k, v))
+    if what == "causal":
+        kwargs["is_causal"] = rank == 0
+    if what == "mask" and rank == 0:  # a key mask on one rank only used to leave the other waiting
+        kwargs["key_padding_mask"] = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
+    if what == "layout":
+        kwargs["layout"] = ("contiguous", "zigzag")[rank]
+    try:
+        ringcc.ring_attention(q, k, v, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["dtype", "causal", "mask", "layout"])
+def test_different_arguments_raise_on_every_rank(pools, what):
+    for m in pools(2).run(case_different_arguments, what):
+        assert "ranks call attention with different arguments; this rank: ring_attention(" in m, m
 
 
 def case_dead_peer(rank, world):

@@ -186,3 +186,23 @@ def test_triton_sums_match_torch():
     import fused_check
 
     fused_check.check("cuda", (torch.bfloat16, torch.float16, torch.float32), ds=(128, 80))
+
+
+@pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fp32_and_fp64_run_the_math_path_on_cuda(dtype, is_causal):
+    """The CUDA flash and cuDNN kernels take fp16/bf16 only: fp32/fp64 blocks run the exact math
+    path (one device, no process group), out and gradients as the reference's."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 4, 64, 32, generator=gen, dtype=dtype).cuda() for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(qr, kr, vr, is_causal=is_causal)
+    ref.backward(dout)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    out = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal)
+    out.backward(dout)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out, ref.detach(), **tol)
+    for a, b in ((ql, qr), (kl, kr), (vl, vr)):
+        torch.testing.assert_close(a.grad, b.grad, **tol)
