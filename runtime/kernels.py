@@ -142,10 +142,46 @@ def _math_bwd(dout, q, k, v, out, lse, scale, mask):
     return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
 
 
+MASKED_CALL_BYTES = 256 * 2**20  # fp32 [b, h, rows, Lk] of one masked kernel call (Note [Masked rows])
+
+
+def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) -> list[tuple[int, int]] | None:
+    """Note [Masked rows]: a masked block's kernels hold [rows, Lk] per head: the math path
+    (CUDA) its fp32 scores, probabilities and their gradient; the CPU kernel an additive fp32
+    mask [b, 1, rows, Lk] (where the mask has rows: causal, windows). Over the whole block that
+    is O(Lq * Lk), quadratic in the shard (16 GiB of scores at 16K rows, 16 heads): so a masked
+    call runs over chunks of query rows of at most MASKED_CALL_BYTES each, which keeps it
+    O(n/p) (rows are independent in forward; dK/dV sum over them in backward). None: one call."""
+    dev = q_bhsd.device
+    math_only = dev.type == "cuda" and q_bhsd.dtype not in FUSED_CUDA_DTYPES
+    if key_valid_bs is None and allowed_qk is None and not math_only:
+        return None  # no mask: the fused kernels
+    if dev.type != "cuda" and not causal and allowed_qk is None:
+        return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
+    b, h, lq = q_bhsd.shape[0], q_bhsd.shape[1], q_bhsd.shape[2]
+    rows = max(1, MASKED_CALL_BYTES // (4 * b * h * lk))
+    return None if rows >= lq else [(r, min(lq, r + rows)) for r in range(0, lq, rows)]
+
+
+def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
+    """The position mask of block rows [r0, r1): the top-left causal band and/or the given
+    [Lq, Lk] mask's rows; None when neither."""
+    m = None if allowed_qk is None else allowed_qk[r0:r1]
+    if causal:
+        band = torch.arange(lk, device=dev)[None, :] <= torch.arange(r0, r1, device=dev)[:, None]
+        m = band if m is None else m & band
+    return m
+
+
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
     """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
+    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
+    if chunks is not None:
+        parts = [block_fwd(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, scale=scale, causal=False, key_valid_bs=key_valid_bs,
+                           allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev)) for r0, r1 in chunks]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
     if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
         res = _cudnn_call(_compat.cuda_cudnn_fwd, q_bhsd, k_bgsd, v_bgsd, None, True, 0.0, causal, False, scale=scale)
@@ -197,6 +233,19 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
+    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
+    if chunks is not None:
+        dqs, dk, dv = [], None, None
+        for r0, r1 in chunks:
+            dq_c, dk_c, dv_c = block_bwd(
+                dout_bhsd[:, :, r0:r1], q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, out_bhsd[:, :, r0:r1], lse[:, :, r0:r1],
+                scale=scale, causal=False, key_valid_bs=key_valid_bs,
+                allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev), lse_prepared=True)
+            dqs.append(dq_c)
+            # dK/dV sum over the row chunks, in the accumulator dtype
+            dk = dk_c.to(acc_dtype(dk_c.dtype)) if dk is None else dk.add_(dk_c)
+            dv = dv_c.to(acc_dtype(dv_c.dtype)) if dv is None else dv.add_(dv_c)
+        return torch.cat(dqs, 2), dk.to(k_bgsd.dtype), dv.to(v_bgsd.dtype)
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
     if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.

@@ -571,3 +571,38 @@ def test_merge_block_equals_fp32_merge_narrowed_once(ranges, final):
         acc = _merge_block(acc, o, l.clone(), r0, r1, shape, torch.float32, dst)
     assert torch.equal(acc[0].to(torch.bfloat16), ref_o.to(torch.bfloat16))
     assert torch.equal(acc[1], ref_l)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal,key_mask,window", [(True, True, None), (False, False, 5), (True, False, 3),
+                                                    (True, True, 4), (False, True, None)])
+def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, window):
+    """Note [Masked rows]: a masked block call split into chunks of query rows (a tiny
+    MASKED_CALL_BYTES) gives the one-call result: out, lse, dq, dk, dv (GQA, a fully masked row)."""
+    from ringcc.runtime import kernels
+
+    torch.manual_seed(0)
+    b, h, g, lq, lk, d = 2, 4, 2, 13, 11, 8
+    q, dout = torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, h, lq, d, dtype=dtype)
+    k, v = torch.randn(b, g, lk, d, dtype=dtype), torch.randn(b, g, lk, d, dtype=dtype)
+    kv = None
+    if key_mask:
+        kv = torch.rand(b, lk) > 0.3
+        kv[1] = False  # batch row 1 sees no key at all
+        kv[1, 5] = True
+    allowed = None
+    if window is not None:
+        i = torch.arange(lq)[:, None] + 2  # the block's rows sit 2 positions after its keys
+        allowed = (i - torch.arange(lk)[None, :]).abs() < window
+    args = dict(scale=0.3, causal=causal, key_valid_bs=kv, allowed_qk=allowed)
+
+    def run():
+        out, lse = kernels.block_fwd(q, k, v, **args)
+        return (out, lse, *kernels.block_bwd(dout, q, k, v, out, lse, **args))
+
+    whole = run()
+    assert kernels._masked_row_chunks(q, lk, causal, kv, allowed) is None  # one call at the default size
+    monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", 4 * b * h * lk * 3)  # 3 rows per call
+    assert len(kernels._masked_row_chunks(q, lk, causal, kv, allowed) or []) == (5 if causal or window else 0)
+    for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=name)
