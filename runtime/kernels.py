@@ -59,6 +59,12 @@ def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int
 FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
 
 
+def _allowed_rows(allowed_qk, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a position mask: a bool [Lq, Lk] tensor, or an object that builds its
+    rows on demand (ring.WindowMask)."""
+    return allowed_qk[r0:r1] if isinstance(allowed_qk, torch.Tensor) else allowed_qk.rows(r0, r1)
+
+
 def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None, dtype=None):
     """The block's combined bool mask [b or 1, 1, Lq, Lk] (True = attend), or None when the
     block needs none (unmasked, or a plain causal diagonal that the kernels do themselves).
@@ -68,7 +74,7 @@ def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None,
     if key_valid_bs is None and allowed_qk is None and not math_only:
         return None
     m = _bool_mask(key_valid_bs, causal, lq, lk, device)
-    return m if allowed_qk is None else m & allowed_qk[None, None]
+    return m if allowed_qk is None else m & _allowed_rows(allowed_qk, 0, lq)[None, None]
 
 
 def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -166,7 +172,7 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
 def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
     """The position mask of block rows [r0, r1): the top-left causal band and/or the given
     [Lq, Lk] mask's rows; None when neither."""
-    m = None if allowed_qk is None else allowed_qk[r0:r1]
+    m = None if allowed_qk is None else _allowed_rows(allowed_qk, r0, r1)
     if causal:
         band = torch.arange(lk, device=dev)[None, :] <= torch.arange(r0, r1, device=dev)[:, None]
         m = band if m is None else m & band
@@ -174,7 +180,8 @@ def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
 
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
-    """allowed_qk: optional bool [Lq, Lk] position mask (sliding windows), True = attend."""
+    """allowed_qk: optional position mask (sliding windows), True = attend: bool [Lq, Lk], or
+    an object whose rows(r0, r1) builds some of its rows (ring.WindowMask)."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
     chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)

@@ -112,9 +112,10 @@ class RingSetup:
             self.is_causal,
         )
 
-    def masked_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, torch.Tensor | None]]:
-        """The kernel calls against the block of rank `src`, each with its position mask
-        ([Lq, Lk] bool, None when the whole block is visible). Decided on the host."""
+    def masked_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
+        """The kernel calls against the block of rank `src`, each with its window mask (None
+        when the whole block is visible), decided on the host from the positions alone: no
+        [Lq, Lk] matrix (Note [Masked rows] in kernels.py)."""
         calls = self.calls(n_local, src)
         if not self.window:
             return [(c, None) for c in calls]
@@ -122,12 +123,40 @@ class RingSetup:
         k_pos = global_positions(src, self.world, self.layout, n_local)
         out = []
         for c in calls:
-            diff = q_pos[c.q0:c.q1, None] - k_pos[None, c.k0:c.k1]
-            allowed = diff < self.window if self.is_causal else diff.abs() < self.window
-            if not bool(allowed.any()):
-                continue
-            out.append((c, None if bool(allowed.all()) else allowed.to(device)))
+            qs, ks = q_pos[c.q0:c.q1], k_pos[c.k0:c.k1]
+            if self.is_causal:  # visible iff i - j < window (the causal part is the call's own)
+                some, every = int(qs.min() - ks.max()) < self.window, int(qs.max() - ks.min()) < self.window
+            else:  # visible iff |i - j| < window
+                some = _nearest_distance(qs, ks) < self.window
+                every = max(int(qs.max() - ks.min()), int(ks.max() - qs.min())) < self.window
+            if some:
+                out.append((c, None if every else WindowMask(qs.to(device), ks.to(device), self.window, self.is_causal)))
         return out
+
+
+@dataclass(frozen=True)
+class WindowMask:
+    """A block call's sliding-window mask as the global positions of its query rows and keys
+    (O(Lq + Lk)); `rows` builds the bool mask [r1 - r0, Lk] of some rows when a kernel call
+    needs it (True = visible: i - j < window when causal, |i - j| < window otherwise)."""
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    window: int
+    causal: bool
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        diff = self.q_pos[r0:r1, None] - self.k_pos[None, :]
+        return diff < self.window if self.causal else diff.abs() < self.window
+
+
+def _nearest_distance(qs: torch.Tensor, ks: torch.Tensor) -> int:
+    """min |i - j| over i in qs, j in ks (int64 vectors), in O((Lq + Lk) log Lk)."""
+    ks = ks.sort().values
+    idx = torch.searchsorted(ks, qs)
+    right = ks[idx.clamp(max=len(ks) - 1)]
+    left = ks[(idx - 1).clamp(min=0)]
+    return int(torch.minimum((right - qs).abs(), (qs - left).abs()).min())
 
 
 def _skip_comm() -> bool:

@@ -591,9 +591,10 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
         kv[1] = False  # batch row 1 sees no key at all
         kv[1, 5] = True
     allowed = None
-    if window is not None:
-        i = torch.arange(lq)[:, None] + 2  # the block's rows sit 2 positions after its keys
-        allowed = (i - torch.arange(lk)[None, :]).abs() < window
+    if window is not None:  # the block's rows sit 2 positions after its keys; rows built on demand
+        from ringcc.runtime.ring import WindowMask
+
+        allowed = WindowMask(torch.arange(lq) + 2, torch.arange(lk), window, False)
     args = dict(scale=0.3, causal=causal, key_valid_bs=kv, allowed_qk=allowed)
 
     def run():
@@ -606,3 +607,33 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
     assert len(kernels._masked_row_chunks(q, lk, causal, kv, allowed) or []) == (5 if causal or window else 0)
     for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_window_calls_match_the_dense_position_test(layout, is_causal):
+    """masked_calls decides skip / whole block / masked from the positions alone (min/max and a
+    nearest-key search, no [Lq, Lk] matrix): the same calls and masks as testing every pair."""
+    from ringcc.runtime.layout import Layout, global_positions
+    from ringcc.runtime.ring import RingSetup
+
+    n_local = 12
+    for world in (1, 2, 3, 4):
+        for window in (1, 2, 3, 5, 7, 12, 13, 30, 100):
+            for rank in range(world):
+                setup = RingSetup(None, rank, world, Layout(layout), is_causal, 1.0, window=window)
+                for src in range(world):
+                    q_pos = global_positions(rank, world, Layout(layout), n_local)
+                    k_pos = global_positions(src, world, Layout(layout), n_local)
+                    want = []
+                    for c in setup.calls(n_local, src):
+                        diff = q_pos[c.q0:c.q1, None] - k_pos[None, c.k0:c.k1]
+                        ok = diff < window if is_causal else diff.abs() < window
+                        if ok.any():
+                            want.append((c, None if ok.all() else ok))
+                    got = setup.masked_calls(n_local, src, torch.device("cpu"))
+                    assert [c for c, _ in got] == [c for c, _ in want], (world, window, rank, src)
+                    for (c, m), (_, w) in zip(got, want):
+                        assert (m is None) == (w is None), (world, window, rank, src, c)
+                        if m is not None:
+                            assert torch.equal(m.rows(0, c.q1 - c.q0), w)
