@@ -285,6 +285,11 @@ def _spec(atoms: list, n_q: Any, n_k: Any, is_causal: bool) -> LiftedMask:
     keys = []
     for a in atoms:
         if isinstance(a, Key):
+            if a.dims == (-2, -1):
+                raise Unliftable(
+                    f"a stored [query, key] mask tensor ({a.node.name}): its values are data, not read at "
+                    f"trace time; build the mask from positions (e.g. torch.arange(n)[:, None] >= "
+                    f"torch.arange(n)[None, :], or torch.ones(n, n).tril()), or pass is_causal=True")
             if a.dims != (-4, -1):
                 raise Unliftable("a [b, n] mask that does not sit on the batch and key dims")
             keys.append(a)

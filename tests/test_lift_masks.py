@@ -135,6 +135,13 @@ def test_unliftable_masks_record_why(name, mask):
     assert detail
 
 
+def test_a_stored_query_key_mask_says_how_to_build_one():
+    """An [n, n] tensor given as the mask (a buffer, an input) is data: the reason names it and
+    says what ringcc can read instead."""
+    detail = skip(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), torch.ones(N, N, dtype=torch.bool))
+    assert "a stored [query, key] mask tensor" in detail and "is_causal=True" in detail and "torch.arange(n)" in detail
+
+
 def test_gqa_repeat_interleave_is_undone():
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
