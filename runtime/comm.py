@@ -174,7 +174,8 @@ def group_extremes(values: list[int], group, device) -> list[tuple[int, int]]:
     agree on a value exactly when both equal this rank's."""
     t = torch.tensor([x for v in values for x in (v, -v)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [(-int(t[2 * i + 1]), int(t[2 * i])) for i in range(len(values))]
+    got = t.tolist()  # one device-to-host copy
+    return [(-got[2 * i + 1], got[2 * i]) for i in range(len(values))]
 
 
 def _align(nbytes: int) -> int:

@@ -624,13 +624,13 @@ def dilated_attention(
     _check_inputs(q, k, v, None, op="dilated_attention")
     lay = L.parse_layout(layout)
     name, world, rank = _group_args(group)
-    # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).
-    plan = dilated_plan.__wrapped__ if torch.compiler.is_compiling() else dilated_plan
-    plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_same_length(q.shape[2], group, call_signature(
         "dilated_attention", q, k, spec=(spec.segment_lengths, spec.dilation_rates, spec.offsets),
-        is_causal=bool(is_causal), scale=scale, layout=lay.value))
+        is_causal=bool(is_causal), scale=scale, layout=lay.value), q.device)
+    # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).
+    plan = dilated_plan.__wrapped__ if torch.compiler.is_compiling() else dilated_plan
+    plan(spec, q.shape[2], q.shape[1], k.shape[1], rank, world, lay.value)
     out, lse = dilated_attention_op(
         q, k, v, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets,
         bool(is_causal), scale, name, world, lay.value,

@@ -145,7 +145,8 @@ def _math_bwd(dout, q, k, v, out, lse, scale, mask):
     dp = torch.matmul(dof, vf.transpose(-1, -2))
     delta = (dof * out.to(dt)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
-    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(q.dtype), dv.to(q.dtype)
+    # dK/dV in K/V's dtype: q's, or the accumulator's when a row-chunked call passes fp32 K/V
+    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(k.dtype), dv.to(v.dtype)
 
 
 MASKED_CALL_BYTES = 256 * 2**20  # fp32 [b, h, rows, Lk] of one masked kernel call (Note [Masked rows])
@@ -165,8 +166,20 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     if dev.type != "cuda" and not causal and allowed_qk is None:
         return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
     b, h, lq = q_bhsd.shape[0], q_bhsd.shape[1], q_bhsd.shape[2]
-    rows = max(1, MASKED_CALL_BYTES // (4 * b * h * lk))
+    score_bytes = torch.finfo(acc_dtype(q_bhsd.dtype)).bits // 8
+    rows = max(1, MASKED_CALL_BYTES // (score_bytes * b * h * lk))
     return None if rows >= lq else [(r, min(lq, r + rows)) for r in range(0, lq, rows)]
+
+
+def _chunk_kv(q_bhsd, k_bgsd, v_bgsd):
+    """K/V for every row chunk of a block, prepared once: expanded to q's heads (GQA) and, for
+    the CUDA math path, in the accumulator dtype, so that no chunk repeats the work and dK/dV
+    come back unrounded."""
+    h = q_bhsd.shape[1]
+    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
+    if q_bhsd.device.type == "cuda":
+        k, v = k.to(acc_dtype(q_bhsd.dtype)), v.to(acc_dtype(q_bhsd.dtype))
+    return k, v
 
 
 def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
@@ -186,7 +199,8 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     dev = q_bhsd.device
     chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
     if chunks is not None:
-        parts = [block_fwd(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, scale=scale, causal=False, key_valid_bs=key_valid_bs,
+        k, v = _chunk_kv(q_bhsd, k_bgsd, v_bgsd)
+        parts = [block_fwd(q_bhsd[:, :, r0:r1], k, v, scale=scale, causal=False, key_valid_bs=key_valid_bs,
                            allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev)) for r0, r1 in chunks]
         return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
@@ -242,17 +256,18 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     dev = q_bhsd.device
     chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
     if chunks is not None:
+        k, v = _chunk_kv(q_bhsd, k_bgsd, v_bgsd)
         dqs, dk, dv = [], None, None
         for r0, r1 in chunks:
             dq_c, dk_c, dv_c = block_bwd(
-                dout_bhsd[:, :, r0:r1], q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, out_bhsd[:, :, r0:r1], lse[:, :, r0:r1],
+                dout_bhsd[:, :, r0:r1], q_bhsd[:, :, r0:r1], k, v, out_bhsd[:, :, r0:r1], lse[:, :, r0:r1],
                 scale=scale, causal=False, key_valid_bs=key_valid_bs,
                 allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev), lse_prepared=True)
             dqs.append(dq_c)
-            # dK/dV sum over the row chunks, in the accumulator dtype
+            # dK/dV sum over the row chunks in the accumulator dtype (fp32 from the math path)
             dk = dk_c.to(acc_dtype(dk_c.dtype)) if dk is None else dk.add_(dk_c)
             dv = dv_c.to(acc_dtype(dv_c.dtype)) if dv is None else dv.add_(dv_c)
-        return torch.cat(dqs, 2), dk.to(k_bgsd.dtype), dv.to(v_bgsd.dtype)
+        return torch.cat(dqs, 2), _reduce_kv_grad(dk, g).to(k_bgsd.dtype), _reduce_kv_grad(dv, g).to(v_bgsd.dtype)
     mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
     if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.

@@ -284,10 +284,14 @@ def _settings_code() -> int:
 
 def call_signature(op: str, q, k, **args) -> str:
     """What every rank's call must agree on besides the length: shapes (but n_local), dtype and
-    the arguments that shape the schedule."""
+    the arguments that shape the schedule. Empty while dynamo traces (a string built from
+    sizes would specialise the graph on them; the compiled backend checks its own graphs'
+    decisions across ranks, ringcc/backend.py)."""
+    if torch.compiler.is_compiling():
+        return ""
     b, h, _, d = q.shape
     return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, " + \
-        ", ".join(f"{name}={value!r}" for name, value in sorted(args.items())) + ")"
+        ", ".join(f"{name}={args[name]!r}" for name in sorted(args)) + ")"
 
 
 def _crc(text: str) -> int:
@@ -296,24 +300,28 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def _check_same_length(n_local: int, group, call: str = "") -> None:
+def _check_same_length(n_local: int, group, call: str = "", device=None) -> None:
     """Every rank must hold a shard of the same length, make the same call (`call_signature`:
     shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
-    would hang, or compute with what another rank sent in another format.
+    would hang, or compute with what another rank sent in another format. Callers run it
+    before any check of their own that could fail on one rank alone (which would leave the
+    others waiting in this collective).
 
-    The check is a collective plus a host sync. On gloo it runs on every call (cheap next to
-    CPU attention). On NCCL it runs once per (group, length, call), since a host sync per call
-    stalls the GPU pipeline; a rank that later changes length alone is then not caught here.
+    The check is a collective plus a host sync. On CPU tensors it runs on every call (cheap
+    next to CPU attention). On CUDA it runs once per (group, length, call), since a host sync
+    per call stalls the GPU pipeline: a rank that later makes a new call while the others
+    repeat a checked one enters this collective alone, and the ranks hang until the NCCL
+    watchdog's timeout (as a ring of mismatched calls would).
     """
     group, _, world = resolve_world(group)
     if world == 1:
         return
     key = (_compat.group_name(group), n_local, call)
-    backend = dist.get_backend(group)
-    if backend == "nccl" and key in _CHECKED_LENGTHS:
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda and key in _CHECKED_LENGTHS:
         return
     code, call_code = _settings_code(), _crc(call)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     (n_lo, n_hi), codes, calls = group_extremes([n_local, code, call_code], group, device)
     if n_lo != n_local or n_hi != n_local:
         raise ValueError(
@@ -329,6 +337,8 @@ def _check_same_length(n_local: int, group, call: str = "") -> None:
         raise ValueError(
             f"ranks call attention with different arguments; this rank: {call}. Every rank must pass "
             f"the same shapes (but n_local), dtype, masks and options")
+    if len(_CHECKED_LENGTHS) >= 4096:  # every rank clears at the same call (they made the same ones)
+        _CHECKED_LENGTHS.clear()
     _CHECKED_LENGTHS.add(key)
 
 
@@ -354,12 +364,12 @@ def ring_attention(
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group)
     s = q.shape[2]
-    if lay is L.Layout.ZIGZAG and s % 2:
-        raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_same_length(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0))
+        layout=lay.value, window=window or 0), q.device)
+    if lay is L.Layout.ZIGZAG and s % 2:
+        raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
     return (out, lse) if return_lse else out

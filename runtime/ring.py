@@ -25,6 +25,7 @@ GQA: K/V travel with their own g heads; heads are expanded only inside the block
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -115,12 +116,17 @@ class RingSetup:
     def masked_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
         """The kernel calls against the block of rank `src`, each with its window mask (None
         when the whole block is visible), decided on the host from the positions alone: no
-        [Lq, Lk] matrix (Note [Masked rows] in kernels.py)."""
-        calls = self.calls(n_local, src)
+        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). Cached per (setup, length, src,
+        device): the decisions cost host time, and the positions one copy to the device."""
         if not self.window:
-            return [(c, None) for c in calls]
+            return [(c, None) for c in self.calls(n_local, src)]
+        return _window_calls(self, n_local, src, torch.device(device))
+
+    def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
+        calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
+        q_dev, k_dev = q_pos.to(device), k_pos.to(device)
         out = []
         for c in calls:
             qs, ks = q_pos[c.q0:c.q1], k_pos[c.k0:c.k1]
@@ -130,7 +136,8 @@ class RingSetup:
                 some = _nearest_distance(qs, ks) < self.window
                 every = max(int(qs.max() - ks.min()), int(ks.max() - qs.min())) < self.window
             if some:
-                out.append((c, None if every else WindowMask(qs.to(device), ks.to(device), self.window, self.is_causal)))
+                out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
+                                                             self.is_causal)))
         return out
 
 
@@ -148,6 +155,11 @@ class WindowMask:
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         diff = self.q_pos[r0:r1, None] - self.k_pos[None, :]
         return diff < self.window if self.causal else diff.abs() < self.window
+
+
+@functools.lru_cache(maxsize=1024)
+def _window_calls(setup: RingSetup, n_local: int, src: int, device: torch.device):
+    return setup._window_calls(n_local, src, device)
 
 
 def _nearest_distance(qs: torch.Tensor, ks: torch.Tensor) -> int:

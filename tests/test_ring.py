@@ -603,7 +603,8 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
 
     whole = run()
     assert kernels._masked_row_chunks(q, lk, causal, kv, allowed) is None  # one call at the default size
-    monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", 4 * b * h * lk * 3)  # 3 rows per call
+    score_bytes = 8 if dtype == torch.float64 else 4  # scores in the accumulator dtype
+    monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * 3)  # 3 rows per call
     assert len(kernels._masked_row_chunks(q, lk, causal, kv, allowed) or []) == (5 if causal or window else 0)
     for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=name)
@@ -637,3 +638,15 @@ def test_window_calls_match_the_dense_position_test(layout, is_causal):
                         assert (m is None) == (w is None), (world, window, rank, src, c)
                         if m is not None:
                             assert torch.equal(m.rows(0, c.q1 - c.q0), w)
+
+
+def test_compiles_with_dynamic_shapes_in_one_graph():
+    """ring_attention called inside torch.compile(dynamic=True, fullgraph=True): the cross-rank
+    call signature (sizes in a string, sorted arguments) stays out of the traced code."""
+    def f(q, k, v):
+        return ringcc.ring_attention(q, k, v, is_causal=True, window=6) * 2
+
+    q, k, v = _qkv(s=16)
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="eager", dynamic=True)(q, k, v)
+    torch.testing.assert_close(out, f(q, k, v))
