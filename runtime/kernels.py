@@ -158,7 +158,8 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     mask [b, 1, rows, Lk] (where the mask has rows: causal, windows). Over the whole block that
     is O(Lq * Lk), quadratic in the shard (16 GiB of scores at 16K rows, 16 heads): so a masked
     call runs over chunks of query rows of at most MASKED_CALL_BYTES each, which keeps it
-    O(n/p) (rows are independent in forward; dK/dV sum over them in backward). None: one call."""
+    O(n/p) (rows are independent in forward; dK/dV sum over them in backward); the planner
+    counts these calls' bytes (workspace.masked_calls). None: one call."""
     dev = q_bhsd.device
     math_only = dev.type == "cuda" and q_bhsd.dtype not in FUSED_CUDA_DTYPES
     if key_valid_bs is None and allowed_qk is None and not math_only:

@@ -342,11 +342,44 @@ def _forward_options(opts, i: int, g: int, itemsize: int) -> list[int]:
     return [j for j, o in enumerate(opts) if _forward_may_take(o[0], opts[i][0], g, itemsize)]
 
 
+def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
+    (Note [Masked rows] in kernels.py): each call holds at most MASKED_CALL_BYTES of
+    [b, h, rows, Lk] scores. On CUDA (the math path: a key mask, a window, or fp32/fp64) the
+    scores and probabilities in forward, also their gradients in backward, plus q, K and V in
+    the accumulator dtype; on CPU the additive fp32 mask [b, 1, rows, Lk] and its bool source,
+    where the mask has rows (causal or a window). Zero for unmasked half-precision blocks. An
+    upper bound, not checked against the allocator."""
+    from .kernels import MASKED_CALL_BYTES
+
+    q, kv_mask, window = a["q"], a.get("key_valid"), a.get("window") or 0
+    b, h, s, _ = q.shape
+    zero = sympy.Integer(0)
+    acc = _acc_itemsize(q.itemsize)
+    if q.device_type == "cuda":
+        if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
+            return zero, zero
+        scores = sympy.Min(MASKED_CALL_BYTES, acc * b * h * s * s)
+        copies = 3 * q.with_itemsize(acc).nbytes  # q, K and V (expanded) in the accumulator dtype
+        return 2 * scores + copies, 4 * scores + copies
+    if not (window or (kv_mask is not None and a.get("is_causal"))):
+        return zero, zero
+    mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)
+    return mask * (1 + sympy.Rational(1, acc)), mask * (1 + sympy.Rational(1, acc))
+
+
 def ring_attention(a: dict, p) -> Workspace:
     """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
     when that fits the budget, else the largest chunk that does, else one K/V head; the
     forward's chunk as large as its own workspace and the backward's batch allow. On the
-    copy-engine transport, the receive area its batches need instead of received blocks."""
+    copy-engine transport, the receive area its batches need instead of received blocks.
+    Masked blocks add `masked_calls` (outside the head-chunk rule, which leaves them out)."""
+    ws = _ring_workspace(a, p)
+    mf, mb = masked_calls(a)
+    return Workspace(ws.forward + mf, ws.backward + mb, ws.area_forward, ws.area_training)
+
+
+def _ring_workspace(a: dict, p) -> Workspace:
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     budget = workspace_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
