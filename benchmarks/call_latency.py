@@ -26,7 +26,7 @@ import torch.distributed as dist
 # (module, attribute) of the sites, in the order a call reaches them; an attribute a tree
 # lacks (older code) is skipped. Imported names are patched where the caller looks them up.
 SITES = (("ringcc.runtime.ops", "_check_inputs"), ("ringcc.runtime.ops", "_group_args"),
-         ("ringcc.runtime.ops", "_check_same_length"), ("ringcc.runtime.ops", "ring_attention_op"),
+         ("ringcc.runtime.ops", "_check_same_call"), ("ringcc.runtime.ops", "ring_attention_op"),
          ("ringcc.runtime.ops", "_setup"), ("ringcc.runtime.ops", "_group_from"),
          ("ringcc.runtime.workspace", "ring_kv_chunk"), ("ringcc.runtime.ops", "ring_forward"),
          ("ringcc.runtime.ring", "head_chunks"), ("ringcc.runtime.ring", "_ring_forward_chunk"),

@@ -315,7 +315,7 @@ def host_profile(step, iters: int, env, rows: int = 30) -> str:
 # (an imported name is patched in the importing module). Times are inclusive: block_fwd
 # contains its cuDNN call, commit its driver calls.
 HOST_SITES = (
-    "ringcc.runtime.ops:_check_inputs", "ringcc.runtime.ops:_check_same_length", "ringcc.runtime.ops:_setup",
+    "ringcc.runtime.ops:_check_inputs", "ringcc.runtime.ops:_check_same_call", "ringcc.runtime.ops:_setup",
     "ringcc.runtime.workspace:ring_kv_chunk", "ringcc.runtime.ring:_ring_forward_chunk", "ringcc.runtime.ops:ring_forward", "ringcc.runtime.ops:ring_backward",
     "ringcc.runtime.ring:ring_comm", "ringcc.runtime.ring:RingSetup.masked_calls",
     "ringcc.runtime.kernels:block_fwd", "ringcc.runtime.kernels:block_bwd",

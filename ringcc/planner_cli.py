@@ -55,6 +55,12 @@ def writable_path(text: str) -> str:
     return text
 
 
+def add_pad_argument(parser: argparse.ArgumentParser) -> None:
+    """--pad, the command line's Config(pad=True) (plan and rewrite)."""
+    parser.add_argument("--pad", action="store_true",
+                        help="pad a length the layout does not divide (p, or 2p for zigzag) with masked tokens")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, inputs[, options])")
     parser.add_argument("--seq-len", type=positive_int, required=True, help="global sequence length N to evaluate at")
@@ -64,8 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the plan as JSON")
     parser.add_argument("--plot", type=writable_path, default=None, metavar="F.png",
                         help="plot peak bytes per rank vs n for p = 1, 2, 4, 8")
-    parser.add_argument("--pad", action="store_true",
-                        help="pad a length the layout does not divide (p, or 2p for zigzag) with masked tokens")
+    add_pad_argument(parser)
     parser.add_argument("--trace-len", type=positive_int, default=None,
                         help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")

@@ -45,7 +45,7 @@ import json
 import os
 import sys
 
-from ringcc.planner_cli import length_error, positive_int
+from ringcc.planner_cli import add_pad_argument, length_error, positive_int
 
 EXIT_OK, EXIT_BAD_ARGS, EXIT_NOTHING_REWRITTEN = 0, 2, 3
 
@@ -64,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export with a symbolic sequence length (one program for every length the layout divides)")
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
     parser.add_argument("--seq-len", type=positive_int, default=None, help="pass seq_len=N to a factory that takes it")
-    parser.add_argument("--pad", action="store_true",
-                        help="pad a length the layout does not divide (p, or 2p for zigzag) with masked tokens")
+    add_pad_argument(parser)
 
 
 def parse_dilation(text: str):

@@ -64,7 +64,7 @@ from . import kernels
 from . import layout as L
 from . import workspace
 from .merge import merge_
-from .ops import _check_inputs, _check_same_length, _group_args, _group_from, call_signature
+from .ops import _check_inputs, _check_same_call, _group_args, _group_from, call_signature
 from .ring import RingSetup, head_chunks, ring_backward, ring_forward
 
 OFFSET_MODES = ("per_head", "head_groups")
@@ -625,7 +625,7 @@ def dilated_attention(
     lay = L.parse_layout(layout)
     name, world, rank = _group_args(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    _check_same_length(q.shape[2], group, call_signature(
+    _check_same_call(q.shape[2], group, call_signature(
         "dilated_attention", q, k, spec=(spec.segment_lengths, spec.dilation_rates, spec.offsets),
         is_causal=bool(is_causal), scale=scale, layout=lay.value), q.device)
     # Validate at call (or trace) time; dynamo traces the uncached function (no lru_cache in graphs).

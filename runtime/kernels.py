@@ -52,11 +52,21 @@ def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int
     if key_valid_bs is not None:
         m = key_valid_bs[:, None, None, :]
     if causal:
-        m = m & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()[None, None]
+        m = m & _causal_band(0, lq, lk, device)[None, None]
     return m
 
 
+def _causal_band(r0: int, r1: int, lk: int, device) -> torch.Tensor:
+    """Rows [r0, r1) of the top-left causal mask [Lq, Lk] (key j visible to row i iff j <= i)."""
+    return torch.arange(lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
+
+
 FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
+
+
+def _math_only(device, dtype) -> bool:
+    """Blocks on CUDA in a dtype the fused kernels do not take (fp32, fp64): the math path."""
+    return device.type == "cuda" and dtype is not None and dtype not in FUSED_CUDA_DTYPES
 
 
 def _allowed_rows(allowed_qk, r0: int, r1: int) -> torch.Tensor:
@@ -70,8 +80,7 @@ def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None,
     block needs none (unmasked, or a plain causal diagonal that the kernels do themselves).
     On CUDA a dtype the fused kernels do not take (fp32, fp64) always gets one: such blocks
     run the math path (exact, in that dtype; it holds the block's scores)."""
-    math_only = device.type == "cuda" and dtype is not None and dtype not in FUSED_CUDA_DTYPES
-    if key_valid_bs is None and allowed_qk is None and not math_only:
+    if key_valid_bs is None and allowed_qk is None and not _math_only(device, dtype):
         return None
     m = _bool_mask(key_valid_bs, causal, lq, lk, device)
     return m if allowed_qk is None else m & _allowed_rows(allowed_qk, 0, lq)[None, None]
@@ -161,8 +170,7 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     O(n/p) (rows are independent in forward; dK/dV sum over them in backward); the planner
     counts these calls' bytes (workspace.masked_calls). None: one call."""
     dev = q_bhsd.device
-    math_only = dev.type == "cuda" and q_bhsd.dtype not in FUSED_CUDA_DTYPES
-    if key_valid_bs is None and allowed_qk is None and not math_only:
+    if key_valid_bs is None and allowed_qk is None and not _math_only(dev, q_bhsd.dtype):
         return None  # no mask: the fused kernels
     if dev.type != "cuda" and not causal and allowed_qk is None:
         return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
@@ -188,7 +196,7 @@ def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
     [Lq, Lk] mask's rows; None when neither."""
     m = None if allowed_qk is None else _allowed_rows(allowed_qk, r0, r1)
     if causal:
-        band = torch.arange(lk, device=dev)[None, :] <= torch.arange(r0, r1, device=dev)[:, None]
+        band = _causal_band(r0, r1, lk, dev)
         m = band if m is None else m & band
     return m
 

@@ -300,7 +300,7 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
-def _check_same_length(n_local: int, group, call: str = "", device=None) -> None:
+def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     """Every rank must hold a shard of the same length, make the same call (`call_signature`:
     shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
     would hang, or compute with what another rank sent in another format. Callers run it
@@ -365,7 +365,7 @@ def ring_attention(
     name, world, _ = _group_args(group)
     s = q.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    _check_same_length(s, group, call_signature(
+    _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
         layout=lay.value, window=window or 0), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:

@@ -120,8 +120,9 @@ class RingSetup:
         device): the decisions cost host time, and the positions one copy to the device."""
         if not self.window:
             return [(c, None) for c in self.calls(n_local, src)]
-        return _window_calls(self, n_local, src, torch.device(device))
+        return self._window_calls(n_local, src, torch.device(device))
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
     def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
         calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
@@ -155,11 +156,6 @@ class WindowMask:
     def rows(self, r0: int, r1: int) -> torch.Tensor:
         diff = self.q_pos[r0:r1, None] - self.k_pos[None, :]
         return diff < self.window if self.causal else diff.abs() < self.window
-
-
-@functools.lru_cache(maxsize=1024)
-def _window_calls(setup: RingSetup, n_local: int, src: int, device: torch.device):
-    return setup._window_calls(n_local, src, device)
 
 
 def _nearest_distance(qs: torch.Tensor, ks: torch.Tensor) -> int:
