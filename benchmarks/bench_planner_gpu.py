@@ -55,6 +55,23 @@ class AttentionLayer(nn.Module):
         return y.float().pow(2).mean()
 
 
+class MaskedAttentionLayer(AttentionLayer):
+    """The attention layer with a causal sliding window and a key padding mask built in the
+    graph: every ring block with a window edge or padded keys runs as a masked call (row chunks,
+    runtime/kernels.py Note [Masked rows]), which the plan counts (workspace.masked_calls)."""
+
+    window = 2048
+
+    def forward(self, x, pad):  # pad: bool [b, n], True = padding
+        b, s, dim = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=band & ~pad[:, None, None, :])
+        y = self.out(a.transpose(1, 2).reshape(b, s, dim))
+        return y.float().pow(2).mean()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -107,6 +124,14 @@ def make(model: str, n: int, device, dtype, smoke: bool):
         dim, heads = (48, 3) if smoke else (1536, 12)
         m = AttentionLayer(dim, heads)
         inputs = (torch.randn(1, n, dim),)
+    elif model == "masked":
+        dim, heads = (48, 3) if smoke else (1536, 12)
+        m = MaskedAttentionLayer(dim, heads)
+        if smoke:
+            m.window = 24
+        pad = torch.zeros(1, n, dtype=torch.bool)
+        pad[:, n - n // 8:] = True  # the last eighth of the keys is padding
+        inputs = (torch.randn(1, n, dim), pad)
     else:
         dim, heads, kv, hidden = (48, 4, 2, 80) if smoke else (1536, 12, 4, 4480)
         m = LlamaBlock(dim, heads, kv, hidden)
@@ -186,7 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU with gloo; plan only")
     ap.add_argument("--lengths", type=int, nargs="*", default=None, help="sequence lengths n")
     ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4], help="group sizes p")
-    ap.add_argument("--models", nargs="*", default=["attention", "llama"])
+    ap.add_argument("--models", nargs="*", default=["attention", "llama"],
+                    choices=["attention", "llama", "masked"],
+                    help="masked: the attention layer with a sliding window and key padding")
     ap.add_argument("--json", dest="json_path", default="planner_vs_measured.json")
     args = ap.parse_args(argv)
 

@@ -56,9 +56,9 @@ def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int
     return m
 
 
-def _causal_band(r0: int, r1: int, lk: int, device) -> torch.Tensor:
-    """Rows [r0, r1) of the top-left causal mask [Lq, Lk] (key j visible to row i iff j <= i)."""
-    return torch.arange(lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
+def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor:
+    """Rows [r0, r1), keys [c0, lk) of the top-left causal mask (key j visible to row i iff j <= i)."""
+    return torch.arange(c0, lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
 
 
 FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
@@ -69,18 +69,18 @@ def _math_only(device, dtype) -> bool:
     return device.type == "cuda" and dtype is not None and dtype not in FUSED_CUDA_DTYPES
 
 
-def _allowed_rows(allowed_qk, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a position mask: a bool [Lq, Lk] tensor, or an object that builds its
-    rows on demand (ring.WindowMask)."""
-    return allowed_qk[r0:r1] if isinstance(allowed_qk, torch.Tensor) else allowed_qk.rows(r0, r1)
+def _allowed_rows(allowed_qk, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
+    """Rows [r0, r1), keys [c0, c1) of a position mask: a bool [Lq, Lk] tensor, or an object
+    that builds its rows on demand (ring.WindowMask)."""
+    if isinstance(allowed_qk, torch.Tensor):
+        return allowed_qk[r0:r1, c0:c1]
+    return allowed_qk.rows(r0, r1, c0, c1)
 
 
-def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None, dtype=None):
-    """The block's combined bool mask [b or 1, 1, Lq, Lk] (True = attend), or None when the
-    block needs none (unmasked, or a plain causal diagonal that the kernels do themselves).
-    On CUDA a dtype the fused kernels do not take (fp32, fp64) always gets one: such blocks
-    run the math path (exact, in that dtype; it holds the block's scores)."""
-    if key_valid_bs is None and allowed_qk is None and not _math_only(device, dtype):
+def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None):
+    """The CPU kernel's combined bool mask [b or 1, 1, Lq, Lk] (True = attend) of a block, or
+    None when it needs none (unmasked, or a plain causal diagonal that the kernel does itself)."""
+    if key_valid_bs is None and allowed_qk is None:
         return None
     m = _bool_mask(key_valid_bs, causal, lq, lk, device)
     return m if allowed_qk is None else m & _allowed_rows(allowed_qk, 0, lq)[None, None]
@@ -135,70 +135,147 @@ def _cudnn_call(op, q, k_bgsd, v_bgsd, *args, **kwargs):
     return op(q, k_bgsd, v_bgsd, *args, **kwargs)
 
 
-def _math_fwd(q, k, v, scale, mask):
-    s = torch.matmul(q.to(acc_dtype(q.dtype)), k.to(acc_dtype(q.dtype)).transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - ref.unsqueeze(-1))
-    return torch.matmul(p, v.to(p.dtype)).to(q.dtype), lse
+def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev, c0: int = 0):
+    """The position mask of block rows [r0, r1) and keys [c0, lk): the top-left causal band
+    and/or the given [Lq, Lk] mask's part; None when neither."""
+    m = None if allowed_qk is None else _allowed_rows(allowed_qk, r0, r1, c0, lk)
+    if causal:
+        band = _causal_band(r0, r1, lk, dev, c0)
+        m = band if m is None else m & band
+    return m
 
 
-def _math_bwd(dout, q, k, v, out, lse, scale, mask):
-    dt = acc_dtype(q.dtype)
-    qf, kf, vf, dof = q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dof)
-    dp = torch.matmul(dof, vf.transpose(-1, -2))
-    delta = (dof * out.to(dt)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    # dK/dV in K/V's dtype: q's, or the accumulator's when a row-chunked call passes fp32 K/V
-    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf).to(k.dtype), dv.to(v.dtype)
+def _key_range(causal: bool, allowed_qk, r0: int, r1: int, lk: int) -> tuple[int, int]:
+    """Keys [c0, c1) outside which no key is visible to block rows [r0, r1): the causal band
+    ends at row r1 - 1, a window (ring.WindowMask.key_range) bounds both sides; c0 == c1: none."""
+    c0, c1 = 0, lk
+    if causal:
+        c1 = min(lk, r1)
+    if allowed_qk is not None and hasattr(allowed_qk, "key_range"):
+        a0, a1 = allowed_qk.key_range(r0, r1)
+        c0, c1 = max(c0, a0), min(c1, a1)
+    return c0, max(c0, c1)
 
 
-MASKED_CALL_BYTES = 256 * 2**20  # fp32 [b, h, rows, Lk] of one masked kernel call (Note [Masked rows])
+# Note [Masked rows]
+# A masked block (key padding, a sliding window; on CUDA also fp32/fp64, which the fused
+# kernels do not take) holds [rows, Lk] values per head: the CUDA math path its scores and, in
+# backward, their gradient; the CPU kernel an additive mask [b, 1, rows, Lk] where the mask has
+# rows (causal, windows). Over the whole block that is O(Lq * Lk), quadratic in the shard (16
+# GiB of fp32 scores at 16K rows and 16 heads), so such a call runs over chunks of query rows
+# of at most MASKED_CALL_BYTES of scores each, which keeps it O(n/p): rows are independent in
+# forward, and dK/dV sum over them in backward. A chunk's keys are cut to the range its rows
+# may see (`_key_range`: the causal band's end, a window's two sides), so a window of w keys
+# costs O(rows * (rows + w)) per chunk, not O(rows * Lk). The math path works in place on one buffer
+# per chunk in forward (scores, then probabilities) and two in backward (P and dS), prepares
+# K/V once per block (expanded, in the accumulator dtype) and adds each chunk's dK/dV into the
+# block's accumulators without a temporary of their size. The planner counts these bytes
+# (workspace.masked_calls; benchmarks/bench_planner_gpu.py --models masked checks them against
+# the allocator).
+
+MASKED_CALL_BYTES = 256 * 2**20  # accumulator-dtype [b, h, rows, Lk] of one masked kernel call
 
 
-def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) -> list[tuple[int, int]] | None:
-    """Note [Masked rows]: a masked block's kernels hold [rows, Lk] per head: the math path
-    (CUDA) its fp32 scores, probabilities and their gradient; the CPU kernel an additive fp32
-    mask [b, 1, rows, Lk] (where the mask has rows: causal, windows). Over the whole block that
-    is O(Lq * Lk), quadratic in the shard (16 GiB of scores at 16K rows, 16 heads): so a masked
-    call runs over chunks of query rows of at most MASKED_CALL_BYTES each, which keeps it
-    O(n/p) (rows are independent in forward; dK/dV sum over them in backward); the planner
-    counts these calls' bytes (workspace.masked_calls). None: one call."""
-    dev = q_bhsd.device
-    if key_valid_bs is None and allowed_qk is None and not _math_only(dev, q_bhsd.dtype):
-        return None  # no mask: the fused kernels
-    if dev.type != "cuda" and not causal and allowed_qk is None:
-        return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
+def _math_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
+    """Whether a block runs the exact math path: on CUDA, a masked block (the fused kernels
+    take no masks) or a dtype they do not take."""
+    return device.type == "cuda" and (key_valid_bs is not None or allowed_qk is not None or _math_only(device, dtype))
+
+
+def _row_chunks(q_bhsd, lk: int) -> list[tuple[int, int]]:
+    """Query-row chunks of at most MASKED_CALL_BYTES of [b, h, rows, Lk] accumulator-dtype
+    values each (at least one row each)."""
     b, h, lq = q_bhsd.shape[0], q_bhsd.shape[1], q_bhsd.shape[2]
     score_bytes = torch.finfo(acc_dtype(q_bhsd.dtype)).bits // 8
     rows = max(1, MASKED_CALL_BYTES // (score_bytes * b * h * lk))
-    return None if rows >= lq else [(r, min(lq, r + rows)) for r in range(0, lq, rows)]
+    return [(r, min(lq, r + rows)) for r in range(0, lq, rows)]
 
 
-def _chunk_kv(q_bhsd, k_bgsd, v_bgsd):
-    """K/V for every row chunk of a block, prepared once: expanded to q's heads (GQA) and, for
-    the CUDA math path, in the accumulator dtype, so that no chunk repeats the work and dK/dV
-    come back unrounded."""
-    h = q_bhsd.shape[1]
-    k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
-    if q_bhsd.device.type == "cuda":
-        k, v = k.to(acc_dtype(q_bhsd.dtype)), v.to(acc_dtype(q_bhsd.dtype))
-    return k, v
-
-
-def _rows_allowed(causal: bool, allowed_qk, r0: int, r1: int, lk: int, dev):
-    """The position mask of block rows [r0, r1): the top-left causal band and/or the given
-    [Lq, Lk] mask's rows; None when neither."""
-    m = None if allowed_qk is None else _allowed_rows(allowed_qk, r0, r1)
-    if causal:
-        band = _causal_band(r0, r1, lk, dev)
-        m = band if m is None else m & band
+def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int, c1: int, device):
+    """The bool mask [b or 1, 1, r1 - r0, c1 - c0] (True = attend) of block rows [r0, r1) and
+    keys [c0, c1), or None when those rows see every one of those keys."""
+    m = _rows_allowed(causal, allowed_qk, r0, r1, c1, device, c0)
+    m = None if m is None else m[None, None]
+    if key_valid_bs is not None:
+        kv = key_valid_bs[:, None, None, c0:c1]
+        m = kv if m is None else m & kv
     return m
+
+
+def _scores_(q_rows, k, scale: float, mask):
+    """[b, h, rows, Lk] scaled scores in k's dtype, -inf where the mask hides the key."""
+    s = torch.matmul(q_rows.to(k.dtype), k.transpose(-1, -2)).mul_(scale)
+    return s if mask is None else s.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _add_matmul_(acc, a, b) -> None:
+    """acc += a @ b over the leading [b, h] dims, with no temporary of acc's size."""
+    acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+
+
+def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
+    """Exact (out, lse) of a block, computed in the accumulator dtype (Note [Masked rows]).
+    Rows with no visible key: out = 0, lse = -inf."""
+    dt, h, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[2]
+    k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
+    out = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
+    lse = torch.empty(q_bhsd.shape[:3], dtype=dt, device=q_bhsd.device)
+    for r0, r1 in _row_chunks(q_bhsd, lk):
+        c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
+        if c0 == c1:  # no key visible to these rows
+            out[:, :, r0:r1] = 0
+            lse[:, :, r0:r1] = float("-inf")
+            continue
+        p = _scores_(q_bhsd[:, :, r0:r1], k[:, :, c0:c1], scale,
+                     _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device))
+        top = p.amax(-1, keepdim=True)
+        top.masked_fill_(torch.isneginf(top), 0.0)  # a row with no key: exp(-inf - 0) = 0 everywhere
+        total = p.sub_(top).exp_().sum(-1, keepdim=True)
+        lse[:, :, r0:r1] = (total.log() + top).squeeze(-1)  # log(0) = -inf for such a row
+        out[:, :, r0:r1] = torch.matmul(p.div_(total.clamp_min_(torch.finfo(dt).tiny)), v[:, :, c0:c1])
+        del p
+    return out, lse
+
+
+def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_valid_bs=None,
+              allowed_qk=None):
+    """Exact (dq, dk, dv) of a block given its rows' global out and lse (as `bwd_lse` prepares
+    it: +inf where a row saw no key); dK/dV summed over the row chunks in the accumulator dtype,
+    returned in K/V's dtype with g heads (Note [Masked rows])."""
+    dt, h, g, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[1], k_bgsd.shape[2]
+    k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
+    dq = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
+    dk, dv = torch.zeros_like(k, memory_format=torch.contiguous_format), torch.zeros_like(v, memory_format=torch.contiguous_format)
+    for r0, r1 in _row_chunks(q_bhsd, lk):
+        c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
+        if c0 == c1:  # no key visible to these rows: no gradient
+            dq[:, :, r0:r1] = 0
+            continue
+        k_c, v_c = k[:, :, c0:c1], v[:, :, c0:c1]
+        q_r, do_r = q_bhsd[:, :, r0:r1].to(dt), dout[:, :, r0:r1].to(dt)
+        delta = (do_r * out[:, :, r0:r1].to(dt)).sum(-1, keepdim=True)
+        p = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device))
+        p.sub_(lse[:, :, r0:r1, None].to(dt)).exp_()
+        _add_matmul_(dv[:, :, c0:c1], p.transpose(-1, -2), do_r)
+        ds = torch.matmul(do_r, v_c.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)
+        del p
+        dq[:, :, r0:r1] = torch.matmul(ds, k_c)
+        _add_matmul_(dk[:, :, c0:c1], ds.transpose(-1, -2), q_r)
+        del ds
+    del k, v
+    return dq, _reduce_kv_grad(dk, g).to(k_bgsd.dtype), _reduce_kv_grad(dv, g).to(v_bgsd.dtype)
+
+
+def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) -> list[tuple[int, int]] | None:
+    """The CPU kernel's query-row chunks of a masked block (Note [Masked rows]): where its
+    additive mask has rows (causal, windows) and one call would exceed MASKED_CALL_BYTES;
+    None: one call."""
+    if key_valid_bs is None and allowed_qk is None:
+        return None  # no mask: the kernel's own causal flag
+    if not causal and allowed_qk is None:
+        return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
+    chunks = _row_chunks(q_bhsd, lk)
+    return None if len(chunks) == 1 else chunks
 
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
@@ -206,30 +283,28 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     an object whose rows(r0, r1) builds some of its rows (ring.WindowMask)."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
-    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
-    if chunks is not None:
-        k, v = _chunk_kv(q_bhsd, k_bgsd, v_bgsd)
-        parts = [block_fwd(q_bhsd[:, :, r0:r1], k, v, scale=scale, causal=False, key_valid_bs=key_valid_bs,
-                           allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev)) for r0, r1 in chunks]
-        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
-    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
-    if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
+    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+        return _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
+    if dev.type == "cuda" and _cuda_kernel() == "cudnn":
         res = _cudnn_call(_compat.cuda_cudnn_fwd, q_bhsd, k_bgsd, v_bgsd, None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1).to(acc_dtype(q_bhsd.dtype))
     k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
-    if dev.type == "cpu":
-        out, lse = _compat.cpu_flash_fwd(
-            q_bhsd, k, v, 0.0, causal and mask is None,
-            attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
-        )
-    elif mask is not None:
-        out, lse = _math_fwd(q_bhsd, k, v, scale, mask)
-    else:
+    if dev.type == "cuda":
         res = _compat.cuda_flash_fwd(q_bhsd, k, v, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]
+        return res[0], res[1].to(acc_dtype(q_bhsd.dtype))
+    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
+    if chunks is not None:
+        parts = [block_fwd(q_bhsd[:, :, r0:r1], k, v, scale=scale, causal=False, key_valid_bs=key_valid_bs,
+                           allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev)) for r0, r1 in chunks]
+        return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    out, lse = _compat.cpu_flash_fwd(
+        q_bhsd, k, v, 0.0, causal and mask is None,
+        attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
+    )
     lse = lse.to(acc_dtype(q_bhsd.dtype))
     if mask is not None:
-        # Rows with no visible key: the kernels return lse = 0 there; the contract is -inf.
+        # Rows with no visible key: the kernel returns lse = 0 there; the contract is -inf.
         valid = mask.any(-1)  # [b or 1, 1, Lq]
         lse = lse.masked_fill(~valid, float("-inf"))
         out = out.masked_fill(~valid[..., None], 0.0)
@@ -263,22 +338,9 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
-    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
-    if chunks is not None:
-        k, v = _chunk_kv(q_bhsd, k_bgsd, v_bgsd)
-        dqs, dk, dv = [], None, None
-        for r0, r1 in chunks:
-            dq_c, dk_c, dv_c = block_bwd(
-                dout_bhsd[:, :, r0:r1], q_bhsd[:, :, r0:r1], k, v, out_bhsd[:, :, r0:r1], lse[:, :, r0:r1],
-                scale=scale, causal=False, key_valid_bs=key_valid_bs,
-                allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev), lse_prepared=True)
-            dqs.append(dq_c)
-            # dK/dV sum over the row chunks in the accumulator dtype (fp32 from the math path)
-            dk = dk_c.to(acc_dtype(dk_c.dtype)) if dk is None else dk.add_(dk_c)
-            dv = dv_c.to(acc_dtype(dv_c.dtype)) if dv is None else dv.add_(dv_c)
-        return torch.cat(dqs, 2), _reduce_kv_grad(dk, g).to(k_bgsd.dtype), _reduce_kv_grad(dv, g).to(v_bgsd.dtype)
-    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk, q_bhsd.dtype)
-    if dev.type == "cuda" and mask is None and _cuda_kernel() == "cudnn":
+    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+        return _math_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
+    if dev.type == "cuda" and _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
         seed = _zero_seed(dev)
         dq, dk, dv = _cudnn_call(
@@ -288,17 +350,29 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
             q_bhsd, k_bgsd, v_bgsd)
         return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)  # a no-op when cuDNN took g heads
     k, v = _expand_kv(k_bgsd, h), _expand_kv(v_bgsd, h)
-    if dev.type == "cpu":
-        dq, dk, dv = _compat.cpu_flash_bwd(
-            dout_bhsd, q_bhsd, k, v, out_bhsd, lse.to(q_bhsd.dtype if q_bhsd.dtype == torch.float64 else torch.float32),
-            0.0, causal and mask is None, attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
-        )
-    elif mask is not None:
-        dq, dk, dv = _math_bwd(dout_bhsd, q_bhsd, k, v, out_bhsd, lse, scale, mask)
-    else:
+    if dev.type == "cuda":
         seed = _zero_seed(dev)
         dq, dk, dv = _compat.cuda_flash_bwd(
             dout_bhsd, q_bhsd, k, v, out_bhsd, lse.float().contiguous(), None, None, lq, lk, 0.0, causal,
             seed, seed, scale=scale,
         )
+        return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)
+    chunks = _masked_row_chunks(q_bhsd, lk, causal, key_valid_bs, allowed_qk)
+    if chunks is not None:
+        dqs, dk, dv = [], None, None
+        for r0, r1 in chunks:
+            dq_c, dk_c, dv_c = block_bwd(
+                dout_bhsd[:, :, r0:r1], q_bhsd[:, :, r0:r1], k, v, out_bhsd[:, :, r0:r1], lse[:, :, r0:r1],
+                scale=scale, causal=False, key_valid_bs=key_valid_bs,
+                allowed_qk=_rows_allowed(causal, allowed_qk, r0, r1, lk, dev), lse_prepared=True)
+            dqs.append(dq_c)
+            # dK/dV (h heads here) sum over the row chunks in the accumulator dtype
+            dk = dk_c.to(acc_dtype(dk_c.dtype)) if dk is None else dk.add_(dk_c)
+            dv = dv_c.to(acc_dtype(dv_c.dtype)) if dv is None else dv.add_(dv_c)
+        return torch.cat(dqs, 2), _reduce_kv_grad(dk, g).to(k_bgsd.dtype), _reduce_kv_grad(dv, g).to(v_bgsd.dtype)
+    mask = _mask(key_valid_bs, causal, lq, lk, dev, allowed_qk)
+    dq, dk, dv = _compat.cpu_flash_bwd(
+        dout_bhsd, q_bhsd, k, v, out_bhsd, lse.to(q_bhsd.dtype if q_bhsd.dtype == torch.float64 else torch.float32),
+        0.0, causal and mask is None, attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
+    )
     return dq, _reduce_kv_grad(dk, g), _reduce_kv_grad(dv, g)

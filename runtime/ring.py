@@ -127,7 +127,9 @@ class RingSetup:
         calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
-        q_dev, k_dev = q_pos.to(device), k_pos.to(device)
+        # int32 where the positions allow: a row chunk's [rows, Lk] difference then takes half the bytes
+        pos_dtype = torch.int32 if max(int(q_pos.max()), int(k_pos.max())) < 2**31 else torch.int64
+        q_dev, k_dev = q_pos.to(device, pos_dtype), k_pos.to(device, pos_dtype)
         out = []
         for c in calls:
             qs, ks = q_pos[c.q0:c.q1], k_pos[c.k0:c.k1]
@@ -138,24 +140,37 @@ class RingSetup:
                 every = max(int(qs.max() - ks.min()), int(ks.max() - qs.min())) < self.window
             if some:
                 out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
-                                                             self.is_causal)))
+                                                             self.is_causal, qs, ks)))
         return out
 
 
 @dataclass(frozen=True)
 class WindowMask:
     """A block call's sliding-window mask as the global positions of its query rows and keys
-    (O(Lq + Lk)); `rows` builds the bool mask [r1 - r0, Lk] of some rows when a kernel call
-    needs it (True = visible: i - j < window when causal, |i - j| < window otherwise)."""
+    (O(Lq + Lk), keys in ascending positions); `rows` builds the bool mask of some rows and keys
+    when a kernel call needs it (True = visible: i - j < window when causal, |i - j| < window
+    otherwise), `key_range` finds on the host the keys some rows may see. q_host/k_host: the
+    positions on the host (None: q_pos/k_pos are)."""
 
     q_pos: torch.Tensor
     k_pos: torch.Tensor
     window: int
     causal: bool
+    q_host: torch.Tensor | None = None
+    k_host: torch.Tensor | None = None
 
-    def rows(self, r0: int, r1: int) -> torch.Tensor:
-        diff = self.q_pos[r0:r1, None] - self.k_pos[None, :]
+    def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
+        diff = self.q_pos[r0:r1, None] - self.k_pos[None, c0:c1]
         return diff < self.window if self.causal else diff.abs() < self.window
+
+    def key_range(self, r0: int, r1: int) -> tuple[int, int]:
+        """Keys [c0, c1) outside which none is visible to rows [r0, r1) (causal: no bound above,
+        the call's own causal flag gives it)."""
+        qs = (self.q_pos if self.q_host is None else self.q_host)[r0:r1]
+        ks = self.k_pos if self.k_host is None else self.k_host
+        c0 = int(torch.searchsorted(ks, int(qs.min()) - self.window + 1))
+        c1 = len(ks) if self.causal else int(torch.searchsorted(ks, int(qs.max()) + self.window))
+        return c0, max(c0, c1)
 
 
 def _nearest_distance(qs: torch.Tensor, ks: torch.Tensor) -> int:

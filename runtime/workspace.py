@@ -344,24 +344,31 @@ def _forward_options(opts, i: int, g: int, itemsize: int) -> list[int]:
 
 def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
-    (Note [Masked rows] in kernels.py): each call holds at most MASKED_CALL_BYTES of
-    [b, h, rows, Lk] scores. On CUDA (the math path: a key mask, a window, or fp32/fp64) the
-    scores and probabilities in forward, also their gradients in backward, plus q, K and V in
-    the accumulator dtype; on CPU the additive fp32 mask [b, 1, rows, Lk] and its bool source,
-    where the mask has rows (causal or a window). Zero for unmasked half-precision blocks. An
-    upper bound, not checked against the allocator."""
+    (Note [Masked rows] in kernels.py), for blocks of s = n_local keys, a bound:
+    - CUDA (the math path: a key mask, a window, or fp32/fp64): K and V expanded to q's heads
+      in the accumulator dtype, in backward also their dK/dV accumulators; per row chunk its
+      scores (at most MASKED_CALL_BYTES; in backward also their gradient), its masks and their
+      building (bool [b, rows, Lk] and its negation; a window's int32 differences, twice when
+      symmetric, and comparisons: (2b + 9) bytes per [rows, Lk] element) and a few
+      accumulator-dtype [b, h, rows, d] rows (2 in forward, 4 in backward);
+    - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
+      rows (causal or a window).
+    Zero for unmasked half-precision blocks."""
     from .kernels import MASKED_CALL_BYTES
 
     q, kv_mask, window = a["q"], a.get("key_valid"), a.get("window") or 0
-    b, h, s, _ = q.shape
+    b, h, s, d = q.shape
     zero = sympy.Integer(0)
     acc = _acc_itemsize(q.itemsize)
     if q.device_type == "cuda":
         if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
             return zero, zero
         scores = sympy.Min(MASKED_CALL_BYTES, acc * b * h * s * s)
-        copies = 3 * q.with_itemsize(acc).nbytes  # q, K and V (expanded) in the accumulator dtype
-        return 2 * scores + copies, 4 * scores + copies
+        plane = scores / (acc * b * h)  # [rows, Lk] elements of one call
+        masks = (2 * b + 9) * plane
+        rows = sympy.Min(scores * d / s, acc * b * h * s * d)  # one [b, h, rows, d] in the accumulator dtype
+        kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
+        return 2 * kv32 + scores + masks + 2 * rows, 4 * kv32 + 2 * scores + masks + 4 * rows
     if not (window or (kv_mask is not None and a.get("is_causal"))):
         return zero, zero
     mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)

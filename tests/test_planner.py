@@ -589,8 +589,9 @@ def test_long_peak_formulas_read_as_a_line(monkeypatch):
 def test_masked_ring_calls_are_counted_and_bounded():
     """workspace.masked_calls: nothing for unmasked fp16/bf16 blocks (the fused kernels);
     masked blocks hold at most MASKED_CALL_BYTES of scores per call (Note [Masked rows]), so
-    the term stays bounded in n: the CUDA math path's scores (2 in forward, 4 in backward)
-    and the CPU kernel's additive mask where it has rows."""
+    the term is O(n/p): the CUDA math path's K/V (and dK/dV) in fp32 plus bounded per-call
+    scores (1 in forward, 2 in backward), masks and rows; the CPU kernel's additive mask where
+    it has rows."""
     from ringcc.runtime.kernels import MASKED_CALL_BYTES
 
     s = sympy.Symbol("s", positive=True, integer=True)
@@ -603,8 +604,14 @@ def test_masked_ring_calls_are_counted_and_bounded():
     assert ws("cuda", mask=False) == (0, 0) and ws("cpu", mask=True, causal=False) == (0, 0)
     big = {s: 2**20}
     fwd, bwd = ws("cuda")
-    q32 = 16 * 2**20 * 128 * 4
-    assert fwd.subs(big) == 2 * MASKED_CALL_BYTES + 3 * q32 and bwd.subs(big) == 4 * MASKED_CALL_BYTES + 3 * q32
-    assert ws("cuda", mask=False, itemsize=4)[0].subs({s: 64}) == 2 * 4 * 16 * 64 * 64 + 3 * 16 * 64 * 128 * 4
+    kv32 = 16 * 2**20 * 128 * 4  # K or V expanded, fp32
+    plane = MASKED_CALL_BYTES // (4 * 16)  # [rows, Lk] elements of a call's scores
+    rows = MASKED_CALL_BYTES * 128 // 2**20  # one fp32 [b, h, rows, d]
+    assert fwd.subs(big) == 2 * kv32 + MASKED_CALL_BYTES + 11 * plane + 2 * rows
+    assert bwd.subs(big) == 4 * kv32 + 2 * MASKED_CALL_BYTES + 11 * plane + 4 * rows
+    # short blocks: the whole [s, s] scores in one call
+    small = 4 * 16 * 64 * 64
+    assert ws("cuda", mask=False, itemsize=4)[0].subs({s: 64}) == (2 * 16 * 64 * 128 * 4 + small + 11 * 64 * 64
+                                                                    + 2 * 16 * 64 * 128 * 4)
     cpu_fwd, _ = ws("cpu", mask=False, window=5)
     assert cpu_fwd.subs(big) == sympy.Rational(MASKED_CALL_BYTES, 16) * sympy.Rational(5, 4)

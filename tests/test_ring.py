@@ -492,28 +492,6 @@ def test_ring_transport_choice_on_cpu(pools):
         assert area_bytes == 0
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_exact_math_block_path_matches_cpu_kernels(causal):
-    """The exact math path (CUDA's kernels for masked blocks: key padding, sliding windows)
-    against the CPU flash ops on the same masked block, forward and backward, fp64."""
-    from ringcc.runtime import kernels
-
-    gen = torch.Generator().manual_seed(3)
-    b, h, s, d = 2, 4, 12, 8
-    q, k, v, dout = (torch.randn(b, h, s, d, generator=gen, dtype=torch.float64) for _ in range(4))
-    key_valid = torch.rand(b, s, generator=gen) < 0.7
-    key_valid[:, 0] = True  # every row sees a key (rows that see none differ only by contract)
-    mask = kernels._mask(key_valid, causal, s, s, q.device)
-    out, lse = kernels._math_fwd(q, k, v, d ** -0.5, mask)
-    ref_out, ref_lse = kernels.block_fwd(q, k, v, scale=d ** -0.5, causal=causal, key_valid_bs=key_valid)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(lse, ref_lse)
-    grads = kernels._math_bwd(dout, q, k, v, out, lse, d ** -0.5, mask)
-    ref_grads = kernels.block_bwd(dout, q, k, v, ref_out, ref_lse, scale=d ** -0.5, causal=causal, key_valid_bs=key_valid)
-    for a, r in zip(grads, ref_grads):
-        torch.testing.assert_close(a, r)
-
-
 def _blocks(seed, shape, ranges, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(shape[0], shape[1], r1 - r0, shape[3], generator=gen).to(dtype), r0, r1) for r0, r1 in ranges]
@@ -574,11 +552,16 @@ def test_merge_block_equals_fp32_merge_narrowed_once(ranges, final):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("causal,key_mask,window", [(True, True, None), (False, False, 5), (True, False, 3),
-                                                    (True, True, 4), (False, True, None)])
-def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, window):
-    """Note [Masked rows]: a masked block call split into chunks of query rows (a tiny
-    MASKED_CALL_BYTES) gives the one-call result: out, lse, dq, dk, dv (GQA, a fully masked row)."""
+@pytest.mark.parametrize("causal,key_mask,window,offset", [
+    (True, True, None, 0), (False, False, 5, 2), (True, False, 3, 2), (True, True, 4, 2), (False, True, None, 0),
+    (False, False, None, 0), (False, True, 3, 8), (True, False, 3, 8)])
+def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, window, offset):
+    """Note [Masked rows]: the CPU kernel and the exact math path (CUDA's, for masked blocks and
+    fp32/fp64; run here on CPU), each in one call and split into chunks of query rows (a tiny
+    MASKED_CALL_BYTES), give the CPU kernel's one-call result: out, lse, dq, dk, dv (GQA, a
+    fully masked row: out 0, lse -inf, no gradient). The math path cuts each chunk's keys to
+    the range its rows may see (`_key_range`); with the rows 8 positions after the keys, the
+    last chunks see none."""
     from ringcc.runtime import kernels
 
     torch.manual_seed(0)
@@ -588,13 +571,16 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
     kv = None
     if key_mask:
         kv = torch.rand(b, lk) > 0.3
-        kv[1] = False  # batch row 1 sees no key at all
+        kv[1] = False  # batch row 1 sees one key only: with the causal band, its first rows see none
         kv[1, 5] = True
     allowed = None
-    if window is not None:  # the block's rows sit 2 positions after its keys; rows built on demand
+    if window is not None:  # the block's rows sit `offset` positions after its keys; rows built on demand
         from ringcc.runtime.ring import WindowMask
 
-        allowed = WindowMask(torch.arange(lq) + 2, torch.arange(lk), window, False)
+        allowed = WindowMask(torch.arange(lq, dtype=torch.int32) + offset, torch.arange(lk, dtype=torch.int32), window,
+                             False)
+        if offset == 8:  # rows from 6 on (positions >= 14) see no key: out 0, lse -inf, no gradient
+            assert allowed.key_range(6, 9) == (11, 11) and allowed.key_range(0, 3) == (6, 11)
     args = dict(scale=0.3, causal=causal, key_valid_bs=kv, allowed_qk=allowed)
 
     def run():
@@ -602,12 +588,24 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
         return (out, lse, *kernels.block_bwd(dout, q, k, v, out, lse, **args))
 
     whole = run()
+    if offset == 8:
+        assert bool(torch.isneginf(whole[1][:, :, 6:]).all()) and not bool(whole[0][:, :, 6:].any())
+    if key_mask and causal:
+        assert bool(torch.isneginf(whole[1][1, :, :5]).all()) and not bool(whole[0][1, :, :5].any())
+        assert not bool(whole[2][1, :, :5].any())
     assert kernels._masked_row_chunks(q, lk, causal, kv, allowed) is None  # one call at the default size
     score_bytes = 8 if dtype == torch.float64 else 4  # scores in the accumulator dtype
     monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * 3)  # 3 rows per call
+    assert kernels._row_chunks(q, lk) == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
     assert len(kernels._masked_row_chunks(q, lk, causal, kv, allowed) or []) == (5 if causal or window else 0)
     for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
-        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=f"cpu kernel in row chunks: {name}")
+    monkeypatch.setattr(kernels, "_math_path", lambda *_: True)  # every block on the math path
+    for rows in (3, lq):
+        monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * rows)
+        for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
+            assert c.dtype == a.dtype and c.shape == a.shape, name
+            torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=f"math path, {rows} rows per call: {name}")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -1,0 +1,126 @@
+"""Masked ring attention: time and memory of key padding and sliding windows next to the
+unmasked ring, per rank, at the launched p (causal, contiguous layout, b = 1).
+
+    torchrun --nproc-per-node 4 benchmarks/bench_masked.py --json masked.json
+    torchrun --nproc-per-node 2 benchmarks/bench_masked.py --smoke          # CPU / gloo, tiny
+
+On CUDA, masked blocks run the exact math path in chunks of query rows (runtime/kernels.py,
+Note [Masked rows]); unmasked blocks run the fused kernels. Each cell: one warm-up, then the
+median of --reps forward+backward iterations (CUDA events on GPU), and the step's peak memory
+above what was allocated before it (max_memory_allocated; the copy-engine receive area is
+outside the allocator, as in bench_planner_gpu.py). The table gives the slowest rank's time
+and the largest rank's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ringcc
+
+CASES = {  # name -> (key padding, window)
+    "unmasked": (False, None),
+    "key padding": (True, None),
+    "window": (False, 2048),
+    "window + key padding": (True, 2048),
+}
+
+
+def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, smoke: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    padding, window = CASES[case]
+    if smoke and window:
+        window = 24
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, heads, n_local, d, generator=gen).to(device, dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    pad = None
+    if padding:  # the last eighth of the global sequence is padding
+        pos = torch.arange(rank * n_local, (rank + 1) * n_local)
+        pad = (pos >= world * n_local - world * n_local // 8)[None].to(device)
+
+    def step():
+        out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=pad, window=window)
+        out.backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    cuda = device.type == "cuda"
+    step()  # warm-up
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(reps):
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return {"case": case, "n_local": n_local, "p": world, "ms": statistics.median(times), "peak_bytes": peak}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU with gloo, fp32")
+    ap.add_argument("--n-local", type=int, nargs="*", default=None, help="tokens per rank (default 8192 16384)")
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--reps", type=int, default=3, help="timed iterations per cell (the median is reported)")
+    ap.add_argument("--json", dest="json_path", default="masked.json")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1; got {args.reps}")
+
+    use_cuda = torch.cuda.is_available() and not args.smoke
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    rank = dist.get_rank()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    heads, d = (2, 16) if args.smoke else (16, 128)
+    lengths = args.n_local or ([64] if args.smoke else [8192, 16384])
+    rows = []
+    for n_local in lengths:
+        for case in args.cases:
+            row = cell(case, n_local, heads, d, device, dtype, args.reps, args.smoke)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, row)
+            if rank == 0:
+                worst = dict(row, ms=max(r["ms"] for r in gathered), peak_bytes=max(r["peak_bytes"] for r in gathered))
+                rows.append(worst)
+                print(f"{case:22} n_local={n_local:>6} p={worst['p']}  {worst['ms']:9.2f} ms  "
+                      f"peak {worst['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+    if rank == 0:
+        info = {"device": torch.cuda.get_device_name() if use_cuda else "cpu (smoke, gloo)",
+                "torch": torch.__version__, "dtype": str(dtype), "heads": heads, "d": d, "causal": True,
+                "layout": "contiguous", "reps": args.reps, "rows": rows}
+        with open(args.json_path, "w") as f:
+            json.dump(info, f, indent=2)
+        print(f"wrote {args.json_path} ({info['device']}, torch {info['torch']})")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
