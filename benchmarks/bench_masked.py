@@ -4,8 +4,8 @@ unmasked ring, per rank, at the launched p (causal, contiguous layout, b = 1).
     torchrun --nproc-per-node 4 benchmarks/bench_masked.py --json masked.json
     torchrun --nproc-per-node 2 benchmarks/bench_masked.py --smoke          # CPU / gloo, tiny
 
-On CUDA, masked blocks run the exact math path in chunks of query rows (runtime/kernels.py,
-Note [Masked rows]); unmasked blocks run the fused kernels. Each cell: one warm-up, then the
+On CUDA, masked blocks run the exact math path in chunks of query rows over the keys they may
+see (runtime/kernels.py, Note [Masked rows]); unmasked blocks run the fused kernels. Each cell: one warm-up, then the
 median of --reps forward+backward iterations (CUDA events on GPU), and the step's peak memory
 above what was allocated before it (max_memory_allocated; the copy-engine receive area is
 outside the allocator, as in bench_planner_gpu.py). The table gives the slowest rank's time

@@ -206,3 +206,43 @@ def test_fp32_and_fp64_run_the_math_path_on_cuda(dtype, is_causal):
     torch.testing.assert_close(out, ref.detach(), **tol)
     for a, b in ((ql, qr), (kl, kr), (vl, vr)):
         torch.testing.assert_close(a.grad, b.grad, **tol)
+
+
+@pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("padded,window", [(True, None), (False, 40), (True, 40)])
+@pytest.mark.parametrize("rows_per_call", [None, 48])
+def test_masked_blocks_on_cuda(monkeypatch, is_causal, padded, window, rows_per_call):
+    """A masked bf16 block on one GPU (kernels.block_fwd/block_bwd, as the ring calls them) on
+    the math path, whole and in chunks of query rows cut to the keys they may see (Note [Masked
+    rows]), against the fp32 dense reference: GQA, key padding with rows that see no key (out
+    0, lse -inf, no gradient), sliding windows as positions (ring.WindowMask)."""
+    from ringcc.runtime import kernels
+    from ringcc.runtime.ring import WindowMask
+
+    b, h, g, n, d = 2, 8, 2, 300, 64
+    if rows_per_call:  # a row of fp32 scores per key and head
+        monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", 4 * b * h * n * rows_per_call)
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    q, k, v, dout = (torch.randn(b, hh, n, d, generator=gen).cuda() for hh in (h, g, g, h))
+    kpm = None
+    if padded:
+        kpm = (torch.rand(b, n, generator=gen) < 0.2).cuda()
+        kpm[1, :70] = True  # batch row 1: with the causal band its first 70 rows see no key
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window)
+    ref.backward(dout)
+    pos = torch.arange(n)
+    allowed = None if window is None else WindowMask(pos.cuda().int(), pos.cuda().int(), window, is_causal, pos, pos)
+    args = dict(scale=d ** -0.5, causal=is_causal, key_valid_bs=None if kpm is None else ~kpm, allowed_qk=allowed)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    out, lse = kernels.block_fwd(qb, kb, vb, **args)
+    dq, dk, dv = kernels.block_bwd(dout.bfloat16(), qb, kb, vb, out, lse, **args)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and dk.shape == k.shape
+    errs = {"out": rel_err(out, ref.detach()), "lse": lse_err(lse, ref_lse.detach()),
+            "dq": rel_err(dq, qr.grad), "dk": rel_err(dk, kr.grad), "dv": rel_err(dv, vr.grad)}
+    for name, err in errs.items():
+        assert err < (0.05 if name == "lse" else REL), (name, err, errs)
+    if padded and is_causal:
+        assert bool(torch.isneginf(lse[1, :, :70]).all()) and not bool(out[1, :, :70].any())
+        assert not bool(dq[1, :, :70].any())
