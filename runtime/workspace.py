@@ -346,11 +346,13 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
     (Note [Masked rows] in kernels.py), for blocks of s = n_local keys, a bound:
     - CUDA (the math path: a key mask, a window, or fp32/fp64): K and V expanded to q's heads
-      in the accumulator dtype, in backward also their dK/dV accumulators; per row chunk its
-      scores (at most MASKED_CALL_BYTES; in backward also their gradient), its masks and their
-      building (bool [b, rows, Lk] and its negation; a window's int32 differences, twice when
-      symmetric, and comparisons: (2b + 9) bytes per [rows, Lk] element) and a few
-      accumulator-dtype [b, h, rows, d] rows (2 in forward, 4 in backward);
+      in the accumulator dtype, in backward also their dK/dV accumulators; per call of R rows
+    (MASKED_CALL_BYTES of full-width scores, at least one row) over the keys they may see
+      (all s, or R + 2 * window with a window), its scores (in backward also their gradient),
+      its bool mask and negation (2b bytes per [rows, keys] element), what building a window's
+      mask takes beyond the scores it precedes (int32 differences, twice when symmetric, and
+      a comparison: 9 bytes per element), and a few accumulator-dtype [b, h, R, d] rows (2 in
+      forward, 4 in backward);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
     Zero for unmasked half-precision blocks."""
@@ -363,12 +365,15 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     if q.device_type == "cuda":
         if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
             return zero, zero
-        scores = sympy.Min(MASKED_CALL_BYTES, acc * b * h * s * s)
-        plane = scores / (acc * b * h)  # [rows, Lk] elements of one call
-        masks = (2 * b + 9) * plane
-        rows = sympy.Min(scores * d / s, acc * b * h * s * d)  # one [b, h, rows, d] in the accumulator dtype
+        rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))
+        plane = rows * (sympy.Min(s, rows + 2 * window) if window else s)  # [rows, keys] of one call
+        scores = acc * b * h * plane
+        row_bytes = acc * b * h * rows * d  # one [b, h, R, d] in the accumulator dtype
         kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
-        return 2 * kv32 + scores + masks + 2 * rows, 4 * kv32 + 2 * scores + masks + 4 * rows
+        masks = 2 * b * plane
+        build = lambda held: sympy.Max(0, 9 * plane - held) if window else zero  # noqa: E731
+        return (2 * kv32 + scores + masks + build(scores) + 2 * row_bytes,
+                4 * kv32 + 2 * scores + masks + build(2 * scores) + 4 * row_bytes)
     if not (window or (kv_mask is not None and a.get("is_causal"))):
         return zero, zero
     mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)

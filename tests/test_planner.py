@@ -590,8 +590,8 @@ def test_masked_ring_calls_are_counted_and_bounded():
     """workspace.masked_calls: nothing for unmasked fp16/bf16 blocks (the fused kernels);
     masked blocks hold at most MASKED_CALL_BYTES of scores per call (Note [Masked rows]), so
     the term is O(n/p): the CUDA math path's K/V (and dK/dV) in fp32 plus bounded per-call
-    scores (1 in forward, 2 in backward), masks and rows; the CPU kernel's additive mask where
-    it has rows."""
+    scores (1 in forward, 2 in backward; a window's calls see only rows + 2 * window keys),
+    masks and rows; the CPU kernel's additive mask where it has rows."""
     from ringcc.runtime.kernels import MASKED_CALL_BYTES
 
     s = sympy.Symbol("s", positive=True, integer=True)
@@ -605,13 +605,18 @@ def test_masked_ring_calls_are_counted_and_bounded():
     big = {s: 2**20}
     fwd, bwd = ws("cuda")
     kv32 = 16 * 2**20 * 128 * 4  # K or V expanded, fp32
-    plane = MASKED_CALL_BYTES // (4 * 16)  # [rows, Lk] elements of a call's scores
-    rows = MASKED_CALL_BYTES * 128 // 2**20  # one fp32 [b, h, rows, d]
-    assert fwd.subs(big) == 2 * kv32 + MASKED_CALL_BYTES + 11 * plane + 2 * rows
-    assert bwd.subs(big) == 4 * kv32 + 2 * MASKED_CALL_BYTES + 11 * plane + 4 * rows
-    # short blocks: the whole [s, s] scores in one call
+    rows = MASKED_CALL_BYTES // (4 * 16 * 2**20)  # rows of one call: full-width fp32 scores
+    plane, row = rows * 2**20, 4 * 16 * rows * 128  # [rows, keys] elements; one fp32 [b, h, rows, d]
+    assert fwd.subs(big) == 2 * kv32 + MASKED_CALL_BYTES + 2 * plane + 2 * row
+    assert bwd.subs(big) == 4 * kv32 + 2 * MASKED_CALL_BYTES + 2 * plane + 4 * row
+    # a window: each call sees rows + 2 * window keys, so its scores stay small
+    wf, wb = ws("cuda", mask=False, window=5)
+    wplane = rows * (rows + 10)
+    assert wf.subs(big) == 2 * kv32 + 4 * 16 * wplane + 2 * wplane + 2 * row
+    assert wb.subs(big) == 4 * kv32 + 2 * 4 * 16 * wplane + 2 * wplane + 4 * row
+    # short blocks: the whole [s, s] scores in one call (fp32: the fused kernels take fp16/bf16 only)
     small = 4 * 16 * 64 * 64
-    assert ws("cuda", mask=False, itemsize=4)[0].subs({s: 64}) == (2 * 16 * 64 * 128 * 4 + small + 11 * 64 * 64
+    assert ws("cuda", mask=False, itemsize=4)[0].subs({s: 64}) == (2 * 16 * 64 * 128 * 4 + small + 2 * 64 * 64
                                                                     + 2 * 16 * 64 * 128 * 4)
     cpu_fwd, _ = ws("cpu", mask=False, window=5)
     assert cpu_fwd.subs(big) == sympy.Rational(MASKED_CALL_BYTES, 16) * sympy.Rational(5, 4)

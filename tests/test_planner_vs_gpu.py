@@ -7,7 +7,10 @@ formula changes honest between GPU sessions.
   it is re-planned with that);
 - benchmarks/results/2026-11-26_2xH100_s9_planner_vs_measured.json (2 x H100, session 9): the
   default budget and the copy-engine transport, whose receive area is resident in the plan and
-  in the measurement."""
+  in the measurement;
+- benchmarks/results/2026-11-27_4xH200_s14_planner_masked_p4.json (4 x H200, session 14): an
+  attention layer with a window and key padding (masked blocks on the math path), at p = 4:
+  there the plan is a bound, not an estimate."""
 
 import json
 from pathlib import Path
@@ -21,16 +24,17 @@ from ringcc.planner_cli import trace_plans
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measured_final.json"
 COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_s9_planner_vs_measured.json"
+MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s14_planner_masked_p4.json"
 
 
-def _replan(monkeypatch, record: Path, model: str, p: int):
+def _replan(monkeypatch, record: Path, model: str, p: int, trace_len: int | None = None):
     """(the record's rows of `model` at p, a step_bytes(plan, n) function over the CPU-traced plans)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_planner_gpu
 
     rows = [r for r in json.loads(record.read_text())["rows"] if r["model"] == model and r["p"] == p]
     assert rows, f"no recorded {model} rows at p={p}"
-    trace_len = 96 * p  # equals no model dim (1536, 512, 128, 12, 4480)
+    trace_len = trace_len or 96 * p  # equals no model dim (1536, 512, 128, 12, 4480)
     m, inputs = bench_planner_gpu.make(model, trace_len, torch.device("cpu"), torch.bfloat16, False)
     plans, _ = trace_plans(m, inputs, world_size=p, trace_len=trace_len, training=True, dynamic=False,
                            device_type="cuda")
@@ -66,3 +70,17 @@ def test_plan_matches_a_copy_engine_run(monkeypatch, model):
         area = max(planner._evaluate(pl.area, pl._subs(r["n"], p)) for pl in plans)
         got = r["ring_transport"]["area_bytes"]
         assert got <= area <= got + 2 * 4 * 256, (model, r["n"], area, r["ring_transport"])
+
+
+def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
+    """Masked blocks on CUDA (a window of 2048 and key padding: the math path in row chunks cut
+    to their keys) at p = 4: the plan is at least what the GPU allocated, and at most 1.6x. It
+    is traced at 16384 tokens, so that the window is shorter than a shard (traced shorter, the
+    lifted mask would be causal alone)."""
+    monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
+    monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
+    rows, plans, step_bytes = _replan(monkeypatch, MASKED_RECORD, "masked", 4, trace_len=16384)
+    assert [r["n"] for r in rows] == [16384, 32768, 65536]
+    for r in rows:
+        ratio = step_bytes(r["n"]) / r["measured_step_bytes"]
+        assert 1.0 <= ratio <= 1.6, (r["n"], ratio)
