@@ -15,9 +15,6 @@ and the largest rank's memory.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import dist_setup
 import ringcc
 
 CASES = {  # name -> (key padding, window)
@@ -89,14 +87,9 @@ def main(argv=None) -> int:
     if args.reps < 1:
         ap.error(f"--reps must be >= 1; got {args.reps}")
 
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device, dtype = dist_setup.start(args.smoke)
+    use_cuda = device.type == "cuda"
     rank = dist.get_rank()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if use_cuda else torch.float32
     heads, d = (2, 16) if args.smoke else (16, 128)
     lengths = args.n_local or ([64] if args.smoke else [8192, 16384])
     rows = []
@@ -110,15 +103,12 @@ def main(argv=None) -> int:
                 rows.append(worst)
                 print(f"{case:22} n_local={n_local:>6} p={worst['p']}  {worst['ms']:9.2f} ms  "
                       f"peak {worst['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+    info = None
     if rank == 0:
         info = {"device": torch.cuda.get_device_name() if use_cuda else "cpu (smoke, gloo)",
                 "torch": torch.__version__, "dtype": str(dtype), "heads": heads, "d": d, "causal": True,
                 "layout": "contiguous", "reps": args.reps, "rows": rows}
-        with open(args.json_path, "w") as f:
-            json.dump(info, f, indent=2)
-        print(f"wrote {args.json_path} ({info['device']}, torch {info['torch']})")
-    dist.barrier()
-    dist.destroy_process_group()
+    dist_setup.finish(info, args.json_path)
     return 0
 
 

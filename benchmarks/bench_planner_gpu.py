@@ -21,9 +21,7 @@ comparison is about what the step allocates. The table gives the largest rank's 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import sys
 
@@ -32,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import dist_setup
 import ringcc
 from ringcc import planner
 from ringcc.config import Config
@@ -217,14 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_path", default="planner_vs_measured.json")
     args = ap.parse_args(argv)
 
-    use_cuda = torch.cuda.is_available() and not args.smoke
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    device, dtype = dist_setup.start(args.smoke)
+    use_cuda = device.type == "cuda"
     rank, size = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if use_cuda else torch.float32
     lengths = args.lengths or ([64, 128] if args.smoke else [16384, 32768, 65536])
     worlds = [w for w in args.worlds if w <= size]
     groups = {w: dist.new_group(list(range(w))) for w in worlds}  # every rank creates every group
@@ -249,6 +243,7 @@ def main(argv=None) -> int:
                     worst = max(mine, key=lambda r: r[key])
                     rows.append(worst)
                     _print_row(worst, use_cuda)
+    info = None
     if rank == 0:
         info = {
             "device": torch.cuda.get_device_name() if use_cuda else "cpu (smoke, gloo)",
@@ -260,11 +255,7 @@ def main(argv=None) -> int:
             errs = [abs(r["rel_err"]) for r in rows]
             info["max_abs_rel_err"] = max(errs) if errs else None
             print(f"max |planned/measured - 1| = {info['max_abs_rel_err']:.3f} over {len(rows)} cells")
-        with open(args.json_path, "w") as f:
-            json.dump(info, f, indent=2)
-        print(f"wrote {args.json_path} ({info['device']})")
-    dist.barrier()
-    dist.destroy_process_group()
+    dist_setup.finish(info, args.json_path)
     return 0
 
 
