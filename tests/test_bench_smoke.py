@@ -475,3 +475,25 @@ def test_short_cells_get_more_warm_up():
     assert bench.plan_iters(3.0, args) == (0, 1)  # the memory run is the only warm-up
     args.reps = 2
     assert bench.plan_iters(1.8, args) == (0, 2)  # --reps still caps it
+
+
+def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
+    """bench_masked.py and bench_planner_gpu.py --models masked end to end on CPU (gloo, p = 2,
+    smoke sizes): every masked case is timed and written to the JSON record, and the masked
+    layer's plan is O(n/p)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    masked, plan = tmp_path / "masked.json", tmp_path / "plan.json"
+    for script, extra, out in (("bench_masked.py", ["--reps", "1"], masked),
+                               ("bench_planner_gpu.py", ["--models", "masked", "--worlds", "2"], plan)):
+        proc = subprocess.run(run + [str(ROOT / "benchmarks" / script), "--smoke", *extra, "--json", str(out)],
+                              capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"wrote {out}" in proc.stdout
+    rec = json.loads(masked.read_text())
+    assert rec["device"] == "cpu (smoke, gloo)" and rec["reps"] == 1
+    assert [r["case"] for r in rec["rows"]] == ["unmasked", "key padding", "window", "window + key padding"]
+    assert all(r["p"] == 2 and r["ms"] > 0 for r in rec["rows"])
+    rows = json.loads(plan.read_text())["rows"]
+    assert [(r["model"], r["n"], r["p"]) for r in rows] == [("masked", 64, 2), ("masked", 128, 2)]
+    assert all(r["verdict"] for r in rows)
