@@ -182,13 +182,16 @@ def _math_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
     return device.type == "cuda" and (key_valid_bs is not None or allowed_qk is not None or _math_only(device, dtype))
 
 
-def _row_chunks(q_bhsd, lk: int) -> list[tuple[int, int]]:
+def _row_chunks(q_bhsd, lk: int, allowed_qk=None) -> list[tuple[int, int]]:
     """Query-row chunks of at most MASKED_CALL_BYTES of [b, h, rows, Lk] accumulator-dtype
-    values each (at least one row each)."""
+    values each (at least one row each). With a window (ring.WindowMask) no chunk spans a jump
+    in the rows' positions (zigzag: the rank's two sequence chunks), so that a chunk's rows span
+    as many positions as they are rows, and its keys (`_key_range`) rows + 2 * window at most."""
     b, h, lq = q_bhsd.shape[0], q_bhsd.shape[1], q_bhsd.shape[2]
     score_bytes = torch.finfo(acc_dtype(q_bhsd.dtype)).bits // 8
     rows = max(1, MASKED_CALL_BYTES // (score_bytes * b * h * lk))
-    return [(r, min(lq, r + rows)) for r in range(0, lq, rows)]
+    runs = [0, *getattr(allowed_qk, "row_breaks", ()), lq]
+    return [(r, min(end, r + rows)) for start, end in zip(runs, runs[1:]) for r in range(start, end, rows)]
 
 
 def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int, c1: int, device):
@@ -220,7 +223,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
     out = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
     lse = torch.empty(q_bhsd.shape[:3], dtype=dt, device=q_bhsd.device)
-    for r0, r1 in _row_chunks(q_bhsd, lk):
+    for r0, r1 in _row_chunks(q_bhsd, lk, allowed_qk):
         c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
         if c0 == c1:  # no key visible to these rows
             out[:, :, r0:r1] = 0
@@ -246,7 +249,7 @@ def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
     dq = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
     dk, dv = torch.zeros_like(k, memory_format=torch.contiguous_format), torch.zeros_like(v, memory_format=torch.contiguous_format)
-    for r0, r1 in _row_chunks(q_bhsd, lk):
+    for r0, r1 in _row_chunks(q_bhsd, lk, allowed_qk):
         c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
         if c0 == c1:  # no key visible to these rows: no gradient
             dq[:, :, r0:r1] = 0
@@ -274,7 +277,7 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
         return None  # no mask: the kernel's own causal flag
     if not causal and allowed_qk is None:
         return None  # a key mask alone broadcasts over the rows ([b, 1, 1, Lk])
-    chunks = _row_chunks(q_bhsd, lk)
+    chunks = _row_chunks(q_bhsd, lk)  # its keys are not cut: position jumps do not matter
     return None if len(chunks) == 1 else chunks
 
 

@@ -127,6 +127,8 @@ class RingSetup:
         calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
+        if not bool((k_pos[1:] > k_pos[:-1]).all()):  # WindowMask.key_range searches them
+            raise RuntimeError(f"layout {self.layout} gives rank {src} key positions that do not ascend")
         # int32 where the positions allow: a row chunk's [rows, Lk] difference then takes half the bytes
         pos_dtype = torch.int32 if max(int(q_pos.max()), int(k_pos.max())) < 2**31 else torch.int64
         q_dev, k_dev = q_pos.to(device, pos_dtype), k_pos.to(device, pos_dtype)
@@ -162,6 +164,13 @@ class WindowMask:
     def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
         diff = self.q_pos[r0:r1, None] - self.k_pos[None, c0:c1]
         return diff < self.window if self.causal else diff.abs() < self.window
+
+    @functools.cached_property
+    def row_breaks(self) -> tuple[int, ...]:
+        """Row indices where the rows' positions jump (zigzag: where the second sequence chunk
+        starts): row chunks that do not span one keep `key_range` narrow."""
+        qs = self.q_pos if self.q_host is None else self.q_host
+        return tuple(int(i) + 1 for i in torch.nonzero(qs[1:] - qs[:-1] != 1).flatten().tolist())
 
     def key_range(self, r0: int, r1: int) -> tuple[int, int]:
         """Keys [c0, c1) outside which none is visible to rows [r0, r1) (causal: no bound above,

@@ -351,8 +351,10 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
       (all s, or R + 2 * window with a window), its scores (in backward also their gradient),
       its bool mask and negation (2b bytes per [rows, keys] element), what building a window's
       mask takes beyond the scores it precedes (int32 differences, twice when symmetric, and
-      a comparison: 9 bytes per element), and a few accumulator-dtype [b, h, R, d] rows (2 in
-      forward, 4 in backward);
+      a comparison: 9 bytes per element with int32 positions), and a few accumulator-dtype
+      [b, h, R, d] rows (2 in forward, 4 in backward); on the zigzag layout a call may be over
+      s/2 keys with 2R rows; a window's calls never span a jump in the rows' positions
+      (kernels._row_chunks);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
     Zero for unmasked half-precision blocks."""
@@ -365,10 +367,14 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     if q.device_type == "cuda":
         if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
             return zero, zero
-        rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))
-        plane = rows * (sympy.Min(s, rows + 2 * window) if window else s)  # [rows, keys] of one call
+        rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
+        # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows
+        most = sympy.Min(s, 2 * rows) if a.get("layout") == "zigzag" else rows
+        plane = rows * s  # [rows, keys] elements of one call: at most MASKED_CALL_BYTES of scores
+        if window:  # a call's rows span as many positions, its keys rows + 2 * window at most
+            plane = sympy.Min(plane, most * (most + 2 * window))
         scores = acc * b * h * plane
-        row_bytes = acc * b * h * rows * d  # one [b, h, R, d] in the accumulator dtype
+        row_bytes = acc * b * h * most * d  # one [b, h, rows, d] in the accumulator dtype
         kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
         masks = 2 * b * plane
         build = lambda held: sympy.Max(0, 9 * plane - held) if window else zero  # noqa: E731

@@ -614,6 +614,11 @@ def test_masked_ring_calls_are_counted_and_bounded():
     wplane = rows * (rows + 10)
     assert wf.subs(big) == 2 * kv32 + 4 * 16 * wplane + 2 * wplane + 2 * row
     assert wb.subs(big) == 4 * kv32 + 2 * 4 * 16 * wplane + 2 * wplane + 4 * row
+    # zigzag: a call over s/2 keys takes twice the rows (their rows, and a window's keys, grow)
+    zf, _ = workspace.masked_calls({"q": workspace.TensorSize((1, 16, s, 128), 2, "cuda"), "key_valid": None,
+                                    "is_causal": True, "window": 5, "layout": "zigzag"})
+    zplane = 2 * rows * (2 * rows + 10)
+    assert zf.subs(big) == 2 * kv32 + 4 * 16 * zplane + 2 * zplane + 2 * 2 * row
     # short blocks: the whole [s, s] scores in one call (fp32: the fused kernels take fp16/bf16 only)
     small = 4 * 16 * 64 * 64
     assert ws("cuda", mask=False, itemsize=4)[0].subs({s: 64}) == (2 * 16 * 64 * 128 * 4 + small + 2 * 64 * 64

@@ -551,18 +551,36 @@ def test_merge_block_equals_fp32_merge_narrowed_once(ranges, final):
     assert torch.equal(acc[1], ref_l)
 
 
+# Query and key positions of a masked block (13 rows, 11 keys): "zigzag" has two ascending runs
+# each, as a zigzag rank's block has; "before" puts the rows before the keys.
+BLOCK_POSITIONS = {
+    "near": (torch.arange(13) + 2, torch.arange(11)),
+    "far": (torch.arange(13) + 8, torch.arange(11)),  # rows from 6 on see no key in a window of 3
+    "zigzag": (torch.cat([torch.arange(0, 6), torch.arange(20, 27)]), torch.cat([torch.arange(0, 5), torch.arange(21, 27)])),
+    "before": (torch.arange(13) - 6, torch.arange(11)),
+}
+
+
+MASKED_BLOCK_CASES = [  # (causal, key mask, window, positions); windows run both ways (window_causal)
+    (True, True, None, "near"), (False, False, 5, "near"), (True, False, 3, "near"), (True, True, 4, "near"),
+    (False, True, None, "near"), (False, False, None, "near"), (False, True, 3, "far"), (True, False, 3, "far"),
+    (False, False, 4, "zigzag"), (True, True, 3, "zigzag"), (False, True, 2, "before"), (True, False, 1, "near")]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("causal,key_mask,window,offset", [
-    (True, True, None, 0), (False, False, 5, 2), (True, False, 3, 2), (True, True, 4, 2), (False, True, None, 0),
-    (False, False, None, 0), (False, True, 3, 8), (True, False, 3, 8)])
-def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, window, offset):
+@pytest.mark.parametrize("causal,key_mask,window,positions,window_causal", [
+    (*case, wc) for case in MASKED_BLOCK_CASES for wc in ((False, True) if case[2] else (False,))])
+def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, window, positions, window_causal):
     """Note [Masked rows]: the CPU kernel and the exact math path (CUDA's, for masked blocks and
-    fp32/fp64; run here on CPU), each in one call and split into chunks of query rows (a tiny
-    MASKED_CALL_BYTES), give the CPU kernel's one-call result: out, lse, dq, dk, dv (GQA, a
-    fully masked row: out 0, lse -inf, no gradient). The math path cuts each chunk's keys to
-    the range its rows may see (`_key_range`); with the rows 8 positions after the keys, the
-    last chunks see none."""
+    fp32/fp64; run here on CPU), each in one call and in chunks of query rows (a tiny
+    MASKED_CALL_BYTES), against a dense reference built here from the positions: out, lse, dq,
+    dk, dv (GQA; rows that see no key: out 0, lse -inf, no gradient). The math path cuts each
+    chunk's keys to the range its rows may see (`_key_range`), and its chunks do not span a jump
+    in the rows' positions (`WindowMask.row_breaks`). The window may be causal (i - j < w, as in
+    a causal ring's blocks, whose own causal flag is set on the diagonal only) or not."""
+    from ringcc import reference
     from ringcc.runtime import kernels
+    from ringcc.runtime.ring import WindowMask
 
     torch.manual_seed(0)
     b, h, g, lq, lk, d = 2, 4, 2, 13, 11, 8
@@ -573,39 +591,53 @@ def test_masked_blocks_run_in_row_chunks(monkeypatch, dtype, causal, key_mask, w
         kv = torch.rand(b, lk) > 0.3
         kv[1] = False  # batch row 1 sees one key only: with the causal band, its first rows see none
         kv[1, 5] = True
+    q_pos, k_pos = BLOCK_POSITIONS[positions]
     allowed = None
-    if window is not None:  # the block's rows sit `offset` positions after its keys; rows built on demand
-        from ringcc.runtime.ring import WindowMask
-
-        allowed = WindowMask(torch.arange(lq, dtype=torch.int32) + offset, torch.arange(lk, dtype=torch.int32), window,
-                             False)
-        if offset == 8:  # rows from 6 on (positions >= 14) see no key: out 0, lse -inf, no gradient
+    if window is not None:  # rows built on demand from int32 positions, as the ring keeps them
+        allowed = WindowMask(q_pos.int(), k_pos.int(), window, window_causal)
+        if positions == "far" and not window_causal:  # rows from 6 on (positions >= 14) see no key
             assert allowed.key_range(6, 9) == (11, 11) and allowed.key_range(0, 3) == (6, 11)
+        if positions == "zigzag":
+            assert allowed.row_breaks == (6,)
     args = dict(scale=0.3, causal=causal, key_valid_bs=kv, allowed_qk=allowed)
+
+    # the reference: every (row, key) pair tested from the positions
+    vis = torch.ones(b, 1, lq, lk, dtype=torch.bool)
+    if causal:
+        vis &= torch.ones(lq, lk, dtype=torch.bool).tril()
+    if window is not None:
+        diff = q_pos[:, None] - k_pos[None, :]
+        vis &= diff < window if window_causal else diff.abs() < window
+    if kv is not None:
+        vis &= kv[:, None, None, :]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference.masked_attention(qr, kr, vr, vis, scale=0.3)
+    ref_out.backward(dout)
+    want = (ref_out.detach(), ref_lse.detach(), qr.grad, kr.grad, vr.grad)
 
     def run():
         out, lse = kernels.block_fwd(q, k, v, **args)
         return (out, lse, *kernels.block_bwd(dout, q, k, v, out, lse, **args))
 
-    whole = run()
-    if offset == 8:
-        assert bool(torch.isneginf(whole[1][:, :, 6:]).all()) and not bool(whole[0][:, :, 6:].any())
-    if key_mask and causal:
-        assert bool(torch.isneginf(whole[1][1, :, :5]).all()) and not bool(whole[0][1, :, :5].any())
-        assert not bool(whole[2][1, :, :5].any())
+    def check(got, how):
+        for name, c, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            assert c.dtype == w.dtype and c.shape == w.shape, (how, name)
+            torch.testing.assert_close(c, w, rtol=1e-5, atol=1e-5, msg=f"{how}: {name}")
+
+    check(run(), "cpu kernel")
     assert kernels._masked_row_chunks(q, lk, causal, kv, allowed) is None  # one call at the default size
     score_bytes = 8 if dtype == torch.float64 else 4  # scores in the accumulator dtype
     monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * 3)  # 3 rows per call
-    assert kernels._row_chunks(q, lk) == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
-    assert len(kernels._masked_row_chunks(q, lk, causal, kv, allowed) or []) == (5 if causal or window else 0)
-    for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
-        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=f"cpu kernel in row chunks: {name}")
-    monkeypatch.setattr(kernels, "_math_path", lambda *_: True)  # every block on the math path
-    for rows in (3, lq):
+    assert kernels._row_chunks(q, lk, allowed) == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 13)]
+    monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * 4)  # 4 rows: none spans row 6
+    assert kernels._row_chunks(q, lk, allowed) == ([(0, 4), (4, 6), (6, 10), (10, 13)] if allowed and positions == "zigzag"
+                                                   else [(0, 4), (4, 8), (8, 12), (12, 13)])
+    monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * 3)
+    check(run(), "cpu kernel in row chunks")
+    monkeypatch.setattr(kernels, "_math_path", lambda *_: True)  # every block on the math path (fp32/fp64)
+    for rows in (1, 3, 4, lq):
         monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", score_bytes * b * h * lk * rows)
-        for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), whole, run()):
-            assert c.dtype == a.dtype and c.shape == a.shape, name
-            torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6, msg=f"math path, {rows} rows per call: {name}")
+        check(run(), f"math path, {rows} rows per call")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
