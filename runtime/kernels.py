@@ -46,16 +46,6 @@ def _reduce_kv_grad(dk_bhsd: torch.Tensor, g: int) -> torch.Tensor:
     return dk_bhsd if g == h else dk_bhsd.view(b, g, h // g, s, d).sum(2)
 
 
-def _bool_mask(key_valid_bs: torch.Tensor | None, causal: bool, lq: int, lk: int, device) -> torch.Tensor:
-    """[b or 1, 1, Lq, Lk] bool mask, True = attend."""
-    m = torch.ones(1, 1, 1, lk, dtype=torch.bool, device=device)
-    if key_valid_bs is not None:
-        m = key_valid_bs[:, None, None, :]
-    if causal:
-        m = m & _causal_band(0, lq, lk, device)[None, None]
-    return m
-
-
 def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor:
     """Rows [r0, r1), keys [c0, lk) of the top-left causal mask (key j visible to row i iff j <= i)."""
     return torch.arange(c0, lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
@@ -82,8 +72,7 @@ def _mask(key_valid_bs, causal: bool, lq: int, lk: int, device, allowed_qk=None)
     None when it needs none (unmasked, or a plain causal diagonal that the kernel does itself)."""
     if key_valid_bs is None and allowed_qk is None:
         return None
-    m = _bool_mask(key_valid_bs, causal, lq, lk, device)
-    return m if allowed_qk is None else m & _allowed_rows(allowed_qk, 0, lq)[None, None]
+    return _rows_mask(key_valid_bs, causal, allowed_qk, 0, lq, 0, lk, device)
 
 
 def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:

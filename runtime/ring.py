@@ -165,26 +165,29 @@ class WindowMask:
         diff = self.q_pos[r0:r1, None] - self.k_pos[None, c0:c1]
         return diff < self.window if self.causal else diff.abs() < self.window
 
+    def _on_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query, key) positions on the host."""
+        return (self.q_pos if self.q_host is None else self.q_host), (self.k_pos if self.k_host is None else self.k_host)
+
     @functools.cached_property
     def row_breaks(self) -> tuple[int, ...]:
         """Row indices where the rows' positions jump (zigzag: where the second sequence chunk
         starts): row chunks that do not span one keep `key_range` narrow."""
-        qs = self.q_pos if self.q_host is None else self.q_host
+        qs = self._on_host()[0]
         return tuple(int(i) + 1 for i in torch.nonzero(qs[1:] - qs[:-1] != 1).flatten().tolist())
 
     def key_range(self, r0: int, r1: int) -> tuple[int, int]:
         """Keys [c0, c1) outside which none is visible to rows [r0, r1) (causal: no bound above,
         the call's own causal flag gives it)."""
-        qs = (self.q_pos if self.q_host is None else self.q_host)[r0:r1]
-        ks = self.k_pos if self.k_host is None else self.k_host
+        qs, ks = self._on_host()
+        qs = qs[r0:r1]
         c0 = int(torch.searchsorted(ks, int(qs.min()) - self.window + 1))
         c1 = len(ks) if self.causal else int(torch.searchsorted(ks, int(qs.max()) + self.window))
         return c0, max(c0, c1)
 
 
 def _nearest_distance(qs: torch.Tensor, ks: torch.Tensor) -> int:
-    """min |i - j| over i in qs, j in ks (int64 vectors), in O((Lq + Lk) log Lk)."""
-    ks = ks.sort().values
+    """min |i - j| over i in qs, j in ks (int64 vectors, ks ascending), in O(Lq log Lk)."""
     idx = torch.searchsorted(ks, qs)
     right = ks[idx.clamp(max=len(ks) - 1)]
     left = ks[(idx - 1).clamp(min=0)]
