@@ -4,8 +4,10 @@ unmasked ring, per rank, at the launched p (causal, contiguous layout, b = 1).
     torchrun --nproc-per-node 4 benchmarks/bench_masked.py --json masked.json
     torchrun --nproc-per-node 2 benchmarks/bench_masked.py --smoke          # CPU / gloo, tiny
 
-On CUDA, masked blocks run the exact math path in chunks of query rows over the keys they may
-see (runtime/kernels.py, Note [Masked rows]); unmasked blocks run the fused kernels. Each cell: one warm-up, then the
+On CUDA, masked bf16 blocks run flex_attention (runtime/flex.py, Note [Flex blocks]), or with
+RINGCC_MASKED_KERNEL=math the exact math path in chunks of query rows over the keys they may see
+(runtime/kernels.py, Note [Masked rows]); unmasked blocks run the fused kernels. Each cell:
+--warmup iterations (the first compiles flex_attention's kernels), then the
 median of --reps forward+backward iterations (CUDA events on GPU), and the step's peak memory
 above what was allocated before it (max_memory_allocated; the copy-engine receive area is
 outside the allocator, as in bench_planner_gpu.py). The table gives the slowest rank's time
@@ -15,6 +17,7 @@ and the largest rank's memory.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,7 +36,7 @@ CASES = {  # name -> (key padding, window)
 }
 
 
-def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, smoke: bool) -> dict:
+def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, warmup: int, smoke: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     padding, window = CASES[case]
     if smoke and window:
@@ -53,7 +56,12 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
         q.grad = k.grad = v.grad = None
 
     cuda = device.type == "cuda"
-    step()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
     times = []
     if cuda:
         torch.cuda.synchronize()
@@ -73,7 +81,8 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
             step()
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() - before if cuda else 0
-    return {"case": case, "n_local": n_local, "p": world, "ms": statistics.median(times), "peak_bytes": peak}
+    return {"case": case, "n_local": n_local, "p": world, "ms": statistics.median(times), "peak_bytes": peak,
+            "warmup_s": warm_s}
 
 
 def main(argv=None) -> int:
@@ -82,10 +91,11 @@ def main(argv=None) -> int:
     ap.add_argument("--n-local", type=int, nargs="*", default=None, help="tokens per rank (default 8192 16384)")
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--reps", type=int, default=3, help="timed iterations per cell (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per cell first (default 2)")
     ap.add_argument("--json", dest="json_path", default="masked.json")
     args = ap.parse_args(argv)
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1; got {args.reps}")
+    if args.reps < 1 or args.warmup < 1:
+        ap.error(f"--reps and --warmup must be >= 1; got {args.reps} and {args.warmup}")
 
     device, dtype = dist_setup.start(args.smoke)
     use_cuda = device.type == "cuda"
@@ -95,19 +105,22 @@ def main(argv=None) -> int:
     rows = []
     for n_local in lengths:
         for case in args.cases:
-            row = cell(case, n_local, heads, d, device, dtype, args.reps, args.smoke)
+            row = cell(case, n_local, heads, d, device, dtype, args.reps, args.warmup, args.smoke)
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, row)
             if rank == 0:
-                worst = dict(row, ms=max(r["ms"] for r in gathered), peak_bytes=max(r["peak_bytes"] for r in gathered))
+                worst = dict(row, ms=max(r["ms"] for r in gathered), peak_bytes=max(r["peak_bytes"] for r in gathered),
+                             warmup_s=max(r["warmup_s"] for r in gathered))
                 rows.append(worst)
                 print(f"{case:22} n_local={n_local:>6} p={worst['p']}  {worst['ms']:9.2f} ms  "
-                      f"peak {worst['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+                      f"peak {worst['peak_bytes'] / 2**20:8.1f} MiB  (warm-up {worst['warmup_s']:.1f} s)", flush=True)
     info = None
     if rank == 0:
         info = {"device": torch.cuda.get_device_name() if use_cuda else "cpu (smoke, gloo)",
                 "torch": torch.__version__, "dtype": str(dtype), "heads": heads, "d": d, "causal": True,
-                "layout": "contiguous", "reps": args.reps, "rows": rows}
+                "layout": "contiguous", "reps": args.reps, "warmup": args.warmup,
+                "masked_kernel": os.environ.get("RINGCC_MASKED_KERNEL", "flex") if use_cuda else "cpu",
+                "rows": rows}
     dist_setup.finish(info, args.json_path)
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -41,8 +43,6 @@ cuda_flash_fwd = aten._scaled_dot_product_flash_attention.default
 cuda_flash_bwd = aten._scaled_dot_product_flash_attention_backward.default
 cuda_cudnn_fwd = aten._scaled_dot_product_cudnn_attention.default
 cuda_cudnn_bwd = aten._scaled_dot_product_cudnn_attention_backward.default
-cuda_eff_fwd = aten._scaled_dot_product_efficient_attention.default
-cuda_eff_bwd = aten._scaled_dot_product_efficient_attention_backward.default
 
 
 # PyTorch context parallel, the peer that benchmarks/ measures against. Its code moved into
@@ -68,6 +68,18 @@ def raise_recompile_limit(limit: int) -> None:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+
+
+@contextlib.contextmanager
+def autograd_inside_op():
+    """Autograd recording inside a custom op's kernel, which runs with the autograd dispatch
+    keys excluded (torch.enable_grad alone records nothing there): flex.py differentiates a
+    block's own forward inside the ring's backward op."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality) | torch._C.DispatchKeySet(
+        torch._C.DispatchKey.ADInplaceOrView)
+    included, excluded = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(included, excluded - keys), torch.enable_grad():
+        yield
 
 
 def sym_expr(sym):

@@ -11,8 +11,10 @@ give out = 0, lse = -inf. The backward takes the *global* (out, lse) of the row,
 flash-attention's backward expects, which yields this block's exact share of the gradient.
 
 Kernel choice: CPU -> aten's CPU flash op (takes masks). CUDA -> cuDNN (default) or flash
-SDPA ops for unmasked / causal blocks; masked blocks on CUDA use the exact math path.
-`RINGCC_CUDA_KERNEL=flash|cudnn` overrides the CUDA choice.
+SDPA ops for unmasked / causal blocks (`RINGCC_CUDA_KERNEL=flash|cudnn` overrides the choice);
+masked bf16/fp16 blocks -> flex_attention compiled by inductor (flex.py, Note [Flex blocks]);
+fp32/fp64 blocks, and masked ones under `RINGCC_MASKED_KERNEL=math`, -> the exact math path
+(Note [Masked rows]).
 
 GQA: the cuDNN ops take K/V with their own g heads and return dK/dV with g heads (the group
 sum done inside the kernel), so no expanded K/V and no separate reduction there; every other
@@ -147,10 +149,12 @@ def _key_range(causal: bool, allowed_qk, r0: int, r1: int, lk: int) -> tuple[int
 
 
 # Note [Masked rows]
-# A masked block (key padding, a sliding window; on CUDA also fp32/fp64, which the fused
-# kernels do not take) holds [rows, Lk] values per head: the CUDA math path its scores and, in
-# backward, their gradient; the CPU kernel an additive mask [b, 1, rows, Lk] where the mask has
-# rows (causal, windows). Over the whole block that is O(Lq * Lk), quadratic in the shard (16
+# A masked block (key padding, a sliding window) on the CPU kernel or on CUDA's math path
+# (fp32/fp64, which the fused kernels do not take; masked bf16/fp16 blocks under
+# RINGCC_MASKED_KERNEL=math, else they go to flex_attention: Note [Flex blocks]) holds
+# [rows, Lk] values per head: the CUDA math path its scores and, in backward, their
+# gradient; the CPU kernel an additive mask [b, 1, rows, Lk] where the mask has rows (causal,
+# windows). Over the whole block that is O(Lq * Lk), quadratic in the shard (16
 # GiB of fp32 scores at 16K rows and 16 heads), so such a call runs over chunks of query rows
 # of at most MASKED_CALL_BYTES of scores each, which keeps it O(n/p): rows are independent in
 # forward, and dK/dV sum over them in backward. A chunk's keys are cut to the range its rows
@@ -163,6 +167,23 @@ def _key_range(causal: bool, allowed_qk, r0: int, r1: int, lk: int) -> tuple[int
 # the allocator).
 
 MASKED_CALL_BYTES = 256 * 2**20  # accumulator-dtype [b, h, rows, Lk] of one masked kernel call
+
+
+def masked_kernel() -> str:
+    """RINGCC_MASKED_KERNEL: what runs masked bf16/fp16 blocks on CUDA (the planner reads it too)."""
+    kind = os.environ.get("RINGCC_MASKED_KERNEL", "flex")
+    if kind not in ("flex", "math"):
+        raise ValueError(f"RINGCC_MASKED_KERNEL must be 'flex' (default: flex_attention for masked bf16/fp16 "
+                         f"blocks on CUDA) or 'math' (the exact fp32 math path); got {kind!r}")
+    return kind
+
+
+def _flex_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
+    """Whether a block runs flex_attention (flex.py): a masked bf16/fp16 block on CUDA whose
+    position mask, if any, is a window (ring.WindowMask), unless RINGCC_MASKED_KERNEL=math."""
+    return (device.type == "cuda" and dtype in FUSED_CUDA_DTYPES
+            and (key_valid_bs is not None or allowed_qk is not None)
+            and not isinstance(allowed_qk, torch.Tensor) and masked_kernel() == "flex")
 
 
 def _math_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
@@ -275,6 +296,10 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     an object whose rows(r0, r1) builds some of its rows (ring.WindowMask)."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
+    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+        from . import flex
+
+        return flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         return _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":
@@ -330,6 +355,10 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
+    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+        from . import flex
+
+        return flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         return _math_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":

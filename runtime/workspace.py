@@ -342,10 +342,39 @@ def _forward_options(opts, i: int, g: int, itemsize: int) -> list[int]:
     return [j for j, o in enumerate(opts) if _forward_may_take(o[0], opts[i][0], g, itemsize)]
 
 
+FLEX_TILE_BYTES = 48  # per 128 x 128 tile and batch row: bool states, int32 counts and indices, both orders
+
+
+def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
+    """masked_calls on flex_attention (flex.py): per call of R = min(s, CALL_ROWS) rows, its
+    BlockMask; in backward the recomputed block output and the scaled dO (R rows each, like q),
+    four fp32 row values; a block of more rows than CALL_ROWS also holds a call's output rows
+    (forward), and its dQ rows and fp32 dK/dV sums (backward)."""
+    from .flex import CALL_ROWS, TILE
+
+    q, k = a["q"], a["k"]
+    b, h, s, d = q.shape
+    rows = sympy.Min(s, CALL_ROWS)
+    tiles = FLEX_TILE_BYTES * b * (rows / TILE + 1) * (s / TILE + 1)
+    q_rows = q.itemsize * b * h * rows * d  # R rows of q
+    vec = 4 * b * h * rows  # one fp32 [b, h, R]
+    fwd = tiles
+    bwd = tiles + 2 * q_rows + 4 * vec
+    chunked = sympy.Gt(s, CALL_ROWS)
+    return (sympy.Piecewise((fwd + q_rows + vec, chunked), (fwd, True)),
+            sympy.Piecewise((bwd + q_rows + 2 * k.with_itemsize(4).nbytes, chunked), (bwd, True)))
+
+
 def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
-    (Note [Masked rows] in kernels.py), for blocks of s = n_local keys, a bound:
-    - CUDA (the math path: a key mask, a window, or fp32/fp64): K and V expanded to q's heads
+    for blocks of s = n_local keys, a bound:
+    - CUDA, masked bf16/fp16 blocks on flex_attention (Note [Flex blocks] in flex.py): the
+      block mask's tiles (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense
+      tile states it is built from); in backward also the recomputed block output and the
+      scaled dO (each like q), and four fp32 [b, h, s] row values (the block's lse, its
+      gradient, exp(l - L), rowsum(dO * O));
+    - CUDA math path (Note [Masked rows] in kernels.py: fp32/fp64, or masked blocks under
+      RINGCC_MASKED_KERNEL=math): K and V expanded to q's heads
       in the accumulator dtype, in backward also their dK/dV accumulators; per call of R rows
     (MASKED_CALL_BYTES of full-width scores, at least one row) over the keys they may see
       (all s, or R + 2 * window with a window), its scores (in backward also their gradient),
@@ -358,7 +387,7 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
     Zero for unmasked half-precision blocks."""
-    from .kernels import MASKED_CALL_BYTES
+    from .kernels import MASKED_CALL_BYTES, masked_kernel
 
     q, kv_mask, window = a["q"], a.get("key_valid"), a.get("window") or 0
     b, h, s, d = q.shape
@@ -367,6 +396,8 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     if q.device_type == "cuda":
         if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
             return zero, zero
+        if q.itemsize == 2 and masked_kernel() == "flex":
+            return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows
         most = sympy.Min(s, 2 * rows) if a.get("layout") == "zigzag" else rows

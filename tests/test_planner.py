@@ -586,7 +586,40 @@ def test_long_peak_formulas_read_as_a_line(monkeypatch):
     assert text in plan.summary() and str(plan.peak) not in plan.summary()
 
 
-def test_masked_ring_calls_are_counted_and_bounded():
+def _masked_ws(s, device, itemsize=2, mask=True, causal=True, window=0, g=16):
+    q = workspace.TensorSize((1, 16, s, 128), itemsize, device)
+    k = workspace.TensorSize((1, g, s, 128), itemsize, device)
+    kv = workspace.TensorSize((1, s), 1, device) if mask else None
+    return workspace.masked_calls({"q": q, "k": k, "key_valid": kv, "is_causal": causal, "window": window})
+
+
+def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
+    """workspace.masked_calls on flex_attention (the default for masked bf16/fp16 blocks on
+    CUDA, Note [Flex blocks]): the BlockMask of CALL_ROWS rows by the block's keys, and in
+    backward the recomputed output and scaled dO rows and four fp32 row values; past CALL_ROWS
+    rows the chunk's outputs and the fp32 dK/dV sums. Linear in the shard."""
+    from ringcc.runtime import flex
+
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
+    s = sympy.Symbol("s", positive=True, integer=True)
+    assert _masked_ws(s, "cuda", mask=False) == (0, 0)
+    short = {s: 4096}  # one call
+    fwd, bwd = _masked_ws(s, "cuda", g=4)
+    tiles = workspace.FLEX_TILE_BYTES * 33 * 33
+    rows = 2 * 16 * 4096 * 128  # 4096 rows of bf16 q
+    assert fwd.subs(short) == tiles
+    assert bwd.subs(short) == tiles + 2 * rows + 4 * 4 * 16 * 4096
+    long = {s: 8 * flex.CALL_ROWS}  # eight calls
+    r = flex.CALL_ROWS
+    tiles = workspace.FLEX_TILE_BYTES * (r // 128 + 1) * (8 * r // 128 + 1)
+    rows = 2 * 16 * r * 128
+    assert fwd.subs(long) == tiles + rows + 4 * 16 * r
+    assert bwd.subs(long) == tiles + 3 * rows + 4 * 4 * 16 * r + 2 * 4 * 4 * 8 * r * 128
+    twice = {s: 16 * flex.CALL_ROWS}
+    assert bwd.subs(twice) < 2 * bwd.subs(long)  # linear in s past CALL_ROWS (tiles grow with the keys)
+
+
+def test_masked_ring_calls_are_counted_and_bounded(monkeypatch):
     """workspace.masked_calls: nothing for unmasked fp16/bf16 blocks (the fused kernels);
     masked blocks hold at most MASKED_CALL_BYTES of scores per call (Note [Masked rows]), so
     the term is O(n/p): the CUDA math path's K/V (and dK/dV) in fp32 plus bounded per-call
@@ -594,12 +627,11 @@ def test_masked_ring_calls_are_counted_and_bounded():
     masks and rows; the CPU kernel's additive mask where it has rows."""
     from ringcc.runtime.kernels import MASKED_CALL_BYTES
 
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", "math")
     s = sympy.Symbol("s", positive=True, integer=True)
 
     def ws(device, itemsize=2, mask=True, causal=True, window=0):
-        q = workspace.TensorSize((1, 16, s, 128), itemsize, device)
-        kv = workspace.TensorSize((1, s), 1, device) if mask else None
-        return workspace.masked_calls({"q": q, "key_valid": kv, "is_causal": causal, "window": window})
+        return _masked_ws(s, device, itemsize, mask, causal, window)
 
     assert ws("cuda", mask=False) == (0, 0) and ws("cpu", mask=True, causal=False) == (0, 0)
     big = {s: 2**20}
@@ -615,7 +647,8 @@ def test_masked_ring_calls_are_counted_and_bounded():
     assert wf.subs(big) == 2 * kv32 + 4 * 16 * wplane + 2 * wplane + 2 * row
     assert wb.subs(big) == 4 * kv32 + 2 * 4 * 16 * wplane + 2 * wplane + 4 * row
     # zigzag: a call over s/2 keys takes twice the rows (their rows, and a window's keys, grow)
-    zf, _ = workspace.masked_calls({"q": workspace.TensorSize((1, 16, s, 128), 2, "cuda"), "key_valid": None,
+    zf, _ = workspace.masked_calls({"q": workspace.TensorSize((1, 16, s, 128), 2, "cuda"),
+                                    "k": workspace.TensorSize((1, 16, s, 128), 2, "cuda"), "key_valid": None,
                                     "is_causal": True, "window": 5, "layout": "zigzag"})
     zplane = 2 * rows * (2 * rows + 10)
     assert zf.subs(big) == 2 * kv32 + 4 * 16 * zplane + 2 * zplane + 2 * 2 * row

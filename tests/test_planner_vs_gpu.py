@@ -10,7 +10,9 @@ formula changes honest between GPU sessions.
   in the measurement;
 - benchmarks/results/2026-11-27_4xH200_s14_planner_masked_p4.json (4 x H200, session 14): an
   attention layer with a window and key padding (masked blocks on the math path), at p = 4:
-  there the plan is a bound, not an estimate."""
+  there the plan is a bound, not an estimate;
+- benchmarks/results/2026-11-27_2xH200_s15_planner_masked_flex_p2.json (2 x H200, session 15):
+  the same layer with masked blocks on flex_attention (the default), at p = 2."""
 
 import json
 from pathlib import Path
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measured_final.json"
 COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_s9_planner_vs_measured.json"
 MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s14_planner_masked_p4.json"
+FLEX_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_2xH200_s15_planner_masked_flex_p2.json"
 
 
 def _replan(monkeypatch, record: Path, model: str, p: int, trace_len: int | None = None):
@@ -79,8 +82,22 @@ def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
     lifted mask would be causal alone)."""
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
     monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", "math")  # what ran then
     rows, plans, step_bytes = _replan(monkeypatch, MASKED_RECORD, "masked", 4, trace_len=16384)
     assert [r["n"] for r in rows] == [16384, 32768, 65536]
     for r in rows:
         ratio = step_bytes(r["n"]) / r["measured_step_bytes"]
         assert 1.0 <= ratio <= 1.6, (r["n"], ratio)
+
+
+def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
+    """Masked blocks on flex_attention (Note [Flex blocks]) at p = 2: the plan is at least
+    what the GPU allocated, and at most 1.3x (measured +3.3%, +11.7%, +15.3%)."""
+    monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
+    monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
+    rows, plans, step_bytes = _replan(monkeypatch, FLEX_RECORD, "masked", 2, trace_len=16384)
+    assert [r["n"] for r in rows] == [16384, 32768, 65536]
+    for r in rows:
+        ratio = step_bytes(r["n"]) / r["measured_step_bytes"]
+        assert 1.0 <= ratio <= 1.3, (r["n"], ratio)

@@ -211,15 +211,17 @@ def test_fp32_and_fp64_run_the_math_path_on_cuda(dtype, is_causal):
 @pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("padded,window", [(True, None), (False, 40), (True, 40)])
-@pytest.mark.parametrize("rows_per_call", [None, 48])
-def test_masked_blocks_on_cuda(monkeypatch, is_causal, padded, window, rows_per_call):
+@pytest.mark.parametrize("kernel,rows_per_call", [("flex", None), ("math", None), ("math", 48)])
+def test_masked_blocks_on_cuda(monkeypatch, is_causal, padded, window, kernel, rows_per_call):
     """A masked bf16 block on one GPU (kernels.block_fwd/block_bwd, as the ring calls them) on
-    the math path, whole and in chunks of query rows cut to the keys they may see (Note [Masked
-    rows]), against the fp32 dense reference: GQA, key padding with rows that see no key (out
-    0, lse -inf, no gradient), sliding windows as positions (ring.WindowMask)."""
+    flex_attention (Note [Flex blocks]) and on the math path, whole and in chunks of query rows
+    cut to the keys they may see (Note [Masked rows]), against the fp32 dense reference: GQA,
+    key padding with rows that see no key (out 0, lse -inf, no gradient), sliding windows as
+    positions (ring.WindowMask)."""
     from ringcc.runtime import kernels
     from ringcc.runtime.ring import WindowMask
 
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", kernel)
     b, h, g, n, d = 2, 8, 2, 300, 64
     if rows_per_call:  # a row of fp32 scores per key and head
         monkeypatch.setattr(kernels, "MASKED_CALL_BYTES", 4 * b * h * n * rows_per_call)

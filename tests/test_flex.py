@@ -1,0 +1,229 @@
+"""The flex_attention block masks of masked blocks (runtime/flex.py, Note [Flex blocks]), on CPU:
+tile states against the dense mask, and the BlockMask's mask_mod and tiles against the
+positions. The kernels themselves run on CUDA only (tests/test_ring_gpu.py)."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
+
+from ringcc import reference
+from ringcc.runtime import flex
+from ringcc.runtime.ring import WindowMask
+
+
+def _visible(lq, lk, causal, key_valid, window, wcausal, q_pos, k_pos):
+    """Dense [b or 1, lq, lk] bool: what the block's rows may see, from the definitions."""
+    d = q_pos[:, None].long() - k_pos[None, :].long()
+    m = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        m &= d >= 0
+    if window is not None:
+        m &= (d < window) if wcausal else (d.abs() < window)
+    m = m[None]
+    return m if key_valid is None else m & key_valid[:, None, :]
+
+
+def _tiles(m, lq, lk):
+    """(any, all) per TILE x TILE tile of a dense [b, lq, lk] mask, over its real entries."""
+    T = flex.TILE
+    qt, kt = -(-lq // T), -(-lk // T)
+    anyt = torch.zeros(m.shape[0], qt, kt, dtype=torch.bool)
+    allt = torch.zeros_like(anyt)
+    for i in range(qt):
+        for j in range(kt):
+            tile = m[:, i * T:(i + 1) * T, j * T:(j + 1) * T]
+            anyt[:, i, j] = tile.flatten(1).any(1)
+            allt[:, i, j] = tile.flatten(1).all(1)
+    return anyt, allt
+
+
+CASES = [
+    # lq, lk, causal (the call's diagonal), window, window causal, key padding, zigzag rows
+    (300, 300, False, None, False, True, False),
+    (300, 300, True, None, False, True, False),
+    (256, 384, False, 100, False, False, False),
+    (300, 300, True, 130, True, True, False),
+    (384, 200, False, 150, True, True, False),  # a causal ring's full block with a window
+    (400, 260, False, 90, False, True, True),  # zigzag rows: two runs of positions
+]
+
+
+@pytest.mark.parametrize("lq,lk,causal,window,wcausal,padded,zigzag", CASES)
+def test_tile_states_and_mask_mod_match_the_dense_mask(lq, lk, causal, window, wcausal, padded, zigzag):
+    gen = torch.Generator().manual_seed(lq + lk + (window or 0))
+    b = 2
+    if window is None:
+        q_pos, k_pos = torch.arange(lq, dtype=torch.int32), torch.arange(lk, dtype=torch.int32)
+        wm = None
+    else:
+        if zigzag:  # rows from two distant chunks; keys in between
+            q_pos = torch.cat([torch.arange(lq // 2), 1000 + torch.arange(lq - lq // 2)]).int()
+            k_pos = (600 + torch.arange(lk)).int()
+        else:
+            off = 0 if causal else (lq + 20 if wcausal else 50)  # a causal ring's full block: rows after keys
+            q_pos = (off + torch.arange(lq)).int()
+            k_pos = torch.arange(lk).int()
+        wm = WindowMask(q_pos, k_pos, window, wcausal, q_pos.long(), k_pos.long())
+    key_valid = None
+    if padded:
+        key_valid = torch.rand(b, lk, generator=gen) > 0.3
+        key_valid[0, : min(lk, 2 * flex.TILE)] = True  # some full key tiles
+        key_valid[1, flex.TILE: 2 * flex.TILE] = False  # an empty key tile
+    dense = _visible(lq, lk, causal, key_valid, window, wcausal, q_pos, k_pos)
+    anyt, allt = _tiles(dense, lq, lk)
+
+    some, full, _ = flex.tile_states(lq, lk, causal, key_valid, wm, "cpu")
+    some, full = some[:, 0].expand_as(anyt), full[:, 0].expand_as(anyt)
+    assert not bool((anyt & ~some).any()), "a tile with a visible pair is marked empty"
+    assert not bool((full & ~allt).any()), "a tile with a hidden pair is marked full"
+    if not zigzag:  # positions without jumps: the tile bounds are exact
+        assert torch.equal(some, anyt) and torch.equal(full, allt)
+
+    bm = flex.block_mask(lq, lk, causal, key_valid, wm, "cpu")
+    got = create_mask(bm.mask_mod, b, 1, lq, lk, device="cpu")[:, 0]
+    assert torch.equal(got, dense.expand(b, lq, lk))
+    tiles = bm.to_dense()[:, 0].bool()  # partial and full tiles: those the kernel visits
+    assert torch.equal(tiles, some.expand_as(tiles))
+    # the backward's key-major order, as torch derives it from the query-major one
+    ref = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                   BLOCK_SIZE=flex.TILE, seq_lengths=(lq, lk))
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(bm, name), getattr(ref, name)), name
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        assert getattr(bm, name).is_contiguous(), f"{name}: the kernels read it as contiguous"
+    assert flex.block_mask(lq, lk, causal, key_valid, wm, "cpu", backward=False).q_indices is None
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_block_mask_forward_matches_the_reference_on_cpu():
+    """Eager flex_attention (its CPU reference path) with ringcc's BlockMask gives the dense
+    masked reference's out and lse, rows with no visible key included."""
+    b, h, g, n, d = 2, 4, 2, 300, 32
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, hh, n, d, generator=gen) for hh in (h, g, g))
+    kpm = torch.rand(b, n, generator=gen) < 0.2
+    kpm[1, :70] = True
+    pos = torch.arange(n).int()
+    wm = WindowMask(pos, pos, 60, True, pos.long(), pos.long())
+    ref, ref_lse = reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm, window=60)
+    bm = flex.block_mask(n, n, True, ~kpm, wm, "cpu")
+    out, aux = flex_attention(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True,
+                              return_aux=AuxRequest(lse=True))
+    rows = ~torch.isneginf(ref_lse)
+    torch.testing.assert_close(out[rows], ref[rows], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(aux.lse[rows], ref_lse[rows], rtol=1e-4, atol=1e-4)
+    assert bool(torch.isneginf(ref_lse[1, :, :70]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_block_grads_under_the_global_lse_sum_to_the_dense_gradient(dtype):
+    """The backward of Note [Flex blocks]: autograd through each key block's own (out, lse),
+    fed c * dO and rowsum(c * dO * o) - c * D, gives that block's share of the global gradient;
+    the blocks' shares add up to the dense gradient (GQA, key padding, rows with no key)."""
+    from ringcc.runtime import kernels
+
+    b, h, g, n, d = 2, 4, 2, 96, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(b, hh, n, d, generator=gen, dtype=torch.float64) for hh in (h, g, g, h))
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & (torch.rand(b, 1, 1, n, generator=gen) > 0.3)
+    allowed[1, :, :20] = False  # batch row 1: its first rows see no key
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference.masked_attention(qr, kr, vr, allowed)
+    ref.backward(dout)
+    out, lse = ref.detach(), kernels.bwd_lse(ref_lse.detach())
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=0.05, atol=0.05)
+    cast = (lambda t: t.to(dtype))
+    for c0, c1 in ((0, 30), (30, 64), (64, n)):
+        blk = allowed[..., c0:c1]
+        gq, gk, gv = flex.grads_under_global_lse(
+            lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, blk), cast(dout), cast(q),
+            cast(k[:, :, c0:c1]), cast(v[:, :, c0:c1]), cast(out), lse)
+        assert gk.shape == (b, g, c1 - c0, d)
+        dq += gq.double()
+        dk[:, :, c0:c1] += gk.double()
+        dv[:, :, c0:c1] += gv.double()
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        torch.testing.assert_close(got, want, **tol)
+    assert not bool(dq[1, :, :20].any())
+
+
+@torch.library.custom_op("ringcc_test::block_grads", mutates_args=())
+def _block_grads_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, allowed: torch.Tensor) -> list[torch.Tensor]:
+    return list(flex.grads_under_global_lse(lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, allowed),
+                                            dout, q, k, v, out, lse))
+
+
+def test_block_grads_run_inside_a_custom_op():
+    """The ring's backward is a custom op, whose kernel runs with autograd's dispatch keys
+    excluded: the block's own forward must still be recorded there (_compat.autograd_inside_op)."""
+    from ringcc.runtime import kernels
+
+    b, h, n, d = 1, 2, 40, 8
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    out, lse = reference.masked_attention(q, k, v, allowed)
+    args = (dout, q, k[:, :, :25], v[:, :, :25], out, kernels.bwd_lse(lse), allowed[..., :25])
+    direct = flex.grads_under_global_lse(lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, args[-1]), *args[:-1])
+    inside = _block_grads_op(*args)
+    for a, b_ in zip(inside, direct):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+    assert bool(inside[1].abs().sum() > 0)
+
+
+def _dense_call(q, k, v, mask, scale):
+    """flex._call's contract, densely: the BlockMask's mask_mod over the call's rows and keys."""
+    allowed = create_mask(mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    return reference.masked_attention(q, k, v, allowed, scale=scale)
+
+
+@pytest.mark.parametrize("causal,window,padded", [(True, None, True), (False, 70, True), (True, 90, False)])
+def test_row_chunked_block_matches_the_reference(monkeypatch, causal, window, padded):
+    """flex.fwd/bwd over chunks of CALL_ROWS rows (each with its own BlockMask; dK/dV summed
+    over the chunks), the kernel call replaced by a dense one over the same BlockMask: out,
+    lse and gradients of the dense reference, GQA, rows with no key."""
+    from ringcc.runtime import kernels
+
+    monkeypatch.setattr(flex, "CALL_ROWS", flex.TILE)
+    monkeypatch.setattr(flex, "_call", _dense_call)
+    b, h, g, n, d = 2, 4, 2, 300, 16
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, dout = (torch.randn(b, hh, n, d, generator=gen, dtype=torch.float64) for hh in (h, g, g, h))
+    kpm = None
+    if padded:
+        kpm = torch.rand(b, n, generator=gen) < 0.2
+        kpm[1, :50] = True
+    pos = torch.arange(n)
+    wm = None if window is None else WindowMask(pos.int(), pos.int(), window, causal, pos, pos)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=causal, key_padding_mask=kpm, window=window, scale=0.3)
+    ref.backward(dout)
+    kv = None if kpm is None else ~kpm
+    assert len(flex._row_chunks(n)) == 3
+    out, lse = flex.fwd(q, k, v, 0.3, causal, kv, wm)
+    torch.testing.assert_close(out, ref.detach())
+    torch.testing.assert_close(lse, ref_lse.detach())
+    dq, dk, dv = flex.bwd(dout, q, k, v, out, kernels.bwd_lse(lse), 0.3, causal, kv, wm)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        torch.testing.assert_close(got, want)
+
+
+def test_window_masks_are_built_once_per_window():
+    """A window's BlockMask without a key mask depends on its positions only: built once per
+    (window, causal, rows, direction) and reused by every step, head chunk and iteration; with
+    a key mask only the position tiles are reused."""
+    pos = torch.arange(300).int()
+    wm = WindowMask(pos, pos, 50, True, pos.long(), pos.long())
+    a = flex.block_mask(300, 300, True, None, wm, "cpu")
+    assert flex.block_mask(300, 300, True, None, wm, "cpu") is a
+    assert flex.block_mask(300, 300, True, None, wm, "cpu", backward=False) is not a
+    kv = torch.ones(1, 300, dtype=torch.bool)
+    kv[0, 200:] = False
+    b1, b2 = flex.block_mask(300, 300, True, kv, wm, "cpu"), flex.block_mask(300, 300, True, ~kv, wm, "cpu")
+    assert b1 is not b2 and not torch.equal(b1.kv_num_blocks, b2.kv_num_blocks)
+    other = WindowMask(pos, pos, 20, True, pos.long(), pos.long())
+    dense = [create_mask(m.mask_mod, 1, 1, 300, 300, device="cpu") for m in (a, flex.block_mask(300, 300, True, None, other, "cpu"))]
+    assert int(dense[0].sum()) > int(dense[1].sum()) > 0
