@@ -21,6 +21,10 @@ Causality is decided per (query chunk, key chunk) pair in global chunk ids: earl
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
 (not at all by the cuDNN kernels, which take g heads: kernels.py).
+Key padding: a rank whose keys are all valid sends no work to the masked kernels: before the
+ring, one all-gather of a flag per rank (`_dense_sources`) tells every rank which blocks need
+their key mask; the others run the fused kernels, and with no padding anywhere the mask is
+not sent at all.
 """
 
 from __future__ import annotations
@@ -264,12 +268,13 @@ def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
+    key_valid, dense = _ring_key_mask(key_valid, setup)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, dense=dense)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq])
+        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], dense)
     return out, lse
 
 
@@ -295,14 +300,35 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None):
+def _dense_sources(key_valid, setup: RingSetup) -> frozenset:
+    """The ring ranks whose key mask is all True (their blocks need no mask): one flag per rank,
+    all-gathered, and one host sync per ring call. Dilated sub-rings (members) and the
+    no-transfer benchmark schedule (which computes on the local block only) decide locally."""
+    if key_valid is None:
+        return frozenset()
+    flag = key_valid.all().reshape(1).to(torch.uint8)
+    if setup.world == 1 or _skip_comm() or setup.members is not None:
+        return frozenset(range(setup.world)) if bool(flag) else frozenset()
+    flags = [torch.empty_like(flag) for _ in range(setup.world)]
+    dist.all_gather(flags, flag, group=setup.group)
+    host = torch.cat(flags).cpu()
+    return frozenset(i for i in range(setup.world) if host[i])
+
+
+def _ring_key_mask(key_valid, setup: RingSetup):
+    """(key mask to send around, or None when every rank's keys are valid; dense sources)."""
+    dense = _dense_sources(key_valid, setup)
+    return (None if len(dense) == setup.world else key_valid), dense
+
+
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, dense=frozenset()):
     """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device):
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, dense=dense):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
             o, l = kernels.block_fwd(
@@ -346,12 +372,13 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, dense=frozenset()):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
-    One batch per step is one rendezvous of the ranks per step."""
+    One batch per step is one rendezvous of the ranks per step. A block from a rank in `dense`
+    (all its keys valid, _dense_sources) is held with no key mask."""
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
@@ -360,7 +387,7 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
             recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
-        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None else None,
+        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in dense else None,
                       setup.masked_calls(s, src, device), comm if recv else None,
                       recv[n_held:] if carry and recv else None)
         yield st
@@ -427,6 +454,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
+    key_valid, dense = _ring_key_mask(key_valid, setup)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
         kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
@@ -462,7 +490,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
-        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None)
+        steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
+                            dense=dense)
         del k_c, v_c
         for st in steps:
             kv_shape = st.k.shape

@@ -21,7 +21,12 @@ def _inputs(seed, b, h, g, n, d, padded):
     v = torch.randn(b, g, n, d, generator=gen)
     dout = torch.randn(b, h, n, d, generator=gen)
     kpm = None
-    if padded:
+    if padded == "tail":  # only the sequence's last fifth is padding: most ranks hold none
+        kpm = torch.zeros(b, n, dtype=torch.bool)
+        kpm[:, -n // 5:] = True
+    elif padded == "none":  # a mask that hides nothing
+        kpm = torch.zeros(b, n, dtype=torch.bool)
+    elif padded:
         kpm = torch.rand(b, n, generator=gen) < 0.3
         kpm[0, :] = True  # batch 0: every key padded -> every row fully masked
         kpm[-1, -n // 3:] = True  # a padded tail
@@ -89,6 +94,44 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout):
     for h, g, window, budget in ((4, 4, None, "0"), (8, 2, None, "0.0001"), (4, 4, 21, "0")):
         for err, lse_diff in pools(world).run(case_ring_bf16, is_causal, layout, h, g, window, budget):
             assert err < 2e-2 and lse_diff < 0.05, (h, g, window, budget, err, lse_diff)
+
+
+def case_ring_masked_calls(rank, world, is_causal, layout, padded):
+    """case_ring, returning how many block calls (forward and backward) got a key mask."""
+    from ringcc.runtime import kernels
+
+    counts = {"masked": 0, "all": 0}
+    originals = kernels.block_fwd, kernels.block_bwd
+
+    def counted(fn):
+        def call(*args, **kwargs):
+            counts["all"] += 1
+            counts["masked"] += kwargs.get("key_valid_bs") is not None
+            return fn(*args, **kwargs)
+        return call
+
+    kernels.block_fwd, kernels.block_bwd = (counted(f) for f in originals)
+    try:
+        case_ring(rank, world, is_causal, layout, 4, 2, 10, padded)
+    finally:
+        kernels.block_fwd, kernels.block_bwd = originals
+    return counts
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("padded", ["tail", "none"])
+def test_blocks_from_unpadded_ranks_run_unmasked(pools, world, layout, padded):
+    """A rank whose keys are all valid sends its blocks to the unmasked kernels
+    (ring._dense_sources); with no padding anywhere no call gets a mask. Results as the
+    reference's (case_ring checks them)."""
+    counts = pools(world).run(case_ring_masked_calls, True, layout, padded)
+    masked, total = sum(c["masked"] for c in counts), sum(c["all"] for c in counts)
+    assert total > 0
+    if padded == "none":
+        assert masked == 0
+    else:
+        assert 0 < masked < total
 
 
 @pytest.mark.parametrize("world", WORLDS)
