@@ -22,6 +22,7 @@ import operator
 import torch
 import torch.fx
 
+from ringcc import _compat
 from ringcc.report import Decision, SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 from ringcc.runtime.dilated import DilatedSpec, dilated_plan
@@ -100,6 +101,11 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
         what = "key padding" if lifted.key_valid is not None else "a sliding window"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
+    if n is None:
+        # The dilated schedule (segments, rates, sub-rings) is planned per length: under dynamic
+        # shapes the site specializes on its length (a guard: one graph per length) rather than
+        # run dense attention, which would change the model's semantics.
+        n = _compat.specialize_int(q.shape[2])
     if n is None or n % world:
         return SkipReason.SHAPE, f"dilation needs a static length divisible by p={world}; got {q.shape[2]}"
     layout = ctx.config.layout if ctx.config.layout != "auto" else "contiguous"

@@ -82,6 +82,18 @@ def autograd_inside_op():
         yield
 
 
+def specialize_int(sym) -> int | None:
+    """A SymInt's value, with a guard that it stays so (dynamo then recompiles for other values);
+    None when it has no hint (an unbacked size)."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    if isinstance(sym, int):
+        return sym
+    if not sym.node.has_hint():
+        return None
+    return int(guard_int(sym))
+
+
 def sym_expr(sym):
     """The sympy expression of a SymInt with the shape environment's known equalities
     applied (s1 -> s0 after a guard s1 == s0), without installing a guard."""

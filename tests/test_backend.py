@@ -422,6 +422,43 @@ def test_dilated_parity_against_dilated_reference():
     assert site.decision == Decision.REWRITTEN and site.dilation == repr(spec)
 
 
+def test_dilated_site_specializes_on_its_length_under_dynamic_shapes():
+    """A dilated schedule is planned per length: under dynamic=True the site guards on its
+    length (one graph per length) and is rewritten at every length, never run as dense
+    attention (which would change the model's math from one length to the next)."""
+    from ringcc.runtime.dilated import DilatedSpec, dilated_attention
+
+    spec = DilatedSpec([4, 16], [1, 2])
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def heads(self, x):
+            b, n, _ = x.shape
+            return self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+
+        def forward(self, x):
+            q, k, v = self.heads(x)
+            return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+        def dilated(self, x):
+            q, k, v = self.heads(x)
+            return self.proj(dilated_attention(q, k, v, spec, is_causal=True).transpose(1, 2).flatten(2))
+
+    torch.manual_seed(0)
+    m = Attn()
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    compiled = torch.compile(m, backend="ringcc", dynamic=True, options={"inner": "aot_eager", "dilation": spec})
+    for n in (16, 32, 48):
+        x = torch.randn(2, n, 16)
+        torch.testing.assert_close(compiled(x), m.dilated(x), **TOL)
+        (site,) = ringcc.last_report().sites
+        assert site.decision == Decision.REWRITTEN and site.dilation == repr(spec), (n, site)
+
+
 def test_gpt2_default_attention_dropout_in_training_is_skipped():
     model = _Logits(_hf("gpt2", attn_pdrop=0.1), False).train()
     compile_ringcc(model)(torch.randint(0, 64, (2, 16)))
