@@ -124,6 +124,16 @@ def _arange_tiles(lq: int, lk: int, causal: bool, device, rows):
     return _position_tiles(lq, lk, causal, None, device, rows)
 
 
+# A cached BlockMask holds 4 int32 tiles-sized index arrays per direction; beyond this many
+# tiles (a 16K-row call over 64K keys) the kernels' time dwarfs the host's build, and the
+# cache (outside the planner's count, as long-lived as the window) would grow with the shard.
+CACHED_TILES = 1 << 16
+
+
+def _tiles(rows, lk: int) -> int:
+    return -(-(rows[1] - rows[0]) // TILE) * -(-lk // TILE)
+
+
 def _window_cache(window) -> dict:
     """Per-window cache of what depends on its positions only: the window masks of a ring's
     calls live as long as its setup (ring.RingSetup._window_calls), and are the same at every
@@ -140,11 +150,13 @@ def tile_states(lq: int, lk: int, causal: bool, key_valid_bs, window, device, ro
     rows = rows or (0, lq)
     if window is None:
         some, full, mod_inputs = _arange_tiles(lq, lk, causal, torch.device(device), rows)
-    else:
+    elif _tiles(rows, lk) <= CACHED_TILES:
         cache = _window_cache(window)
         if (causal, rows) not in cache:
             cache[causal, rows] = _position_tiles(lq, lk, causal, window, device, rows)
         some, full, mod_inputs = cache[causal, rows]
+    else:
+        some, full, mod_inputs = _position_tiles(lq, lk, causal, window, device, rows)
     if key_valid_bs is not None:
         kt = -(-lk // TILE)
         pad = kt * TILE - lk
@@ -171,8 +183,9 @@ def block_mask(lq: int, lk: int, causal: bool, key_valid_bs, window, device, row
     blocks]); the forward kernel reads the tiles of each query tile only, the backward also
     those of each key tile. Both orders come from the tile states directly
     (BlockMask.from_kv_blocks would rebuild the dense tiles). A window's mask without a key
-    mask is built once per window (_window_cache)."""
-    if key_valid_bs is None and window is not None:
+    mask is built once per window (_window_cache) when it has at most CACHED_TILES tiles."""
+    rows = rows or (0, lq)
+    if key_valid_bs is None and window is not None and _tiles(rows, lk) <= CACHED_TILES:
         cache = _window_cache(window)
         key = ("mask", causal, rows, backward)
         if key not in cache:
@@ -214,8 +227,9 @@ def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, w
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1), backward=False)
         o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale)
         if out is None:
-            out, lse = o.new_empty(b, h, lq, d), l_.new_empty(b, h, lq)
+            out, lse = o.new_empty(b, h, lq, o.shape[-1]), l_.new_empty(b, h, lq)
         out[:, :, r0:r1], lse[:, :, r0:r1] = o, l_
+        del o, l_, mask  # not alive during the next call (workspace._flex_calls counts one)
     return out, lse
 
 
@@ -228,7 +242,7 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1))
         rows = slice(r0, r1)
-        grads = grads_under_global_lse(lambda q, k, v: _call(q, k, v, mask, scale), dout[:, :, rows],
+        grads = grads_under_global_lse(lambda q, k, v, mask=mask: _call(q, k, v, mask, scale), dout[:, :, rows],
                                        q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows])
         if len(chunks) == 1:
             return grads
@@ -240,11 +254,13 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
             dk.add_(grads[1])
             dv.add_(grads[2])
         dq[:, :, rows] = grads[0]
+        del grads, mask  # not alive during the next chunk (workspace._flex_calls counts one chunk's)
     return dq, dk.to(k_bgsd.dtype), dv.to(v_bgsd.dtype)
 
 
 def _grad_inputs(dout, out, o_blk, l_blk, lse):
-    """(grad_o, grad_l) for autograd through the block's own (o, l) (Note [Flex blocks])."""
+    """(grad_o, grad_l) for autograd through the block's own (o, l) (Note [Flex blocks]). On
+    CUDA it runs compiled (one fused pass); eager (CPU tests) it makes fp32 copies of dO's size."""
     acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
     # c = exp(l - L): 0 where the block's row saw no key (l = -inf) or no row key at all (L = +inf)
     c = (l_blk.to(acc) - lse.to(acc)).exp()

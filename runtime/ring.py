@@ -302,12 +302,16 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
 
 def _dense_sources(key_valid, setup: RingSetup) -> frozenset:
     """The ring ranks whose key mask is all True (their blocks need no mask): one flag per rank,
-    all-gathered, and one host sync per ring call. Dilated sub-rings (members) and the
-    no-transfer benchmark schedule (which computes on the local block only) decide locally."""
-    if key_valid is None:
+    all-gathered, and one host sync per ring call. The no-transfer benchmark schedule computes on
+    the local block alone, so the local flag decides. Sub-rings (`members`: the group's
+    all-gather would not match the ring) and CUDA graph capture (no host sync there) keep every
+    mask."""
+    if key_valid is None or setup.members is not None:
+        return frozenset()
+    if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return frozenset()
     flag = key_valid.all().reshape(1).to(torch.uint8)
-    if setup.world == 1 or _skip_comm() or setup.members is not None:
+    if setup.world == 1 or _skip_comm():
         return frozenset(range(setup.world)) if bool(flag) else frozenset()
     flags = [torch.empty_like(flag) for _ in range(setup.world)]
     dist.all_gather(flags, flag, group=setup.group)

@@ -349,7 +349,8 @@ def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """masked_calls on flex_attention (flex.py): per call of R = min(s, CALL_ROWS) rows, its
     BlockMask; in backward the recomputed block output and the scaled dO (R rows each, like q),
     four fp32 row values; a block of more rows than CALL_ROWS also holds a call's output rows
-    (forward), and its dQ rows and fp32 dK/dV sums (backward)."""
+    (forward), and in backward a chunk's gradients (dQ rows, dK and dV) beside the fp32 dK/dV
+    sums."""
     from .flex import CALL_ROWS, TILE
 
     q, k = a["q"], a["k"]
@@ -362,7 +363,7 @@ def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     bwd = tiles + 2 * q_rows + 4 * vec
     chunked = sympy.Gt(s, CALL_ROWS)
     return (sympy.Piecewise((fwd + q_rows + vec, chunked), (fwd, True)),
-            sympy.Piecewise((bwd + q_rows + 2 * k.with_itemsize(4).nbytes, chunked), (bwd, True)))
+            sympy.Piecewise((bwd + q_rows + 2 * k.nbytes + 2 * k.with_itemsize(4).nbytes, chunked), (bwd, True)))
 
 
 def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:

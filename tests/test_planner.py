@@ -597,7 +597,7 @@ def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
     """workspace.masked_calls on flex_attention (the default for masked bf16/fp16 blocks on
     CUDA, Note [Flex blocks]): the BlockMask of CALL_ROWS rows by the block's keys, and in
     backward the recomputed output and scaled dO rows and four fp32 row values; past CALL_ROWS
-    rows the chunk's outputs and the fp32 dK/dV sums. Linear in the shard."""
+    rows a chunk's outputs (dQ rows, dK, dV) and the fp32 dK/dV sums. Linear in the shard."""
     from ringcc.runtime import flex
 
     monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
@@ -614,7 +614,7 @@ def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
     tiles = workspace.FLEX_TILE_BYTES * (r // 128 + 1) * (8 * r // 128 + 1)
     rows = 2 * 16 * r * 128
     assert fwd.subs(long) == tiles + rows + 4 * 16 * r
-    assert bwd.subs(long) == tiles + 3 * rows + 4 * 4 * 16 * r + 2 * 4 * 4 * 8 * r * 128
+    assert bwd.subs(long) == tiles + 3 * rows + 4 * 4 * 16 * r + 2 * (2 + 4) * 4 * 8 * r * 128
     twice = {s: 16 * flex.CALL_ROWS}
     assert bwd.subs(twice) < 2 * bwd.subs(long)  # linear in s past CALL_ROWS (tiles grow with the keys)
 

@@ -723,3 +723,28 @@ def test_compiles_with_dynamic_shapes_in_one_graph():
     torch._dynamo.reset()
     out = torch.compile(f, fullgraph=True, backend="eager", dynamic=True)(q, k, v)
     torch.testing.assert_close(out, f(q, k, v))
+
+
+def case_sub_ring_with_one_padded_rank(rank, world):
+    """A ring with `members` (the dilated sub-ring form) where only the last rank's keys hold
+    padding: every rank keeps the key mask (no group all-gather), so transfers match and the
+    padded block stays masked."""
+    from ringcc.runtime.ring import RingSetup, _dense_sources, ring_forward
+
+    b, h, n, d = 1, 2, 8, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n * world, d, generator=gen) for _ in range(3))
+    valid = torch.ones(b, n * world, dtype=torch.bool)
+    valid[:, -5:-2] = False
+    sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.CONTIGUOUS)  # noqa: E731
+    setup = RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.CONTIGUOUS, False, d ** -0.5,
+                      members=tuple(range(world)))
+    assert _dense_sources(sh(valid, 1), setup) == frozenset()
+    ref, _ = reference.attention(q, k, v, key_padding_mask=~valid)
+    out, _ = ring_forward(sh(q), sh(k), sh(v), sh(valid, 1), setup)
+    return float((out - sh(ref)).abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sub_ring_keeps_key_masks(pools, world):
+    assert max(pools(world).run(case_sub_ring_with_one_padded_rank)) < 1e-5
