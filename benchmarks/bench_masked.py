@@ -1,5 +1,6 @@
 """Masked ring attention: time and memory of key padding and sliding windows next to the
-unmasked ring, per rank, at the launched p (causal, contiguous layout, b = 1).
+unmasked ring, per rank, at the launched p (causal, b = 1; contiguous layout by default,
+`--layout auto` as the backend picks: zigzag for causal cases without a window).
 
     torchrun --nproc-per-node 4 benchmarks/bench_masked.py --json masked.json
     torchrun --nproc-per-node 2 benchmarks/bench_masked.py --smoke          # CPU / gloo, tiny
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 import dist_setup
 import ringcc
+from ringcc.runtime.layout import Layout, global_positions
 
 CASES = {  # name -> (key padding, window)
     "unmasked": (False, None),
@@ -36,9 +38,12 @@ CASES = {  # name -> (key padding, window)
 }
 
 
-def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, warmup: int, smoke: bool) -> dict:
+def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, warmup: int, smoke: bool,
+         layout: str = "contiguous") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     padding, window = CASES[case]
+    if layout == "auto":  # the backend's choice (passes/rewrite_attention.py): zigzag balances the causal triangle
+        layout = "contiguous" if window else "zigzag"
     if smoke and window:
         window = 24
     gen = torch.Generator().manual_seed(rank)
@@ -47,11 +52,11 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
         t.requires_grad_()
     pad = None
     if padding:  # the last eighth of the global sequence is padding
-        pos = torch.arange(rank * n_local, (rank + 1) * n_local)
+        pos = global_positions(rank, world, Layout(layout), n_local)
         pad = (pos >= world * n_local - world * n_local // 8)[None].to(device)
 
     def step():
-        out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=pad, window=window)
+        out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=pad, window=window, layout=layout)
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 
@@ -81,8 +86,8 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
             step()
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() - before if cuda else 0
-    return {"case": case, "n_local": n_local, "p": world, "ms": statistics.median(times), "peak_bytes": peak,
-            "warmup_s": warm_s}
+    return {"case": case, "n_local": n_local, "p": world, "layout": layout, "ms": statistics.median(times),
+            "peak_bytes": peak, "warmup_s": warm_s}
 
 
 def main(argv=None) -> int:
@@ -92,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     ap.add_argument("--reps", type=int, default=3, help="timed iterations per cell (the median is reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per cell first (default 2)")
+    ap.add_argument("--layout", choices=["contiguous", "zigzag", "auto"], default="contiguous",
+                    help="sequence layout; auto: zigzag for causal cases without a window, as the backend picks")
     ap.add_argument("--json", dest="json_path", default="masked.json")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 1:
@@ -105,20 +112,20 @@ def main(argv=None) -> int:
     rows = []
     for n_local in lengths:
         for case in args.cases:
-            row = cell(case, n_local, heads, d, device, dtype, args.reps, args.warmup, args.smoke)
+            row = cell(case, n_local, heads, d, device, dtype, args.reps, args.warmup, args.smoke, args.layout)
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, row)
             if rank == 0:
                 worst = dict(row, ms=max(r["ms"] for r in gathered), peak_bytes=max(r["peak_bytes"] for r in gathered),
                              warmup_s=max(r["warmup_s"] for r in gathered))
                 rows.append(worst)
-                print(f"{case:22} n_local={n_local:>6} p={worst['p']}  {worst['ms']:9.2f} ms  "
+                print(f"{case:22} n_local={n_local:>6} p={worst['p']} {worst['layout']:10} {worst['ms']:9.2f} ms  "
                       f"peak {worst['peak_bytes'] / 2**20:8.1f} MiB  (warm-up {worst['warmup_s']:.1f} s)", flush=True)
     info = None
     if rank == 0:
         info = {"device": torch.cuda.get_device_name() if use_cuda else "cpu (smoke, gloo)",
                 "torch": torch.__version__, "dtype": str(dtype), "heads": heads, "d": d, "causal": True,
-                "layout": "contiguous", "reps": args.reps, "warmup": args.warmup,
+                "layout": args.layout, "reps": args.reps, "warmup": args.warmup,
                 "masked_kernel": os.environ.get("RINGCC_MASKED_KERNEL", "flex") if use_cuda else "cpu",
                 "rows": rows}
     dist_setup.finish(info, args.json_path)

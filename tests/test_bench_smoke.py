@@ -484,7 +484,7 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     masked, plan = tmp_path / "masked.json", tmp_path / "plan.json"
-    for script, extra, out in (("bench_masked.py", ["--reps", "1"], masked),
+    for script, extra, out in (("bench_masked.py", ["--reps", "1", "--layout", "auto"], masked),
                                ("bench_planner_gpu.py", ["--models", "masked", "--worlds", "2"], plan)):
         proc = subprocess.run(run + [str(ROOT / "benchmarks" / script), "--smoke", *extra, "--json", str(out)],
                               capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
@@ -494,6 +494,8 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert rec["device"] == "cpu (smoke, gloo)" and rec["reps"] == 1
     assert [r["case"] for r in rec["rows"]] == ["unmasked", "key padding", "window", "window + key padding"]
     assert all(r["p"] == 2 and r["ms"] > 0 for r in rec["rows"])
+    # --layout auto: as the backend, zigzag for the causal cases without a window
+    assert [r["layout"] for r in rec["rows"]] == ["zigzag", "zigzag", "contiguous", "contiguous"]
     rows = json.loads(plan.read_text())["rows"]
     assert [(r["model"], r["n"], r["p"]) for r in rows] == [("masked", 64, 2), ("masked", 128, 2)]
     assert all(r["verdict"] for r in rows)
