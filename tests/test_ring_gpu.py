@@ -21,27 +21,33 @@ WORLDS = [w for w in (2, 4) if w <= N_GPU]
 REL = 2e-2
 
 
-def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspace_mib="512"):
+def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspace_mib="512", window=None,
+                   device_type="cuda"):
+    """padded: True (random keys, batch row 0 all padding), "tail" (the sequence's last fifth:
+    the ranks before it hold none, and their blocks run the fused kernels) or False."""
     os.environ["RINGCC_CUDA_KERNEL"] = kernel
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = workspace_mib  # tiny: one K/V head per chunk
-    dev = torch.device("cuda", rank)
+    dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
     n_local, b, d = 256, 2, 128
     n = n_local * world
     gen = torch.Generator(device="cpu").manual_seed(7)
     q, k, v, dout = (torch.randn(b, hh, n, d, generator=gen).to(dev) for hh in (h, g, g, h))
     kpm = None
-    if padded:
+    if padded == "tail":
+        kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        kpm[:, -n // 5:] = True
+    elif padded:
         kpm = (torch.rand(b, n, generator=gen) < 0.2).to(dev)
         kpm[0] = True
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm)
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window)
     ref.backward(dout)
     lay = L.Layout(layout)
     sh = lambda t, dim=2: L.shard(t, dim, rank, world, lay)  # noqa: E731
     ql, kl, vl = (sh(t).bfloat16().requires_grad_() for t in (q, k, v))
     out, lse = ringcc.ring_attention(
         ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True,
-        key_padding_mask=None if kpm is None else sh(kpm, 1),
+        key_padding_mask=None if kpm is None else sh(kpm, 1), window=window,
     )
     out.backward(sh(dout).bfloat16())
     errs = {
@@ -62,6 +68,20 @@ def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspa
 @pytest.mark.parametrize("h,g,padded", [(8, 8, False), (8, 2, False), (8, 1, False), (8, 2, True)])
 def test_ring_nccl_bf16(pools, world, kernel, is_causal, layout, h, g, padded):
     for rank_errs in pools(world, "nccl").run(case_ring_nccl, kernel, is_causal, layout, h, g, padded):
+        for name, err in rank_errs.items():
+            assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("layout,padded,window", [("contiguous", "tail", None), ("zigzag", "tail", None),
+                                                  ("contiguous", False, 100), ("contiguous", "tail", 100)])
+def test_ring_nccl_bf16_masks_on_flex(pools, world, is_causal, layout, padded, window):
+    """Masked rings on NCCL: key padding on the last ranks only (the others' blocks on the fused
+    kernels, ring._dense_sources) and sliding windows, their masked blocks on flex_attention
+    (runtime/flex.py), GQA, against the fp32 dense reference."""
+    for rank_errs in pools(world, "nccl").run(case_ring_nccl, "cudnn", is_causal, layout, 8, 2, padded, "512", window):
         for name, err in rank_errs.items():
             assert err < (0.05 if name == "lse" else REL), (name, err, rank_errs)
 
