@@ -499,3 +499,17 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     rows = json.loads(plan.read_text())["rows"]
     assert [(r["model"], r["n"], r["p"]) for r in rows] == [("masked", 64, 2), ("masked", 128, 2)]
     assert all(r["verdict"] for r in rows)
+
+
+def test_plot_masked_draws_recorded_runs(tmp_path):
+    """plot_masked.py on the session-15 records (math path and flex on one 2 x H200 machine):
+    the table lists every row of both records, and the PNG is written."""
+    results = ROOT / "benchmarks" / "results"
+    recs = [results / "2026-11-27_2xH200_s15_masked_math_p2.json", results / "2026-11-27_2xH200_s15_masked_flex_p2.json"]
+    out = tmp_path / "masked.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_masked.py"), *map(str, recs), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if "16384" in line]
+    assert len(rows) == 3 + 4 and any("571.50" in r for r in rows) and any("13.68" in r for r in rows)
+    assert out.stat().st_size > 10_000
