@@ -82,6 +82,24 @@ def autograd_inside_op():
         yield
 
 
+def compile_errors() -> tuple[type, ...]:
+    """Exceptions meaning torch.compile could not build or launch a kernel here (dynamo and
+    inductor failures, the recompile limit under fullgraph, Triton out of resources): a
+    compiled kernel's caller may fall back to an eager path. Out-of-memory is not among them."""
+    import torch._dynamo.exc as exc
+
+    errors = [exc.TorchDynamoException]
+    if hasattr(exc, "FailOnRecompileLimitHit"):
+        errors.append(exc.FailOnRecompileLimitHit)
+    try:
+        from triton.runtime.errors import OutOfResources
+
+        errors.append(OutOfResources)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def specialize_int(sym) -> int | None:
     """A SymInt's value, with a guard that it stays so (dynamo then recompiles for other values);
     None when it has no hint (an unbacked size)."""

@@ -186,6 +186,27 @@ def _flex_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
             and not isinstance(allowed_qk, torch.Tensor) and masked_kernel() == "flex")
 
 
+_FLEX_FAILED: dict = {}  # (device, dtype, head dim) -> why flex_attention could not run such blocks
+
+
+def _try_flex(call, q_bhsd):
+    """call() (a flex.py block call), or None when flex_attention cannot be compiled or launched
+    for blocks like q's here (warned once per device, dtype and head dim): the caller then runs
+    the exact math path, slower but correct, instead of failing the training step."""
+    key = (q_bhsd.device, q_bhsd.dtype, q_bhsd.shape[-1])
+    if key in _FLEX_FAILED:
+        return None
+    try:
+        return call()
+    except _compat.compile_errors() as e:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        _FLEX_FAILED[key] = why
+        warnings.warn(f"ringcc: flex_attention could not run masked {q_bhsd.dtype} blocks with head dim "
+                      f"{q_bhsd.shape[-1]} on {q_bhsd.device} ({why}); using the exact math path for them "
+                      "(slower; RINGCC_MASKED_KERNEL=math selects it without trying flex)", stacklevel=3)
+        return None
+
+
 def _math_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
     """Whether a block runs the exact math path: on CUDA, a masked block (the fused kernels
     take no masks) or a dtype they do not take."""
@@ -299,7 +320,9 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         from . import flex
 
-        return flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
+        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk), q_bhsd)
+        if res is not None:
+            return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         return _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":
@@ -358,7 +381,10 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         from . import flex
 
-        return flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
+        res = _try_flex(lambda: flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal,
+                                         key_valid_bs, allowed_qk), q_bhsd)
+        if res is not None:
+            return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
         return _math_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":

@@ -227,3 +227,39 @@ def test_window_masks_are_built_once_per_window():
     other = WindowMask(pos, pos, 20, True, pos.long(), pos.long())
     dense = [create_mask(m.mask_mod, 1, 1, 300, 300, device="cpu") for m in (a, flex.block_mask(300, 300, True, None, other, "cpu"))]
     assert int(dense[0].sum()) > int(dense[1].sum()) > 0
+
+
+def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
+    """When flex_attention cannot be compiled or launched for some blocks (say, a head dim
+    Triton has no configuration for), kernels.block_fwd/block_bwd warn once and run the exact
+    path for blocks like them, instead of failing the step; other errors still surface."""
+    import torch._dynamo.exc as dynamo_exc
+
+    from ringcc.runtime import kernels
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise dynamo_exc.TorchDynamoException("No valid triton configs. OutOfMemoryError: out of resource")
+
+    monkeypatch.setattr(kernels, "_flex_path", lambda *a: True)
+    monkeypatch.setattr(flex, "fwd", failing)
+    monkeypatch.setattr(flex, "bwd", failing)
+    monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
+    b, h, n, d = 1, 2, 40, 8
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen) for _ in range(4))
+    kv = torch.rand(b, n, generator=gen) > 0.2
+    args = dict(scale=d ** -0.5, causal=True, key_valid_bs=kv)
+    with pytest.warns(UserWarning, match="flex_attention could not run masked torch.float32 blocks with head dim 8"):
+        out, lse = kernels.block_fwd(q, k, v, **args)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=True, key_padding_mask=~kv)
+    torch.testing.assert_close(out, ref)
+    grads = kernels.block_bwd(dout, q, k, v, out, lse, **args)  # no second attempt, no second warning
+    assert len(calls) == 1 and grads[0].shape == q.shape
+
+    monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
+    monkeypatch.setattr(flex, "fwd", lambda *a, **k: (_ for _ in ()).throw(ValueError("a real bug")))
+    with pytest.raises(ValueError, match="a real bug"):
+        kernels.block_fwd(q, k, v, **args)
