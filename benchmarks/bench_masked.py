@@ -64,12 +64,11 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     times = []
     if cuda:
-        torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     for _ in range(reps):

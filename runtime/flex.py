@@ -134,12 +134,18 @@ def _tiles(rows, lk: int) -> int:
     return -(-(rows[1] - rows[0]) // TILE) * -(-lk // TILE)
 
 
-def _window_cache(window) -> dict:
-    """Per-window cache of what depends on its positions only: the window masks of a ring's
-    calls live as long as its setup (ring.RingSetup._window_calls), and are the same at every
-    step, head chunk and iteration, so their tiles (and, with no key mask, whole BlockMasks)
+def _per_window(window, key, rows, lk: int, build):
+    """build(), kept on the window for the next call when the call has at most CACHED_TILES
+    tiles. What depends on a window's positions alone is the same at every step, head chunk
+    and iteration, and the window masks of a ring's calls live as long as its setup
+    (ring.RingSetup._window_calls), so their tiles (and, with no key mask, whole BlockMasks)
     are built once instead of per kernel call (host time: a windowed ring is host-bound)."""
-    return window.__dict__.setdefault("_flex_cache", {})  # a frozen dataclass: its __dict__ is writable
+    if _tiles(rows, lk) > CACHED_TILES:
+        return build()
+    cache = window.__dict__.setdefault("_flex_cache", {})  # a frozen dataclass: its __dict__ is writable
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def tile_states(lq: int, lk: int, causal: bool, key_valid_bs, window, device, rows=None):
@@ -150,13 +156,9 @@ def tile_states(lq: int, lk: int, causal: bool, key_valid_bs, window, device, ro
     rows = rows or (0, lq)
     if window is None:
         some, full, mod_inputs = _arange_tiles(lq, lk, causal, torch.device(device), rows)
-    elif _tiles(rows, lk) <= CACHED_TILES:
-        cache = _window_cache(window)
-        if (causal, rows) not in cache:
-            cache[causal, rows] = _position_tiles(lq, lk, causal, window, device, rows)
-        some, full, mod_inputs = cache[causal, rows]
     else:
-        some, full, mod_inputs = _position_tiles(lq, lk, causal, window, device, rows)
+        some, full, mod_inputs = _per_window(window, ("tiles", causal, rows), rows, lk,
+                                             lambda: _position_tiles(lq, lk, causal, window, device, rows))
     if key_valid_bs is not None:
         kt = -(-lk // TILE)
         pad = kt * TILE - lk
@@ -183,15 +185,12 @@ def block_mask(lq: int, lk: int, causal: bool, key_valid_bs, window, device, row
     blocks]); the forward kernel reads the tiles of each query tile only, the backward also
     those of each key tile. Both orders come from the tile states directly
     (BlockMask.from_kv_blocks would rebuild the dense tiles). A window's mask without a key
-    mask is built once per window (_window_cache) when it has at most CACHED_TILES tiles."""
+    mask is built once per window (_per_window)."""
     rows = rows or (0, lq)
-    if key_valid_bs is None and window is not None and _tiles(rows, lk) <= CACHED_TILES:
-        cache = _window_cache(window)
-        key = ("mask", causal, rows, backward)
-        if key not in cache:
-            cache[key] = _build_block_mask(lq, lk, causal, None, window, device, rows, backward)
-        return cache[key]
-    return _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward)
+    build = lambda: _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward)  # noqa: E731
+    if key_valid_bs is None and window is not None:
+        return _per_window(window, ("mask", causal, rows, backward), rows, lk, build)
+    return build()
 
 
 def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward) -> BlockMask:
@@ -200,8 +199,7 @@ def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backwa
     some, full, (pos_q, pos_k, bound) = tile_states(lq, lk, causal, key_valid_bs, window, device, rows)
     partial = some & ~full
     q_major = (*_ordered(partial.transpose(-2, -1)), *_ordered(full.transpose(-2, -1))) if backward else (None,) * 4
-    r0, r1 = rows or (0, lq)
-    return BlockMask((r1 - r0, lk), *_ordered(partial), *_ordered(full), *q_major, BLOCK_SIZE=(TILE, TILE),
+    return BlockMask((rows[1] - rows[0], lk), *_ordered(partial), *_ordered(full), *q_major, BLOCK_SIZE=(TILE, TILE),
                      mask_mod=_mask_mod(key_valid_bs, pos_q, pos_k, bound))
 
 
@@ -219,13 +217,12 @@ def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, w
     """(out, lse) of a masked block, one flex call per CALL_ROWS rows."""
     (b, h, lq, d), lk, dev = q_bhsd.shape, k_bgsd.shape[2], q_bhsd.device
     chunks = _row_chunks(lq)
-    if len(chunks) == 1:
-        return _call(q_bhsd, k_bgsd, v_bgsd, block_mask(lq, lk, causal, key_valid_bs, window, dev, backward=False),
-                     scale)
     out = lse = None
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1), backward=False)
         o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale)
+        if len(chunks) == 1:
+            return o, l_
         if out is None:
             out, lse = o.new_empty(b, h, lq, o.shape[-1]), l_.new_empty(b, h, lq)
         out[:, :, r0:r1], lse[:, :, r0:r1] = o, l_
