@@ -30,11 +30,14 @@ import dist_setup
 import ringcc
 from ringcc.runtime.layout import Layout, global_positions
 
-CASES = {  # name -> (key padding, window)
-    "unmasked": (False, None),
-    "key padding": (True, None),
-    "window": (False, 2048),
-    "window + key padding": (True, 2048),
+CASES = {  # name -> (key padding, window); padding "tail": the sequence's last eighth (every rank's
+    # valid keys a prefix: fused kernels on cut blocks, ring.clip_calls), "gaps": the last eighth of
+    # every 512 keys (no rank's keys a prefix: every block masked, flex_attention / the math path)
+    "unmasked": (None, None),
+    "key padding": ("tail", None),
+    "key gaps": ("gaps", None),
+    "window": (None, 2048),
+    "window + key padding": ("tail", 2048),
 }
 
 
@@ -51,9 +54,12 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
     for t in (q, k, v):
         t.requires_grad_()
     pad = None
-    if padding:  # the last eighth of the global sequence is padding
-        pos = global_positions(rank, world, Layout(layout), n_local)
+    pos = global_positions(rank, world, Layout(layout), n_local)
+    if padding == "tail":
         pad = (pos >= world * n_local - world * n_local // 8)[None].to(device)
+    elif padding == "gaps":
+        period = 32 if smoke else 512
+        pad = (pos % period >= period - period // 8)[None].to(device)
 
     def step():
         out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=pad, window=window, layout=layout)

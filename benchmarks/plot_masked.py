@@ -12,14 +12,17 @@ import json
 import sys
 
 
-def load(paths: list[str]) -> list[dict]:
+def load(paths: list[str], labels: list[str] | None = None) -> list[dict]:
+    if labels and len(labels) != len(paths):
+        raise SystemExit(f"--labels takes one label per record: got {len(labels)} labels for {len(paths)} records")
     records = []
-    for path in paths:
+    for i, path in enumerate(paths):
         with open(path) as f:
             rec = json.load(f)
         if not rec.get("rows"):
             raise SystemExit(f"{path}: no rows (is it a bench_masked.py record?)")
-        rec["label"] = f"{rec.get('masked_kernel', '?')} ({rec['device']}, p={rec['rows'][0]['p']})"
+        what = labels[i] if labels else rec.get("masked_kernel", "?")
+        rec["label"] = f"{what} ({rec['device']}, p={rec['rows'][0]['p']})"
         records.append(rec)
     return records
 
@@ -66,8 +69,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", nargs="+", help="bench_masked.py JSON records")
     ap.add_argument("-o", "--out", default="masked.png", help="PNG to write")
+    ap.add_argument("--labels", nargs="*", help="one label per record (default: each record's masked kernel)")
     args = ap.parse_args(argv)
-    records = load(args.records)
+    records = load(args.records, args.labels)
     print(table(records))
     plot(records, args.out)
     return 0

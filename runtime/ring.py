@@ -21,10 +21,12 @@ Causality is decided per (query chunk, key chunk) pair in global chunk ids: earl
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
 (not at all by the cuDNN kernels, which take g heads: kernels.py).
-Key padding: a rank whose keys are all valid sends no work to the masked kernels: before the
-ring, one all-gather of a flag per rank (`_dense_sources`) tells every rank which blocks need
-their key mask; the others run the fused kernels, and with no padding anywhere the mask is
-not sent at all.
+Key padding: before the ring, one all-gather of an int per rank (`_key_prefixes`) tells every
+rank which blocks' keys are valid exactly on their first c rows (c = the block length: all
+valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run the
+fused kernels (padding at the sequence's end is a prefix on every rank, in both layouts). The
+other blocks keep their key mask (flex_attention or the math path), and with no padding
+anywhere the mask is not sent at all.
 """
 
 from __future__ import annotations
@@ -117,18 +119,21 @@ class RingSetup:
             self.is_causal,
         )
 
-    def masked_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
+    def masked_calls(self, n_local: int, src: int, device, keys: int | None = None) -> list[tuple[BlockCall, "WindowMask | None"]]:
         """The kernel calls against the block of rank `src`, each with its window mask (None
         when the whole block is visible), decided on the host from the positions alone: no
-        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). Cached per (setup, length, src,
-        device): the decisions cost host time, and the positions one copy to the device."""
+        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys`: only the block's first
+        `keys` keys are valid (None: all, or a key mask decides), so the calls stop there
+        (`clip_calls`). Cached per (setup, length, src, device, keys): the decisions cost host
+        time, and the positions one copy to the device."""
+        keys = n_local if keys is None else keys
         if not self.window:
-            return [(c, None) for c in self.calls(n_local, src)]
-        return self._window_calls(n_local, src, torch.device(device))
+            return [(c, None) for c in clip_calls(self.calls(n_local, src), keys)]
+        return self._window_calls(n_local, src, torch.device(device), keys)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
-    def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
-        calls = self.calls(n_local, src)
+    def _window_calls(self, n_local: int, src: int, device, keys: int) -> list[tuple[BlockCall, "WindowMask | None"]]:
+        calls = clip_calls(self.calls(n_local, src), keys)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
         if not bool((k_pos[1:] > k_pos[:-1]).all()):  # WindowMask.key_range searches them
@@ -148,6 +153,28 @@ class RingSetup:
                 out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
                                                              self.is_causal, qs, ks)))
         return out
+
+
+def clip_calls(calls: list[BlockCall], keys: int) -> list[BlockCall]:
+    """The calls restricted to the block's first `keys` keys (the others are padding): key
+    ranges end there, calls left with no key are dropped. A causal call is a diagonal (square,
+    row i of the call at key i's position, rising), so cut at m keys it splits into the causal
+    m x m square and, below it, rows that see all m keys (no mask): no kernel is asked for a
+    non-square causal mask."""
+    out = []
+    for c in calls:
+        k1 = min(c.k1, keys)
+        if k1 <= c.k0:
+            continue
+        if not c.causal or k1 == c.k1:
+            out.append(BlockCall(c.q0, c.q1, c.k0, k1, c.causal))
+            continue
+        if c.q1 - c.q0 != c.k1 - c.k0:
+            raise AssertionError(f"a causal block call must be square; got {c}")
+        m = k1 - c.k0
+        out.append(BlockCall(c.q0, c.q0 + m, c.k0, k1, True))
+        out.append(BlockCall(c.q0 + m, c.q1, c.k0, k1, False))
+    return out
 
 
 @dataclass(frozen=True)
@@ -268,13 +295,13 @@ def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    key_valid, dense = _ring_key_mask(key_valid, setup)
+    key_valid, prefixes = _ring_key_mask(key_valid, setup)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, dense=dense)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, prefixes=prefixes)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], dense)
+        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], prefixes)
     return out, lse
 
 
@@ -300,39 +327,44 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
-def _dense_sources(key_valid, setup: RingSetup) -> frozenset:
-    """The ring ranks whose key mask is all True (their blocks need no mask): one flag per rank,
-    all-gathered, and one host sync per ring call. The no-transfer benchmark schedule computes on
-    the local block alone, so the local flag decides. Sub-rings (`members`: the group's
-    all-gather would not match the ring) and CUDA graph capture (no host sync there) keep every
-    mask."""
+def _key_prefixes(key_valid, setup: RingSetup) -> dict[int, int]:
+    """{ring rank: c} for the ranks whose keys are valid exactly on their first c rows, the same
+    c in every batch row (c = s: all valid): their blocks need no mask (`clip_calls`). One int
+    per rank, all-gathered: one host sync per ring call. The no-transfer benchmark schedule
+    computes on the local block alone, so the local answer decides. Sub-rings (`members`: the
+    group's all-gather would not match the ring) and CUDA graph capture (no host sync there)
+    keep every mask."""
     if key_valid is None or setup.members is not None:
-        return frozenset()
+        return {}
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
-        return frozenset()
-    flag = key_valid.all().reshape(1).to(torch.uint8)
+        return {}
+    c = key_valid[0].sum()
+    prefix = torch.arange(key_valid.shape[-1], device=key_valid.device) < c
+    mine = torch.where((key_valid == prefix).all(), c, -1).reshape(1).to(torch.int64)
     if setup.world == 1 or _skip_comm():
-        return frozenset(range(setup.world)) if bool(flag) else frozenset()
-    flags = [torch.empty_like(flag) for _ in range(setup.world)]
-    dist.all_gather(flags, flag, group=setup.group)
-    host = torch.cat(flags).cpu()
-    return frozenset(i for i in range(setup.world) if host[i])
+        c = int(mine)
+        return {} if c < 0 else dict.fromkeys(range(setup.world), c)
+    got = [torch.empty_like(mine) for _ in range(setup.world)]
+    dist.all_gather(got, mine, group=setup.group)
+    return {i: c for i, c in enumerate(torch.cat(got).tolist()) if c >= 0}
 
 
 def _ring_key_mask(key_valid, setup: RingSetup):
-    """(key mask to send around, or None when every rank's keys are valid; dense sources)."""
-    dense = _dense_sources(key_valid, setup)
-    return (None if len(dense) == setup.world else key_valid), dense
+    """(key mask to send around, or None when every rank's keys are valid; `_key_prefixes`)."""
+    prefixes = _key_prefixes(key_valid, setup)
+    s = 0 if key_valid is None else key_valid.shape[-1]
+    all_valid = len(prefixes) == setup.world and all(c == s for c in prefixes.values())
+    return (None if all_valid else key_valid), prefixes
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, dense=frozenset()):
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, prefixes=None):
     """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, dense=dense):
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, prefixes=prefixes):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
             o, l = kernels.block_fwd(
@@ -376,13 +408,15 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, dense=frozenset()):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, prefixes=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
-    One batch per step is one rendezvous of the ranks per step. A block from a rank in `dense`
-    (all its keys valid, _dense_sources) is held with no key mask."""
+    One batch per step is one rendezvous of the ranks per step. A block from a rank in
+    `prefixes` (its keys valid on a prefix, _key_prefixes) is held with no key mask, its calls
+    cut to the valid keys."""
+    prefixes = prefixes or {}
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
@@ -391,8 +425,8 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
             recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
-        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in dense else None,
-                      setup.masked_calls(s, src, device), comm if recv else None,
+        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in prefixes else None,
+                      setup.masked_calls(s, src, device, prefixes.get(src)), comm if recv else None,
                       recv[n_held:] if carry and recv else None)
         yield st
         st.wait()
@@ -426,18 +460,20 @@ def _accumulate(acc, blk, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
-def _carry(acc, step: int, adt):
+def _carry(acc, step: int, adt, wide_first: bool = False):
     """The dK/dV accumulator as it travels to rank+1 after `step`, in a dtype every rank knows
     without being told: a receiver's buffers mirror its own outgoing tensors (RingComm's
     empty_like, the copy-engine ring's slot layout), so sender and receiver must agree.
     At step 0 every rank holds its own block, which `plan_block` always covers with one call
     over all its keys (a window keeps it: the diagonal is visible): every rank's carry is one
     block's gradient in the kernel's dtype, which may travel as it is (exact, half the bytes;
-    Note [Fewer passes]). Later steps differ by rank (a block may get one call, several, or none
+    Note [Fewer passes]), unless some rank cut its own block to a key prefix (`clip_calls`:
+    `wide_first`, the same answer on every rank, from the all-gathered prefixes). Later steps
+    differ by rank (a block may get one call, several, or none
     and be forwarded as it came): the accumulator's dtype. Sending what happened to be at hand
     broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
     copy-engine ring; benchmarks/RESULTS.md, session 12)."""
-    if step == 0 or acc.dtype == adt:
+    if (step == 0 and not wide_first) or acc.dtype == adt:
         return acc
     return acc.to(adt)
 
@@ -458,7 +494,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
-    key_valid, dense = _ring_key_mask(key_valid, setup)
+    key_valid, prefixes = _ring_key_mask(key_valid, setup)
+    wide_first = any(c < s for c in prefixes.values())  # some rank's own block is cut (_carry)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
         kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
@@ -495,7 +532,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            dense=dense)
+                            prefixes=prefixes)
         del k_c, v_c
         for st in steps:
             kv_shape = st.k.shape
@@ -547,7 +584,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
                 if last_step:
                     home = (hk, [dk_acc.to(k.dtype), dv_acc.to(v.dtype)])  # as is when written above
                 else:
-                    st.carry_out = [_carry(dk_acc, st.index, adt), _carry(dv_acc, st.index, adt)]
+                    st.carry_out = [_carry(dk_acc, st.index, adt, wide_first), _carry(dv_acc, st.index, adt, wide_first)]
                 dk_acc = dv_acc = None
             del st
         if not use_comm:

@@ -24,6 +24,9 @@ def _inputs(seed, b, h, g, n, d, padded):
     if padded == "tail":  # only the sequence's last fifth is padding: most ranks hold none
         kpm = torch.zeros(b, n, dtype=torch.bool)
         kpm[:, -n // 5:] = True
+    elif padded == "gap":  # two keys at the start of the last fifth: no rank's valid keys a prefix there
+        kpm = torch.zeros(b, n, dtype=torch.bool)
+        kpm[:, n - n // 5:n - n // 5 + 2] = True
     elif padded == "none":  # a mask that hides nothing
         kpm = torch.zeros(b, n, dtype=torch.bool)
     elif padded:
@@ -61,23 +64,26 @@ def test_ring_matches_reference(pools, world, is_causal, layout, h, g):
     assert max(errs) < 1e-5
 
 
-def case_ring_bf16(rank, world, is_causal, layout, h, g, window, budget):
+def case_ring_bf16(rank, world, is_causal, layout, h, g, window, budget, padded=False):
     """bf16 shards against the fp32 reference of the same (bf16-rounded) values: the largest
     relative error of out, dq, dk, dv and the largest LSE error. In bf16 a block's gradient
     may travel in the kernel's dtype (Note [Fewer passes]): sender and receiver must agree."""
     with workspace_mib(budget):
-        return _ring_bf16_errors(rank, world, is_causal, layout, h, g, window)
+        return _ring_bf16_errors(rank, world, is_causal, layout, h, g, window, padded)
 
 
-def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window):
+def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window, padded=False):
     n = 16 * world
-    q, k, v, dout, _ = (t if t is None else t.bfloat16().float() for t in _inputs(7, 2, h, g, n, 8, False))
+    q, k, v, dout, kpm = (t if t is None or t.dtype == torch.bool else t.bfloat16().float()
+                          for t in _inputs(7, 2, h, g, n, 8, padded))
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, window=window)
+    ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, window=window, key_padding_mask=kpm)
     ref_out.backward(dout)
     sh = lambda t: L.shard(t, 2, rank, world, L.Layout(layout))  # noqa: E731
     ql, kl, vl = (sh(t).bfloat16().requires_grad_() for t in (q, k, v))
-    out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window)
+    kpm_l = None if kpm is None else L.shard(kpm, 1, rank, world, L.Layout(layout))
+    out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window,
+                                     key_padding_mask=kpm_l)
     out.backward(sh(dout).bfloat16())
     assert all(t.dtype == torch.bfloat16 for t in (out, ql.grad, kl.grad, vl.grad))
     errs = [rel_err(out, sh(ref_out.detach()))] + [rel_err(a.grad, sh(b.grad)) for a, b in ((ql, qr), (kl, kr), (vl, vr))]
@@ -90,10 +96,14 @@ def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window):
 def test_ring_bf16_matches_reference(pools, world, is_causal, layout):
     # MHA and GQA, whole heads and one K/V head per chunk, with and without a sliding window
     # spanning ranks. At p >= 3 a rank may hold a block with no visible key while its neighbours
-    # hold blocks with one or several calls; the last dK/dV hop goes home in bf16.
-    for h, g, window, budget in ((4, 4, None, "0"), (8, 2, None, "0.0001"), (4, 4, 21, "0")):
-        for err, lse_diff in pools(world).run(case_ring_bf16, is_causal, layout, h, g, window, budget):
-            assert err < 2e-2 and lse_diff < 0.05, (h, g, window, budget, err, lse_diff)
+    # hold blocks with one or several calls; the last dK/dV hop goes home in bf16. With padding
+    # at the end, the padded ranks' own blocks are cut to their valid keys (ring.clip_calls), so
+    # every rank's first dK/dV hop travels in fp32.
+    for h, g, window, budget, padded in ((4, 4, None, "0", False), (8, 2, None, "0.0001", False),
+                                         (4, 4, 21, "0", False), (4, 4, None, "0", "tail"),
+                                         (8, 2, None, "0.0001", "tail"), (4, 4, 21, "0", "tail")):
+        for err, lse_diff in pools(world).run(case_ring_bf16, is_causal, layout, h, g, window, budget, padded):
+            assert err < 2e-2 and lse_diff < 0.05, (h, g, window, budget, padded, err, lse_diff)
 
 
 def case_ring_masked_calls(rank, world, is_causal, layout, padded):
@@ -120,18 +130,48 @@ def case_ring_masked_calls(rank, world, is_causal, layout, padded):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("padded", ["tail", "none"])
-def test_blocks_from_unpadded_ranks_run_unmasked(pools, world, layout, padded):
-    """A rank whose keys are all valid sends its blocks to the unmasked kernels
-    (ring._dense_sources); with no padding anywhere no call gets a mask. Results as the
-    reference's (case_ring checks them)."""
+@pytest.mark.parametrize("padded", ["tail", "gap", "none"])
+def test_blocks_with_a_valid_key_prefix_run_unmasked(pools, world, layout, padded):
+    """A rank whose valid keys are a prefix of its block (all of it, or padding at the
+    sequence's end in either layout) sends its blocks to the unmasked kernels, cut to those
+    keys (ring._key_prefixes, ring.clip_calls); only the rank holding a gap keeps the mask.
+    Results as the reference's (case_ring checks them)."""
     counts = pools(world).run(case_ring_masked_calls, True, layout, padded)
     masked, total = sum(c["masked"] for c in counts), sum(c["all"] for c in counts)
     assert total > 0
-    if padded == "none":
-        assert masked == 0
-    else:
+    if padded == "gap":
         assert 0 < masked < total
+    else:
+        assert masked == 0
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
+    """clip_calls: the calls against a block whose first `keys` keys are valid cover every
+    visible (query, key) pair exactly once, and no other (a causal call is read as the kernels
+    read it: top-left, row i of the call sees its keys 0..i)."""
+    from ringcc.runtime.layout import Layout, global_positions
+    from ringcc.runtime.ring import RingSetup
+
+    n_local = 12
+    for world in (1, 2, 3, 4):
+        for rank in range(world):
+            setup = RingSetup(None, rank, world, Layout(layout), is_causal, 1.0)
+            q_pos = global_positions(rank, world, Layout(layout), n_local)
+            for src in range(world):
+                k_pos = global_positions(src, world, Layout(layout), n_local)
+                for keys in range(n_local + 1):
+                    want = torch.zeros(n_local, n_local, dtype=torch.int64)
+                    want[:, :keys] = 1
+                    if is_causal:
+                        want &= (k_pos[None, :] <= q_pos[:, None]).long()
+                    got = torch.zeros_like(want)
+                    for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), keys):
+                        assert mask is None and c.k1 <= keys and c.q0 < c.q1 and c.k0 < c.k1, c
+                        block = torch.ones(c.q1 - c.q0, c.k1 - c.k0, dtype=torch.int64)
+                        got[c.q0:c.q1, c.k0:c.k1] += block.tril() if c.causal else block
+                    assert torch.equal(got, want), (world, rank, src, keys)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -729,7 +769,7 @@ def case_sub_ring_with_one_padded_rank(rank, world):
     """A ring with `members` (the dilated sub-ring form) where only the last rank's keys hold
     padding: every rank keeps the key mask (no group all-gather), so transfers match and the
     padded block stays masked."""
-    from ringcc.runtime.ring import RingSetup, _dense_sources, ring_forward
+    from ringcc.runtime.ring import RingSetup, _key_prefixes, ring_forward
 
     b, h, n, d = 1, 2, 8, 4
     gen = torch.Generator().manual_seed(0)
@@ -739,7 +779,7 @@ def case_sub_ring_with_one_padded_rank(rank, world):
     sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.CONTIGUOUS)  # noqa: E731
     setup = RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.CONTIGUOUS, False, d ** -0.5,
                       members=tuple(range(world)))
-    assert _dense_sources(sh(valid, 1), setup) == frozenset()
+    assert _key_prefixes(sh(valid, 1), setup) == {}
     ref, _ = reference.attention(q, k, v, key_padding_mask=~valid)
     out, _ = ring_forward(sh(q), sh(k), sh(v), sh(valid, 1), setup)
     return float((out - sh(ref)).abs().max())
