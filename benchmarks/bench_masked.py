@@ -30,11 +30,14 @@ import dist_setup
 import ringcc
 from ringcc.runtime.layout import Layout, global_positions
 
-CASES = {  # name -> (key padding, window); padding "tail": the sequence's last eighth (every rank's
-    # valid keys a prefix: fused kernels on cut blocks, ring.clip_calls), "gaps": the last eighth of
-    # every 512 keys (no rank's keys a prefix: every block masked, flex_attention / the math path)
+# name -> (key padding, window). Padding "tail" / "head": the sequence's last / first eighth (every
+# rank's valid keys are one run: fused kernels on cut blocks, ring.clip_calls); "gaps": the last
+# eighth of every 512 keys (no rank's valid keys one run: every block masked, on flex_attention or
+# the math path).
+CASES = {
     "unmasked": (None, None),
     "key padding": ("tail", None),
+    "left padding": ("head", None),
     "key gaps": ("gaps", None),
     "window": (None, 2048),
     "window + key padding": ("tail", 2048),
@@ -57,6 +60,8 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
     pos = global_positions(rank, world, Layout(layout), n_local)
     if padding == "tail":
         pad = (pos >= world * n_local - world * n_local // 8)[None].to(device)
+    elif padding == "head":
+        pad = (pos < world * n_local // 8)[None].to(device)
     elif padding == "gaps":
         period = 32 if smoke else 512
         pad = (pos % period >= period - period // 8)[None].to(device)

@@ -21,11 +21,11 @@ Causality is decided per (query chunk, key chunk) pair in global chunk ids: earl
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
 (not at all by the cuDNN kernels, which take g heads: kernels.py).
-Key padding: before the ring, one all-gather of an int per rank (`_key_prefixes`) tells every
-rank which blocks' keys are valid exactly on their first c rows (c = the block length: all
-valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run the
-fused kernels (padding at the sequence's end is a prefix on every rank, in both layouts). The
-other blocks keep their key mask (flex_attention or the math path), and with no padding
+Key padding: before the ring, one all-gather of two ints per rank (`_key_runs`) tells every
+rank which blocks' valid keys are one run [a, b) of rows, the same in every batch row ([0, s):
+all valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run
+the fused kernels (padding at the sequence's end or start leaves one run on every rank, in both
+layouts). The other blocks keep their key mask (flex_attention or the math path), and with no padding
 anywhere the mask is not sent at all.
 """
 
@@ -119,21 +119,22 @@ class RingSetup:
             self.is_causal,
         )
 
-    def masked_calls(self, n_local: int, src: int, device, keys: int | None = None) -> list[tuple[BlockCall, "WindowMask | None"]]:
+    def masked_calls(self, n_local: int, src: int, device, keys: tuple[int, int] | None = None
+                     ) -> list[tuple[BlockCall, "WindowMask | None"]]:
         """The kernel calls against the block of rank `src`, each with its window mask (None
         when the whole block is visible), decided on the host from the positions alone: no
-        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys`: only the block's first
-        `keys` keys are valid (None: all, or a key mask decides), so the calls stop there
+        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys` = (a, b): only the block's
+        keys [a, b) are valid (None: all, or a key mask decides), so the calls are cut to them
         (`clip_calls`). Cached per (setup, length, src, device, keys): the decisions cost host
         time, and the positions one copy to the device."""
-        keys = n_local if keys is None else keys
+        keys = (0, n_local) if keys is None else tuple(keys)
         if not self.window:
-            return [(c, None) for c in clip_calls(self.calls(n_local, src), keys)]
+            return [(c, None) for c in clip_calls(self.calls(n_local, src), *keys)]
         return self._window_calls(n_local, src, torch.device(device), keys)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
-    def _window_calls(self, n_local: int, src: int, device, keys: int) -> list[tuple[BlockCall, "WindowMask | None"]]:
-        calls = clip_calls(self.calls(n_local, src), keys)
+    def _window_calls(self, n_local: int, src: int, device, keys: tuple[int, int]) -> list[tuple[BlockCall, "WindowMask | None"]]:
+        calls = clip_calls(self.calls(n_local, src), *keys)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
         if not bool((k_pos[1:] > k_pos[:-1]).all()):  # WindowMask.key_range searches them
@@ -155,25 +156,27 @@ class RingSetup:
         return out
 
 
-def clip_calls(calls: list[BlockCall], keys: int) -> list[BlockCall]:
-    """The calls restricted to the block's first `keys` keys (the others are padding): key
-    ranges end there, calls left with no key are dropped. A causal call is a diagonal (square,
-    row i of the call at key i's position, rising), so cut at m keys it splits into the causal
-    m x m square and, below it, rows that see all m keys (no mask): no kernel is asked for a
-    non-square causal mask."""
+def clip_calls(calls: list[BlockCall], lo: int, hi: int) -> list[BlockCall]:
+    """The calls restricted to the block's keys [lo, hi) (the others are padding): key ranges
+    shrink to them, calls left with no key are dropped. A causal call is a diagonal (square,
+    row i of the call at key i's position, rising), so cut to keys [k0', k1') it keeps the causal
+    square of the rows at those keys, then rows below it that see all of them (no mask); the
+    rows above see none and drop out. No kernel is asked for a non-square causal mask."""
     out = []
     for c in calls:
-        k1 = min(c.k1, keys)
-        if k1 <= c.k0:
+        k0, k1 = max(c.k0, lo), min(c.k1, hi)
+        if k1 <= k0:
             continue
-        if not c.causal or k1 == c.k1:
-            out.append(BlockCall(c.q0, c.q1, c.k0, k1, c.causal))
+        if not c.causal or (k0, k1) == (c.k0, c.k1):
+            out.append(BlockCall(c.q0, c.q1, k0, k1, c.causal))
             continue
         if c.q1 - c.q0 != c.k1 - c.k0:
             raise AssertionError(f"a causal block call must be square; got {c}")
-        m = k1 - c.k0
-        out.append(BlockCall(c.q0, c.q0 + m, c.k0, k1, True))
-        out.append(BlockCall(c.q0 + m, c.q1, c.k0, k1, False))
+        r0 = c.q0 + (k0 - c.k0)  # the row at key k0's position
+        r1 = r0 + (k1 - k0)
+        out.append(BlockCall(r0, r1, k0, k1, True))
+        if r1 < c.q1:
+            out.append(BlockCall(r1, c.q1, k0, k1, False))
     return out
 
 
@@ -295,13 +298,13 @@ def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
 def ring_forward(q, k, v, key_valid, setup: RingSetup):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    key_valid, prefixes = _ring_key_mask(key_valid, setup)
+    key_valid, runs = _ring_key_mask(key_valid, setup)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, prefixes=prefixes)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], prefixes)
+        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs)
     return out, lse
 
 
@@ -327,44 +330,48 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
-def _key_prefixes(key_valid, setup: RingSetup) -> dict[int, int]:
-    """{ring rank: c} for the ranks whose keys are valid exactly on their first c rows, the same
-    c in every batch row (c = s: all valid): their blocks need no mask (`clip_calls`). One int
-    per rank, all-gathered: one host sync per ring call. The no-transfer benchmark schedule
-    computes on the local block alone, so the local answer decides. Sub-rings (`members`: the
-    group's all-gather would not match the ring) and CUDA graph capture (no host sync there)
-    keep every mask."""
+def _key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
+    """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
+    in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
+    (`clip_calls`). Two ints per rank, all-gathered: one host sync per ring call. The
+    no-transfer benchmark schedule computes on the local block alone, so the local answer
+    decides. Sub-rings (`members`: the group's all-gather would not match the ring) and CUDA
+    graph capture (no host sync there) keep every mask."""
     if key_valid is None or setup.members is not None:
         return {}
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}
-    c = key_valid[0].sum()
-    prefix = torch.arange(key_valid.shape[-1], device=key_valid.device) < c
-    mine = torch.where((key_valid == prefix).all(), c, -1).reshape(1).to(torch.int64)
+    idx = torch.arange(key_valid.shape[-1], device=key_valid.device)
+    row = key_valid[0]
+    count = row.sum()
+    a = torch.where(count > 0, torch.where(row, idx, idx.numel()).min(), 0)  # the first valid key
+    run = (idx >= a) & (idx < a + count)
+    ok = (key_valid == run).all()
+    mine = torch.stack([torch.where(ok, a, -1), a + count]).to(torch.int64)
     if setup.world == 1 or _skip_comm():
-        c = int(mine)
-        return {} if c < 0 else dict.fromkeys(range(setup.world), c)
+        lo, hi = mine.tolist()
+        return {} if lo < 0 else dict.fromkeys(range(setup.world), (lo, hi))
     got = [torch.empty_like(mine) for _ in range(setup.world)]
     dist.all_gather(got, mine, group=setup.group)
-    return {i: c for i, c in enumerate(torch.cat(got).tolist()) if c >= 0}
+    return {i: (lo, hi) for i, (lo, hi) in enumerate(torch.stack(got).tolist()) if lo >= 0}
 
 
 def _ring_key_mask(key_valid, setup: RingSetup):
-    """(key mask to send around, or None when every rank's keys are valid; `_key_prefixes`)."""
-    prefixes = _key_prefixes(key_valid, setup)
+    """(key mask to send around, or None when every rank's keys are valid; `_key_runs`)."""
+    runs = _key_runs(key_valid, setup)
     s = 0 if key_valid is None else key_valid.shape[-1]
-    all_valid = len(prefixes) == setup.world and all(c == s for c in prefixes.values())
-    return (None if all_valid else key_valid), prefixes
+    all_valid = len(runs) == setup.world and all(r == (0, s) for r in runs.values())
+    return (None if all_valid else key_valid), runs
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, prefixes=None):
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None):
     """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
     b, h, s, d = q.shape
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, prefixes=prefixes):
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
             o, l = kernels.block_fwd(
@@ -408,15 +415,15 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, prefixes=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, runs=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
     One batch per step is one rendezvous of the ranks per step. A block from a rank in
-    `prefixes` (its keys valid on a prefix, _key_prefixes) is held with no key mask, its calls
-    cut to the valid keys."""
-    prefixes = prefixes or {}
+    `runs` (its valid keys one run, _key_runs) is held with no key mask, its calls cut to
+    those keys."""
+    runs = runs or {}
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
@@ -425,8 +432,8 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
             recv = comm.send_recv(send)
             comm.commit()
         src = (setup.rank - step) % setup.world
-        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in prefixes else None,
-                      setup.masked_calls(s, src, device, prefixes.get(src)), comm if recv else None,
+        st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
+                      setup.masked_calls(s, src, device, runs.get(src)), comm if recv else None,
                       recv[n_held:] if carry and recv else None)
         yield st
         st.wait()
@@ -467,10 +474,10 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     At step 0 every rank holds its own block, which `plan_block` always covers with one call
     over all its keys (a window keeps it: the diagonal is visible): every rank's carry is one
     block's gradient in the kernel's dtype, which may travel as it is (exact, half the bytes;
-    Note [Fewer passes]), unless some rank cut its own block to a key prefix (`clip_calls`:
-    `wide_first`, the same answer on every rank, from the all-gathered prefixes). Later steps
-    differ by rank (a block may get one call, several, or none
-    and be forwarded as it came): the accumulator's dtype. Sending what happened to be at hand
+    Note [Fewer passes]), unless some rank cut its own block to a run of valid keys
+    (`clip_calls`: `wide_first`, the same answer on every rank, from the all-gathered runs).
+    Later steps differ by rank (a block may get one call, several, or none and be forwarded as
+    it came): the accumulator's dtype. Sending what happened to be at hand
     broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
     copy-engine ring; benchmarks/RESULTS.md, session 12)."""
     if (step == 0 and not wide_first) or acc.dtype == adt:
@@ -494,8 +501,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
-    key_valid, prefixes = _ring_key_mask(key_valid, setup)
-    wide_first = any(c < s for c in prefixes.values())  # some rank's own block is cut (_carry)
+    key_valid, runs = _ring_key_mask(key_valid, setup)
+    wide_first = any(r != (0, s) for r in runs.values())  # some rank's own block is cut (_carry)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
         kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
@@ -532,7 +539,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            prefixes=prefixes)
+                            runs=runs)
         del k_c, v_c
         for st in steps:
             kv_shape = st.k.shape

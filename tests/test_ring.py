@@ -24,6 +24,9 @@ def _inputs(seed, b, h, g, n, d, padded):
     if padded == "tail":  # only the sequence's last fifth is padding: most ranks hold none
         kpm = torch.zeros(b, n, dtype=torch.bool)
         kpm[:, -n // 5:] = True
+    elif padded == "head":  # the sequence's first fifth is padding (left padding)
+        kpm = torch.zeros(b, n, dtype=torch.bool)
+        kpm[:, :n // 5] = True
     elif padded == "gap":  # two keys at the start of the last fifth: no rank's valid keys a prefix there
         kpm = torch.zeros(b, n, dtype=torch.bool)
         kpm[:, n - n // 5:n - n // 5 + 2] = True
@@ -97,11 +100,11 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout):
     # MHA and GQA, whole heads and one K/V head per chunk, with and without a sliding window
     # spanning ranks. At p >= 3 a rank may hold a block with no visible key while its neighbours
     # hold blocks with one or several calls; the last dK/dV hop goes home in bf16. With padding
-    # at the end, the padded ranks' own blocks are cut to their valid keys (ring.clip_calls), so
-    # every rank's first dK/dV hop travels in fp32.
+    # at the end or start, the padded ranks' own blocks are cut to their valid keys
+    # (ring.clip_calls), so every rank's first dK/dV hop travels in fp32.
     for h, g, window, budget, padded in ((4, 4, None, "0", False), (8, 2, None, "0.0001", False),
                                          (4, 4, 21, "0", False), (4, 4, None, "0", "tail"),
-                                         (8, 2, None, "0.0001", "tail"), (4, 4, 21, "0", "tail")):
+                                         (8, 2, None, "0.0001", "head"), (4, 4, 21, "0", "tail")):
         for err, lse_diff in pools(world).run(case_ring_bf16, is_causal, layout, h, g, window, budget, padded):
             assert err < 2e-2 and lse_diff < 0.05, (h, g, window, budget, padded, err, lse_diff)
 
@@ -130,11 +133,11 @@ def case_ring_masked_calls(rank, world, is_causal, layout, padded):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("padded", ["tail", "gap", "none"])
-def test_blocks_with_a_valid_key_prefix_run_unmasked(pools, world, layout, padded):
-    """A rank whose valid keys are a prefix of its block (all of it, or padding at the
-    sequence's end in either layout) sends its blocks to the unmasked kernels, cut to those
-    keys (ring._key_prefixes, ring.clip_calls); only the rank holding a gap keeps the mask.
+@pytest.mark.parametrize("padded", ["tail", "head", "gap", "none"])
+def test_blocks_with_one_run_of_valid_keys_run_unmasked(pools, world, layout, padded):
+    """A rank whose valid keys are one run of its block (all of it, or padding at the
+    sequence's end or start, in either layout) sends its blocks to the unmasked kernels, cut to
+    those keys (ring._key_runs, ring.clip_calls); only the rank holding a gap keeps the mask.
     Results as the reference's (case_ring checks them)."""
     counts = pools(world).run(case_ring_masked_calls, True, layout, padded)
     masked, total = sum(c["masked"] for c in counts), sum(c["all"] for c in counts)
@@ -148,9 +151,9 @@ def test_blocks_with_a_valid_key_prefix_run_unmasked(pools, world, layout, padde
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
-    """clip_calls: the calls against a block whose first `keys` keys are valid cover every
-    visible (query, key) pair exactly once, and no other (a causal call is read as the kernels
-    read it: top-left, row i of the call sees its keys 0..i)."""
+    """clip_calls: the calls against a block whose keys [lo, hi) are valid cover every visible
+    (query, key) pair exactly once, and no other (a causal call is read as the kernels read it:
+    top-left, row i of the call sees its keys 0..i)."""
     from ringcc.runtime.layout import Layout, global_positions
     from ringcc.runtime.ring import RingSetup
 
@@ -161,17 +164,17 @@ def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
             q_pos = global_positions(rank, world, Layout(layout), n_local)
             for src in range(world):
                 k_pos = global_positions(src, world, Layout(layout), n_local)
-                for keys in range(n_local + 1):
+                for lo, hi in ((lo, hi) for lo in range(n_local + 1) for hi in range(lo, n_local + 1)):
                     want = torch.zeros(n_local, n_local, dtype=torch.int64)
-                    want[:, :keys] = 1
+                    want[:, lo:hi] = 1
                     if is_causal:
                         want &= (k_pos[None, :] <= q_pos[:, None]).long()
                     got = torch.zeros_like(want)
-                    for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), keys):
-                        assert mask is None and c.k1 <= keys and c.q0 < c.q1 and c.k0 < c.k1, c
+                    for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), (lo, hi)):
+                        assert mask is None and lo <= c.k0 < c.k1 <= hi and c.q0 < c.q1, c
                         block = torch.ones(c.q1 - c.q0, c.k1 - c.k0, dtype=torch.int64)
                         got[c.q0:c.q1, c.k0:c.k1] += block.tril() if c.causal else block
-                    assert torch.equal(got, want), (world, rank, src, keys)
+                    assert torch.equal(got, want), (world, rank, src, lo, hi)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -769,7 +772,7 @@ def case_sub_ring_with_one_padded_rank(rank, world):
     """A ring with `members` (the dilated sub-ring form) where only the last rank's keys hold
     padding: every rank keeps the key mask (no group all-gather), so transfers match and the
     padded block stays masked."""
-    from ringcc.runtime.ring import RingSetup, _key_prefixes, ring_forward
+    from ringcc.runtime.ring import RingSetup, _key_runs, ring_forward
 
     b, h, n, d = 1, 2, 8, 4
     gen = torch.Generator().manual_seed(0)
@@ -779,7 +782,7 @@ def case_sub_ring_with_one_padded_rank(rank, world):
     sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.CONTIGUOUS)  # noqa: E731
     setup = RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.CONTIGUOUS, False, d ** -0.5,
                       members=tuple(range(world)))
-    assert _key_prefixes(sh(valid, 1), setup) == {}
+    assert _key_runs(sh(valid, 1), setup) == {}
     ref, _ = reference.attention(q, k, v, key_padding_mask=~valid)
     out, _ = ring_forward(sh(q), sh(k), sh(v), sh(valid, 1), setup)
     return float((out - sh(ref)).abs().max())

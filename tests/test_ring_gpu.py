@@ -23,9 +23,9 @@ REL = 2e-2
 
 def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspace_mib="512", window=None,
                    device_type="cuda"):
-    """padded: True (random keys, batch row 0 all padding), "tail" (the sequence's last fifth:
-    every rank's valid keys are a prefix of its block, so every block runs the fused kernels, cut
-    to those keys: ring.clip_calls), "gap" (8 keys at the start of the last fifth: the rank
+    """padded: True (random keys, batch row 0 all padding), "tail" / "head" (the sequence's last /
+    first fifth: every rank's valid keys are one run of its block, so every block runs the fused
+    kernels, cut to those keys: ring.clip_calls), "gap" (8 keys at the start of the last fifth: the rank
     holding them keeps its mask, flex_attention) or False."""
     os.environ["RINGCC_CUDA_KERNEL"] = kernel
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = workspace_mib  # tiny: one K/V head per chunk
@@ -38,6 +38,9 @@ def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspa
     if padded == "tail":
         kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
         kpm[:, -n // 5:] = True
+    elif padded == "head":
+        kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        kpm[:, :n // 5] = True
     elif padded == "gap":
         kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
         kpm[:, n - n // 5:n - n // 5 + 8] = True
@@ -82,11 +85,11 @@ def test_ring_nccl_bf16(pools, world, kernel, is_causal, layout, h, g, padded):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("kernel,layout,padded,window", [
     ("cudnn", "contiguous", "tail", None), ("cudnn", "zigzag", "tail", None), ("flash", "zigzag", "tail", None),
-    ("cudnn", "zigzag", "gap", None), ("cudnn", "contiguous", False, 100), ("cudnn", "contiguous", "tail", 100),
+    ("cudnn", "contiguous", "head", None), ("cudnn", "zigzag", "gap", None), ("cudnn", "contiguous", False, 100), ("cudnn", "contiguous", "tail", 100),
     ("cudnn", "contiguous", "gap", 100)])
 def test_ring_nccl_bf16_masked(pools, world, kernel, is_causal, layout, padded, window):
-    """Masked rings on NCCL, GQA, against the fp32 dense reference: padding at the end (every
-    block on the fused kernels, cut to its valid keys: ring._key_prefixes, ring.clip_calls), a
+    """Masked rings on NCCL, GQA, against the fp32 dense reference: padding at the end or start
+    (every block on the fused kernels, cut to its valid keys: ring._key_runs, ring.clip_calls), a
     gap (that rank's blocks keep the mask) and sliding windows, the masked blocks on
     flex_attention (runtime/flex.py)."""
     for rank_errs in pools(world, "nccl").run(case_ring_nccl, kernel, is_causal, layout, 8, 2, padded, "512", window):
