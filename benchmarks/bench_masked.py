@@ -67,7 +67,10 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
         pad = (pos % period >= period - period // 8)[None].to(device)
 
     def step():
-        out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=pad, window=window, layout=layout)
+        # a new mask tensor per step, as a training loop's next batch brings: the ring's answer
+        # for a mask is kept on the tensor (runtime/ring.py, Note [Key runs per mask])
+        mask = None if pad is None else pad.clone()
+        out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=mask, window=window, layout=layout)
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 

@@ -330,17 +330,48 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
     return dst
 
 
+# Note [Key runs per mask]
+# Which ranks' valid keys form one run depends only on the mask's values and the ring. Each
+# answer costs an all-gather and a host sync (the host loses its lead over the GPU), so it is
+# kept on the key_valid tensor itself with the tensor's version counter. A layer's backward
+# gets the tensor its forward saved, so the two share one all-gather; in a compiled model the
+# lifted mask is one tensor for every layer (passes/lift_masks.py), so a training step
+# all-gathers once per mask instead of twice per layer. (`ring_attention` inverts the user's
+# padding mask per call: once per layer there.) An in-place change bumps the version, and a
+# new tensor has no entry, so a stale answer is never read. Every rank must hit or miss
+# together (a rank that all-gathers alone hangs the ring), which holds for tensors the ring's
+# own callers make; a user's tensor is not used as the key, since ranks might change theirs
+# differently.
+_RUNS_ATTR = "_ringcc_key_runs"
+
+
 def _key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
     """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
     in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
-    (`clip_calls`). Two ints per rank, all-gathered: one host sync per ring call. The
-    no-transfer benchmark schedule computes on the local block alone, so the local answer
-    decides. Sub-rings (`members`: the group's all-gather would not match the ring) and CUDA
-    graph capture (no host sync there) keep every mask."""
+    (`clip_calls`). Two ints per rank, all-gathered once per mask tensor and version (Note
+    [Key runs per mask]). The no-transfer benchmark schedule computes on the local block alone,
+    so the local answer decides. Sub-rings (`members`: the group's all-gather would not match
+    the ring) and CUDA graph capture (no host sync there) keep every mask."""
     if key_valid is None or setup.members is not None:
         return {}
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}
+    try:
+        version = key_valid._version
+    except RuntimeError:  # an inference tensor has no version counter: nothing is cached
+        version = None
+    ring = (setup.group, setup.rank, setup.world, _skip_comm())
+    kept = getattr(key_valid, _RUNS_ATTR, None)
+    if version is not None and kept is not None and kept[0] == version and kept[1] == ring:
+        return kept[2]
+    runs = _gather_key_runs(key_valid, setup)
+    if version is not None:
+        setattr(key_valid, _RUNS_ATTR, (version, ring, runs))
+    return runs
+
+
+def _gather_key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
+    """_key_runs, computed: this rank's run (or -1) all-gathered."""
     idx = torch.arange(key_valid.shape[-1], device=key_valid.device)
     row = key_valid[0]
     count = row.sum()

@@ -148,6 +148,54 @@ def test_blocks_with_one_run_of_valid_keys_run_unmasked(pools, world, layout, pa
         assert masked == 0
 
 
+def case_key_runs_kept_on_the_mask(rank, world):
+    """ring._key_runs all-gathers once per mask tensor and version (Note [Key runs per mask]): a
+    layer's forward and backward share one all-gather; asking again for the same tensor does not
+    gather, an in-place change does, and its answer follows the new values. Returns (gathers
+    per layer, gathers for the repeat and the change, the runs before and after the change,
+    the layer's max error)."""
+    from ringcc.runtime import ring
+
+    b, h, n_local, d = 2, 2, 8, 8
+    n = n_local * world
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen) for _ in range(4))
+    kpm = torch.zeros(b, n, dtype=torch.bool)
+    kpm[:, -3:] = True
+    sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.ZIGZAG)  # noqa: E731
+    calls, gather = [0], ring._gather_key_runs
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return gather(*args, **kwargs)
+
+    ring._gather_key_runs = counted
+    try:
+        ref = reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm)[0]
+        ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+        out = ringcc.ring_attention(ql, kl, vl, is_causal=True, key_padding_mask=sh(kpm, 1), layout="zigzag")
+        out.backward(sh(dout))
+        per_layer = calls[0]
+        setup = ring.RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.ZIGZAG, True, 1.0)
+        valid = ~sh(kpm, 1)
+        before = ring._key_runs(valid, setup)
+        again = ring._key_runs(valid, setup)
+        valid[:, 0] = False  # every rank's first key: now a run from key 1
+        after = ring._key_runs(valid, setup)
+    finally:
+        ring._gather_key_runs = gather
+    return per_layer, calls[0] - per_layer, before, again is before, after, float((out - sh(ref)).abs().max())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_key_runs_kept_on_the_mask(pools, world):
+    n_local = 8
+    for per_layer, more, before, same, after, err in pools(world).run(case_key_runs_kept_on_the_mask):
+        assert per_layer == 1 and more == 2 and same and err < 1e-5, (per_layer, more, same, err)
+        assert all(after[r] == (before[r][0] + 1, before[r][1]) for r in range(world)), (before, after)
+        assert sum(hi - lo for lo, hi in before.values()) == n_local * world - 3
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
