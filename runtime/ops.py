@@ -19,7 +19,7 @@ from ringcc import _compat
 from . import layout as L
 from .comm import group_extremes
 from . import workspace
-from .ring import RingSetup, resolve_world, ring_backward, ring_forward
+from .ring import RingSetup, keep_runs_on, resolve_world, ring_backward, ring_forward
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -371,6 +371,8 @@ def ring_attention(
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
+    if key_valid is not None and not torch.compiler.is_compiling():
+        keep_runs_on(key_valid)  # ours alone: its forward and backward share one all-gather
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
     return (out, lse) if return_lse else out
 

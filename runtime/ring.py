@@ -125,16 +125,21 @@ class RingSetup:
         when the whole block is visible), decided on the host from the positions alone: no
         [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys` = (a, b): only the block's
         keys [a, b) are valid (None: all, or a key mask decides), so the calls are cut to them
-        (`clip_calls`). Cached per (setup, length, src, device, keys): the decisions cost host
-        time, and the positions one copy to the device."""
-        keys = (0, n_local) if keys is None else tuple(keys)
+        (`clip_calls`). The window decisions are cached per (setup, length, src, device): they
+        cost host time, and the positions one copy to the device. Cut calls are not cached (runs
+        change with every batch's padding): their window masks are slices of the cached ones."""
+        lo, hi = (0, n_local) if keys is None else keys
         if not self.window:
-            return [(c, None) for c in clip_calls(self.calls(n_local, src), *keys)]
-        return self._window_calls(n_local, src, torch.device(device), keys)
+            return [(c, None) for c in clip_calls(self.calls(n_local, src), lo, hi)]
+        calls = self._window_calls(n_local, src, torch.device(device))
+        if (lo, hi) == (0, n_local):
+            return calls
+        return [(part, None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
+                for c, m in calls for part in clip_calls([c], lo, hi)]
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
-    def _window_calls(self, n_local: int, src: int, device, keys: tuple[int, int]) -> list[tuple[BlockCall, "WindowMask | None"]]:
-        calls = clip_calls(self.calls(n_local, src), *keys)
+    def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
+        calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)
         k_pos = global_positions(src, self.world, self.layout, n_local)
         if not bool((k_pos[1:] > k_pos[:-1]).all()):  # WindowMask.key_range searches them
@@ -202,6 +207,11 @@ class WindowMask:
     def _on_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(query, key) positions on the host."""
         return (self.q_pos if self.q_host is None else self.q_host), (self.k_pos if self.k_host is None else self.k_host)
+
+    def sub(self, r0: int, r1: int, c0: int, c1: int) -> "WindowMask":
+        """The mask of rows [r0, r1) and keys [c0, c1) (a call cut by `clip_calls`)."""
+        qs, ks = self._on_host()
+        return WindowMask(self.q_pos[r0:r1], self.k_pos[c0:c1], self.window, self.causal, qs[r0:r1], ks[c0:c1])
 
     @functools.cached_property
     def row_breaks(self) -> tuple[int, ...]:
@@ -332,23 +342,28 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
 
 # Note [Key runs per mask]
 # Which ranks' valid keys form one run depends only on the mask's values and the ring. Each
-# answer costs an all-gather and a host sync (the host loses its lead over the GPU), so it is
-# kept on the key_valid tensor itself with the tensor's version counter. A layer's backward
-# gets the tensor its forward saved, so the two share one all-gather; in a compiled model the
-# lifted mask is one tensor for every layer (passes/lift_masks.py), so a training step
-# all-gathers once per mask instead of twice per layer. (`ring_attention` inverts the user's
-# padding mask per call: once per layer there.) An in-place change bumps the version, and a
-# new tensor has no entry, so a stale answer is never read. Every rank must hit or miss
-# together (a rank that all-gathers alone hangs the ring), which holds for tensors the ring's
-# own callers make; a user's tensor is not used as the key, since ranks might change theirs
-# differently.
+# answer costs an all-gather and a host sync (the host loses its lead over the GPU). A layer's
+# backward gets the key_valid tensor its forward saved, so the answer is kept on that tensor
+# (with its version counter) and the two share one all-gather. Only on a tensor that
+# `ring_attention` made itself (`keep_runs_on`: the inverted padding mask, held by no one else
+# and never written): a caller's tensor could change without a version bump (`.data`, a
+# receive, an inductor buffer reused for another mask: a stale answer, silently wrong), or
+# change on some ranks only (a rank all-gathering alone hangs the ring). Compiled graphs pass
+# their own tensors, so they all-gather in forward and backward alike.
 _RUNS_ATTR = "_ringcc_key_runs"
+
+
+def keep_runs_on(key_valid):
+    """Marks a key mask its maker holds alone and never writes, so the answer of `_key_runs` may
+    be kept on it (Note [Key runs per mask]); returns it."""
+    setattr(key_valid, _RUNS_ATTR, None)
+    return key_valid
 
 
 def _key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
     """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
     in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
-    (`clip_calls`). Two ints per rank, all-gathered once per mask tensor and version (Note
+    (`clip_calls`). Two ints per rank, all-gathered (once per marked tensor and version: Note
     [Key runs per mask]). The no-transfer benchmark schedule computes on the local block alone,
     so the local answer decides. Sub-rings (`members`: the group's all-gather would not match
     the ring) and CUDA graph capture (no host sync there) keep every mask."""
@@ -356,17 +371,15 @@ def _key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
         return {}
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}
-    try:
-        version = key_valid._version
-    except RuntimeError:  # an inference tensor has no version counter: nothing is cached
-        version = None
-    ring = (setup.group, setup.rank, setup.world, _skip_comm())
-    kept = getattr(key_valid, _RUNS_ATTR, None)
-    if version is not None and kept is not None and kept[0] == version and kept[1] == ring:
+    if not hasattr(key_valid, _RUNS_ATTR) or key_valid.is_inference():  # (no backward, no version)
+        return _gather_key_runs(key_valid, setup)
+    version = key_valid._version
+    ring = (id(setup.group), setup.rank, setup.world, _skip_comm())
+    kept = getattr(key_valid, _RUNS_ATTR)
+    if kept is not None and kept[0] == version and kept[1] == ring:
         return kept[2]
     runs = _gather_key_runs(key_valid, setup)
-    if version is not None:
-        setattr(key_valid, _RUNS_ATTR, (version, ring, runs))
+    setattr(key_valid, _RUNS_ATTR, (version, ring, runs))
     return runs
 
 
@@ -388,11 +401,10 @@ def _gather_key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
 
 
 def _ring_key_mask(key_valid, setup: RingSetup):
-    """(key mask to send around, or None when every rank's keys are valid; `_key_runs`)."""
+    """(key mask to send around, or None when every rank's valid keys are one run, so that no
+    block reads it; `_key_runs`)."""
     runs = _key_runs(key_valid, setup)
-    s = 0 if key_valid is None else key_valid.shape[-1]
-    all_valid = len(runs) == setup.world and all(r == (0, s) for r in runs.values())
-    return (None if all_valid else key_valid), runs
+    return (None if len(runs) == setup.world else key_valid), runs
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None):

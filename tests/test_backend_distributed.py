@@ -162,37 +162,3 @@ def test_ranks_with_different_ring_settings_fail_at_the_first_call(pools):
         assert m is not None and "ranks took different rewrite decisions" in m
         assert "RINGCC_RING_WORKSPACE_MIB=0" in m and "RINGCC_RING_WORKSPACE_MIB=64" in m
 
-
-def case_key_runs_per_step(rank, world, steps):
-    """Training steps of the compiled encoder (two layers, one padding mask): how often the ring
-    computed and all-gathered the ranks' key runs, per step."""
-    from ringcc.runtime import ring
-
-    torch.manual_seed(0)
-    model = shard_models.build("encoder")
-    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager"))
-    x, pad = shard_models.batch("encoder", 24)
-    calls, gather = [0], ring._gather_key_runs
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return gather(*args, **kwargs)
-
-    per_step = []
-    ring._gather_key_runs = counted
-    try:
-        for _ in range(steps):
-            calls[0] = 0
-            out = compiled(x, pad)
-            (out[0] if isinstance(out, tuple) else out).sum().backward()
-            per_step.append(calls[0])
-    finally:
-        ring._gather_key_runs = gather
-    return per_step, len(model.enc.layers)
-
-
-def test_key_runs_gathered_once_per_step(pools):
-    """The lifted padding mask is one tensor for every layer, forward and backward: its key runs
-    are all-gathered once per step, not twice per layer (ring.py, Note [Key runs per mask])."""
-    for per_step, layers in pools(2).run(case_key_runs_per_step, 3, timeout=300):
-        assert layers >= 2 and per_step == [1, 1, 1], (per_step, layers)

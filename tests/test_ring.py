@@ -149,11 +149,12 @@ def test_blocks_with_one_run_of_valid_keys_run_unmasked(pools, world, layout, pa
 
 
 def case_key_runs_kept_on_the_mask(rank, world):
-    """ring._key_runs all-gathers once per mask tensor and version (Note [Key runs per mask]): a
-    layer's forward and backward share one all-gather; asking again for the same tensor does not
-    gather, an in-place change does, and its answer follows the new values. Returns (gathers
-    per layer, gathers for the repeat and the change, the runs before and after the change,
-    the layer's max error)."""
+    """ring._key_runs all-gathers once per marked mask tensor and version (Note [Key runs per
+    mask]): a layer's forward and backward share one all-gather; asking again for the same
+    marked tensor does not gather, an in-place change does, and its answer follows the new
+    values; a tensor the ring did not make is gathered every time. Returns (gathers per layer,
+    gathers for the repeat and the change, for an unmarked tensor asked twice, the runs before
+    and after the change, the layer's max error)."""
     from ringcc.runtime import ring
 
     b, h, n_local, d = 2, 2, 8, 8
@@ -177,21 +178,26 @@ def case_key_runs_kept_on_the_mask(rank, world):
         out.backward(sh(dout))
         per_layer = calls[0]
         setup = ring.RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.ZIGZAG, True, 1.0)
-        valid = ~sh(kpm, 1)
+        valid = ring.keep_runs_on(~sh(kpm, 1))
         before = ring._key_runs(valid, setup)
         again = ring._key_runs(valid, setup)
         valid[:, 0] = False  # every rank's first key: now a run from key 1
         after = ring._key_runs(valid, setup)
+        marked = calls[0] - per_layer
+        theirs = ~sh(kpm, 1)
+        ring._key_runs(theirs, setup)
+        ring._key_runs(theirs, setup)
+        unmarked = calls[0] - per_layer - marked
     finally:
         ring._gather_key_runs = gather
-    return per_layer, calls[0] - per_layer, before, again is before, after, float((out - sh(ref)).abs().max())
+    return per_layer, marked, unmarked, before, again is before, after, float((out - sh(ref)).abs().max())
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_key_runs_kept_on_the_mask(pools, world):
     n_local = 8
-    for per_layer, more, before, same, after, err in pools(world).run(case_key_runs_kept_on_the_mask):
-        assert per_layer == 1 and more == 2 and same and err < 1e-5, (per_layer, more, same, err)
+    for per_layer, marked, unmarked, before, same, after, err in pools(world).run(case_key_runs_kept_on_the_mask):
+        assert (per_layer, marked, unmarked) == (1, 2, 2) and same and err < 1e-5, (per_layer, marked, unmarked, same, err)
         assert all(after[r] == (before[r][0] + 1, before[r][1]) for r in range(world)), (before, after)
         assert sum(hi - lo for lo, hi in before.values()) == n_local * world - 3
 
@@ -201,28 +207,35 @@ def test_key_runs_kept_on_the_mask(pools, world):
 def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
     """clip_calls: the calls against a block whose keys [lo, hi) are valid cover every visible
     (query, key) pair exactly once, and no other (a causal call is read as the kernels read it:
-    top-left, row i of the call sees its keys 0..i)."""
+    top-left, row i of the call sees its keys 0..i), with and without a window (cut calls take
+    slices of the window masks)."""
     from ringcc.runtime.layout import Layout, global_positions
     from ringcc.runtime.ring import RingSetup
 
     n_local = 12
-    for world in (1, 2, 3, 4):
+    for world, window in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 5), (3, 7), (4, 13)):
         for rank in range(world):
-            setup = RingSetup(None, rank, world, Layout(layout), is_causal, 1.0)
+            setup = RingSetup(None, rank, world, Layout(layout), is_causal, 1.0, window=window)
             q_pos = global_positions(rank, world, Layout(layout), n_local)
             for src in range(world):
                 k_pos = global_positions(src, world, Layout(layout), n_local)
+                diff = q_pos[:, None] - k_pos[None, :]
                 for lo, hi in ((lo, hi) for lo in range(n_local + 1) for hi in range(lo, n_local + 1)):
                     want = torch.zeros(n_local, n_local, dtype=torch.int64)
                     want[:, lo:hi] = 1
                     if is_causal:
-                        want &= (k_pos[None, :] <= q_pos[:, None]).long()
+                        want &= (diff >= 0).long()
+                    if window:
+                        want &= (diff < window if is_causal else diff.abs() < window).long()
                     got = torch.zeros_like(want)
                     for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), (lo, hi)):
-                        assert mask is None and lo <= c.k0 < c.k1 <= hi and c.q0 < c.q1, c
+                        assert (mask is None or window) and lo <= c.k0 < c.k1 <= hi and c.q0 < c.q1, c
                         block = torch.ones(c.q1 - c.q0, c.k1 - c.k0, dtype=torch.int64)
-                        got[c.q0:c.q1, c.k0:c.k1] += block.tril() if c.causal else block
-                    assert torch.equal(got, want), (world, rank, src, lo, hi)
+                        block = block.tril() if c.causal else block
+                        if mask is not None:
+                            block &= mask.rows(0, c.q1 - c.q0).long()
+                        got[c.q0:c.q1, c.k0:c.k1] += block
+                    assert torch.equal(got, want), (world, window, rank, src, lo, hi)
 
 
 @pytest.mark.parametrize("world", WORLDS)
