@@ -25,8 +25,8 @@ Key padding: before the ring, one all-gather of two ints per rank (`_key_runs`) 
 rank which blocks' valid keys are one run [a, b) of rows, the same in every batch row ([0, s):
 all valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run
 the fused kernels (padding at the sequence's end or start leaves one run on every rank, in both
-layouts). The other blocks keep their key mask (flex_attention or the math path), and with no padding
-anywhere the mask is not sent at all.
+layouts). The other blocks keep their key mask (flex_attention or the math path); when every
+rank's keys are one run, the mask is not sent at all.
 """
 
 from __future__ import annotations
