@@ -139,7 +139,9 @@ def _per_window(window, key, rows, lk: int, build):
     tiles. What depends on a window's positions alone is the same at every step, head chunk
     and iteration, and the window masks of a ring's calls live as long as its setup
     (ring.RingSetup._window_calls), so their tiles (and, with no key mask, whole BlockMasks)
-    are built once instead of per kernel call (host time: a windowed ring is host-bound)."""
+    are built once instead of per kernel call (host time: a windowed ring is host-bound).
+    Calls cut to a run of valid keys get fresh slices of those masks (ring.WindowMask.sub) and
+    build theirs per call."""
     if _tiles(rows, lk) > CACHED_TILES:
         return build()
     cache = window.__dict__.setdefault("_flex_cache", {})  # a frozen dataclass: its __dict__ is writable

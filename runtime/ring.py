@@ -14,9 +14,10 @@ trail one step behind: the accumulator of the block a rank held at step i goes t
 before step i+1's compute; rank+1 waits for the batch only after its own step-(i+1)
 kernels, so the transfer overlaps them. One batch per step is one rendezvous of the ranks
 per step (each costs a NCCL launch and the slower peer's lag). After p hops every
-accumulator is home; the first hop (one block's gradient) and the last (the sum is complete)
-carry the input dtype, and the last rides the next head chunk's first batch. dQ stays local. Per block, the kernel's backward is fed
-the global (out, lse).
+accumulator is home; the first hop (one block's gradient; fp32 when some rank's own block is
+cut to a run of valid keys: `_carry`) and the last (the sum is complete) carry the input
+dtype, and the last rides the next head chunk's first batch. dQ stays local. Per block, the
+kernel's backward is fed the global (out, lse).
 Causality is decided per (query chunk, key chunk) pair in global chunk ids: earlier key
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
@@ -289,7 +290,8 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # - A partial result that holds one block only (the first block's out, or its dQ/dK/dV) stays
 #   in the kernel's output dtype: widening it would add no information. It is widened inside
 #   the pass that adds the next block (merge.add_into / merge_), not by a copy of its own; the
-#   first hop of dK/dV therefore carries the input dtype (half the bytes of fp32).
+#   first hop of dK/dV therefore carries the input dtype (half the bytes of fp32), unless some
+#   rank's own block is cut to a run of valid keys (`_carry`).
 # - The last addition to a sum writes the result in the input dtype (the output's slice, or
 #   the hop home's buffer) in the same pass, instead of an fp32 add and then a narrowing copy.
 # - A sum over one block only is that block's result, with no pass at all.
