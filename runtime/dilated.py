@@ -550,7 +550,7 @@ def dilated_attention_op(
 
 @dilated_attention_op.register_fake
 def _(q, k, v, segment_lengths, dilation_rates, offsets, is_causal, scale, group_name, world_size, layout):
-    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    adt = kernels.acc_dtype(q.dtype)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=adt)
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ringcc import _compat
 
+from . import kernels
 from . import layout as L
 from .comm import group_extremes
 from . import workspace
@@ -105,7 +106,7 @@ def ring_attention_op(
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0):
-    adt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    adt = kernels.acc_dtype(q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=adt)
     return out, lse
