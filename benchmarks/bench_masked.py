@@ -67,8 +67,8 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
         pad = (pos % period >= period - period // 8)[None].to(device)
 
     def step():
-        # a new mask tensor per step, as a training loop's next batch brings: the ring's answer
-        # for a mask is kept on the tensor (runtime/ring.py, Note [Key runs per mask])
+        # a new mask tensor per step, as a training loop's next batch brings (the ring
+        # all-gathers its key-runs table once per call: runtime/ring.py, Note [Key runs per mask])
         mask = None if pad is None else pad.clone()
         out = ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=mask, window=window, layout=layout)
         out.backward(dout)

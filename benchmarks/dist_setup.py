@@ -1,5 +1,5 @@
 """Process-group start and finish shared by the torchrun benchmarks that compare ranks
-(bench_planner_gpu.py, bench_masked.py): NCCL on CUDA (bf16), gloo on CPU or in smoke mode
+(bench_planner_gpu.py, bench_masked.py, bench_model_masked.py): NCCL on CUDA (bf16), gloo on CPU or in smoke mode
 (fp32); rank 0 writes the JSON record."""
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ PASS = "shard_sequence"
 STATE_META = "ringcc_seq"  # the node's Seq state (tests read it)
 
 SHARD = torch.ops.ringcc.shard.default
+KEY_RUNS = torch.ops.ringcc.key_runs.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
@@ -148,6 +149,7 @@ class Sharder:
         self.cur: torch.fx.Node | None = None
         self._shards: dict[tuple, torch.fx.Node] = {}
         self._gathers: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._key_runs: dict[torch.fx.Node, torch.fx.Node] = {}
         self.decisions: list[str] = []
         # dynamo passes every symbol as a SymInt input: sizes rebuilt in the graph use them
         self._symbols = {expr(fake(p)): p for p in gm.graph.nodes
@@ -963,7 +965,7 @@ def cross_entropy_rule(w: Sharder, node):
 # where the communication arguments (group_name, world_size, layout), the key mask and the
 # causal flag sit in each attention op's schema
 _ATTENTION_ARGS = {
-    "ringcc::ring_attention": dict(comm=slice(6, 9), key_valid=3, causal=4),
+    "ringcc::ring_attention": dict(comm=slice(6, 9), key_valid=3, causal=4, key_runs=10),
     "ringcc::dilated_attention": dict(comm=slice(8, 11), key_valid=None, causal=6),
 }
 
@@ -999,12 +1001,26 @@ def attention_rule(w: Sharder, node):
         if st.sharded:
             raise Fallback("key padding mask computed on shards")
         w.localize(node, key_valid, st, None, pad_value=False)
+        _share_key_runs(w, node, spec["key_runs"])
     args = list(node.args)
     args[spec["comm"]] = list(w.comm)
     node.args = tuple(args)
     w.decisions.append(f"{node.name}: {op_name(node)} {w.layout}")
     seq = Seq(2, w.n, sharded=True)
     return (seq, seq)
+
+
+def _share_key_runs(w: Sharder, node, index: int) -> None:
+    """Gives the ring op at `node` the key_runs table of its (sharded) key mask, made by one
+    ringcc::key_runs node per mask, so every layer that reads the mask shares one all-gather
+    and host sync per step, forward and backward (Note [Key runs per mask], runtime/ring.py)."""
+    local = node.args[3]
+    runs = w._key_runs.get(local)
+    if runs is None:
+        runs = w.new(KEY_RUNS, local, *w.comm[:2])
+        w.state[runs] = None
+        w._key_runs[local] = runs
+    _set_arg(node, index, "key_runs", runs)
 
 
 # Token-local ops, by how they treat replicated inputs. Copies and casts stay cheap (ids,

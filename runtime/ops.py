@@ -20,7 +20,7 @@ from . import kernels
 from . import layout as L
 from .comm import group_extremes
 from . import workspace
-from .ring import RingSetup, keep_runs_on, resolve_world, ring_backward, ring_forward
+from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -86,6 +86,23 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
 # ring attention
 
 
+@torch.library.custom_op("ringcc::key_runs", mutates_args=())
+def key_runs_op(key_valid: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+    """The host table of which ranks' valid keys are one run (Note [Key runs per mask] in
+    ring.py): [world_size, 2] int64 on the CPU. One all-gather and host sync; the ring ops take
+    the table as their `key_runs`, so every layer that reads one key mask shares it."""
+    group, _, world = _group_from(group_name, world_size)
+    if key_valid.dtype != torch.bool or key_valid.dim() != 2:
+        raise ValueError(f"key_runs takes a bool [batch, n_local] key mask; got {key_valid.dtype} "
+                         f"{tuple(key_valid.shape)}")
+    return key_runs_table(key_valid, group, world)
+
+
+@key_runs_op.register_fake
+def _(key_valid, group_name, world_size):
+    return torch.empty((world_size, 2), dtype=torch.int64, device="cpu")
+
+
 @torch.library.custom_op("ringcc::ring_attention", mutates_args=())
 def ring_attention_op(
     q: torch.Tensor,
@@ -98,14 +115,15 @@ def ring_attention_op(
     world_size: int,
     layout: str,
     window: int = 0,
+    key_runs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True)
-    out, lse = ring_forward(q, k, v, key_valid, setup)
+    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs)
     return out.contiguous(), lse.contiguous()
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0):
+def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None):
     adt = kernels.acc_dtype(q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -127,14 +145,16 @@ def ring_attention_backward_op(
     world_size: int,
     layout: str,
     window: int = 0,
+    key_runs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0):
+def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
+      key_runs=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -144,9 +164,9 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window = inputs
+    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
@@ -155,10 +175,10 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 10
-    q, k, v, key_valid, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+        return (None,) * 11
+    q, k, v, key_valid, out, lse, key_runs = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs)
+    return (dq, dk, dv) + (None,) * 8
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -372,9 +392,10 @@ def ring_attention(
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
-    if key_valid is not None and not torch.compiler.is_compiling():
-        keep_runs_on(key_valid)  # ours alone: its forward and backward share one all-gather
-    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0)
+    # made once here: the op's backward reuses it (Note [Key runs per mask])
+    runs = None if key_valid is None else key_runs_op(key_valid, name, world)
+    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
+                                 runs)
     return (out, lse) if return_lse else out
 
 

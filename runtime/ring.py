@@ -22,9 +22,9 @@ Causality is decided per (query chunk, key chunk) pair in global chunk ids: earl
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
 (not at all by the cuDNN kernels, which take g heads: kernels.py).
-Key padding: before the ring, one all-gather of two ints per rank (`_key_runs`) tells every
-rank which blocks' valid keys are one run [a, b) of rows, the same in every batch row ([0, s):
-all valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run
+Key padding: one all-gather of two ints per rank (the key_runs table, made by its own op once
+per mask: Note [Key runs per mask]) tells every rank which blocks' valid keys are one run
+[a, b) of rows, the same in every batch row ([0, s): all valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run
 the fused kernels (padding at the sequence's end or start leaves one run on every rank, in both
 layouts). The other blocks keep their key mask (flex_attention or the math path); when every
 rank's keys are one run, the mask is not sent at all.
@@ -307,10 +307,11 @@ def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
         copy_by_kernel(dst[:, :, r1:], src[:, :, r1:])
 
 
-def ring_forward(q, k, v, key_valid, setup: RingSetup):
-    """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s])."""
+def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None):
+    """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s]).
+    key_runs: the mask's table (Note [Key runs per mask]; None: made here)."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
-    key_valid, runs = _ring_key_mask(key_valid, setup)
+    key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
         return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -344,68 +345,55 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
 
 # Note [Key runs per mask]
 # Which ranks' valid keys form one run depends only on the mask's values and the ring. Each
-# answer costs an all-gather and a host sync (the host loses its lead over the GPU). A layer's
-# backward gets the key_valid tensor its forward saved, so the answer is kept on that tensor
-# (with its version counter) and the two share one all-gather. Only on a tensor that
-# `ring_attention` made itself (`keep_runs_on`: the inverted padding mask, held by no one else
-# and never written): a caller's tensor could change without a version bump (`.data`, a
-# receive, an inductor buffer reused for another mask: a stale answer, silently wrong), or
-# change on some ranks only (a rank all-gathering alone hangs the ring). Compiled graphs pass
-# their own tensors, so they all-gather in forward and backward alike.
-_RUNS_ATTR = "_ringcc_key_runs"
+# answer costs an all-gather and a host sync (the host loses its lead over the GPU), so it is
+# an input of the ring ops, made by its own op (ops.key_runs_op): `ring_attention` makes it once
+# per call and autograd keeps it for the backward; the compiled backend makes it once per key
+# mask of a graph (passes/shard_sequence.py), so every layer's forward and backward that reads
+# that mask shares one all-gather. No cache: a cached answer would go stale on a write the
+# version counter does not see, or on one rank alone (a rank all-gathering alone hangs the ring).
+# The table is [world, 2] int64 on the host: row r = (a, b) when rank r's valid keys are the
+# rows [a, b), the same in every batch row; (-1, -1) when they are not one run.
 
 
-def keep_runs_on(key_valid):
-    """Marks a key mask its maker holds alone and never writes, so the answer of `_key_runs` may
-    be kept on it (Note [Key runs per mask]); returns it."""
-    setattr(key_valid, _RUNS_ATTR, None)
-    return key_valid
-
-
-def _key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
-    """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
-    in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
-    (`clip_calls`). Two ints per rank, all-gathered (once per marked tensor and version: Note
-    [Key runs per mask]). The no-transfer benchmark schedule computes on the local block alone,
-    so the local answer decides. Sub-rings (`members`: the group's all-gather would not match
-    the ring) and CUDA graph capture (no host sync there) keep every mask."""
-    if key_valid is None or setup.members is not None:
-        return {}
+def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
+    """The [world, 2] table of Note [Key runs per mask]: this rank's run all-gathered (one host
+    sync). The no-transfer benchmark schedule computes on the local block alone, so the local
+    answer fills every row. CUDA graph capture (no host sync there) gets a table of no runs:
+    every mask kept."""
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
-        return {}
-    if not hasattr(key_valid, _RUNS_ATTR) or key_valid.is_inference():  # (no backward, no version)
-        return _gather_key_runs(key_valid, setup)
-    version = key_valid._version
-    ring = (id(setup.group), setup.rank, setup.world, _skip_comm())
-    kept = getattr(key_valid, _RUNS_ATTR)
-    if kept is not None and kept[0] == version and kept[1] == ring:
-        return kept[2]
-    runs = _gather_key_runs(key_valid, setup)
-    setattr(key_valid, _RUNS_ATTR, (version, ring, runs))
-    return runs
-
-
-def _gather_key_runs(key_valid, setup: RingSetup) -> dict[int, tuple[int, int]]:
-    """_key_runs, computed: this rank's run (or -1) all-gathered."""
+        return torch.full((world, 2), -1, dtype=torch.int64)
     idx = torch.arange(key_valid.shape[-1], device=key_valid.device)
     row = key_valid[0]
     count = row.sum()
     a = torch.where(count > 0, torch.where(row, idx, idx.numel()).min(), 0)  # the first valid key
     run = (idx >= a) & (idx < a + count)
     ok = (key_valid == run).all()
-    mine = torch.stack([torch.where(ok, a, -1), a + count]).to(torch.int64)
-    if setup.world == 1 or _skip_comm():
-        lo, hi = mine.tolist()
-        return {} if lo < 0 else dict.fromkeys(range(setup.world), (lo, hi))
-    got = [torch.empty_like(mine) for _ in range(setup.world)]
-    dist.all_gather(got, mine, group=setup.group)
-    return {i: (lo, hi) for i, (lo, hi) in enumerate(torch.stack(got).tolist()) if lo >= 0}
+    mine = torch.stack([torch.where(ok, a, -1), torch.where(ok, a + count, -1)]).to(torch.int64)
+    if world == 1 or _skip_comm():
+        return mine.cpu().expand(world, 2).clone()
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine, group=group)
+    return torch.stack(got).cpu()
 
 
-def _ring_key_mask(key_valid, setup: RingSetup):
+def _key_runs(key_valid, setup: RingSetup, table=None) -> dict[int, tuple[int, int]]:
+    """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
+    in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
+    (`clip_calls`). From `table` (Note [Key runs per mask]), or all-gathered now when None.
+    Sub-rings (`members`: the group's table would not match the ring) keep every mask."""
+    if key_valid is None or setup.members is not None:
+        return {}
+    if table is None:
+        table = key_runs_table(key_valid, setup.group, setup.world)
+    if tuple(table.shape) != (setup.world, 2):
+        raise ValueError(f"key_runs must be a [world={setup.world}, 2] table; got shape {tuple(table.shape)}")
+    return {i: (lo, hi) for i, (lo, hi) in enumerate(table.tolist()) if lo >= 0}
+
+
+def _ring_key_mask(key_valid, setup: RingSetup, table=None):
     """(key mask to send around, or None when every rank's valid keys are one run, so that no
     block reads it; `_key_runs`)."""
-    runs = _key_runs(key_valid, setup)
+    runs = _key_runs(key_valid, setup, table)
     return (None if len(runs) == setup.world else key_valid), runs
 
 
@@ -530,8 +518,9 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     return acc.to(adt)
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
-    """Gradients (dq, dk, dv) of ring attention, given the global out and lse.
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None):
+    """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
+    key_runs table: Note [Key runs per mask]).
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
     the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]);
@@ -546,7 +535,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup):
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
-    key_valid, runs = _ring_key_mask(key_valid, setup)
+    key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     wide_first = any(r != (0, s) for r in runs.values())  # some rank's own block is cut (_carry)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start

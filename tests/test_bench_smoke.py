@@ -502,6 +502,23 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert all(r["verdict"] for r in rows)
 
 
+def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
+    """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
+    with a padding mask all-gathers its key-runs table once per training step (not per layer:
+    Note [Key runs per mask]); unmasked, never."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "model.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "benchmarks" / "bench_model_masked.py"), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu (smoke, gloo)"
+    assert [(r["case"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
+        ("unmasked", 2, 0), ("key padding", 2, 1)]
+    assert all(r["ms"] > 0 for r in rec["rows"])
+
+
 def test_plot_masked_draws_recorded_runs(tmp_path):
     """plot_masked.py on the session-15 records (math path and flex on one 2 x H200 machine):
     the table lists every row of both records, and the PNG is written."""

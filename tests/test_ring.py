@@ -148,14 +148,12 @@ def test_blocks_with_one_run_of_valid_keys_run_unmasked(pools, world, layout, pa
         assert masked == 0
 
 
-def case_key_runs_kept_on_the_mask(rank, world):
-    """ring._key_runs all-gathers once per marked mask tensor and version (Note [Key runs per
-    mask]): a layer's forward and backward share one all-gather; asking again for the same
-    marked tensor does not gather, an in-place change does, and its answer follows the new
-    values; a tensor the ring did not make is gathered every time. Returns (gathers per layer,
-    gathers for the repeat and the change, for an unmarked tensor asked twice, the runs before
-    and after the change, the layer's max error)."""
-    from ringcc.runtime import ring
+def case_key_runs_made_once_per_call(rank, world):
+    """Note [Key runs per mask]: `ring_attention` all-gathers the key_runs table once per call,
+    and its backward reuses it; the op given a table does not gather; a table from other
+    values is followed as given (it is an input). Returns (gathers per layer, gathers by the op
+    given a table, the table's rows, the layer's max error, a wrong-shape table's error)."""
+    from ringcc.runtime import ops, ring
 
     b, h, n_local, d = 2, 2, 8, 8
     n = n_local * world
@@ -164,42 +162,47 @@ def case_key_runs_kept_on_the_mask(rank, world):
     kpm = torch.zeros(b, n, dtype=torch.bool)
     kpm[:, -3:] = True
     sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.ZIGZAG)  # noqa: E731
-    calls, gather = [0], ring._gather_key_runs
+    calls, table_fn = [0], ring.key_runs_table
 
     def counted(*args, **kwargs):
         calls[0] += 1
-        return gather(*args, **kwargs)
+        return table_fn(*args, **kwargs)
 
-    ring._gather_key_runs = counted
+    ring.key_runs_table = counted
+    ops.key_runs_table = counted
     try:
         ref = reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm)[0]
         ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
         out = ringcc.ring_attention(ql, kl, vl, is_causal=True, key_padding_mask=sh(kpm, 1), layout="zigzag")
         out.backward(sh(dout))
         per_layer = calls[0]
-        setup = ring.RingSetup(torch.distributed.group.WORLD, rank, world, L.Layout.ZIGZAG, True, 1.0)
-        valid = ring.keep_runs_on(~sh(kpm, 1))
-        before = ring._key_runs(valid, setup)
-        again = ring._key_runs(valid, setup)
-        valid[:, 0] = False  # every rank's first key: now a run from key 1
-        after = ring._key_runs(valid, setup)
-        marked = calls[0] - per_layer
-        theirs = ~sh(kpm, 1)
-        ring._key_runs(theirs, setup)
-        ring._key_runs(theirs, setup)
-        unmarked = calls[0] - per_layer - marked
+        valid = ~sh(kpm, 1)
+        table = ops.key_runs_op(valid, "", world)
+        given = calls[0]
+        args = (True, 1.0, "", world, "zigzag", 0)
+        again = ops.ring_attention_op(sh(q), sh(k), sh(v), valid, *args, table)[0]
+        given = calls[0] - given
+        try:
+            ops.ring_attention_op(sh(q), sh(k), sh(v), valid, *args, table[:1])
+            wrong = ""
+        except ValueError as e:
+            wrong = str(e)
     finally:
-        ring._gather_key_runs = gather
-    return per_layer, marked, unmarked, before, again is before, after, float((out - sh(ref)).abs().max())
+        ring.key_runs_table = table_fn
+        ops.key_runs_table = table_fn
+    return (per_layer, given, table.tolist(), float((out - sh(ref)).abs().max()),
+            float((again - sh(reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm, scale=1.0)[0])).abs().max()),
+            wrong)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_key_runs_kept_on_the_mask(pools, world):
+def test_key_runs_made_once_per_call(pools, world):
     n_local = 8
-    for per_layer, marked, unmarked, before, same, after, err in pools(world).run(case_key_runs_kept_on_the_mask):
-        assert (per_layer, marked, unmarked) == (1, 2, 2) and same and err < 1e-5, (per_layer, marked, unmarked, same, err)
-        assert all(after[r] == (before[r][0] + 1, before[r][1]) for r in range(world)), (before, after)
-        assert sum(hi - lo for lo, hi in before.values()) == n_local * world - 3
+    for per_layer, given, table, err, err_given, wrong in pools(world).run(case_key_runs_made_once_per_call):
+        assert (per_layer, given) == (1, 0), (per_layer, given)
+        assert err < 1e-5 and err_given < 1e-5, (err, err_given)
+        assert all(lo >= 0 for lo, _ in table) and sum(hi - lo for lo, hi in table) == n_local * world - 3, table
+        assert f"[world={world}, 2] table" in wrong, wrong
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

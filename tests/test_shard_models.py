@@ -56,3 +56,47 @@ def test_head_dim_equal_to_length(pools):
 
 def test_inductor(pools):
     _check(pools(2).run(shard_models.parity, "gpt", (16,), "inductor", timeout=300), 2)
+
+
+def case_key_runs_per_step(rank, world, name):
+    """Table all-gathers (ringcc::key_runs) in two compiled training steps of a 2-layer model with
+    a padding mask, and the key_runs nodes of its graph (Note [Key runs per mask])."""
+    import torch
+    import ringcc
+    from ringcc.runtime import ops, ring
+
+    model = shard_models.build(name)
+    backend, graphs = shard_models.capturing(ringcc.Config(inner="aot_eager"))
+    compiled = torch.compile(model, backend=backend)
+    calls, table_fn = [0], ring.key_runs_table
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return table_fn(*args, **kwargs)
+
+    ops.key_runs_table = counted
+    try:
+        per_step = []
+        for seed in (1, 2):
+            before = calls[0]
+            loss, _ = shard_models._loss_and_outputs(compiled(*shard_models.batch(name, 24, seed)))
+            loss.backward()
+            per_step.append(calls[0] - before)
+    finally:
+        ops.key_runs_table = table_fn
+    nodes = [sum(1 for n in gm.graph.nodes if "key_runs" in str(n.target)) for gm in graphs]
+    rings = [sum(1 for n in gm.graph.nodes if "ring_attention" in str(n.target)) for gm in graphs]
+    return per_step, nodes, rings
+
+
+@pytest.mark.parametrize("name", ["encoder", "bert"])
+def test_one_key_runs_all_gather_per_step(pools, name):
+    """Before, every layer's forward and backward all-gathered its own: 4 per step here."""
+    for per_step, nodes, rings in pools(2).run(case_key_runs_per_step, name, timeout=300):
+        assert rings == [2] and nodes == [1], (rings, nodes)
+        assert per_step == [1, 1], per_step
+
+
+def test_inductor_with_a_padding_mask(pools):
+    """The key_runs table (a host tensor between GPU-side ops) through inductor."""
+    _check(pools(2).run(shard_models.parity, "encoder", (16,), "inductor", timeout=300), 2)

@@ -1,0 +1,175 @@
+"""A compiled model with a key padding mask: training-step time and the key-runs all-gathers.
+
+An unmodified L-layer causal transformer (SDPA with `causal & ~pad[:, None, None, :]`, the
+form HF-style models build) under torch.compile(backend="ringcc"), bf16, at the launched p.
+Every layer's attention reads the same padding mask. The ring decides per step which ranks'
+valid keys are one run (ringcc::key_runs: an all-gather of two ints per rank and a host sync,
+Note [Key runs per mask] in runtime/ring.py). The table counts those all-gathers per step
+(every all_gather of a 2-element int64 tensor), so the same script measures trees that
+all-gather per layer.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_model_masked.py --json model_masked.json
+    torchrun --nproc-per-node 2 benchmarks/bench_model_masked.py --smoke          # CPU / gloo, tiny
+
+Each cell: --warmup steps (the first compiles), then the median of --reps forward+backward
+steps (CUDA events on GPU, after a barrier), slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dist_setup
+import ringcc
+
+CASES = ("unmasked", "key padding")
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(b, n, self.h, d // self.h).transpose(1, 2) for t in (q, k, v))
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class Model(nn.Module):
+    def __init__(self, d: int, h: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(d, h) for _ in range(layers)])
+
+    def forward(self, x, pad):
+        n = x.shape[1]
+        mask = None
+        if pad is not None:
+            causal = torch.arange(n, device=x.device)[None, :] <= torch.arange(n, device=x.device)[:, None]
+            mask = causal & ~pad[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x.float().pow(2).mean()
+
+
+def _count_key_run_gathers():
+    """Wraps dist.all_gather; returns the counter of 2-element int64 all-gathers."""
+    count = [0]
+    original = dist.all_gather
+
+    def counted(tensor_list, tensor, *args, **kwargs):
+        if tensor.dtype == torch.int64 and tensor.numel() == 2:
+            count[0] += 1
+        return original(tensor_list, tensor, *args, **kwargs)
+
+    dist.all_gather = counted
+    return count
+
+
+def cell(case: str, n_local: int, args, device, dtype, gathers) -> dict:
+    world = dist.get_world_size()
+    n = n_local * world
+    torch.manual_seed(0)
+    model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner)))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, n, args.heads * args.head_dim, generator=gen).to(device, dtype)
+    pad = None
+    if case == "key padding":
+        pad = torch.zeros(1, n, dtype=torch.bool, device=device)
+        pad[:, n - n // 8:] = True  # the sequence's last eighth
+
+    def step():
+        compiled(x, pad).backward()
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    warm_s = time.perf_counter() - t0
+    times, counts = [], []
+    for _ in range(args.reps):
+        dist.barrier()
+        before = gathers[0]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+        counts.append(gathers[0] - before)
+    ms = statistics.median(times)
+    every = [None] * world
+    dist.all_gather_object(every, (ms, counts))
+    torch._dynamo.reset()
+    return dict(case=case, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
+                ms_per_rank=[e[0] for e in every], key_run_gathers_per_step=statistics.median(counts),
+                warmup_s=warm_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="tokens per GPU")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--inner", default="aot_eager", help="the compiler after ringcc's passes")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--label", default="", help="a name for this tree in the JSON")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
+    args = ap.parse_args()
+    if args.smoke:
+        args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1
+    device, dtype = dist_setup.start(args.smoke)
+    gathers = _count_key_run_gathers()
+    rows = []
+    for n_local in args.lengths:
+        for case in args.cases:
+            rows.append(cell(case, n_local, args, device, dtype, gathers))
+            if dist.get_rank() == 0:
+                r = rows[-1]
+                print(f"{case:12s} n_local={n_local:6d}: {r['ms']:9.2f} ms, {r['key_run_gathers_per_step']} "
+                      f"key-run all-gathers per step", flush=True)
+    info = None
+    if dist.get_rank() == 0:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)"
+        info = dict(label=args.label, device=name, torch=torch.__version__, rows=rows)
+        print(f"\n{args.label or 'this tree'}: {args.layers}-layer causal transformer, h={args.heads}, "
+              f"d={args.head_dim}, p={dist.get_world_size()}, {dtype}, inner={args.inner}, {name}")
+        print(f"{'case':12s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
+        for r in rows:
+            print(f"{r['case']:12s} {r['n_local']:10d} {r['ms']:9.2f} {r['key_run_gathers_per_step']:12}")
+    if args.json:
+        dist_setup.finish(info, args.json)
+    else:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
