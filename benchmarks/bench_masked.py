@@ -33,7 +33,9 @@ from ringcc.runtime.layout import Layout, global_positions
 # name -> (key padding, window). Padding "tail" / "head": the sequence's last / first eighth (every
 # rank's valid keys are one run: fused kernels on cut blocks, ring.clip_calls); "gaps": the last
 # eighth of every 512 keys (no rank's valid keys one run: every block masked, on flex_attention or
-# the math path).
+# the math path). "rows": two batch rows, padded at the end to their own lengths (the last eighth
+# and the last quarter: every rank's valid keys one run per row, calls per row), with its unmasked
+# twin of two rows.
 CASES = {
     "unmasked": (None, None),
     "key padding": ("tail", None),
@@ -41,6 +43,8 @@ CASES = {
     "key gaps": ("gaps", None),
     "window": (None, 2048),
     "window + key padding": ("tail", 2048),
+    "unmasked, 2 rows": ("none", None),
+    "row padding, 2 rows": ("rows", None),
 }
 
 
@@ -53,7 +57,8 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
     if smoke and window:
         window = 24
     gen = torch.Generator().manual_seed(rank)
-    q, k, v, dout = (torch.randn(1, heads, n_local, d, generator=gen).to(device, dtype) for _ in range(4))
+    b = 2 if padding in ("none", "rows") else 1
+    q, k, v, dout = (torch.randn(b, heads, n_local, d, generator=gen).to(device, dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_()
     pad = None
@@ -65,6 +70,9 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
     elif padding == "gaps":
         period = 32 if smoke else 512
         pad = (pos % period >= period - period // 8)[None].to(device)
+    elif padding == "rows":
+        n = world * n_local
+        pad = torch.stack([pos >= n - n // 8, pos >= n - n // 4]).to(device)
 
     def step():
         # a new mask tensor per step, as a training loop's next batch brings (the ring
@@ -99,7 +107,7 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
             step()
             times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() - before if cuda else 0
-    return {"case": case, "n_local": n_local, "p": world, "layout": layout, "ms": statistics.median(times),
+    return {"case": case, "batch": b, "n_local": n_local, "p": world, "layout": layout, "ms": statistics.median(times),
             "peak_bytes": peak, "warmup_s": warm_s}
 
 

@@ -242,3 +242,10 @@ def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about `cycles` GPU clock cycles (torch.cuda._sleep):
     benchmarks use it to let the host run ahead of the GPU."""
     torch.cuda._sleep(int(cycles))
+
+
+def cudagraph_unsafe_tags() -> tuple:
+    """Tags for a custom op that CUDA graphs must not capture (inductor partitions its graph
+    around it): torch.Tag.cudagraph_unsafe where this torch has it, else none."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return () if tag is None else (tag,)

@@ -348,6 +348,10 @@ for _name in ("add", "iadd", "sub", "neg", "view", "reshape", "transpose", "perm
               "_unsafe_view", "alias", "copy", "output", "sym_size", "floordiv", "mod", "ringcc::key_runs"):
     SAVES[_name] = "none"
 
+# Ops whose outputs live on the host whatever the graph's device (small tables the runtime
+# reads there): no device bytes, never sharded.
+HOST_OPS = {"ringcc::key_runs"}
+
 VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
             "getitem", "t", "detach", "narrow", "select", "slice", "split", "chunk", "view_as", "expand_as",
             "_unsafe_view", "alias", "contiguous", "as_strided", "unbind"}
@@ -609,6 +613,8 @@ class _Builder:
 
     def _sharding(self, node: torch.fx.Node) -> Sharding:
         name = op_name(node)
+        if name in HOST_OPS:
+            return Sharding.REPLICATED
         if name == "ringcc::shard":
             return Sharding.SHARDED
         if name in ("ringcc::gather", "all_gather_into_tensor", "all_gather_tensor", "all_gather"):
@@ -696,6 +702,9 @@ class _Builder:
             np_ = NodePlan(name=node.name, op=name, location=_location(node),
                            shape=tuple(s.shape for s in sizes), nbytes=_ZERO, start=i, end=i, sharding=sh)
             plans[node] = np_
+            if name in HOST_OPS:
+                owner[node] = node
+                continue
             if node in param_nodes:
                 np_.static = True
                 static += sum((s.nbytes for s in sizes), _ZERO)

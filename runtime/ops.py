@@ -86,11 +86,12 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
 # ring attention
 
 
-@torch.library.custom_op("ringcc::key_runs", mutates_args=())
+@torch.library.custom_op("ringcc::key_runs", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
 def key_runs_op(key_valid: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
-    """The host table of which ranks' valid keys are one run (Note [Key runs per mask] in
-    ring.py): [world_size, 2] int64 on the CPU. One all-gather and host sync; the ring ops take
-    the table as their `key_runs`, so every layer that reads one key mask shares it."""
+    """The host table of which ranks' valid keys are one run per batch row (Note [Key runs per
+    mask] in ring.py): [world_size, batch, 2] int64 on the CPU. One all-gather and host sync
+    (so never inside a CUDA graph: tagged cudagraph_unsafe); the ring ops take the table as
+    their `key_runs`, so every layer that reads one key mask shares it."""
     group, _, world = _group_from(group_name, world_size)
     if key_valid.dtype != torch.bool or key_valid.dim() != 2:
         raise ValueError(f"key_runs takes a bool [batch, n_local] key mask; got {key_valid.dtype} "
@@ -100,7 +101,7 @@ def key_runs_op(key_valid: torch.Tensor, group_name: str, world_size: int) -> to
 
 @key_runs_op.register_fake
 def _(key_valid, group_name, world_size):
-    return torch.empty((world_size, 2), dtype=torch.int64, device="cpu")
+    return torch.empty((world_size, key_valid.shape[0], 2), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("ringcc::ring_attention", mutates_args=())
@@ -392,8 +393,10 @@ def ring_attention(
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
-    # made once here: the op's backward reuses it (Note [Key runs per mask])
-    runs = None if key_valid is None else key_runs_op(key_valid, name, world)
+    # made once here: the op's backward reuses it (Note [Key runs per mask]). Traced by
+    # torch.compile, the op makes its own instead: a host table made outside a CUDA graph
+    # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
+    runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
                                  runs)
     return (out, lse) if return_lse else out

@@ -22,19 +22,21 @@ Causality is decided per (query chunk, key chunk) pair in global chunk ids: earl
 chunk -> full block, same chunk -> causal diagonal, later -> skipped (no compute).
 GQA: K/V travel with their own g heads; heads are expanded only inside the block kernel
 (not at all by the cuDNN kernels, which take g heads: kernels.py).
-Key padding: one all-gather of two ints per rank (the key_runs table, made by its own op once
-per mask: Note [Key runs per mask]) tells every rank which blocks' valid keys are one run
-[a, b) of rows, the same in every batch row ([0, s): all valid). Such blocks need no mask: their calls are cut to those keys (`clip_calls`) and run
-the fused kernels (padding at the sequence's end or start leaves one run on every rank, in both
-layouts). The other blocks keep their key mask (flex_attention or the math path); when every
-rank's keys are one run, the mask is not sent at all.
+Key padding: one all-gather of two ints per rank and batch row (the key_runs table, made by its
+own op once per mask: Note [Key runs per mask]) tells every rank which blocks' valid keys are
+one run [a, b) of rows in each batch row ([0, s): all valid). Such blocks need no mask: their
+calls are cut to those keys (`clip_calls`; once per run of batch rows with the same keys, so
+rows padded to different lengths take a call each) and run the fused kernels (padding at the
+sequence's end or start leaves one run on every rank, in both layouts). The other blocks keep
+their key mask (flex_attention or the math path); when every rank's keys are runs, the mask is
+not sent at all.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -47,13 +49,20 @@ from .merge import add_into, merge_
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One kernel call: query rows [q0, q1) against key rows [k0, k1) of the held block."""
+    """One kernel call: query rows [q0, q1) against key rows [k0, k1) of the held block, in
+    batch rows [b0, b1) (b1 None: to the last; only calls cut per batch row name them)."""
 
     q0: int
     q1: int
     k0: int
     k1: int
     causal: bool
+    b0: int = 0
+    b1: int | None = None
+
+    def rows(self, b: int) -> tuple[int, int]:
+        """The call's batch rows [b0, b1) of a batch of b."""
+        return self.b0, b if self.b1 is None else self.b1
 
 
 def plan_block(q_chunks, k_chunks, chunk_len: int, is_causal: bool) -> list[BlockCall]:
@@ -120,23 +129,27 @@ class RingSetup:
             self.is_causal,
         )
 
-    def masked_calls(self, n_local: int, src: int, device, keys: tuple[int, int] | None = None
+    def masked_calls(self, n_local: int, src: int, device, keys: tuple[tuple[int, int], ...] | None = None
                      ) -> list[tuple[BlockCall, "WindowMask | None"]]:
         """The kernel calls against the block of rank `src`, each with its window mask (None
         when the whole block is visible), decided on the host from the positions alone: no
-        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys` = (a, b): only the block's
-        keys [a, b) are valid (None: all, or a key mask decides), so the calls are cut to them
-        (`clip_calls`). The window decisions are cached per (setup, length, src, device): they
-        cost host time, and the positions one copy to the device. Cut calls are not cached (runs
-        change with every batch's padding): their window masks are slices of the cached ones."""
-        lo, hi = (0, n_local) if keys is None else keys
+        [Lq, Lk] matrix (Note [Masked rows] in kernels.py). `keys`: per batch row (a, b), only
+        the block's keys [a, b) are valid in that row (None: all, or a key mask decides), so the
+        calls are cut to them (`clip_calls`), once per run of batch rows with the same keys
+        (one run: calls over the whole batch). The window decisions are cached per (setup,
+        length, src, device): they cost host time, and the positions one copy to the device.
+        Cut calls are not cached (runs change with every batch's padding): their window masks
+        are slices of the cached ones."""
+        groups = [(0, None, (0, n_local))] if keys is None else _row_groups(keys)
         if not self.window:
-            return [(c, None) for c in clip_calls(self.calls(n_local, src), lo, hi)]
+            return [(replace(part, b0=b0, b1=b1), None)
+                    for b0, b1, (lo, hi) in groups for part in clip_calls(self.calls(n_local, src), lo, hi)]
         calls = self._window_calls(n_local, src, torch.device(device))
-        if (lo, hi) == (0, n_local):
+        if groups == [(0, None, (0, n_local))]:
             return calls
-        return [(part, None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
-                for c, m in calls for part in clip_calls([c], lo, hi)]
+        return [(replace(part, b0=b0, b1=b1),
+                 None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
+                for b0, b1, (lo, hi) in groups for c, m in calls for part in clip_calls([c], lo, hi)]
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
     def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
@@ -160,6 +173,20 @@ class RingSetup:
                 out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
                                                              self.is_causal, qs, ks)))
         return out
+
+
+def _row_groups(keys: tuple[tuple[int, int], ...]) -> list[tuple[int, int | None, tuple[int, int]]]:
+    """Runs of batch rows with the same valid keys: (b0, b1, (a, b)), b1 None for the last run
+    when it is the only one (calls over the whole batch)."""
+    groups: list[list] = []
+    for row, run in enumerate(keys):
+        if groups and groups[-1][2] == run:
+            groups[-1][1] = row + 1
+        else:
+            groups.append([row, row + 1, run])
+    if len(groups) == 1:
+        return [(0, None, groups[0][2])]
+    return [(b0, b1, run) for b0, b1, run in groups]
 
 
 def clip_calls(calls: list[BlockCall], lo: int, hi: int) -> list[BlockCall]:
@@ -299,12 +326,35 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # same order, and narrowed once at the end.
 
 
-def _copy_rows_outside(dst, src, r0: int, r1: int) -> None:
-    """dst <- src on the rows (dim 2) outside [r0, r1)."""
-    if r0 > 0:
-        copy_by_kernel(dst[:, :, :r0], src[:, :, :r0])
-    if r1 < src.shape[2]:
-        copy_by_kernel(dst[:, :, r1:], src[:, :, r1:])
+# A region of a [b, heads, rows, ...] tensor: (b0, b1, r0, r1), batch rows [b0, b1) and rows
+# (dim 2) [r0, r1): where one kernel call's result goes.
+
+
+def _region(c: BlockCall, b: int, keys: bool = False) -> tuple[int, int, int, int]:
+    """The region of call c's query rows (keys: its key rows) in a batch of b."""
+    return (*c.rows(b), *((c.k0, c.k1) if keys else (c.q0, c.q1)))
+
+
+def _at(t, reg):
+    b0, b1, r0, r1 = reg
+    return t[b0:b1, :, r0:r1]
+
+
+def _covers(reg, shape) -> bool:
+    return reg == (0, shape[0], 0, shape[2])
+
+
+def _outside(reg, shape) -> list[tuple[int, int, int, int]]:
+    """The regions of `shape` outside `reg`, as at most four (batch rows, then rows)."""
+    b0, b1, r0, r1 = reg
+    parts = [(0, b0, 0, shape[2]), (b1, shape[0], 0, shape[2]), (b0, b1, 0, r0), (b0, b1, r1, shape[2])]
+    return [p for p in parts if p[0] < p[1] and p[2] < p[3]]
+
+
+def _copy_outside(dst, src, reg) -> None:
+    """dst <- src outside the region."""
+    for part in _outside(reg, src.shape):
+        copy_by_kernel(_at(dst, part), _at(src, part))
 
 
 def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None):
@@ -321,12 +371,12 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None):
     return out, lse
 
 
-def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
+def _merge_block(acc, o, l, reg, shape, adt, dst=None):
     """acc (None, the first block's own (out, lse), or fp32 accumulators) merged with the block
-    (o, l) at rows [r0, r1) (Note [Fewer passes]). With dst = (out, lse), the last merge: the
+    (o, l) at region `reg` (Note [Fewer passes]). With dst = (out, lse), the last merge: the
     result goes there (out in the input dtype) and dst is returned."""
     if acc is None:
-        if r0 == 0 and r1 == shape[2] and dst is None:
+        if _covers(reg, shape) and dst is None:
             return o, l  # the first block's own result, as it is
         # out = 0, lse = -inf: rows that have seen no key yet
         acc = (torch.zeros(shape, dtype=adt, device=o.device), torch.full(shape[:3], float("-inf"), dtype=adt, device=o.device))
@@ -336,58 +386,68 @@ def _merge_block(acc, o, l, r0: int, r1: int, shape, adt, dst=None):
     if dst is None:
         dst = acc  # in place
     else:
-        _copy_rows_outside(dst[0], out_a, r0, r1)
+        _copy_outside(dst[0], out_a, reg)
         if dst[1] is not lse_a:
-            _copy_rows_outside(dst[1], lse_a, r0, r1)
-    merge_(out_a[:, :, r0:r1], lse_a[:, :, r0:r1], o, l, dst[0][:, :, r0:r1], dst[1][:, :, r0:r1])
+            _copy_outside(dst[1], lse_a, reg)
+    merge_(_at(out_a, reg), _at(lse_a, reg), o, l, _at(dst[0], reg), _at(dst[1], reg))
     return dst
 
 
 # Note [Key runs per mask]
-# Which ranks' valid keys form one run depends only on the mask's values and the ring. Each
-# answer costs an all-gather and a host sync (the host loses its lead over the GPU), so it is
-# an input of the ring ops, made by its own op (ops.key_runs_op): `ring_attention` makes it once
-# per call and autograd keeps it for the backward; the compiled backend makes it once per key
-# mask of a graph (passes/shard_sequence.py), so every layer's forward and backward that reads
-# that mask shares one all-gather. No cache: a cached answer would go stale on a write the
-# version counter does not see, or on one rank alone (a rank all-gathering alone hangs the ring).
-# The table is [world, 2] int64 on the host: row r = (a, b) when rank r's valid keys are the
-# rows [a, b), the same in every batch row; (-1, -1) when they are not one run.
+# Which ranks' valid keys form one run per batch row depends only on the mask's values and the
+# ring. Each answer costs an all-gather and a host sync (the host loses its lead over the GPU),
+# so it is an input of the ring ops, made by its own op (ops.key_runs_op): `ring_attention`
+# makes it once per call and autograd keeps it for the backward (traced by torch.compile, the
+# ring op makes its own, forward and backward: a table made outside a CUDA graph must not steer
+# a captured ring op, which keeps every mask instead); the compiled backend makes it
+# once per key mask of a graph (passes/shard_sequence.py), so every layer's forward and backward
+# that reads that mask shares one all-gather. No cache: a cached answer would go stale on a
+# write the version counter does not see, or on one rank alone (a rank all-gathering alone
+# hangs the ring). The table is [world, b, 2] int64 on the host: entry [r, i] = (a, c) when the
+# valid keys of rank r's batch row i are its rows [a, c); (-1, -1) when they are not one run.
 
 
 def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
-    """The [world, 2] table of Note [Key runs per mask]: this rank's run all-gathered (one host
-    sync). The no-transfer benchmark schedule computes on the local block alone, so the local
-    answer fills every row. CUDA graph capture (no host sync there) gets a table of no runs:
-    every mask kept."""
+    """The [world, b, 2] table of Note [Key runs per mask]: this rank's runs all-gathered (one
+    host sync). The no-transfer benchmark schedule computes on the local block alone, so the
+    local answer fills every rank's entries. CUDA graph capture (no host sync there) gets a
+    table of no runs: every mask kept."""
+    b, s = key_valid.shape
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
-        return torch.full((world, 2), -1, dtype=torch.int64)
-    idx = torch.arange(key_valid.shape[-1], device=key_valid.device)
-    row = key_valid[0]
-    count = row.sum()
-    a = torch.where(count > 0, torch.where(row, idx, idx.numel()).min(), 0)  # the first valid key
-    run = (idx >= a) & (idx < a + count)
-    ok = (key_valid == run).all()
-    mine = torch.stack([torch.where(ok, a, -1), torch.where(ok, a + count, -1)]).to(torch.int64)
+        return torch.full((world, b, 2), -1, dtype=torch.int64)
+    idx = torch.arange(s, device=key_valid.device)
+    count = key_valid.sum(-1)  # [b]
+    first = torch.where(key_valid, idx, s).amin(-1)  # the first valid key (s: none)
+    a = torch.where(count > 0, first, 0)
+    run = (idx >= a[:, None]) & (idx < (a + count)[:, None])
+    ok = (key_valid == run).all(-1)
+    mine = torch.stack([torch.where(ok, a, -1), torch.where(ok, a + count, -1)], -1).to(torch.int64)  # [b, 2]
     if world == 1 or _skip_comm():
-        return mine.cpu().expand(world, 2).clone()
+        return mine.cpu().expand(world, b, 2).clone()
     got = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(got, mine, group=group)
     return torch.stack(got).cpu()
 
 
-def _key_runs(key_valid, setup: RingSetup, table=None) -> dict[int, tuple[int, int]]:
-    """{ring rank: (a, b)} for the ranks whose valid keys are exactly the rows [a, b), the same
-    in every batch row ((0, s): all valid; a == b: none): their blocks need no mask
-    (`clip_calls`). From `table` (Note [Key runs per mask]), or all-gathered now when None.
-    Sub-rings (`members`: the group's table would not match the ring) keep every mask."""
+def _key_runs(key_valid, setup: RingSetup, table=None) -> dict[int, tuple[tuple[int, int], ...]]:
+    """{ring rank: ((a, c) per batch row)} for the ranks whose valid keys are exactly the rows
+    [a, c) of each batch row ((0, s): all valid; a == c: none): their blocks need no mask
+    (`clip_calls`, per run of batch rows with the same keys). From `table` (Note [Key runs per
+    mask]), or all-gathered now when None. Sub-rings (`members`: the group's table would not
+    match the ring) keep every mask, and so does a ring op captured in a CUDA graph: the table
+    is a host value made outside the graph (inductor leaves host ops out of its CUDA-graph
+    parts), so calls cut by it would be replayed for later masks too."""
     if key_valid is None or setup.members is not None:
+        return {}
+    if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}
     if table is None:
         table = key_runs_table(key_valid, setup.group, setup.world)
-    if tuple(table.shape) != (setup.world, 2):
-        raise ValueError(f"key_runs must be a [world={setup.world}, 2] table; got shape {tuple(table.shape)}")
-    return {i: (lo, hi) for i, (lo, hi) in enumerate(table.tolist()) if lo >= 0}
+    want = (setup.world, key_valid.shape[0], 2)
+    if tuple(table.shape) != want or table.dtype != torch.int64:
+        raise ValueError(f"key_runs must be an int64 [world={want[0]}, batch={want[1]}, 2] table; got "
+                         f"{table.dtype} {tuple(table.shape)}")
+    return {r: tuple(map(tuple, rows)) for r, rows in enumerate(table.tolist()) if all(lo >= 0 for lo, _ in rows)}
 
 
 def _ring_key_mask(key_valid, setup: RingSetup, table=None):
@@ -407,15 +467,16 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
+            bs = slice(*c.rows(b))
             o, l = kernels.block_fwd(
-                q[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
+                q[bs, :, c.q0:c.q1], st.k[bs, :, c.k0:c.k1], st.v[bs, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
+                key_valid_bs=None if st.key_valid is None else st.key_valid[bs, c.k0:c.k1], allowed_qk=allowed,
             )
             done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
             if done and dst is None:
                 dst = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(b, h, s, dtype=adt, device=q.device))
-            acc = _merge_block(acc, o, l, c.q0, c.q1, (b, h, s, d), adt, dst if done else None)
+            acc = _merge_block(acc, o, l, _region(c, b), (b, h, s, d), adt, dst if done else None)
             del o, l  # not alive at the end
         del st
     if acc is None:  # no key visible to any row
@@ -476,27 +537,28 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         del st
 
 
-def _accumulate(acc, blk, r0: int, r1: int, shape, adt, dst=None):
-    """The running sum acc + blk, blk at rows [r0, r1) of `shape` (dim 2). acc: None (nothing
-    yet), one block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]).
-    Without dst returns the new running sum: the block itself when it is the first and covers
-    every row, acc updated in place when it is an accumulator, else a new one. With dst (the
-    last addition) the sum goes there in dst's dtype, in the same pass; returns dst."""
-    full = r0 == 0 and r1 == shape[2]
+def _accumulate(acc, blk, reg, shape, adt, dst=None):
+    """The running sum acc + blk, blk at region `reg` of `shape`. acc: None (nothing yet), one
+    block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]). Without
+    dst returns the new running sum: the block itself when it is the first and covers the whole
+    shape, acc updated in place when it is an accumulator, else a new one. With dst (the last
+    addition) the sum goes there in dst's dtype, in the same pass; returns dst."""
+    full = _covers(reg, shape)
     if acc is None:
         if full and dst is None:
             return blk
-        dst = torch.zeros(shape, dtype=adt, device=blk.device) if dst is None else dst
-        if not full:
-            dst[:, :, :r0].zero_()
-            dst[:, :, r1:].zero_()
-        copy_by_kernel(dst[:, :, r0:r1], blk)
+        if dst is None:
+            dst = torch.zeros(shape, dtype=adt, device=blk.device)
+        else:
+            for part in _outside(reg, shape):
+                _at(dst, part).zero_()
+        copy_by_kernel(_at(dst, reg), blk)
         return dst
     if dst is None:
         dst = acc if acc.dtype == adt else torch.empty(shape, dtype=adt, device=blk.device)
     if dst is not acc:
-        _copy_rows_outside(dst, acc, r0, r1)
-    add_into(dst[:, :, r0:r1], acc[:, :, r0:r1], blk)
+        _copy_outside(dst, acc, reg)
+    add_into(_at(dst, reg), _at(acc, reg), blk)
     return dst
 
 
@@ -507,8 +569,9 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     At step 0 every rank holds its own block, which `plan_block` always covers with one call
     over all its keys (a window keeps it: the diagonal is visible): every rank's carry is one
     block's gradient in the kernel's dtype, which may travel as it is (exact, half the bytes;
-    Note [Fewer passes]), unless some rank cut its own block to a run of valid keys
-    (`clip_calls`: `wide_first`, the same answer on every rank, from the all-gathered runs).
+    Note [Fewer passes]), unless some rank cut its own block to runs of valid keys
+    (`clip_calls`, per run of batch rows: `wide_first`, the same answer on every rank, from the
+    all-gathered runs).
     Later steps differ by rank (a block may get one call, several, or none and be forwarded as
     it came): the accumulator's dtype. Sending what happened to be at hand
     broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
@@ -536,7 +599,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     dout, out = dout.contiguous(), out.contiguous()
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
-    wide_first = any(r != (0, s) for r in runs.values())  # some rank's own block is cut (_carry)
+    # some rank's own block is cut, or split by batch rows: more than one call (_carry)
+    wide_first = any(r != (0, s) for rows in runs.values() for r in rows)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
         kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
@@ -580,14 +644,14 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
             last_step = st.index == world - 1
             kv_grads = []
             for i, (c, allowed) in enumerate(st.calls):
+                bs, qs, ks = slice(*c.rows(b)), slice(c.q0, c.q1), slice(c.k0, c.k1)
                 dq_b, dk_b, dv_b = kernels.block_bwd(
-                    do_c[:, :, c.q0:c.q1], q_c[:, :, c.q0:c.q1], st.k[:, :, c.k0:c.k1], st.v[:, :, c.k0:c.k1],
-                    o_c[:, :, c.q0:c.q1], l_c[:, :, c.q0:c.q1],
+                    do_c[bs, :, qs], q_c[bs, :, qs], st.k[bs, :, ks], st.v[bs, :, ks], o_c[bs, :, qs], l_c[bs, :, qs],
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
-                    key_valid_bs=None if st.key_valid is None else st.key_valid[:, c.k0:c.k1], allowed_qk=allowed,
+                    key_valid_bs=None if st.key_valid is None else st.key_valid[bs, ks], allowed_qk=allowed,
                 )
                 last = last_step and i == len(st.calls) - 1 and dq is not None  # dQ complete: the output
-                dq = _accumulate(dq, dq_b, c.q0, c.q1, q_c.shape, adt,
+                dq = _accumulate(dq, dq_b, _region(c, b), q_c.shape, adt,
                                  out_slice(0, hq, q_c.shape, q.dtype) if last else None)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
@@ -613,8 +677,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                         dk_dst, dv_dst = (torch.empty(kv_shape, dtype=t.dtype, device=q.device) for t in (k, v))
                     else:
                         dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
-                dk_acc = _accumulate(dk_acc, dk_b, c.k0, c.k1, kv_shape, adt, dk_dst)
-                dv_acc = _accumulate(dv_acc, dv_b, c.k0, c.k1, kv_shape, adt, dv_dst)
+                dk_acc = _accumulate(dk_acc, dk_b, _region(c, b, keys=True), kv_shape, adt, dk_dst)
+                dv_acc = _accumulate(dv_acc, dv_b, _region(c, b, keys=True), kv_shape, adt, dv_dst)
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
                 dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)

@@ -493,10 +493,11 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     rec = json.loads(masked.read_text())
     assert rec["device"] == "cpu (smoke, gloo)" and rec["reps"] == 1
     assert [r["case"] for r in rec["rows"]] == ["unmasked", "key padding", "left padding", "key gaps", "window",
-                                                "window + key padding"]
+                                                "window + key padding", "unmasked, 2 rows", "row padding, 2 rows"]
     assert all(r["p"] == 2 and r["ms"] > 0 for r in rec["rows"])
+    assert [r["batch"] for r in rec["rows"]] == [1] * 6 + [2] * 2
     # --layout auto: as the backend, zigzag for the causal cases without a window
-    assert [r["layout"] for r in rec["rows"]] == ["zigzag"] * 4 + ["contiguous"] * 2
+    assert [r["layout"] for r in rec["rows"]] == ["zigzag"] * 4 + ["contiguous"] * 2 + ["zigzag"] * 2
     rows = json.loads(plan.read_text())["rows"]
     assert [(r["model"], r["n"], r["p"]) for r in rows] == [("masked", 64, 2), ("masked", 128, 2)]
     assert all(r["verdict"] for r in rows)

@@ -658,3 +658,26 @@ def test_masked_ring_calls_are_counted_and_bounded(monkeypatch):
                                                                     + 2 * 16 * 64 * 128 * 4)
     cpu_fwd, _ = ws("cpu", mask=False, window=5)
     assert cpu_fwd.subs(big) == sympy.Rational(MASKED_CALL_BYTES, 16) * sympy.Rational(5, 4)
+
+
+def test_key_runs_table_takes_no_device_bytes():
+    """The ringcc::key_runs table (a host tensor, one per key mask: Note [Key runs per mask]) is
+    planned at 0 bytes and replicated, and the masked graph stays O(n/p)."""
+    import torch.nn.functional as F
+
+    from ringcc.rewrite import rewrite
+
+    class Masked(torch.nn.Module):
+        def forward(self, q, k, v, pad):
+            n = q.shape[2]
+            causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~pad[:, None, None, :])
+            return F.scaled_dot_product_attention(a, k, v, attn_mask=causal & ~pad[:, None, None, :]).sum()
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    pad = torch.zeros(1, 16, dtype=torch.bool)
+    pad[:, -3:] = True
+    _, report = rewrite(Masked(), (q, k, v, pad), world_size=2)
+    rows = [r for r in report.plan.node_rows() if r["op"] == "ringcc::key_runs"]
+    assert len(rows) == 1 and rows[0]["bytes"] == 0 and rows[0]["sharding"] == "replicated", rows
+    assert report.plan.verdict

@@ -30,6 +30,10 @@ def _inputs(seed, b, h, g, n, d, padded):
     elif padded == "gap":  # two keys at the start of the last fifth: no rank's valid keys a prefix there
         kpm = torch.zeros(b, n, dtype=torch.bool)
         kpm[:, n - n // 5:n - n // 5 + 2] = True
+    elif padded == "rows":  # each batch row padded at its end, to its own length (right padding)
+        kpm = torch.zeros(b, n, dtype=torch.bool)
+        for i in range(b):
+            kpm[i, n - (i + 1) * n // (2 * b + 1):] = True
     elif padded == "none":  # a mask that hides nothing
         kpm = torch.zeros(b, n, dtype=torch.bool)
     elif padded:
@@ -104,22 +108,25 @@ def test_ring_bf16_matches_reference(pools, world, is_causal, layout):
     # (ring.clip_calls), so every rank's first dK/dV hop travels in fp32.
     for h, g, window, budget, padded in ((4, 4, None, "0", False), (8, 2, None, "0.0001", False),
                                          (4, 4, 21, "0", False), (4, 4, None, "0", "tail"),
-                                         (8, 2, None, "0.0001", "head"), (4, 4, 21, "0", "tail")):
+                                         (8, 2, None, "0.0001", "head"), (4, 4, 21, "0", "tail"),
+                                         (8, 2, None, "0.0001", "rows")):
         for err, lse_diff in pools(world).run(case_ring_bf16, is_causal, layout, h, g, window, budget, padded):
             assert err < 2e-2 and lse_diff < 0.05, (h, g, window, budget, padded, err, lse_diff)
 
 
 def case_ring_masked_calls(rank, world, is_causal, layout, padded):
-    """case_ring, returning how many block calls (forward and backward) got a key mask."""
+    """case_ring, returning how many block calls (forward and backward) got a key mask, and how
+    many ran on part of the batch (a call per run of batch rows)."""
     from ringcc.runtime import kernels
 
-    counts = {"masked": 0, "all": 0}
+    counts = {"masked": 0, "all": 0, "rows": 0}
     originals = kernels.block_fwd, kernels.block_bwd
 
     def counted(fn):
         def call(*args, **kwargs):
             counts["all"] += 1
             counts["masked"] += kwargs.get("key_valid_bs") is not None
+            counts["rows"] += args[0].shape[0] < 2
             return fn(*args, **kwargs)
         return call
 
@@ -133,15 +140,17 @@ def case_ring_masked_calls(rank, world, is_causal, layout, padded):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("padded", ["tail", "head", "gap", "none"])
+@pytest.mark.parametrize("padded", ["tail", "head", "gap", "rows", "none"])
 def test_blocks_with_one_run_of_valid_keys_run_unmasked(pools, world, layout, padded):
-    """A rank whose valid keys are one run of its block (all of it, or padding at the
-    sequence's end or start, in either layout) sends its blocks to the unmasked kernels, cut to
-    those keys (ring._key_runs, ring.clip_calls); only the rank holding a gap keeps the mask.
-    Results as the reference's (case_ring checks them)."""
+    """A rank whose valid keys are one run of its block in each batch row (all of it, or
+    padding at the sequence's end or start, in either layout; rows padded to different lengths
+    too) sends its blocks to the unmasked kernels, cut to those keys per run of batch rows
+    (ring._key_runs, ring.clip_calls); only the rank holding a gap keeps the mask. Results as
+    the reference's (case_ring checks them)."""
     counts = pools(world).run(case_ring_masked_calls, True, layout, padded)
     masked, total = sum(c["masked"] for c in counts), sum(c["all"] for c in counts)
     assert total > 0
+    assert (sum(c["rows"] for c in counts) > 0) == (padded == "rows"), counts
     if padded == "gap":
         assert 0 < masked < total
     else:
@@ -201,8 +210,9 @@ def test_key_runs_made_once_per_call(pools, world):
     for per_layer, given, table, err, err_given, wrong in pools(world).run(case_key_runs_made_once_per_call):
         assert (per_layer, given) == (1, 0), (per_layer, given)
         assert err < 1e-5 and err_given < 1e-5, (err, err_given)
-        assert all(lo >= 0 for lo, _ in table) and sum(hi - lo for lo, hi in table) == n_local * world - 3, table
-        assert f"[world={world}, 2] table" in wrong, wrong
+        assert all(lo >= 0 for rows in table for lo, _ in rows), table
+        assert [sum(hi - lo for lo, hi in (rows[i] for rows in table)) for i in range(2)] == [n_local * world - 3] * 2
+        assert f"int64 [world={world}, batch=2, 2] table" in wrong, wrong
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -231,14 +241,28 @@ def test_clipped_calls_cover_the_visible_pairs_once(layout, is_causal):
                     if window:
                         want &= (diff < window if is_causal else diff.abs() < window).long()
                     got = torch.zeros_like(want)
-                    for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), (lo, hi)):
+                    for c, mask in setup.masked_calls(n_local, src, torch.device("cpu"), ((lo, hi),)):
                         assert (mask is None or window) and lo <= c.k0 < c.k1 <= hi and c.q0 < c.q1, c
+                        assert (c.b0, c.b1) == (0, None), c  # one batch row: calls over the batch
                         block = torch.ones(c.q1 - c.q0, c.k1 - c.k0, dtype=torch.int64)
                         block = block.tril() if c.causal else block
                         if mask is not None:
                             block &= mask.rows(0, c.q1 - c.q0).long()
                         got[c.q0:c.q1, c.k0:c.k1] += block
                     assert torch.equal(got, want), (world, window, rank, src, lo, hi)
+
+
+def test_batch_rows_with_the_same_keys_share_calls():
+    """masked_calls cuts once per run of batch rows with the same valid keys; one run of rows
+    keeps calls over the whole batch (b1 None)."""
+    from ringcc.runtime.layout import Layout
+    from ringcc.runtime.ring import RingSetup
+
+    setup = RingSetup(None, 0, 1, Layout.CONTIGUOUS, False, 1.0)
+    cpu = torch.device("cpu")
+    assert [(c.b0, c.b1, c.k0, c.k1) for c, _ in setup.masked_calls(8, 0, cpu, ((0, 5),) * 3)] == [(0, None, 0, 5)]
+    got = [(c.b0, c.b1, c.k0, c.k1) for c, _ in setup.masked_calls(8, 0, cpu, ((0, 5), (0, 5), (0, 8), (3, 3), (0, 5)))]
+    assert got == [(0, 2, 0, 5), (2, 3, 0, 8), (4, 5, 0, 5)]  # row 3 sees no key: no call
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -252,7 +276,7 @@ def test_ring_key_padding_and_fully_masked_rows(pools, world, is_causal, layout)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("window,padded", [(5, False), (13, True)])
+@pytest.mark.parametrize("window,padded", [(5, False), (13, True), (13, "rows")])
 def test_ring_sliding_window(pools, world, is_causal, layout, window, padded):
     # n_local 10: windows shorter than a chunk (5) and spanning chunks and ranks (13);
     # blocks entirely outside the window are skipped.
@@ -642,31 +666,42 @@ def test_ring_transport_choice_on_cpu(pools):
         assert area_bytes == 0
 
 
-def _blocks(seed, shape, ranges, dtype=torch.bfloat16):
+def _blocks(seed, shape, regions, dtype=torch.bfloat16):
+    """A block per region (b0, b1, r0, r1): batch rows [b0, b1), rows [r0, r1) of `shape`."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(shape[0], shape[1], r1 - r0, shape[3], generator=gen).to(dtype), r0, r1) for r0, r1 in ranges]
+    return [(torch.randn(b1 - b0, shape[1], r1 - r0, shape[3], generator=gen).to(dtype), (b0, b1, r0, r1))
+            for b0, b1, r0, r1 in regions]
 
 
-@pytest.mark.parametrize("ranges", [
+# (r0, r1) over the whole batch of 3, or (b0, b1, r0, r1): calls per run of batch rows
+SUM_REGIONS = [
     [(0, 8)], [(0, 8), (0, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 4), (0, 8)], [(0, 4)], [(0, 8), (2, 6)],
-])
+    [(0, 1, 0, 8), (1, 3, 2, 6)], [(0, 8), (1, 2, 0, 5), (0, 2, 3, 8)], [(2, 3, 0, 8), (0, 8)],
+]
+
+
+def _regions(ranges):
+    return [(0, 3, *r) if len(r) == 2 else r for r in ranges]
+
+
+@pytest.mark.parametrize("ranges", SUM_REGIONS)
 @pytest.mark.parametrize("final", [False, True])
 def test_accumulate_equals_fp32_sum_narrowed_once(ranges, final):
     """ring._accumulate (Note [Fewer passes]: one block kept in its own dtype, widening inside the
     next addition, the last addition writing the input dtype) gives bit for bit what an fp32
-    accumulator summed in the same order and narrowed once gives."""
+    accumulator summed in the same order and narrowed once gives, regions of batch rows too."""
     from ringcc.runtime.ring import _accumulate
 
-    shape = (1, 2, 8, 4)
-    blocks = _blocks(len(ranges), shape, ranges)
+    shape = (3, 2, 8, 4)
+    blocks = _blocks(len(ranges), shape, _regions(ranges))
     ref = torch.zeros(shape)
-    for blk, r0, r1 in blocks:
-        ref[:, :, r0:r1] += blk.float()
+    for blk, (b0, b1, r0, r1) in blocks:
+        ref[b0:b1, :, r0:r1] += blk.float()
     acc = None
-    for i, (blk, r0, r1) in enumerate(blocks):
+    for i, (blk, reg) in enumerate(blocks):
         last = final and i == len(blocks) - 1 and acc is not None
-        dst = torch.empty(shape, dtype=torch.bfloat16) if last else None
-        acc = _accumulate(acc, blk, r0, r1, shape, torch.float32, dst)
+        dst = torch.full(shape, float("nan"), dtype=torch.bfloat16) if last else None
+        acc = _accumulate(acc, blk, reg, shape, torch.float32, dst)
         if last:
             assert acc is dst
     if len(blocks) == 1 and ranges[0] == (0, 8):
@@ -676,27 +711,28 @@ def test_accumulate_equals_fp32_sum_narrowed_once(ranges, final):
         assert torch.equal(acc, ref)
 
 
-@pytest.mark.parametrize("ranges", [[(0, 8), (0, 8)], [(0, 8), (4, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 8)]])
+@pytest.mark.parametrize("ranges", [[(0, 8), (0, 8)], [(0, 8), (4, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 8)],
+                                    [(0, 2, 0, 8), (2, 3, 1, 7)], [(0, 8), (1, 2, 2, 8), (0, 1, 0, 3)]])
 @pytest.mark.parametrize("final", [False, True])
 def test_merge_block_equals_fp32_merge_narrowed_once(ranges, final):
     """ring._merge_block: the first block's own out (input dtype) widened inside the next merge,
     the last merge writing the output in the input dtype: bit for bit the fp32 merge of the
-    same blocks in the same order, narrowed once."""
+    same blocks in the same order, narrowed once; regions of batch rows too."""
     from ringcc.runtime.merge import merge_
     from ringcc.runtime.ring import _merge_block
 
-    shape = (1, 2, 8, 4)
-    blocks = _blocks(7, shape, ranges)
+    shape = (3, 2, 8, 4)
+    blocks = _blocks(7, shape, _regions(ranges))
     gen = torch.Generator().manual_seed(3)
-    lses = [torch.randn(1, 2, r1 - r0, generator=gen) for _, r0, r1 in blocks]
+    lses = [torch.randn(b1 - b0, 2, r1 - r0, generator=gen) for _, (b0, b1, r0, r1) in blocks]
     ref_o, ref_l = torch.zeros(shape), torch.full(shape[:3], float("-inf"))
-    for (o, r0, r1), l in zip(blocks, lses):
-        merge_(ref_o[:, :, r0:r1], ref_l[:, :, r0:r1], o, l)
+    for (o, (b0, b1, r0, r1)), l in zip(blocks, lses):
+        merge_(ref_o[b0:b1, :, r0:r1], ref_l[b0:b1, :, r0:r1], o, l)
     acc = None
-    for i, ((o, r0, r1), l) in enumerate(zip(blocks, lses)):
+    for i, ((o, reg), l) in enumerate(zip(blocks, lses)):
         last = final and i == len(blocks) - 1 and acc is not None
-        dst = (torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape[:3])) if last else None
-        acc = _merge_block(acc, o, l.clone(), r0, r1, shape, torch.float32, dst)
+        dst = (torch.full(shape, float("nan"), dtype=torch.bfloat16), torch.full(shape[:3], float("nan"))) if last else None
+        acc = _merge_block(acc, o, l.clone(), reg, shape, torch.float32, dst)
     assert torch.equal(acc[0].to(torch.bfloat16), ref_o.to(torch.bfloat16))
     assert torch.equal(acc[1], ref_l)
 

@@ -26,7 +26,8 @@ def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspa
     """padded: True (random keys, batch row 0 all padding), "tail" / "head" (the sequence's last /
     first fifth: every rank's valid keys are one run of its block, so every block runs the fused
     kernels, cut to those keys: ring.clip_calls), "gap" (8 keys at the start of the last fifth: the rank
-    holding them keeps its mask, flex_attention) or False."""
+    holding them keeps its mask, flex_attention), "rows" (each batch row padded at its end to its own
+    length: calls per batch row) or False."""
     os.environ["RINGCC_CUDA_KERNEL"] = kernel
     os.environ["RINGCC_RING_WORKSPACE_MIB"] = workspace_mib  # tiny: one K/V head per chunk
     dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
@@ -44,6 +45,10 @@ def case_ring_nccl(rank, world, kernel, is_causal, layout, h, g, padded, workspa
     elif padded == "gap":
         kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
         kpm[:, n - n // 5:n - n // 5 + 8] = True
+    elif padded == "rows":
+        kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        for i in range(b):
+            kpm[i, n - (i + 1) * n // (2 * b + 1):] = True
     elif padded:
         kpm = (torch.rand(b, n, generator=gen) < 0.2).to(dev)
         kpm[0] = True
@@ -86,10 +91,11 @@ def test_ring_nccl_bf16(pools, world, kernel, is_causal, layout, h, g, padded):
 @pytest.mark.parametrize("kernel,layout,padded,window", [
     ("cudnn", "contiguous", "tail", None), ("cudnn", "zigzag", "tail", None), ("flash", "zigzag", "tail", None),
     ("cudnn", "contiguous", "head", None), ("cudnn", "zigzag", "gap", None), ("cudnn", "contiguous", False, 100), ("cudnn", "contiguous", "tail", 100),
-    ("cudnn", "contiguous", "gap", 100)])
+    ("cudnn", "contiguous", "gap", 100), ("cudnn", "zigzag", "rows", None), ("flash", "contiguous", "rows", 100)])
 def test_ring_nccl_bf16_masked(pools, world, kernel, is_causal, layout, padded, window):
-    """Masked rings on NCCL, GQA, against the fp32 dense reference: padding at the end or start
-    (every block on the fused kernels, cut to its valid keys: ring._key_runs, ring.clip_calls), a
+    """Masked rings on NCCL, GQA, against the fp32 dense reference: padding at the end or start,
+    or rows padded to different lengths (every block on the fused kernels, cut to its valid keys
+    per run of batch rows: ring._key_runs, ring.clip_calls), a
     gap (that rank's blocks keep the mask) and sliding windows, the masked blocks on
     flex_attention (runtime/flex.py)."""
     for rank_errs in pools(world, "nccl").run(case_ring_nccl, kernel, is_causal, layout, 8, 2, padded, "512", window):
@@ -362,3 +368,29 @@ def test_compiled_masked_model_on_nccl(pools, world, padded):
         assert per_step == [1, 1], per_step
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] < 5e-2, errs
+
+
+@pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
+def test_cuda_graph_replay_follows_the_key_mask():
+    """ring_attention compiled with mode="reduce-overhead" (CUDA graphs) over batches padded to
+    different lengths: traced, the ring op makes its own key-runs table, and a captured ring op
+    keeps every key mask (ring._key_runs) instead of replaying the cuts of the recorded batch.
+    (Session 17's first run of this test, before the ring op made its own table when traced,
+    failed in inductor's CUDA-graph recording: a host output inside the captured part.)"""
+    def f(q, k, v, kpm):
+        return ringcc.ring_attention(q, k, v, key_padding_mask=kpm)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 2, 64, 32
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).cuda() for _ in range(3))
+    errs = []
+    for tail in (8, 8, 8, 8, 40, 0, 20):
+        kpm = torch.zeros(b, n, dtype=torch.bool, device="cuda")
+        if tail:
+            kpm[:, n - tail:] = True
+        out = compiled(q, k, v, kpm).clone()
+        errs.append(float((out - reference.attention(q, k, v, key_padding_mask=kpm)[0]).abs().max()))
+    torch._dynamo.reset()
+    assert max(errs) < 1e-3, errs
