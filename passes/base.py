@@ -9,6 +9,7 @@ I/O and makes no process-group calls. Running a pass twice changes nothing the s
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -60,3 +61,43 @@ def location(node: torch.fx.Node) -> str:
         return f"{path.rsplit('/', 1)[-1]}:{rest.replace('line ', '').replace(', in ', ' in ')}"
     except IndexError:
         return last
+
+
+# Python's augmented assignments and item assignment: on a tensor they write its first argument.
+_WRITING_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def writes_in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether `user` writes `node`'s values in place: `x[...] = y` and `x op= y` (dynamo's
+    setitem / iand, ...), an `x.op_()` method, an aten op whose first argument is written."""
+    if not user.args or user.args[0] is not node:
+        return False
+    t = user.target
+    if user.op == "call_method":
+        return t.endswith("_") and not t.startswith("_")
+    if user.op != "call_function":
+        return False
+    if t in _WRITING_OPERATORS:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        first = schema.arguments[0] if schema.arguments else None
+        return first is not None and first.alias_info is not None and first.alias_info.is_write
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def written_between(node: torch.fx.Node, after: torch.fx.Node, before: torch.fx.Node) -> bool:
+    """Whether some node strictly between `after` and `before` (graph order) writes `node` in
+    place: a value computed from it at `after` is then stale at `before`."""
+    writers = {u for u in node.users if writes_in_place(u, node)}
+    if not writers:
+        return False
+    cur = after.next
+    while cur is not before and cur.op != "root":
+        if cur in writers:
+            return True
+        cur = cur.next
+    return False

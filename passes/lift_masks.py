@@ -42,7 +42,7 @@ from ringcc.report import SkipReason
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
                              fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size, static_float,
                              static_int)
-from .base import PassContext, PassResult
+from .base import PassContext, PassResult, written_between
 
 PASS = "lift_masks"
 aten = torch.ops.aten
@@ -246,8 +246,8 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
         if not same_size(kn, n_k) or not (same_size(kb, qv.shape[0]) or is_one(kb) and isinstance(qv.shape[0], int)):
             return f"padding mask of shape {tuple(fake(key.node).shape)} for keys [{qv.shape[0]}, {n_k}]"
         ident = (key.node, key.truth, key.ops)
-        if ident not in key_nodes:
-            key_nodes[ident] = _key_valid_node(gm, sdpa, key)
+        if ident not in key_nodes or written_between(key.node, key_nodes[ident], sdpa):
+            key_nodes[ident] = _key_valid_node(gm, sdpa, key)  # (again after an in-place write)
         lifted.key_valid = key_nodes[ident]
     return lifted
 

@@ -51,7 +51,7 @@ from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import PassContext, PassResult, location, tag
+from .base import PassContext, PassResult, location, tag, written_between
 from .discover_sequence import attention_nodes, expr, fake
 
 PASS = "shard_sequence"
@@ -205,8 +205,8 @@ class Sharder:
         if not (front.is_Integer and back.is_Integer) or front < 0 or back < 0:
             raise Fallback(f"a replicated value of length {st.length} cannot be aligned with the shards")
         key = (src, st.dim, int(front), int(back), pad_value)
-        if key in self._shards:
-            return self._shards[key]
+        if key in self._shards and not written_between(src, self._shards[key], self.cur):
+            return self._shards[key]  # (a write to src in between needs a new shard)
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
