@@ -10,6 +10,7 @@ import torch.fx
 
 from .base import Pass, PassContext
 from .canonicalize_attention import canonicalize_attention
+from .inline_checkpoints import inline_checkpoints
 from .lift_masks import lift_masks
 from .rewrite_attention import rewrite_attention
 from .discover_sequence import discover_sequence
@@ -17,7 +18,10 @@ from .shard_sequence import shard_sequence
 from .sync_param_grads import sync_param_grads
 
 PIPELINE: list[tuple[str, Pass]] = [
-    # Attention first, on the user's graph: every form becomes one canonical SDPA call ...
+    # Activation-checkpoint regions that hide attention in a body graph are moved into the
+    # graph first, so that every later pass sees their attention ...
+    ("inline_checkpoints", inline_checkpoints),
+    # ... then attention, on the user's graph: every form becomes one canonical SDPA call ...
     ("canonicalize_attention", canonicalize_attention),
     # ... whose mask is read as a structured spec (and GQA repeats undone) ...
     ("lift_masks", lift_masks),

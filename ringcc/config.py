@@ -18,6 +18,7 @@ ENV_PREFIX = "RINGCC_"
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LAYOUTS = ("auto", "contiguous", "zigzag")
 DROPOUT_MODES = ("skip",)
+CHECKPOINT_MODES = ("inline", "keep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,11 @@ class Config:
     """Any skipped attention site is an error naming the site and the reason."""
     require_linear_memory: bool = False
     """A memory plan whose verdict is not O(n/p) is an error."""
+    checkpoints: str = "inline"
+    """Activation-checkpoint regions (torch.utils.checkpoint) holding attention: "inline" moves
+    their bodies into the graph so their attention is rewritten (their activations are then kept,
+    O(n/p) per rank, instead of recomputed); "keep" leaves them checkpointed, their attention
+    dense on every rank (named in the report; an error under strict)."""
     dropout: str = "skip"
     """Attention dropout in training (dropout_p > 0): "skip" leaves such sites un-rewritten with
     reason `dropout`. Per-block dropout in the ring runtime is not implemented yet."""
@@ -86,7 +92,7 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 BOOL_FIELDS = ("gather_outputs", "pad", "shard", "strict", "require_linear_memory", "verify")
-CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES}
+CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES, "checkpoints": CHECKPOINT_MODES}
 
 
 def _received(value) -> str:
@@ -135,7 +141,7 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
-               "dropout", "dump_dir", "bucket_mb", "verify", "shard", "world_size")
+               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size")
 
 
 def _from_env(cls) -> dict:

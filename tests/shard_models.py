@@ -9,6 +9,7 @@ the tests assert on.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -37,8 +38,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-like: learned positions, causal SDPA, tied head, loss on shifted labels."""
 
-    def __init__(self, d=32, h=4, layers=2, max_pos=128):
+    def __init__(self, d=32, h=4, layers=2, max_pos=128, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint  # each block under torch.utils.checkpoint (non-reentrant)
         self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(max_pos, d)
         self.blocks = nn.ModuleList([Block(d, h) for _ in range(layers)])
         self.lnf = nn.LayerNorm(d)
@@ -49,7 +51,7 @@ class GPT(nn.Module):
         b, n = idx.shape
         x = self.wte(idx) + self.wpe(torch.arange(n, device=idx.device))
         for blk in self.blocks:
-            x = blk(x)
+            x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False) if self.checkpoint else blk(x)
         logits = self.head(self.lnf(x))
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
         return loss, logits
@@ -59,8 +61,14 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "gpt":
         return GPT()
+    if name == "gpt_checkpoint":
+        return GPT(checkpoint=True)
     if name == "llama":
         return _hf_llama()
+    if name == "llama_checkpoint":  # HF gradient checkpointing (torch.utils.checkpoint per decoder layer)
+        model = _hf_llama()
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
     if name == "gpt2":
         return _hf_gpt2()
     if name == "bert":

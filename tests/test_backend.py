@@ -360,9 +360,9 @@ def test_dump_dir_writes_graph_before_and_after_each_pass(tmp_path, monkeypatch)
     compile_ringcc(SdpaBlock())(torch.randn(2, 16, 32))
     names = sorted(p.name for p in tmp_path.iterdir())
     graph = ringcc.last_report().graph
-    assert f"{graph}_00_input.txt" in names and f"{graph}_03_rewrite_attention.txt" in names
+    assert f"{graph}_00_input.txt" in names and f"{graph}_04_rewrite_attention.txt" in names
     assert "scaled_dot_product_attention" in (tmp_path / f"{graph}_00_input.txt").read_text()
-    assert "ringcc.ring_attention" in (tmp_path / f"{graph}_03_rewrite_attention.txt").read_text()
+    assert "ringcc.ring_attention" in (tmp_path / f"{graph}_04_rewrite_attention.txt").read_text()
 
 
 def test_report_lists_pass_times_and_formats():

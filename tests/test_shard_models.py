@@ -12,6 +12,8 @@ TOL = 1e-5
 # (model, world sizes, length): lengths divide by p (2p for the causal models' zigzag layout)
 CASES = [
     ("gpt", (1, 2, 3, 4), 24),
+    ("gpt_checkpoint", (2,), 24),  # blocks under torch.utils.checkpoint: inlined (Note [Checkpoint regions])
+    ("llama_checkpoint", (2,), 24),  # HF gradient checkpointing
     ("llama", (1, 2, 3, 4), 24),
     ("gpt2", (2, 4), 24),
     ("bert", (2, 3), 24),
@@ -171,3 +173,30 @@ def test_mask_written_in_place_between_layers(pools, how):
         for errs, rewritten in pools(2).run(case_mask_written_between_layers, how, kind):
             assert sum(rewritten) == (2 if how == "setitem" else 1), rewritten
             assert max(errs.values()) < 1e-5, (kind, errs)
+
+
+def test_checkpoint_regions_kept_are_named_in_the_report():
+    """Config(checkpoints="keep"): the checkpointed blocks keep their dense attention, the report
+    names the regions, and strict makes that an error; the default inlines them (every site
+    rewritten, a warning saying what it costs)."""
+    import torch
+
+    import ringcc
+
+    model = shard_models.build("gpt_checkpoint")
+    inputs = shard_models.batch("gpt_checkpoint", 16)
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    out = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="eager", checkpoints="keep")))(*inputs)
+    rep = ringcc.last_report()
+    assert rep.sites == [] and any("2 activation-checkpoint region(s) hold attention" in n for n in rep.notes), rep.notes
+    torch.testing.assert_close(out[0], model(*inputs)[0])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="strict=True.*activation-checkpoint"):
+        torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="eager", checkpoints="keep", strict=True)))(*inputs)
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    with pytest.warns(UserWarning, match="2 activation-checkpoint region"):
+        torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="eager")))(*inputs)
+    rep = ringcc.last_report()
+    assert len(rep.rewritten) == len(rep.sites) == 2
