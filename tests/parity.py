@@ -50,3 +50,22 @@ def workspace_mib(value):
             del os.environ["RINGCC_RING_WORKSPACE_MIB"]
         else:
             os.environ["RINGCC_RING_WORKSPACE_MIB"] = old
+
+
+@contextlib.contextmanager
+def counting_key_runs():
+    """Counts the key-runs tables made inside the block (by ringcc::key_runs or by a ring op
+    making its own: Note [Key runs per mask]); yields a one-element list holding the count."""
+    from ringcc.runtime import ops, ring
+
+    calls, table_fn = [0], ring.key_runs_table
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return table_fn(*args, **kwargs)
+
+    ops.key_runs_table = ring.key_runs_table = counted
+    try:
+        yield calls
+    finally:
+        ops.key_runs_table = ring.key_runs_table = table_fn

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ringcc
-from parity import assert_shard_matches, lse_err, rel_err, workspace_mib
+from parity import assert_shard_matches, counting_key_runs, lse_err, rel_err, workspace_mib
 from ringcc import reference
 from ringcc.runtime import layout as L
 
@@ -162,7 +162,7 @@ def case_key_runs_made_once_per_call(rank, world):
     and its backward reuses it; the op given a table does not gather; a table from other
     values is followed as given (it is an input). Returns (gathers per layer, gathers by the op
     given a table, the table's rows, the layer's max error, a wrong-shape table's error)."""
-    from ringcc.runtime import ops, ring
+    from ringcc.runtime import ops
 
     b, h, n_local, d = 2, 2, 8, 8
     n = n_local * world
@@ -171,15 +171,7 @@ def case_key_runs_made_once_per_call(rank, world):
     kpm = torch.zeros(b, n, dtype=torch.bool)
     kpm[:, -3:] = True
     sh = lambda t, dim=2: L.shard(t, dim, rank, world, L.Layout.ZIGZAG)  # noqa: E731
-    calls, table_fn = [0], ring.key_runs_table
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return table_fn(*args, **kwargs)
-
-    ring.key_runs_table = counted
-    ops.key_runs_table = counted
-    try:
+    with counting_key_runs() as calls:
         ref = reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm)[0]
         ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
         out = ringcc.ring_attention(ql, kl, vl, is_causal=True, key_padding_mask=sh(kpm, 1), layout="zigzag")
@@ -196,9 +188,6 @@ def case_key_runs_made_once_per_call(rank, world):
             wrong = ""
         except ValueError as e:
             wrong = str(e)
-    finally:
-        ring.key_runs_table = table_fn
-        ops.key_runs_table = table_fn
     return (per_layer, given, table.tolist(), float((out - sh(ref)).abs().max()),
             float((again - sh(reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm, scale=1.0)[0])).abs().max()),
             wrong)

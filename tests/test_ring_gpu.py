@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ringcc
-from parity import lse_err, rel_err
+from parity import counting_key_runs, lse_err, rel_err
 from ringcc import reference
 from ringcc.runtime import layout as L
 
@@ -295,8 +295,6 @@ def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from ringcc.runtime import ops, ring
-
     dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device(device_type)
     d, h, n = 256, 2, 256 * world
 
@@ -334,23 +332,14 @@ def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
         pad[:, n - n // 5:n - n // 5 + 8] = True
     ref_model(x, pad).backward()
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="inductor")))
-    calls, table_fn = [0], ring.key_runs_table
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return table_fn(*args, **kwargs)
-
-    ops.key_runs_table = counted
-    try:
-        per_step = []
+    per_step = []
+    with counting_key_runs() as calls:
         for _ in range(2):
             model.zero_grad()
             before = calls[0]
             loss = compiled(x.bfloat16(), pad)
             loss.backward()
             per_step.append(calls[0] - before)
-    finally:
-        ops.key_runs_table = table_fn
     ref_loss = ref_model(x, pad)
     errs = {"loss": rel_err(loss.detach(), ref_loss.detach())}
     ref_params = dict(ref_model.named_parameters())

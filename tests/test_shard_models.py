@@ -65,27 +65,18 @@ def case_key_runs_per_step(rank, world, name):
     a padding mask, and the key_runs nodes of its graph (Note [Key runs per mask])."""
     import torch
     import ringcc
-    from ringcc.runtime import ops, ring
+    from parity import counting_key_runs
 
     model = shard_models.build(name)
     backend, graphs = shard_models.capturing(ringcc.Config(inner="aot_eager"))
     compiled = torch.compile(model, backend=backend)
-    calls, table_fn = [0], ring.key_runs_table
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return table_fn(*args, **kwargs)
-
-    ops.key_runs_table = counted
-    try:
-        per_step = []
+    per_step = []
+    with counting_key_runs() as calls:
         for seed in (1, 2):
             before = calls[0]
             loss, _ = shard_models._loss_and_outputs(compiled(*shard_models.batch(name, 24, seed)))
             loss.backward()
             per_step.append(calls[0] - before)
-    finally:
-        ops.key_runs_table = table_fn
     nodes = [sum(1 for n in gm.graph.nodes if "key_runs" in str(n.target)) for gm in graphs]
     rings = [sum(1 for n in gm.graph.nodes if "ring_attention" in str(n.target)) for gm in graphs]
     return per_step, nodes, rings
