@@ -71,12 +71,15 @@ _WRITING_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.i
 
 def writes_in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     """Whether `user` writes `node`'s values in place: `x[...] = y` and `x op= y` (dynamo's
-    setitem / iand, ...), an `x.op_()` method, an aten op whose first argument is written."""
+    setitem / iand, ...), an `x.op_()` method, an aten op whose first argument is written, or
+    `out=node`."""
+    if user.kwargs.get("out") is node:
+        return True
     if not user.args or user.args[0] is not node:
         return False
     t = user.target
     if user.op == "call_method":
-        return t.endswith("_") and not t.startswith("_")
+        return t.endswith("_") and not t.startswith("_") and t not in _NOT_WRITING_METHODS
     if user.op != "call_function":
         return False
     if t in _WRITING_OPERATORS:
@@ -86,13 +89,51 @@ def writes_in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
         first = schema.arguments[0] if schema.arguments else None
         return first is not None and first.alias_info is not None and first.alias_info.is_write
     name = getattr(t, "__name__", "")
-    return name.endswith("_") and not name.startswith("_")
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITING_METHODS
+
+
+# `x.op_()` methods that change no values
+_NOT_WRITING_METHODS = {"requires_grad_", "share_memory_", "pin_memory_", "record_stream_"}
+
+# Ops whose result shares its input's storage (a write through it writes the input).
+_VIEW_NAMES = {"view", "reshape", "view_as", "getitem", "narrow", "select", "slice", "transpose", "permute", "t",
+               "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten", "movedim", "swapaxes",
+               "unbind", "split", "chunk", "as_strided", "detach", "alias", "diagonal", "unfold"}
+
+
+def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the values that share its storage through view ops, transitively."""
+    out, stack = [], [node]
+    while stack:
+        cur = stack.pop()
+        if cur in out:
+            continue
+        out.append(cur)
+        for u in cur.users:
+            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+            if u.op in ("call_method", "call_function") and u.args and u.args[0] is cur and name in _VIEW_NAMES:
+                stack.append(u)
+    return out
+
+
+def writes_any(node: torch.fx.Node) -> bool:
+    """Whether `node` writes one of its inputs in place (dead-code elimination must keep it)."""
+    if node.kwargs.get("out") is not None:
+        return True
+    return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and writes_in_place(node, node.args[0])
+
+
+def remove_dead(gm: torch.fx.GraphModule) -> None:
+    """gm.graph.eliminate_dead_code, keeping nodes that write in place: FX counts method calls
+    as pure, so an unused `x.masked_fill_(...)` would be removed."""
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_any(n))
 
 
 def written_between(node: torch.fx.Node, after: torch.fx.Node, before: torch.fx.Node) -> bool:
     """Whether some node strictly between `after` and `before` (graph order) writes `node` in
-    place: a value computed from it at `after` is then stale at `before`."""
-    writers = {u for u in node.users if writes_in_place(u, node)}
+    place, itself or through a view of it: a value computed from it at `after` is then stale
+    at `before`."""
+    writers = {u for a in _aliases(node) for u in a.users if writes_in_place(u, a)}
     if not writers:
         return False
     cur = after.next

@@ -51,7 +51,7 @@ from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import PassContext, PassResult, location, tag, written_between
+from .base import PassContext, PassResult, location, remove_dead, tag, written_between
 from .discover_sequence import attention_nodes, expr, fake
 
 PASS = "shard_sequence"
@@ -1110,7 +1110,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                             f"{len(ctx.report.gathers)} gathered")
     ctx.scratch["sharded"] = True
     ctx.scratch["shard_decisions"] = w.decisions
-    gm.graph.eliminate_dead_code()
+    remove_dead(gm)
     refresh_fakes(gm)
     return PassResult(True)
 
