@@ -11,6 +11,8 @@ dilated: the same LM with LongNet dilated attention (the options' `dilation` spe
 dilated example is traced with constant shapes, where such a dim would be read as n.)
 full_logits: the same LM returning its logits: ringcc gathers outputs to full length, so
 every rank holds [b, n, vocab] - the planner names that gather as the culprit.
+contiguous_view: the LM with nanoGPT's `y.transpose(1, 2).contiguous().view(b, s, dim)` after
+attention (torch.export leaves the `.contiguous()` out when it is a no-op on SDPA's result).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from ringcc.runtime.dilated import DilatedSpec
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, contiguous_view: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.contiguous_view = heads, contiguous_view
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
@@ -37,15 +39,17 @@ class Block(nn.Module):
         b, s, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, dim // self.heads).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, dim))
+        a = a.transpose(1, 2).contiguous().view(b, s, dim) if self.contiguous_view else a.transpose(1, 2).reshape(b, s, dim)
+        x = x + self.proj(a)
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 1000, dim: int = 64, heads: int = 4, layers: int = 2, return_logits: bool = False):
+    def __init__(self, vocab: int = 1000, dim: int = 64, heads: int = 4, layers: int = 2, return_logits: bool = False,
+                 contiguous_view: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, contiguous_view) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.return_logits = return_logits
@@ -80,3 +84,8 @@ def dilated(seq_len: int = 256):
 def full_logits(seq_len: int = 256):
     torch.manual_seed(0)
     return TinyLM(vocab=8000, return_logits=True), _inputs(seq_len, 8000)
+
+
+def contiguous_view(seq_len: int = 256):
+    torch.manual_seed(0)
+    return TinyLM(contiguous_view=True), _inputs(seq_len, 1000)

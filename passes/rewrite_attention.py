@@ -28,7 +28,7 @@ from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.
 from ringcc.runtime.dilated import DilatedSpec, dilated_plan
 
 from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, SdpaCall, erase_dead, fake,
-                             is_sdpa, same_shape, same_size, static_float, static_int)
+                             is_aten_graph, is_sdpa, same_shape, same_size, static_float, static_int)
 from .base import PassContext, PassResult
 
 PASS = "rewrite_attention"
@@ -148,13 +148,30 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     else:
         op = b.call(DILATED_OP, call.q, call.k, call.v, list(spec.segment_lengths), list(spec.dilation_rates),
                     spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
-    out = b.call(operator.getitem, op, 0)
+    out = _same_layout(b, b.call(operator.getitem, op, 0), fake(node), is_aten_graph(gm))
     node.replace_all_uses_with(out)
     site = node.meta[SITE_META]
     site.decision, site.reason, site.detail = Decision.REWRITTEN, None, ""
     site.node = op.name
     erase_dead(gm, [node])
     return op
+
+
+def _same_layout(b: Builder, out: torch.fx.Node, like, aten: bool) -> torch.fx.Node:
+    """`out` (contiguous) in the memory layout of the SDPA result it replaces, in export graphs.
+    Export leaves out a `.contiguous()` that was a no-op on SDPA's result (the CPU kernels
+    return [b, n, h, d] memory): a later view of the transposed output then needs that layout.
+    Dynamo graphs keep every call the user wrote, so they need none."""
+    if not aten or not isinstance(like, torch.Tensor) or like.dim() != 4 or like.is_contiguous():
+        return out
+    strides = [static_int(st) for st in like.stride()]
+    if None in strides:
+        return out
+    order = sorted(range(4), key=lambda i: -strides[i])  # outermost dim first
+    inverse = [order.index(i) for i in range(4)]
+    x = b.call(torch.ops.aten.permute.default, out, order)
+    x = b.call(torch.ops.aten.clone.default, x, memory_format=torch.contiguous_format)
+    return b.call(torch.ops.aten.permute.default, x, inverse)
 
 
 def _enforce_strict(ctx: PassContext) -> None:

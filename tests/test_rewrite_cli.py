@@ -75,6 +75,16 @@ def test_static_program_matches_eager_at_p2(pools, tmp_path, capsys):
     assert max(max(e) for e in errs) < 1e-4
 
 
+def test_contiguous_view_after_attention_matches_eager_at_p2(pools, tmp_path):
+    """`y.transpose(1, 2).contiguous().view(...)` after attention: export leaves the no-op
+    `.contiguous()` out, so the ring op's output takes SDPA's memory layout
+    (rewrite_attention._same_layout); before, the re-export failed with a view error."""
+    code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:contiguous_view", "--seq-len", "24", "--world-size", "2")
+    assert code == rw.EXIT_OK
+    errs = pools(2).run(case_program, os.path.join(out, "program.pt2"), "contiguous_view", [24])
+    assert max(max(e) for e in errs) < 1e-4
+
+
 def test_dynamic_program_serves_several_lengths(pools, tmp_path):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:exact_ring", "--seq-len", "32", "--dynamic-seq")
     assert code == rw.EXIT_OK
