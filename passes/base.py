@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch.fx
 
+from ringcc import _compat
 from ringcc.config import Config
 from ringcc.report import GraphReport
 
@@ -61,6 +62,25 @@ def location(node: torch.fx.Node) -> str:
         return f"{path.rsplit('/', 1)[-1]}:{rest.replace('line ', '').replace(', in ', ' in ')}"
     except IndexError:
         return last
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The op a node calls, by name: the method, the function's name, the aten op's name
+    ("view", "softmax", ...), or "ringcc::<op>" for ringcc's own."""
+    if node.op == "call_method":
+        return node.target
+    t = node.target
+    if isinstance(t, _compat.OpOverload):
+        return f"{t.namespace}::{t._opname}" if t.namespace == "ringcc" else t._opname
+    return getattr(t, "__name__", str(t))
+
+
+def attr_value(gm: torch.fx.GraphModule, target: str):
+    """The object a get_attr node's (dotted) target names on gm."""
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 # Python's augmented assignments and item assignment: on a tensor they write its first argument.
@@ -110,8 +130,7 @@ def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
             continue
         out.append(cur)
         for u in cur.users:
-            name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
-            if u.op in ("call_method", "call_function") and u.args and u.args[0] is cur and name in _VIEW_NAMES:
+            if u.op in ("call_method", "call_function") and u.args and u.args[0] is cur and op_name(u) in _VIEW_NAMES:
                 stack.append(u)
     return out
 

@@ -28,7 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from .attention_form import SdpaCall, is_sdpa
-from .base import PassContext, PassResult, location
+from .base import PassContext, PassResult, attr_value, location, op_name
 
 PASS = "inline_checkpoints"
 HOP_NAME = "tag_activation_checkpoint"
@@ -36,10 +36,6 @@ HOP_NAME = "tag_activation_checkpoint"
 
 def _is_checkpoint(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", str(node.target)) == HOP_NAME
-
-
-def _name(node: torch.fx.Node) -> str:
-    return node.target if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
 def _zero(p) -> bool:
@@ -63,7 +59,7 @@ def _feeds_matmul(softmax: torch.fx.Node) -> bool:
     while stack:
         node = stack.pop()
         for u in node.users:
-            name = _name(u)
+            name = op_name(u)
             if name in _MATMULS:
                 return True
             if name in _PASS_THROUGH or (name == "dropout" and _no_dropout(u)):
@@ -75,7 +71,7 @@ def _holds_attention(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph (or a graph module it calls) holds attention the rewrite can take."""
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
-            name = _name(node)
+            name = op_name(node)
             if is_sdpa(node):
                 if _zero(SdpaCall.of(node).dropout_p):
                     return True
@@ -84,7 +80,7 @@ def _holds_attention(gm: torch.fx.GraphModule) -> bool:
             elif "softmax" in name and _feeds_matmul(node):
                 return True
         if node.op == "get_attr":
-            sub = _attr(gm, node.target)
+            sub = attr_value(gm, node.target)
             if isinstance(sub, torch.fx.GraphModule) and _holds_attention(sub):
                 return True
     return False
@@ -94,14 +90,7 @@ def _regions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The checkpoint regions of gm whose body holds attention."""
     return [n for n in gm.graph.nodes if _is_checkpoint(n)
             and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "get_attr"
-            and _holds_attention(_attr(gm, n.args[0].target))]
-
-
-def _attr(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
+            and _holds_attention(attr_value(gm, n.args[0].target))]
 
 
 def _fresh_name(gm: torch.fx.GraphModule, base: str) -> str:
@@ -130,7 +119,7 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, body: torch.fx.GraphM
                 continue
             if bn.op == "get_attr":  # a nested region's body, or a constant: copied onto gm
                 name = _fresh_name(gm, bn.target.replace(".", "_"))
-                setattr(gm, name, _attr(body, bn.target))
+                setattr(gm, name, attr_value(body, bn.target))
                 env[bn] = graph.get_attr(name)
                 env[bn].meta.update(bn.meta)
                 continue
@@ -167,7 +156,7 @@ def inline_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
     count = len(regions)
     while regions:  # nested regions come back as regions of the new graph (not counted again)
         for node in regions:
-            _inline(gm, node, _attr(gm, node.args[0].target))
+            _inline(gm, node, attr_value(gm, node.args[0].target))
         regions = _regions(gm)
     note = (f"{count} activation-checkpoint region(s) holding attention inlined (Config.checkpoints='inline') "
             f"so that their attention is rewritten: {where}. Their activations are kept (O(n/p) per rank) "

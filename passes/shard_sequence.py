@@ -47,11 +47,10 @@ import torch
 import torch.fx
 
 import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::all_reduce_sum, seq_select, sync_grads
-from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import PassContext, PassResult, location, remove_dead, tag, written_between
+from .base import PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, written_between
 from .discover_sequence import attention_nodes, expr, fake
 
 PASS = "shard_sequence"
@@ -100,15 +99,6 @@ def _prod(xs) -> sympy.Expr:
     for x in xs:
         out = out * expr(x)
     return out
-
-
-def op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return node.target
-    t = node.target
-    if isinstance(t, _compat.OpOverload):
-        return f"{t.namespace}::{t._opname}" if t.namespace == "ringcc" else t._opname
-    return getattr(t, "__name__", str(t))
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default=None):
@@ -1149,7 +1139,7 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
             elif node.op == "call_function":
                 val = node.target(*args, **kwargs)
             elif node.op == "get_attr":
-                val = _attr(gm, node.target)
+                val = attr_value(gm, node.target)
                 # static: a shape env (export's) would otherwise give parameters symbolic sizes
                 val = mode.from_tensor(val, static_shapes=True) if isinstance(val, torch.Tensor) else val
             else:
@@ -1165,10 +1155,3 @@ def _plain_linear(args, kwargs) -> bool:
     return (len(args) >= 2 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor)
             and args[1].dim() == 2 and args[0].dim() >= 1 and len({t.dtype for t in tensors}) == 1
             and len({t.device for t in tensors}) == 1)
-
-
-def _attr(gm: torch.fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

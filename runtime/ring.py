@@ -677,8 +677,9 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                         dk_dst, dv_dst = (torch.empty(kv_shape, dtype=t.dtype, device=q.device) for t in (k, v))
                     else:
                         dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
-                dk_acc = _accumulate(dk_acc, dk_b, _region(c, b, keys=True), kv_shape, adt, dk_dst)
-                dv_acc = _accumulate(dv_acc, dv_b, _region(c, b, keys=True), kv_shape, adt, dv_dst)
+                keys = _region(c, b, keys=True)
+                dk_acc = _accumulate(dk_acc, dk_b, keys, kv_shape, adt, dk_dst)
+                dv_acc = _accumulate(dv_acc, dv_b, keys, kv_shape, adt, dv_dst)
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
                 dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)
