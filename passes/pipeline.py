@@ -10,7 +10,7 @@ import torch.fx
 
 from .base import Pass, PassContext
 from .canonicalize_attention import canonicalize_attention
-from .inline_checkpoints import inline_checkpoints
+from .inline_checkpoints import inline_checkpoints, restore_checkpoints
 from .lift_masks import lift_masks
 from .rewrite_attention import rewrite_attention
 from .discover_sequence import discover_sequence
@@ -33,6 +33,8 @@ PIPELINE: list[tuple[str, Pass]] = [
     ("shard_sequence", shard_sequence),
     # ... and weights consumed by sharded ops get their gradients all-reduced (bucketed).
     ("sync_param_grads", sync_param_grads),
+    # Last, the inlined checkpoint regions become regions again, over their rewritten bodies.
+    ("restore_checkpoints", restore_checkpoints),
 ]
 
 

@@ -18,7 +18,7 @@ ENV_PREFIX = "RINGCC_"
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LAYOUTS = ("auto", "contiguous", "zigzag")
 DROPOUT_MODES = ("skip",)
-CHECKPOINT_MODES = ("inline", "keep")
+CHECKPOINT_MODES = ("recompute", "inline", "keep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,11 +46,12 @@ class Config:
     """Any skipped attention site is an error naming the site and the reason."""
     require_linear_memory: bool = False
     """A memory plan whose verdict is not O(n/p) is an error."""
-    checkpoints: str = "inline"
-    """Activation-checkpoint regions (torch.utils.checkpoint) holding attention: "inline" moves
-    their bodies into the graph so their attention is rewritten (their activations are then kept,
-    O(n/p) per rank, instead of recomputed); "keep" leaves them checkpointed, their attention
-    dense on every rank (named in the report; an error under strict)."""
+    checkpoints: str = "recompute"
+    """Activation-checkpoint regions (torch.utils.checkpoint) holding attention: "recompute" moves
+    their bodies into the graph so their attention is rewritten and sharded, then checkpoints
+    them again (recomputed in backward, ring attention included); "inline" leaves them inlined
+    (their activations kept, O(n/p) per rank: more memory, no recompute); "keep" leaves them
+    checkpointed, their attention dense on every rank (named in the report; an error under strict)."""
     dropout: str = "skip"
     """Attention dropout in training (dropout_p > 0): "skip" leaves such sites un-rewritten with
     reason `dropout`. Per-block dropout in the ring runtime is not implemented yet."""

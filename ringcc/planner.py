@@ -41,6 +41,10 @@ Note [Memory plan]
    runtime/workspace.py (`FORMULAS`), counted at its own program point. A ring on the
    copy-engine transport also leaves its receive area allocated (shared by every ring of the
    graph, grown to the largest batch): the plan counts the largest once, as resident (`area`).
+   An activation-checkpoint region (`tag_activation_checkpoint`, restored by the passes:
+   Note [Checkpoint regions]) saves its inputs like any op; its body, planned the same way,
+   adds what it allocates beyond its inputs as workspace: in forward without saved
+   activations, in backward with its recompute and backward.
 5. Peak per rank = static + area + max over program points of the live sum, kept as a Max
    of the candidates that no other candidate dominates term by term.
 6. Verdict. O(n/p) holds iff the graph's own live sum (graph inputs excluded: the execution
@@ -63,7 +67,7 @@ import torch
 import torch.fx
 
 from ringcc import _compat
-from ringcc.passes.base import location
+from ringcc.passes.base import attr_value, location
 from ringcc.runtime.workspace import FORMULAS, TensorSize, Workspace
 
 n, p = sympy.symbols("n p", positive=True, integer=True)
@@ -351,6 +355,8 @@ for _name in ("add", "iadd", "sub", "neg", "view", "reshape", "transpose", "perm
 # Ops whose outputs live on the host whatever the graph's device (small tables the runtime
 # reads there): no device bytes, never sharded.
 HOST_OPS = {"ringcc::key_runs"}
+# torch.utils.checkpoint under dynamo: saves its inputs, recomputes its body in backward
+CHECKPOINT_OP = "tag_activation_checkpoint"
 
 VIEW_OPS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten", "unflatten",
             "getitem", "t", "detach", "narrow", "select", "slice", "split", "chunk", "view_as", "expand_as",
@@ -643,10 +649,20 @@ class _Builder:
         return out
 
     def _workspace(self, node: torch.fx.Node) -> Workspace:
+        if op_name(node) == CHECKPOINT_OP:
+            return self._region_workspace(node)
         formula = FORMULAS.get(op_name(node))
         if formula is None:
             return Workspace()
         return formula(self._bound_args(node), p)
+
+    def _region_workspace(self, node: torch.fx.Node) -> Workspace:
+        """A checkpoint region (Note [Memory plan], 4): its forward holds the body's transient
+        bytes, its backward the body's recompute and backward."""
+        body = attr_value(self.gm, node.args[0].target)
+        fwd, area_f = _Builder(body, self.mapper, self.world).transient(training=False)
+        bwd, area_t = _Builder(body, self.mapper, self.world).transient(training=True)
+        return Workspace(forward=fwd, backward=bwd, area_forward=area_f, area_training=area_t)
 
     def _saved_inputs(self, node: torch.fx.Node) -> list[torch.fx.Node]:
         name = op_name(node)
@@ -665,6 +681,36 @@ class _Builder:
     # -- whole graph
 
     def build(self, graph_name, symbols, hints, training) -> MemoryPlan:
+        plans, static, training, events = self._live(training)
+        F = len(self.nodes)
+        points = 2 * F if training else F
+        candidates = _candidates(events, points)
+        # The verdict is about what the graph allocates: every rank is handed the full
+        # inputs (token ids, masks: replicated by the execution model), so they are not in it,
+        # nor are the O(n) integer/bool values computed from them alone (positions, shifted
+        # labels, padding masks), which the design keeps replicated on purpose.
+        own = _candidates([ev for ev in events if not ev[3]], points)
+        verdict, reasons, culprits = _verdict(own, [pl for nd, pl in plans.items() if nd not in self.input_like])
+        replicated = [nd.name for nd in self.input_like
+                      if nd.op != "placeholder" and plans[nd].nbytes != 0 and not growth(plans[nd].nbytes)[0]]
+        if replicated:
+            reasons.append("replicated index data left out of the verdict (O(n) integer/bool values "
+                           "computed from the inputs alone): " + ", ".join(replicated))
+        layouts = {a for node in self.nodes if op_name(node).startswith("ringcc::")
+                   for a in node.args if a in ("zigzag",)}
+        # one receive area per group and device, grown to the largest batch: the largest need
+        areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
+        areas = [a for a in areas if a != 0]
+        area = sympy.Max(*areas) if areas else _ZERO
+        return MemoryPlan(
+            graph=graph_name, world_size=self.world, symbols=symbols, hints=hints,
+            nodes=list(plans.values()), static=static, candidates=candidates, verdict=verdict,
+            culprits=culprits, reasons=reasons, training=bool(training),
+            divisor=2 * p if layouts else p, area=area,
+        )
+
+    def _live(self, training):
+        """(node plans, static bytes, training, live intervals) of the graph."""
         F = len(self.nodes)
         last_fwd = F - 1
         owner_of_key: dict = {}
@@ -764,32 +810,21 @@ class _Builder:
                         if not plans[o].static:
                             plans[o].end = 2 * F - 1
         self.input_like = self._input_like(plans)
-        events = self._events(plans, owner, F, training)
-        points = 2 * F if training else F
-        candidates = _candidates(events, points)
-        # The verdict is about what the graph allocates: every rank is handed the full
-        # inputs (token ids, masks: replicated by the execution model), so they are not in it,
-        # nor are the O(n) integer/bool values computed from them alone (positions, shifted
-        # labels, padding masks), which the design keeps replicated on purpose.
-        own = _candidates([ev for ev in events if not ev[3]], points)
-        verdict, reasons, culprits = _verdict(own, [pl for nd, pl in plans.items() if nd not in self.input_like])
-        replicated = [nd.name for nd in self.input_like
-                      if nd.op != "placeholder" and plans[nd].nbytes != 0 and not growth(plans[nd].nbytes)[0]]
-        if replicated:
-            reasons.append("replicated index data left out of the verdict (O(n) integer/bool values "
-                           "computed from the inputs alone): " + ", ".join(replicated))
-        layouts = {a for node in self.nodes if op_name(node).startswith("ringcc::")
-                   for a in node.args if a in ("zigzag",)}
-        # one receive area per group and device, grown to the largest batch: the largest need
+        return plans, static, training, self._events(plans, owner, F, training)
+
+    def transient(self, training: bool) -> tuple[sympy.Expr, sympy.Expr]:
+        """(peak live bytes, receive area) of this graph run as a checkpoint region's body:
+        what it allocates beyond its inputs (the caller's values) and parameters. Forward
+        (training=False): the region runs without keeping activations; training: the region's
+        recompute and backward, at its backward (Note [Memory plan], 4)."""
+        plans, _static, training, events = self._live(training)
+        F = len(self.nodes)
+        inputs = {self.index[nd] for nd in self.nodes if nd.op == "placeholder"}
+        own = [ev for ev in events if not (ev[0] in inputs and ev[3])]  # the inputs' own storages
+        sums = [c for _, c in _candidates(own, 2 * F if training else F)] or [_ZERO]
         areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
-        areas = [a for a in areas if a != 0]
-        area = sympy.Max(*areas) if areas else _ZERO
-        return MemoryPlan(
-            graph=graph_name, world_size=self.world, symbols=symbols, hints=hints,
-            nodes=list(plans.values()), static=static, candidates=candidates, verdict=verdict,
-            culprits=culprits, reasons=reasons, training=bool(training),
-            divisor=2 * p if layouts else p, area=area,
-        )
+        areas = [x for x in areas if x != 0]
+        return (sympy.Max(*sums) if len(sums) > 1 else sums[0]), (sympy.Max(*areas) if areas else _ZERO)
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from

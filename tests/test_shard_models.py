@@ -12,7 +12,7 @@ TOL = 1e-5
 # (model, world sizes, length): lengths divide by p (2p for the causal models' zigzag layout)
 CASES = [
     ("gpt", (1, 2, 3, 4), 24),
-    ("gpt_checkpoint", (2,), 24),  # blocks under torch.utils.checkpoint: inlined (Note [Checkpoint regions])
+    ("gpt_checkpoint", (2, 3), 24),  # blocks under torch.utils.checkpoint (Note [Checkpoint regions])
     ("llama_checkpoint", (2,), 24),  # HF gradient checkpointing
     ("llama", (1, 2, 3, 4), 24),
     ("gpt2", (2, 4), 24),
@@ -175,8 +175,10 @@ def test_mask_written_in_place_between_layers(pools, how):
 
 def test_checkpoint_regions_kept_are_named_in_the_report():
     """Config(checkpoints="keep"): the checkpointed blocks keep their dense attention, the report
-    names the regions, and strict makes that an error; the default inlines them (every site
-    rewritten, a warning saying what it costs)."""
+    names the regions, and strict makes that an error; "inline" rewrites them and warns that
+    their activations are kept; the default rewrites them and checkpoints them again, quietly."""
+    import warnings
+
     import torch
 
     import ringcc
@@ -195,9 +197,70 @@ def test_checkpoint_regions_kept_are_named_in_the_report():
     torch._dynamo.reset()
     ringcc.reset_reports()
     with pytest.warns(UserWarning, match="2 activation-checkpoint region"):
+        torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="eager", checkpoints="inline")))(*inputs)
+    rep = ringcc.last_report()
+    assert len(rep.rewritten) == len(rep.sites) == 2
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="eager")))(*inputs)
     rep = ringcc.last_report()
     assert len(rep.rewritten) == len(rep.sites) == 2
+    assert any("2 activation-checkpoint region(s) holding attention rewritten and checkpointed again" in n
+               for n in rep.notes), rep.notes
+
+
+def case_checkpoint_modes(rank, world, name):
+    """Per Config.checkpoints mode, one compiled training step at p = world: ring forwards run
+    in the forward and in all, the checkpoint ops left in the graph, the memory plan's culprits
+    and its peak at n = 64K."""
+    import torch
+    import ringcc
+    import ringcc.runtime.ops as ops
+
+    calls = [0]
+    real = ops.ring_forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    out = {}
+    ops.ring_forward = counting
+    try:
+        for mode in ("recompute", "inline"):
+            torch._dynamo.reset()
+            ringcc.reset_reports()
+            model = shard_models.build(name)
+            backend, graphs = shard_models.capturing(ringcc.Config(inner="aot_eager", checkpoints=mode))
+            compiled = torch.compile(model, backend=backend)
+            calls[0] = 0
+            loss, _ = shard_models._loss_and_outputs(compiled(*shard_models.batch(name, 24)))
+            forward = calls[0]
+            loss.backward()
+            plan = ringcc.last_report().plan
+            regions = sum(1 for nd in graphs[0].graph.nodes if "tag_activation_checkpoint" in str(nd.target))
+            culprits = sorted({c.name for c in plan.culprits})  # only the gathered logits may grow as n
+            out[mode] = (forward, calls[0], regions, culprits, plan.peak_bytes(65536, world))
+    finally:
+        ops.ring_forward = real
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt_checkpoint", "llama_checkpoint"])
+def test_checkpoint_regions_recompute_their_ring_attention(pools, name):
+    """Config(checkpoints="recompute") (the default): the regions are checkpoint ops again after
+    the rewrite, so the backward recomputes each layer's ring attention (2 ring forwards per
+    layer and step, against 1 inlined) and the plan, still O(n/p), holds less at 64K tokens
+    (Note [Checkpoint regions]; parity with eager: test_model_matches_eager)."""
+    for out in pools(2).run(case_checkpoint_modes, name, timeout=300):
+        fwd, total, regions, culprits, peak = out["recompute"]
+        i_fwd, i_total, i_regions, i_culprits, i_peak = out["inline"]
+        assert (fwd, total, regions) == (2, 4, 2), out
+        assert (i_fwd, i_total, i_regions) == (2, 2, 0), out
+        assert all(c.startswith("gather") for c in culprits + i_culprits), out
+        assert peak < i_peak, out
 
 
 def test_checkpoint_regions_without_rewritable_attention_stay_checkpointed():
