@@ -520,6 +520,23 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     assert all(r["ms"] > 0 for r in rec["rows"])
 
 
+def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
+    """bench_checkpoint.py end to end on CPU (gloo, p = 2, smoke sizes): in "recompute" mode the
+    report says the regions were checkpointed again and the plan holds less than "inline"."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "checkpoint.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "benchmarks" / "bench_checkpoint.py"), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu (smoke, gloo)"
+    rows = {r["mode"]: r for r in rec["rows"]}
+    assert rows["recompute"]["regions_restored_note"] and not rows["inline"]["regions_restored_note"]
+    assert 0 < rows["recompute"]["planned_peak_bytes"] < rows["inline"]["planned_peak_bytes"]
+    assert "plan/peak" in proc.stdout and all(r["ms"] > 0 for r in rec["rows"])
+
+
 def test_plot_masked_draws_recorded_runs(tmp_path):
     """plot_masked.py on the session-15 records (math path and flex on one 2 x H200 machine):
     the table lists every row of both records, and the PNG is written."""

@@ -287,11 +287,13 @@ def test_masked_blocks_on_cuda(monkeypatch, is_causal, padded, window, kernel, r
         assert not bool(dq[1, :, :70].any())
 
 
-def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
+def case_compiled_masked_model(rank, world, padded, device_type="cuda", checkpoint=False):
     """A 2-layer causal model whose attention mask is `causal & ~pad` (HF style), compiled with
     ringcc (inductor) on NCCL in bf16: loss and every weight gradient against the same model in
     fp32 eager on the full sequence, and the key-runs all-gathers per step (one table per mask:
-    Note [Key runs per mask])."""
+    Note [Key runs per mask]). checkpoint: every layer under torch.utils.checkpoint, restored
+    after the rewrite (Note [Checkpoint regions]): the recompute reuses the step's table."""
+    import torch.utils.checkpoint
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -317,7 +319,7 @@ def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
 
         def forward(self, x, pad):
             for layer in self.layers:
-                x = layer(x, pad)
+                x = torch.utils.checkpoint.checkpoint(layer, x, pad, use_reentrant=False) if checkpoint else layer(x, pad)
             return x.float().pow(2).mean()
 
     torch.manual_seed(0)
@@ -331,6 +333,7 @@ def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
     else:  # a gap: the rank holding it keeps its key mask (flex_attention)
         pad[:, n - n // 5:n - n // 5 + 8] = True
     ref_model(x, pad).backward()
+    ringcc.reset_reports()
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="inductor")))
     per_step = []
     with counting_key_runs() as calls:
@@ -345,15 +348,18 @@ def case_compiled_masked_model(rank, world, padded, device_type="cuda"):
     ref_params = dict(ref_model.named_parameters())
     for name, p in model.named_parameters():
         errs[name] = rel_err(p.grad, ref_params[name].grad)
+    restored = any("2 activation-checkpoint region(s) holding attention rewritten and checkpointed again" in note
+                   for r in ringcc.reports() for note in r.notes)
+    assert restored == checkpoint, [r.notes for r in ringcc.reports()]
     torch._dynamo.reset()
     return per_step, errs
 
 
 @pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("padded", ["tail", "gap"])
-def test_compiled_masked_model_on_nccl(pools, world, padded):
-    for per_step, errs in pools(world, "nccl").run(case_compiled_masked_model, padded, timeout=300):
+@pytest.mark.parametrize("padded,checkpoint", [("tail", False), ("gap", False), ("tail", True)])
+def test_compiled_masked_model_on_nccl(pools, world, padded, checkpoint):
+    for per_step, errs in pools(world, "nccl").run(case_compiled_masked_model, padded, "cuda", checkpoint, timeout=300):
         assert per_step == [1, 1], per_step
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] < 5e-2, errs
