@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
     args = ap.parse_args()
     if args.smoke:
-        args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1
+        args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [64], 2, 2, 8, 2, 1
     device, dtype = dist_setup.start(args.smoke)
     rows = []
     for n_local in args.lengths:

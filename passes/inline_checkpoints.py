@@ -6,16 +6,13 @@ passes after this one read the top-level graph only, so attention inside such a 
 be neither found nor rewritten: it would run dense on every rank, with the full sequence.
 
 Note [Checkpoint regions]
-Every region whose body holds attention that the rewrite can take (an SDPA call without
-dropout, nn.MultiheadAttention's functional form, the encoder layer's fused path, or
-softmax(...) @ v without dropout: manual attention) is replaced by a copy of its body, each
-copied node tagged with its region (meta REGION), so its attention sites are rewritten and its
-values sharded like any other. Other regions stay checkpointed (a softmax that feeds no matmul,
-such as a mixture-of-experts gate, is not attention; attention with dropout in training is left
-as written by the rewrite, so inlining it would only lose the recompute).
+A region is replaced by a copy of its body, each copied node tagged with its region (meta
+REGION), so its attention sites are rewritten and its values sharded like any other (a region
+left as it is is opaque: its inputs would be gathered to the full sequence around it).
 
-Config.checkpoints="recompute" (the default): the last pass, `restore_checkpoints`, makes each
-region a checkpoint op again, over a new body: the nodes from its first tagged node to its last,
+Config.checkpoints="recompute" (the default) inlines every region, and the last pass,
+`restore_checkpoints`, makes each a checkpoint op again, over a new body: the nodes from its
+first tagged node to its last,
 which takes in what the passes added among them (the ring op, gathers), less what needs nothing
 of the region (a shard of an outer value, a key mask's runs table, constants), which is moved
 before it and computed once. AOTAutograd then recomputes the region in backward, ring
@@ -23,8 +20,14 @@ attention included, as the user asked: per region only its inputs are kept. A re
 nodes the passes interleaved with other code, or that writes an outer value in place, stays
 inlined (a note and a warning name it). The memory plan counts a region's body as its
 workspace (Note [Memory plan], 4).
-"inline": the regions stay inlined, their activations kept (O(n/p) per rank; a warning says
-so): more memory, no recompute. "keep": regions stay as they are, and the report names the
+"inline": the regions whose body holds attention that the rewrite can take (an SDPA call
+without dropout, nn.MultiheadAttention's functional form, the encoder layer's fused path, or
+softmax(...) @ v without dropout) are inlined, with the regions nested in them, and stay
+inlined, their activations kept (O(n/p) per rank; a warning says so): more memory, no
+recompute. Other regions stay checkpointed there (a softmax that feeds no matmul, such as a
+mixture-of-experts gate, is not attention; attention with dropout in training is left as
+written by the rewrite, so inlining it would only lose the recompute).
+"keep": regions stay as they are, and the report names the
 attention they hide (an error under Config(strict=True) or Config(require_linear_memory=True):
 it runs dense on every rank).
 """
@@ -102,11 +105,12 @@ def _holds_attention(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _regions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The checkpoint regions of gm whose body holds attention."""
+def _regions(gm: torch.fx.GraphModule, every: bool = False) -> list[torch.fx.Node]:
+    """The checkpoint regions of gm whose body holds attention (every: all of them), and those
+    nested in a region inlined before (REGION), which sharding could not see into either."""
     return [n for n in gm.graph.nodes if _is_checkpoint(n)
             and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "get_attr"
-            and _holds_attention(attr_value(gm, n.args[0].target))]
+            and (every or REGION in n.meta or _holds_attention(attr_value(gm, n.args[0].target)))]
 
 
 def _fresh_name(gm: torch.fx.GraphModule, base: str) -> str:
@@ -158,12 +162,10 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node, body: torch.fx.GraphM
 
 
 def inline_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    regions = _regions(gm)
-    if not regions:
-        return PassResult(False)
-    where = ", ".join(location(n) for n in regions)
     mode = ctx.config.checkpoints
-    if mode == "keep":
+    regions = _regions(gm)  # those holding attention
+    where = ", ".join(location(n) for n in regions)
+    if mode == "keep" and regions:
         msg = (f"{len(regions)} activation-checkpoint region(s) hold attention that is not rewritten (dense on every "
                f"rank, full sequence, O(n) memory): {where}. Config(checkpoints='recompute') rewrites it and keeps "
                f"the regions checkpointed")
@@ -173,16 +175,21 @@ def inline_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
         ctx.report.notes.append(msg)
         return PassResult(False)
     count = len(regions)
+    every = mode == "recompute"  # all regions come back: inlining one costs no recompute then
+    regions = _regions(gm, every) if mode != "keep" else []
+    if not regions:
+        return PassResult(False)
     found: dict[int, _Region] = ctx.scratch.setdefault(SCRATCH, {})
     while regions:  # nested regions come back as regions of the new graph, inside their outer one
         for node in regions:
             region = node.meta.get(REGION)
             if region is None:
                 region = len(found)
-                found[region] = _Region(node.target, dict(node.kwargs), dict(attr_value(gm, node.args[0].target).meta),
-                                        location(node))
+                body = attr_value(gm, node.args[0].target)
+                found[region] = _Region(node.target, dict(node.kwargs), dict(body.meta), location(node),
+                                        _holds_attention(body))
             _inline(gm, node, attr_value(gm, node.args[0].target), region)
-        regions = _regions(gm)
+        regions = _regions(gm, every)
     if mode == "inline":
         note = (f"{count} activation-checkpoint region(s) holding attention inlined (Config.checkpoints='inline') "
                 f"so that their attention is rewritten: {where}. Their activations are kept (O(n/p) per rank) "
@@ -199,6 +206,7 @@ class _Region:
     kwargs: dict  # its options (use_reentrant, ...)
     body_meta: dict  # its body's meta (a selective-checkpoint policy: _checkpoint_context_fn)
     where: str
+    attention: bool  # its body holds attention the rewrite takes (else: inlined so that its values shard)
 
 
 def restore_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -207,34 +215,39 @@ def restore_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     found: dict[int, _Region] = ctx.scratch.get(SCRATCH) or {}
     if ctx.config.checkpoints != "recompute" or not found:
         return PassResult(False)
-    kept, restored = [], []
+    kept, restored, others = [], [], []
     for region, info in found.items():
         why = _outline(gm, region, info)
         if why:
             kept.append(f"{info.where} ({why})")
         else:
-            restored.append(info.where)
+            (restored if info.attention else others).append(info.where)
     if restored:
         ctx.report.notes.append(
             f"{len(restored)} activation-checkpoint region(s) holding attention rewritten and checkpointed again "
             f"(Config.checkpoints='recompute': recomputed in backward, ring attention included): {', '.join(restored)}")
+    if others:
+        ctx.report.notes.append(
+            f"{len(others)} other activation-checkpoint region(s) (no attention) sharded and checkpointed again: "
+            f"{', '.join(others)}")
     if kept:
-        note = (f"{len(kept)} of {len(found)} activation-checkpoint region(s) holding attention stay inlined, their "
+        note = (f"{len(kept)} of {len(found)} activation-checkpoint region(s) stay inlined, their "
                 f"activations kept (O(n/p) per rank) instead of recomputed: {', '.join(kept)}")
         ctx.report.notes.append(note)
         warnings.warn(f"ringcc: {note}", stacklevel=2)
-    return PassResult(bool(restored))
+    return PassResult(bool(restored or others))
 
 
 def _hoist(graph: torch.fx.Graph, first: torch.fx.Node, span: list[torch.fx.Node], region: int) -> list[torch.fx.Node]:
     """Move the nodes of `span` that later passes added (untagged) and that need nothing of
-    the region (a shard of an outer value, a mask's key-runs table, a constant) before `first`,
+    the region (a shard of an outer value, a mask's key-runs table, a pass's constant) before `first`,
     so that the region recomputes only its own work; the rest of the span, in order."""
     inside: set[torch.fx.Node] = set()
     rest = []
     for node in span:
+        # (the region's own attributes, a nested region's body among them, stay: _body copies them)
         movable = (node.meta.get(REGION) != region and not writes_any(node)
-                   and not any(a in inside for a in node.all_input_nodes)) or node.op == "get_attr"
+                   and not any(a in inside for a in node.all_input_nodes))
         if movable and node is not first:
             first.prepend(node)
         else:

@@ -1095,12 +1095,16 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     w.run()
     gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
     ctx.report.layout = w.layout
-    ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
-                            f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
-                            f"{len(ctx.report.gathers)} gathered")
     ctx.scratch["sharded"] = True
     ctx.scratch["shard_decisions"] = w.decisions
     remove_dead(gm)
+    # a gather made for a value that turned out dead (a region body's own x.size() under
+    # dynamic shapes) is gone with it: the report lists what the graph does
+    alive = {node.name for node in gm.graph.nodes}
+    ctx.report.gathers[:] = [g for g in ctx.report.gathers if g.node in alive]
+    ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
+                            f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
+                            f"{len(ctx.report.gathers)} gathered")
     refresh_fakes(gm)
     return PassResult(True)
 

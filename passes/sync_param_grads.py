@@ -3,8 +3,9 @@ that sharded computation consumes.
 
 A weight used by a sharded op receives, on each rank, only its own tokens' share of the
 gradient (Note [Replicated cotangents] in runtime/seqops.py). Each such use is rewired
-through ringcc::sync_grads, an identity whose backward all-reduces the cotangents of a
-whole bucket (Config.bucket_mb) in one flat buffer. Uses by replicated computation keep
+through an identity whose backward all-reduces the cotangents of a whole bucket
+(Config.bucket_mb) in one flat buffer: `sync_grads_view` (views, no copy) for graph inputs,
+the op ringcc::sync_grads (copies) for attributes of an export graph (Note [Parameter copies]). Uses by replicated computation keep
 the original value: their gradient is already complete on every rank (a weight sliced by
 ringcc::shard, like ViT's position table, gets the all-gathered gradient from the shard's
 backward, so it is not synced either).
@@ -26,6 +27,7 @@ from .shard_sequence import STATE_META
 
 PASS = "sync_param_grads"
 SYNC = torch.ops.ringcc.sync_grads.default
+SYNC_VIEW = ringcc.runtime.seqops.sync_grads_view
 _COMM_OPS = ("shard", "gather", "all_reduce_sum", "seq_select", "sync_grads")
 
 
@@ -51,7 +53,7 @@ def _needs_sync(value: torch.fx.Node) -> bool:
 
 
 def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not ctx.scratch.get("sharded") or ctx.world_size == 1 or any(n.target is SYNC for n in gm.graph.nodes):
+    if not ctx.scratch.get("sharded") or ctx.world_size == 1 or any(n.target in (SYNC, SYNC_VIEW) for n in gm.graph.nodes):
         return PassResult(False)
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -64,10 +66,14 @@ def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(False)
     placeholders = [v for v in uses if v.op == "placeholder"]
     others = [v for v in uses if v.op != "placeholder"]
-    last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    anchor = last_placeholder
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for bucket in _buckets(placeholders, ctx.config.bucket_mb):
-        anchor = _sync(gm, ctx, bucket, uses, anchor)
+        # Just before the bucket's first use: in backward its all-reduce then runs as soon as
+        # that use's backward has made the last of its cotangents (autograd runs the ready node
+        # made last in forward first), not after the whole backward, which would hold every
+        # weight's cotangent until then.
+        first = min((u for v in bucket for u in uses[v]), key=order.__getitem__)
+        _sync(gm, ctx, bucket, uses, first.prev)
     for v in others:
         _sync(gm, ctx, [v], uses, v)
     ctx.scratch.setdefault("shard_decisions", []).append(
@@ -92,11 +98,12 @@ def _buckets(values: list[torch.fx.Node], bucket_mb: float) -> list[list[torch.f
 
 def _sync(gm, ctx, bucket, uses, anchor) -> torch.fx.Node:
     """One sync op for `bucket` after `anchor`; rewires the sharded uses. Returns the last node."""
+    target = SYNC_VIEW if all(v.op == "placeholder" for v in bucket) else SYNC
     with gm.graph.inserting_after(anchor):
-        op = tag(gm.graph.call_function(SYNC, (list(bucket), ctx.group_name, ctx.world_size)), PASS, bucket[0])
+        op = tag(gm.graph.call_function(target, (list(bucket), ctx.group_name, ctx.world_size)), PASS, bucket[0])
     mode = fake(bucket[0]).fake_mode
     with mode:
-        op.meta["example_value"] = SYNC([fake(v) for v in bucket], ctx.group_name, ctx.world_size)
+        op.meta["example_value"] = target([fake(v) for v in bucket], ctx.group_name, ctx.world_size)
     last = op
     for i, v in enumerate(bucket):
         with gm.graph.inserting_after(last):

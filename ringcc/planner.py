@@ -755,6 +755,10 @@ class _Builder:
                 np_.static = True
                 static += sum((s.nbytes for s in sizes), _ZERO)
                 owner[node] = node
+                for t in ts:  # views of a parameter (sync_grads_view) are the parameter
+                    key = _storage_key(t)
+                    if key is not None:
+                        owner_of_key.setdefault(key, node)
                 continue
             # storages: new ones are owned here, known ones alias their owner
             new_bytes = _ZERO

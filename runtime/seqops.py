@@ -11,6 +11,17 @@ Backward of every op mirrors its forward (Note [Replicated cotangents]):
 - sync_grads: forward is the identity on a bucket of replicated values (parameters) that
   sharded computation consumes; backward all-reduces their cotangents in one flat buffer.
 
+Note [Parameter copies]
+A torch.library custom op may not return an alias of its input, so the op ringcc::sync_grads
+returns copies: in a training step every synced parameter was copied once, and the copy,
+saved for backward by the layer that reads it, lived through the step (one more parameter's
+worth of memory per rank: 14 GB for 7B bf16 parameters). In dynamo graphs, where the
+parameters are graph inputs and AOTAutograd traces the graph, sync_param_grads inserts
+`sync_grads_view` instead: an autograd.Function whose forward returns views and whose
+backward is the op's own (`_sync_backward`). The op stays for graphs that must keep it as one
+op: `ringcc rewrite` exports its program, and export would keep the views but drop an
+autograd.Function's backward.
+
 Note [Replicated cotangents]
 Every rank runs the same graph on the same full inputs and seeds backward with the same
 cotangent for every replicated output (the loss). A replicated value computed from a sum
@@ -173,3 +184,28 @@ def _sync_backward(ctx, grads):
 
 
 sync_grads.register_autograd(_sync_backward, setup_context=_sync_setup)
+
+
+class _SyncGradsView(torch.autograd.Function):
+    """sync_grads without the copies: views of the bucket's values, whose backward all-reduces
+    their cotangents the same way (Note [Parameter copies])."""
+
+    @staticmethod
+    def forward(group_name, world_size, *xs):
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        group_name, world_size, *xs = inputs
+        ctx.args = (group_name, world_size)
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, *_sync_backward(ctx, list(grads))[0]
+
+
+def sync_grads_view(xs: list[torch.Tensor], group_name: str, world_size: int) -> tuple[torch.Tensor, ...]:
+    """The identity on a bucket of parameters, as views (no copy), whose backward all-reduces
+    their cotangents in one flat buffer: what sync_param_grads inserts in dynamo graphs."""
+    return _SyncGradsView.apply(group_name, world_size, *xs)

@@ -650,6 +650,17 @@ def pow_(a: dict, p) -> Workspace:
     return Workspace(sympy.Integer(0), 2 * x.nbytes)
 
 
+def sync_grads(a: dict, p) -> Workspace:
+    """A bucket's gradient sync (runtime/seqops.py): its backward holds the bucket's incoming
+    cotangents, their flat concatenation that is all-reduced, and the per-value copies out of
+    it, at once: three times the bucket."""
+    xs = a.get("xs", next(iter(a.values()), None))
+    xs = [xs] if isinstance(xs, TensorSize) else list(xs or ())
+    if not all(isinstance(x, TensorSize) for x in xs):
+        return Workspace()
+    return Workspace(sympy.Integer(0), 3 * sum((x.nbytes for x in xs), sympy.Integer(0)))
+
+
 # Op name (as the planner normalises it) -> formula.
 FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "ringcc::ring_attention": ring_attention,
@@ -657,4 +668,6 @@ FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "scaled_dot_product_attention": dense_attention,
     "multi_head_attention_forward": multi_head_attention,
     "pow": pow_,
+    "ringcc::sync_grads": sync_grads,
+    "sync_grads_view": sync_grads,
 }

@@ -17,7 +17,7 @@ SHARD = torch.ops.ringcc.shard.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
-SYNC = torch.ops.ringcc.sync_grads.default
+from ringcc.runtime.seqops import sync_grads_view as SYNC  # dynamo graphs (Note [Parameter copies])
 
 
 def rewrite(model, *inputs, world=2, **options):
@@ -140,17 +140,23 @@ def test_mark_sequence_rejects_bad_dims():
 
 
 def test_parameter_gradients_sync_in_buckets():
-    """Weights used by sharded ops go through ringcc::sync_grads, bucket_mb at a time; the
-    all-reduce happens once per bucket in backward, not once per parameter."""
+    """Weights used by sharded ops go through sync_grads_view, bucket_mb at a time, each bucket
+    just before its first use; the all-reduce happens once per bucket in backward, not once
+    per parameter."""
     model = shard_models.build("gpt")
     n_params = len(list(model.parameters()))  # the tied head counts once
     gm, _ = rewrite(model, *shard_models.batch("gpt", 24), bucket_mb=0.02)
     syncs = [n for n in gm.graph.nodes if n.target is SYNC]
     assert 1 < len(syncs) < n_params
     assert sum(len(n.args[0]) for n in syncs) == n_params
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in syncs:
         sizes = [a.meta["example_value"].numel() * 4 for a in n.args[0]]
         assert len(sizes) == 1 or sum(sizes) <= 0.02 * 2**20
+        # each bucket is synced just before its first use, after its getitems only: in backward
+        # its all-reduce runs when that use's backward is done, not at the end of the backward
+        first = min(order[u] for item in n.users for u in item.users)
+        assert all(order[m] < first for m in n.users) and order[n] == first - len(n.users) - 1
 
 
 class CastFirst(nn.Module):
