@@ -25,30 +25,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import dist_setup
 import ringcc
+from bench_model_masked import Layer
 
 MODES = ("recompute", "inline")
-
-
-class Layer(nn.Module):
-    def __init__(self, d: int, h: int):
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (t.view(b, n, self.h, d // self.h).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
-        return x + self.mlp(self.ln2(x))
 
 
 class Model(nn.Module):
@@ -57,8 +40,8 @@ class Model(nn.Module):
         self.layers = nn.ModuleList([Layer(d, h) for _ in range(layers)])
 
     def forward(self, x):
-        for layer in self.layers:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        for layer in self.layers:  # causal attention (no mask) and an MLP
+            x = torch.utils.checkpoint.checkpoint(layer, x, None, use_reentrant=False)
         return x.float().pow(2).mean()
 
 
@@ -82,21 +65,7 @@ def cell(mode: str, n_local: int, args, device, dtype) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
+    times = [dist_setup.timed(step, device) for _ in range(args.reps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     report = ringcc.last_report()
     plan = report.plan if report is not None else None
@@ -118,16 +87,8 @@ def _gib(b) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="tokens per GPU")
+    dist_setup.model_arguments(ap, lengths=[8192, 32768], layers=8, reps=5)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--inner", default="aot_eager", help="the compiler after ringcc's passes")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [64], 2, 2, 8, 2, 1

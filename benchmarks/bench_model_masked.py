@@ -105,20 +105,8 @@ def cell(case: str, n_local: int, args, device, dtype, gathers) -> dict:
     warm_s = time.perf_counter() - t0
     times, counts = [], []
     for _ in range(args.reps):
-        dist.barrier()
         before = gathers[0]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
+        times.append(dist_setup.timed(step, device))
         counts.append(gathers[0] - before)
     ms = statistics.median(times)
     every = [None] * world
@@ -131,17 +119,9 @@ def cell(case: str, n_local: int, args, device, dtype, gathers) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="tokens per GPU")
+    dist_setup.model_arguments(ap, lengths=[4096, 16384], layers=4, reps=7)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--inner", default="aot_eager", help="the compiler after ringcc's passes")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1

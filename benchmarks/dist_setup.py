@@ -1,12 +1,14 @@
 """Process-group start and finish shared by the torchrun benchmarks that compare ranks
-(bench_planner_gpu.py, bench_masked.py, bench_model_masked.py): NCCL on CUDA (bf16), gloo on CPU or in smoke mode
-(fp32); rank 0 writes the JSON record."""
+(bench_planner_gpu.py, bench_masked.py, bench_model_masked.py, bench_checkpoint.py): NCCL on
+CUDA (bf16), gloo on CPU or in smoke mode (fp32); rank 0 writes the JSON record; one timed
+step."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,35 @@ def start(smoke: bool) -> tuple[torch.device, torch.dtype]:
         return torch.device("cpu"), torch.float32
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     return torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+
+
+def model_arguments(ap, lengths: list[int], layers: int, reps: int) -> None:
+    """The options of the compiled-model benchmarks (bench_model_masked.py, bench_checkpoint.py)."""
+    ap.add_argument("--lengths", type=int, nargs="+", default=lengths, help="tokens per GPU")
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--inner", default="aot_eager", help="the compiler after ringcc's passes")
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
+
+
+def timed(step, device: torch.device) -> float:
+    """Milliseconds of one call of step(), after a barrier: CUDA events on GPU, wall time on CPU."""
+    dist.barrier()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        step()
+        return (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def finish(info: dict | None, path: str) -> None:

@@ -503,17 +503,21 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert all(r["verdict"] for r in rows)
 
 
+def _torchrun_smoke(script: str, tmp_path):
+    """benchmarks/<script> --smoke under torchrun at p = 2 (gloo): (the process, its JSON record)."""
+    out = tmp_path / "record.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "benchmarks" / script), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
 def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
     with a padding mask all-gathers its key-runs table once per training step (not per layer:
     Note [Key runs per mask]); unmasked, never."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = tmp_path / "model.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "benchmarks" / "bench_model_masked.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rec = json.loads(out.read_text())
+    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path)
     assert rec["device"] == "cpu (smoke, gloo)"
     assert [(r["case"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
         ("unmasked", 2, 0), ("key padding", 2, 1)]
@@ -523,13 +527,7 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
 def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
     """bench_checkpoint.py end to end on CPU (gloo, p = 2, smoke sizes): in "recompute" mode the
     report says the regions were checkpointed again and the plan holds less than "inline"."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = tmp_path / "checkpoint.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "benchmarks" / "bench_checkpoint.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rec = json.loads(out.read_text())
+    proc, rec = _torchrun_smoke("bench_checkpoint.py", tmp_path)
     assert rec["device"] == "cpu (smoke, gloo)"
     rows = {r["mode"]: r for r in rec["rows"]}
     assert rows["recompute"]["regions_restored_note"] and not rows["inline"]["regions_restored_note"]
