@@ -35,7 +35,10 @@ Note [Memory plan]
    to the backward of its producer; a view that takes part of its base (select, slice,
    unbind) adds, at its backward, a base-sized gradient (autograd writes the part into
    zeros) and its own incoming gradient. Parameters' gradients are static (they exist
-   before the step and are accumulated into). Checked on CPU against the tensors autograd
+   before the step and are accumulated into); a compiled backward (AOTAutograd: how the
+   backend runs graphs) returns each parameter's new gradient at its end, so that gradient
+   also lives from the backward of the parameter's last user to the end (`compiled=False`:
+   eager autograd adds it into .grad at once). Checked on CPU against the tensors autograd
    saves and against the peak of live tensor bytes (tests/test_planner.py).
 4. Workspace. Each custom op declares its transient bytes, forward and backward, in
    runtime/workspace.py (`FORMULAS`), counted at its own program point. A ring on the
@@ -562,6 +565,7 @@ def plan_graph(
     training: bool | None = None,
     graph_name: str = "graph",
     device_type: str | None = None,
+    compiled: bool = True,
 ) -> MemoryPlan:
     """Memory plan of `gm` per rank, for a graph built for `world_size` ranks.
 
@@ -572,6 +576,9 @@ def plan_graph(
     training: count backward (default: when any value requires grad).
     device_type: plan as if the graph ran on this device ("cuda": the op formulas for CUDA)
     instead of the traced tensors' device, e.g. a GPU plan traced on CPU.
+    compiled: the graph runs as one compiled backward (AOTAutograd, as the backend runs it),
+    which returns the parameters' gradients at its end (Note [Memory plan], 3); False: eager
+    autograd, which adds each into .grad as it is made.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
@@ -601,13 +608,14 @@ def plan_graph(
     static_seq = None if any(v.has(n) for v in symbols.values()) else seq_len
     tracked = any(SEQ_STATE_META in nd.meta for nd in gm.graph.nodes)
     mapper = _SizeMapper(symbols, world_size, static_seq, tracked, device_type)
-    builder = _Builder(gm, mapper, world_size)
+    builder = _Builder(gm, mapper, world_size, compiled)
     return builder.build(graph_name, symbols, hints, training)
 
 
 class _Builder:
-    def __init__(self, gm: torch.fx.GraphModule, mapper: _SizeMapper, world_size: int):
+    def __init__(self, gm: torch.fx.GraphModule, mapper: _SizeMapper, world_size: int, compiled: bool = True):
         self.gm = gm
+        self.compiled = compiled
         self.mapper = mapper
         self.world = world_size
         self.nodes = [nd for nd in gm.graph.nodes]
@@ -660,8 +668,9 @@ class _Builder:
         """A checkpoint region (Note [Memory plan], 4): its forward holds the body's transient
         bytes, its backward the body's recompute and backward."""
         body = attr_value(self.gm, node.args[0].target)
-        fwd, area_f = _Builder(body, self.mapper, self.world).transient(training=False)
-        bwd, area_t = _Builder(body, self.mapper, self.world).transient(training=True)
+        # compiled=False: the weights' gradients a body makes are the region's, counted here
+        fwd, area_f = _Builder(body, self.mapper, self.world, compiled=False).transient(training=False)
+        bwd, area_t = _Builder(body, self.mapper, self.world, compiled=False).transient(training=True)
         return Workspace(forward=fwd, backward=bwd, area_forward=area_f, area_training=area_t)
 
     def _saved_inputs(self, node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -877,9 +886,16 @@ class _Builder:
                         at = self.index[a]
                     last_user[o] = max(last_user.get(o, 0), at)
             for node, pl in plans.items():
-                if pl.static or pl.nbytes == 0 or node.op == "output":
+                if node.op == "output" or not any(t.requires_grad for t in _tensors(_meta(node))):
                     continue
-                if not any(t.requires_grad for t in _tensors(_meta(node))):
+                if pl.static:
+                    # a compiled backward returns the parameters' gradients at its end, before
+                    # they are added into .grad: each lives from the backward of its last user on
+                    if self.compiled and node.op in ("placeholder", "get_attr") and node in last_user:
+                        nbytes = sum((sz.nbytes for sz in self.sizes[node]), _ZERO)
+                        ev.append((2 * F - 1 - last_user[node], 2 * F - 1, nbytes, False))
+                    continue
+                if pl.nbytes == 0:
                     continue
                 first = 2 * F - 1 - last_user.get(node, self.index[node])
                 ev.append((min(first, 2 * F - 1 - self.index[node]), 2 * F - 1 - self.index[node], pl.nbytes, False))

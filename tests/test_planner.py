@@ -328,7 +328,7 @@ def test_training_peak_matches_live_tensor_bytes_on_cpu(model, tolerance):
         m(x).backward()
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     x2 = torch.randn(2, 96, 32)
-    plan = planner.plan_graph(symbolic_graph(m, x2), world_size=1)
+    plan = planner.plan_graph(symbolic_graph(m, x2), world_size=1, compiled=False)  # measured eagerly
     assert abs(plan.peak_bytes(96, 1) / measured - 1) <= tolerance, (plan.peak_bytes(96, 1), measured)
 
 
@@ -366,7 +366,7 @@ def test_checkpoint_regions_plan_their_recompute_within_live_tensor_bytes_on_cpu
         gm = symbolic_graph(m, torch.randn(2, 96, 32))
         regions = [nd for nd in gm.graph.nodes if planner.op_name(nd) == planner.CHECKPOINT_OP]
         assert len(regions) == (4 if checkpoint else 0)
-        planned = planner.plan_graph(gm, world_size=1).peak_bytes(96, 1)
+        planned = planner.plan_graph(gm, world_size=1, compiled=False).peak_bytes(96, 1)  # measured eagerly
         assert 1.0 <= planned / measured <= 1.07, (checkpoint, planned, measured)
         peaks[checkpoint] = planned
     assert peaks[True] < 0.6 * peaks[False], peaks
