@@ -113,10 +113,7 @@ def main() -> None:
                      if r["peak_bytes"] and r["planned_peak_bytes"] else f"{'-':>9s}")
             print(f"{r['mode']:10s} {r['n_local']:10d} {r['ms']:9.2f} {_gib(r['peak_bytes']):>9s} "
                   f"{_gib(r['planned_peak_bytes']):>9s} {ratio}")
-    if args.json:
-        dist_setup.finish(info, args.json)
-    else:
-        dist.destroy_process_group()
+    dist_setup.finish(info, args.json)
     return 0
 
 

@@ -144,10 +144,7 @@ def main() -> None:
         print(f"{'case':12s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
         for r in rows:
             print(f"{r['case']:12s} {r['n_local']:10d} {r['ms']:9.2f} {r['key_run_gathers_per_step']:12}")
-    if args.json:
-        dist_setup.finish(info, args.json)
-    else:
-        dist.destroy_process_group()
+    dist_setup.finish(info, args.json)
     return 0
 
 

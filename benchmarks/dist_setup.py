@@ -54,10 +54,10 @@ def timed(step, device: torch.device) -> float:
     return start.elapsed_time(end)
 
 
-def finish(info: dict | None, path: str) -> None:
-    """Rank 0 passes `info` (with "device" and "torch"): written to `path` as JSON; then every
-    rank leaves the group."""
-    if info is not None:
+def finish(info: dict | None, path: str | None) -> None:
+    """Rank 0 passes `info` (with "device" and "torch"): written to `path` (None: no record)
+    as JSON; then every rank leaves the group."""
+    if info is not None and path:
         with open(path, "w") as f:
             json.dump(info, f, indent=2)
         print(f"wrote {path} ({info['device']}, torch {info['torch']})")

@@ -165,7 +165,9 @@ def inline_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
     mode = ctx.config.checkpoints
     regions = _regions(gm)  # those holding attention
     where = ", ".join(location(n) for n in regions)
-    if mode == "keep" and regions:
+    if mode == "keep":
+        if not regions:
+            return PassResult(False)
         msg = (f"{len(regions)} activation-checkpoint region(s) hold attention that is not rewritten (dense on every "
                f"rank, full sequence, O(n) memory): {where}. Config(checkpoints='recompute') rewrites it and keeps "
                f"the regions checkpointed")
@@ -176,7 +178,7 @@ def inline_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
         return PassResult(False)
     count = len(regions)
     every = mode == "recompute"  # all regions come back: inlining one costs no recompute then
-    regions = _regions(gm, every) if mode != "keep" else []
+    regions = _regions(gm, every)
     if not regions:
         return PassResult(False)
     found: dict[int, _Region] = ctx.scratch.setdefault(SCRATCH, {})
@@ -238,7 +240,7 @@ def restore_checkpoints(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResul
     return PassResult(bool(restored or others))
 
 
-def _hoist(graph: torch.fx.Graph, first: torch.fx.Node, span: list[torch.fx.Node], region: int) -> list[torch.fx.Node]:
+def _hoist(first: torch.fx.Node, span: list[torch.fx.Node], region: int) -> list[torch.fx.Node]:
     """Move the nodes of `span` that later passes added (untagged) and that need nothing of
     the region (a shard of an outer value, a mask's key-runs table, a pass's constant) before `first`,
     so that the region recomputes only its own work; the rest of the span, in order."""
@@ -265,7 +267,7 @@ def _outline(gm: torch.fx.GraphModule, region: int, info: _Region) -> str | None
     if not tagged:
         return None  # nothing of it is left (dead code)
     first = nodes[tagged[0]]
-    span = _hoist(graph, first, nodes[tagged[0]:tagged[-1] + 1], region)
+    span = _hoist(first, nodes[tagged[0]:tagged[-1] + 1], region)
     members = set(span)
     for node in span:
         other = node.meta.get(REGION)
@@ -320,10 +322,10 @@ def inlined(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     flat = torch.fx.GraphModule(gm, graph)
-    regions = [nd for nd in flat.graph.nodes if _is_checkpoint(nd)]
+    regions = _regions(flat, every=True)
     while regions:
         for node in regions:
             _inline(flat, node, attr_value(flat, node.args[0].target), node.meta.get(REGION, -1))
-        regions = [nd for nd in flat.graph.nodes if _is_checkpoint(nd)]
+        regions = _regions(flat, every=True)
     flat.meta.update(gm.meta)
     return flat

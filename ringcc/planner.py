@@ -707,10 +707,7 @@ class _Builder:
                            "computed from the inputs alone): " + ", ".join(replicated))
         layouts = {a for node in self.nodes if op_name(node).startswith("ringcc::")
                    for a in node.args if a in ("zigzag",)}
-        # one receive area per group and device, grown to the largest batch: the largest need
-        areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
-        areas = [a for a in areas if a != 0]
-        area = sympy.Max(*areas) if areas else _ZERO
+        area = _receive_area(plans, training)
         return MemoryPlan(
             graph=graph_name, world_size=self.world, symbols=symbols, hints=hints,
             nodes=list(plans.values()), static=static, candidates=candidates, verdict=verdict,
@@ -835,9 +832,7 @@ class _Builder:
         inputs = {self.index[nd] for nd in self.nodes if nd.op == "placeholder"}
         own = [ev for ev in events if not (ev[0] in inputs and ev[3])]  # the inputs' own storages
         sums = [c for _, c in _candidates(own, 2 * F if training else F)] or [_ZERO]
-        areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
-        areas = [x for x in areas if x != 0]
-        return (sympy.Max(*sums) if len(sums) > 1 else sums[0]), (sympy.Max(*areas) if areas else _ZERO)
+        return (sympy.Max(*sums) if len(sums) > 1 else sums[0]), _receive_area(plans, training)
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
@@ -942,6 +937,13 @@ class _Builder:
             if name in VIEW_OPS:
                 todo.extend(u.users)
         return False
+
+
+def _receive_area(plans, training: bool) -> sympy.Expr:
+    """One receive area per group and device, grown to the largest batch: the largest need."""
+    areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
+    areas = [a for a in areas if a != 0]
+    return sympy.Max(*areas) if areas else _ZERO
 
 
 def _candidates(events, points: int) -> list[tuple[int, sympy.Expr]]:

@@ -197,8 +197,7 @@ class _SyncGradsView(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         group_name, world_size, *xs = inputs
-        ctx.args = (group_name, world_size)
-        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        _sync_setup(ctx, (xs, group_name, world_size), output)
 
     @staticmethod
     def backward(ctx, *grads):
