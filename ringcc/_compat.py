@@ -249,3 +249,25 @@ def cudagraph_unsafe_tags() -> tuple:
     around it): torch.Tag.cudagraph_unsafe where this torch has it, else none."""
     tag = getattr(torch.Tag, "cudagraph_unsafe", None)
     return () if tag is None else (tag,)
+
+
+def boxed_graph(gm: torch.fx.GraphModule, _example_inputs=None):
+    """`gm` as a boxed function for AOTAutograd (one list argument, cleared on entry), so each
+    input, such as a saved activation in a backward graph, is freed after its last use instead
+    of living until the graph returns (what inductor's code does too; functorch's
+    make_boxed_func keeps every input). FX's boxed code generator where this torch has it
+    (a private class), else FX's interpreter, which frees values the same way."""
+    codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if codegen is not None:
+        gm.graph.set_codegen(codegen())
+        gm.recompile()
+
+        def run(args):
+            return gm.forward(args)
+    else:
+        interpreter = torch.fx.Interpreter(gm)
+
+        def run(args):
+            return interpreter.boxed_run(args)
+    run._boxed_call = True
+    return run

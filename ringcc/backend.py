@@ -118,9 +118,10 @@ def _inner(gm, example_inputs, config: Config):
         return gm.forward
     if config.inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from functorch.compile import make_boxed_func
 
-        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+        # boxed: the backward frees each saved activation after its last use, as inductor's does
+        # (the memory plan assumes it: Note [Memory plan], 3)
+        return aot_autograd(fw_compiler=_compat.boxed_graph)(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)

@@ -470,3 +470,39 @@ def test_gpt2_default_attention_dropout_in_training_is_skipped():
 def test_unimplemented_dropout_mode_is_an_error():
     with pytest.raises(ValueError, match=r"Config.dropout='per_block' is not allowed; choose one of \['skip'\]"):
         ringcc.Config(dropout="per_block")
+
+
+
+_PROBED: list = []  # (weakref to a graph input, whether it was dead when probed)
+
+
+def _probe(t):
+    _PROBED[-1][1] = _PROBED[-1][0]() is None
+    return t
+
+
+@pytest.mark.parametrize("codegen", [True, False])
+def test_boxed_graph_frees_each_input_after_its_last_use(monkeypatch, codegen):
+    """The aot_eager inner compiler's graphs (_compat.boxed_graph) take their inputs in a list
+    they clear, so a backward frees each saved activation once used, not when it returns; with
+    FX's boxed code generator or, where a torch lacks it, FX's interpreter."""
+    import weakref
+
+    from ringcc import _compat
+
+    if not codegen:
+        monkeypatch.delattr(torch.fx.graph, "_BoxedCodeGen", raising=False)
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    c = graph.call_function(torch.sin, (a,))  # a's last use
+    graph.output(graph.call_function(torch.add, (graph.call_function(_probe, (b,)), c)))
+    run = _compat.boxed_graph(torch.fx.GraphModule(torch.nn.Module(), graph))
+    x, y = torch.randn(4), torch.randn(4)
+    expected = y + x.sin()
+    _PROBED.append([weakref.ref(x), None])
+    args = [x, y]
+    del x
+    out = run(args)
+    assert getattr(run, "_boxed_call", False) and args == []
+    assert _PROBED[-1][1] is True, "the first input was alive after its last use"
+    torch.testing.assert_close(out, expected)
