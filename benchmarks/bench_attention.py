@@ -1507,10 +1507,20 @@ def results_section(res: dict, table: str, targets: list[str]) -> str:
     ])
 
 
+GENERATED_HEADING = "attention benchmark (benchmarks/bench_attention.py)"
+
+
 def update_results_md(text: str, section: str) -> str:
+    """`text` with its generated section replaced by `section` (appended when it has none).
+    Hand-written text that ended up between the markers, before the generated heading, is kept
+    (above the new section), never overwritten."""
     if RESULTS_BEGIN in text and RESULTS_END in text:
         before, rest = text.split(RESULTS_BEGIN, 1)
-        return before + section + rest.split(RESULTS_END, 1)[1]
+        old, after = rest.split(RESULTS_END, 1)
+        lines = old.split("\n")
+        at = next((i for i, line in enumerate(lines) if line.startswith("## ") and GENERATED_HEADING in line), 0)
+        kept = "\n".join(lines[:at]).strip("\n")
+        return before + (kept + "\n\n" if kept else "") + section + after
     return text.rstrip("\n") + "\n\n" + section + "\n"
 
 

@@ -132,6 +132,10 @@ def test_search_and_memory_model():
     old = "# R\n\nintro\n\n" + bench.RESULTS_BEGIN + "\nold\n" + bench.RESULTS_END + "\n\n## later\n"
     assert bench.update_results_md(old, section) == "# R\n\nintro\n\n" + section + "\n\n## later\n"
     assert bench.update_results_md("# R\n", section) == "# R\n\n" + section + "\n"
+    # hand-written sections between the markers, before the generated one, are kept
+    mixed = ("# R\n\n" + bench.RESULTS_BEGIN + "\n## session 14 notes\nmeasured\n\n## 2026 — "
+             + bench.GENERATED_HEADING + "\nold table\n" + bench.RESULTS_END + "\n")
+    assert bench.update_results_md(mixed, section) == "# R\n\n## session 14 notes\nmeasured\n\n" + section + "\n"
     assert bench.longnet_schedule(65536, 2048) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
     # Cells the measured peaks predict not to fit are skipped before a multi-rank OOM can hang.
     rec = dict(status="ok", method="ring-zigzag", attn="mha", causal=True, mode="fwdbwd")
