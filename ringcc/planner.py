@@ -31,14 +31,15 @@ Note [Memory plan]
    softmax/exp/sigmoid their output, the ringcc attention ops q, k, v, key mask, out and
    lse, views and additions nothing; unknown ops save their inputs, which over-counts
    rather than under-counts). A saved storage lives until the backward of the earliest
-   node that saved it. The gradient of a storage lives from the backward of its last user
+   node that saved it (a compiled backward frees it there: inductor's code, and aot_eager's
+   graphs through `_compat.boxed_graph`; functorch's make_boxed_func kept every one to the end). The gradient of a storage lives from the backward of its last user
    to the backward of its producer; a view that takes part of its base (select, slice,
    unbind) adds, at its backward, a base-sized gradient (autograd writes the part into
    zeros) and its own incoming gradient. Parameters' gradients are static (they exist
    before the step and are accumulated into); a compiled backward (AOTAutograd: how the
    backend runs graphs) returns each parameter's new gradient at its end, so that gradient
    also lives from the backward of the parameter's last user to the end (`compiled=False`:
-   eager autograd adds it into .grad at once). Checked on CPU against the tensors autograd
+   eager autograd adds it into .grad at once; the backend plans so for inner="eager"). Checked on CPU against the tensors autograd
    saves and against the peak of live tensor bytes (tests/test_planner.py).
 4. Workspace. Each custom op declares its transient bytes, forward and backward, in
    runtime/workspace.py (`FORMULAS`), counted at its own program point. A ring on the
@@ -1090,6 +1091,8 @@ def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
     error naming the culprits."""
     seq = ctx.scratch.get("seq")
     symbols, seq_len = None, None
+    # inner="eager" runs the rewritten graph under eager autograd (no AOTAutograd backward)
+    compiled = ctx.config.inner != "eager"
     if seq is not None:
         length = sympy.sympify(seq.n)
         if length.is_Integer:
@@ -1098,9 +1101,9 @@ def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
             symbols = {length: n}
     try:
         plan = plan_graph(gm, world_size=ctx.world_size, symbols=symbols, seq_len=seq_len,
-                          graph_name=ctx.report.graph)
+                          graph_name=ctx.report.graph, compiled=compiled)
     except ValueError as e:  # no sequence found: sizes stay constants, say so
-        plan = plan_graph(gm, world_size=ctx.world_size, symbols={}, graph_name=ctx.report.graph)
+        plan = plan_graph(gm, world_size=ctx.world_size, symbols={}, graph_name=ctx.report.graph, compiled=compiled)
         plan.reasons.append(f"no sequence length identified ({e})")
     ctx.report.plan = plan
     if ctx.config.require_linear_memory and not plan.verdict:

@@ -387,14 +387,16 @@ def _step_peak_bytes(step) -> int:
     return peak
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor", "eager"])
 def test_compiled_training_step_stays_within_its_plan_on_cpu(inner):
     """A stack compiled by the backend: the plan (saved activations freed after their last use
     in backward, weights' new gradients returned at the end) bounds the measured peak, within
     7% with aot_eager (the graph's own ops); inductor fuses elementwise ops, so it allocates less
     (plan 1.32x the peak here). With inner="aot_eager" the backward graph used to keep every
     saved activation to its end (functorch's make_boxed_func holds its inputs): the plan was
-    0.92x the peak here, 1.04x with _compat.boxed_graph."""
+    0.92x the peak here, 1.04x with _compat.boxed_graph. inner="eager" runs the graph under eager
+    autograd, which adds each weight's gradient into .grad as it is made: planned so
+    (compiled=False), 1.00x."""
     import ringcc
 
     torch.manual_seed(0)
@@ -408,7 +410,7 @@ def test_compiled_training_step_stays_within_its_plan_on_cpu(inner):
     measured = before + _step_peak_bytes(lambda: compiled(x).backward())
     planned = ringcc.last_report().plan.peak_bytes()
     torch._dynamo.reset()
-    assert 1.0 <= planned / measured <= (1.07 if inner == "aot_eager" else 1.5), (planned, measured)
+    assert 1.0 <= planned / measured <= (1.5 if inner == "inductor" else 1.07), (planned, measured)
 
 
 # ---------------------------------------------------------------------------------------
