@@ -1512,15 +1512,21 @@ GENERATED_HEADING = "attention benchmark (benchmarks/bench_attention.py)"
 
 def update_results_md(text: str, section: str) -> str:
     """`text` with its generated section replaced by `section` (appended when it has none).
-    Hand-written text that ended up between the markers, before the generated heading, is kept
-    (above the new section), never overwritten."""
+    Only the generated part between the markers is replaced: from its heading to its last code
+    fence. Hand-written text that ended up between the markers (above the heading, below the
+    table, or all of it when there is no generated heading) is kept around the new section."""
     if RESULTS_BEGIN in text and RESULTS_END in text:
         before, rest = text.split(RESULTS_BEGIN, 1)
         old, after = rest.split(RESULTS_END, 1)
         lines = old.split("\n")
-        at = next((i for i, line in enumerate(lines) if line.startswith("## ") and GENERATED_HEADING in line), 0)
-        kept = "\n".join(lines[:at]).strip("\n")
-        return before + (kept + "\n\n" if kept else "") + section + after
+        at = next((i for i, line in enumerate(lines) if line.startswith("## ") and GENERATED_HEADING in line), None)
+        if at is None:  # nothing generated here: keep it all
+            head, tail = lines, []
+        else:
+            fences = [i for i in range(at, len(lines)) if lines[i].strip() == "```"]
+            head, tail = lines[:at], lines[fences[-1] + 1:] if fences else []
+        head, tail = "\n".join(head).strip("\n"), "\n".join(tail).strip("\n")
+        return before + (head + "\n\n" if head else "") + section + ("\n\n" + tail if tail else "") + after
     return text.rstrip("\n") + "\n\n" + section + "\n"
 
 

@@ -255,19 +255,15 @@ def boxed_graph(gm: torch.fx.GraphModule, _example_inputs=None):
     """`gm` as a boxed function for AOTAutograd (one list argument, cleared on entry), so each
     input, such as a saved activation in a backward graph, is freed after its last use instead
     of living until the graph returns (what inductor's code does too; functorch's
-    make_boxed_func keeps every input). FX's boxed code generator where this torch has it
-    (a private class), else FX's interpreter, which frees values the same way."""
-    codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
-    if codegen is not None:
-        gm.graph.set_codegen(codegen())
-        gm.recompile()
+    make_boxed_func keeps every input). FX's boxed code generator, private, present in torch
+    2.11 and 2.13 (torch's own aot_eager backend uses it)."""
+    from torch.fx.graph import _BoxedCodeGen
 
-        def run(args):
-            return gm.forward(args)
-    else:
-        interpreter = torch.fx.Interpreter(gm)
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
 
-        def run(args):
-            return interpreter.boxed_run(args)
+    def run(args):
+        return gm.forward(args)
+
     run._boxed_call = True
     return run

@@ -57,7 +57,7 @@ def _flex():
     return torch.compile(flex_attention, fullgraph=True)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)  # a few block lengths; varying sequence lengths do not pile up
 def _arange(n: int, device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32, device=device)
 

@@ -151,7 +151,11 @@ class RingSetup:
                  None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
                 for b0, b1, (lo, hi) in groups for c, m in calls for part in clip_calls([c], lo, hi)]
 
-    @functools.lru_cache(maxsize=1024)  # noqa: B019 - setups are frozen, few, and shared by every call
+    # Cached on the method: setups are frozen, few, and shared by every call. Entries hold O(n)
+    # device positions and their flex tiles, so the cache keeps a few lengths' worth (p entries
+    # per setup and length): varying lengths (dynamic shapes, buckets) do not pile up GBs
+    # outside the plan.
+    @functools.lru_cache(maxsize=64)  # noqa: B019
     def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
         calls = self.calls(n_local, src)
         q_pos = global_positions(self.rank, self.world, self.layout, n_local)

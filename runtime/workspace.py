@@ -18,7 +18,11 @@ accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK
 accumulators, the dK/dV accumulator arriving from the previous rank, the held and next K/V,
 one block's gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
 Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
-bench_planner_gpu.py; results in benchmarks/RESULTS.md).
+bench_planner_gpu.py; results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
+allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: a sent dK/dV
+accumulator and gloo's contiguous copy of it (the CPU kernel returns gradients in its own
+[b, s, h, d] layout) live until the batch is waited for, the kernel copies dout into that layout,
+and it holds per-thread tiles (`cpu_kernel_tiles`, a constant outside the head-chunk rule).
 
 Received blocks: through NCCL/gloo they are fresh allocations per step, counted in the
 phases above. With the copy-engine transport (the GPU default, runtime/comm.py) they land in
@@ -216,6 +220,15 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         dq_acc + dkv_acc + 2 * k.nbytes + held_next + own,
         dq_acc + dkv_acc + pending + held_next + own,
     ]
+    if q.device_type == "cpu":
+        # CPU (gloo): a sent dK/dV accumulator stays referenced by its send until the batch is
+        # waited for, and with it the contiguous copy gloo needs (the CPU kernel returns its
+        # gradients in its own [b, s, h, d] layout); the kernel also copies dout into that layout.
+        # Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
+        sent = one * 2 * dkv_acc
+        phases = [ph + sent for ph in phases]
+        phases[0] += q.nbytes
+        phases[1] += q.nbytes
     if not chunked:
         # the end, outputs cast from the accumulators: dQ's while the last hop arrives
         # (p > 1), or next to the dK/dV accumulators and their casts (p = 1)
@@ -418,15 +431,36 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     return mask * (1 + sympy.Rational(1, acc)), mask * (1 + sympy.Rational(1, acc))
 
 
+# The CPU flash kernels' largest row and key tiles (aten's FlashAttentionKernel.cpp: 256 query
+# rows once a call has 768, by 512 keys)
+CPU_Q_SPLIT, CPU_KV_SPLIT = 256, 512
+
+
+def cpu_kernel_tiles(q: TensorSize) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) bytes of the CPU flash kernels' own per-thread tiles: scores (and in
+    backward their gradient) of one row tile by one key tile, row statistics and an output tile,
+    in the accumulator dtype, for each of this process's intra-op threads (none off CPU). A
+    constant in n: outside the head-chunk rule, like masked_calls."""
+    if q.device_type != "cpu":
+        return sympy.Integer(0), sympy.Integer(0)
+    import torch
+
+    per = CPU_Q_SPLIT * (CPU_KV_SPLIT + 2 + int(q.shape[3]))
+    scale = torch.get_num_threads() * _acc_itemsize(q.itemsize)
+    return sympy.Integer(scale * per), sympy.Integer(scale * (per + CPU_Q_SPLIT * CPU_KV_SPLIT))
+
+
 def ring_attention(a: dict, p) -> Workspace:
     """The ring's workspace under its head-chunk rule (`ring_kv_chunk`): the whole heads
     when that fits the budget, else the largest chunk that does, else one K/V head; the
     forward's chunk as large as its own workspace and the backward's batch allow. On the
     copy-engine transport, the receive area its batches need instead of received blocks.
-    Masked blocks add `masked_calls` (outside the head-chunk rule, which leaves them out)."""
+    Masked blocks add `masked_calls`, the CPU kernels `cpu_kernel_tiles` (outside the
+    head-chunk rule, which leaves them out)."""
     ws = _ring_workspace(a, p)
     mf, mb = masked_calls(a)
-    return Workspace(ws.forward + mf, ws.backward + mb, ws.area_forward, ws.area_training)
+    tf, tb = cpu_kernel_tiles(a["q"])
+    return Workspace(ws.forward + mf + tf, ws.backward + mb + tb, ws.area_forward, ws.area_training)
 
 
 def _ring_workspace(a: dict, p) -> Workspace:
@@ -588,13 +622,14 @@ def dilated_attention(a: dict, p) -> Workspace:
     dilated.py)."""
     budget = workspace_budget(a["q"], a["k"], default_dilated_budget)
     opts = _dilated_options(a, p)
+    tf, tb = cpu_kernel_tiles(a["q"])
     if budget == 0 or len(opts) == 1:
-        return Workspace(opts[0][1], opts[0][2])
+        return Workspace(opts[0][1] + tf, opts[0][2] + tb)
 
     def rule(i):  # the first option (the largest chunk) whose workspace fits
         return sympy.Piecewise(*[(o[i], o[i] <= budget) for o in opts[:-1]], (opts[-1][i], True))
 
-    return Workspace(rule(1), rule(2))
+    return Workspace(rule(1) + tf, rule(2) + tb)
 
 
 def dilated_kv_chunk(q, k, spec, world: int, layout: str) -> tuple[int, int]:

@@ -129,12 +129,18 @@ def test_search_and_memory_model():
     # peak = 100 + 3 n: the largest n under 1000 bytes is 300.
     assert bench.model_max_length([(10, 130), (50, 250), (90, 370)], 1000, 1) == 300
     section = bench.RESULTS_BEGIN + "\nnew\n" + bench.RESULTS_END
-    old = "# R\n\nintro\n\n" + bench.RESULTS_BEGIN + "\nold\n" + bench.RESULTS_END + "\n\n## later\n"
+    generated = "## 2026 — " + bench.GENERATED_HEADING + "\n```\nold table\n```"
+    old = "# R\n\nintro\n\n" + bench.RESULTS_BEGIN + "\n" + generated + "\n" + bench.RESULTS_END + "\n\n## later\n"
     assert bench.update_results_md(old, section) == "# R\n\nintro\n\n" + section + "\n\n## later\n"
+    # text between the markers that is not the generated section stays: all of it without a
+    # generated heading, else what is above the heading and below the table
+    notes = "# R\n\n" + bench.RESULTS_BEGIN + "\nnotes\n" + bench.RESULTS_END + "\n"
+    assert bench.update_results_md(notes, section) == "# R\n\nnotes\n\n" + section + "\n"
+    below = "# R\n\n" + bench.RESULTS_BEGIN + "\n" + generated + "\n\nafter the table\n" + bench.RESULTS_END + "\n"
+    assert bench.update_results_md(below, section) == "# R\n\n" + section + "\n\nafter the table\n"
     assert bench.update_results_md("# R\n", section) == "# R\n\n" + section + "\n"
     # hand-written sections between the markers, before the generated one, are kept
-    mixed = ("# R\n\n" + bench.RESULTS_BEGIN + "\n## session 14 notes\nmeasured\n\n## 2026 — "
-             + bench.GENERATED_HEADING + "\nold table\n" + bench.RESULTS_END + "\n")
+    mixed = "# R\n\n" + bench.RESULTS_BEGIN + "\n## session 14 notes\nmeasured\n\n" + generated + "\n" + bench.RESULTS_END + "\n"
     assert bench.update_results_md(mixed, section) == "# R\n\n## session 14 notes\nmeasured\n\n" + section + "\n"
     assert bench.longnet_schedule(65536, 2048) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
     # Cells the measured peaks predict not to fit are skipped before a multi-rank OOM can hang.
