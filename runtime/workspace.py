@@ -445,9 +445,9 @@ def cpu_kernel_tiles(q: TensorSize) -> tuple[sympy.Expr, sympy.Expr]:
         return sympy.Integer(0), sympy.Integer(0)
     import torch
 
-    per = CPU_Q_SPLIT * (CPU_KV_SPLIT + 2 + int(q.shape[3]))
+    per = CPU_Q_SPLIT * (CPU_KV_SPLIT + 2 + sympy.sympify(q.shape[3]))  # the head dim may be a symbol
     scale = torch.get_num_threads() * _acc_itemsize(q.itemsize)
-    return sympy.Integer(scale * per), sympy.Integer(scale * (per + CPU_Q_SPLIT * CPU_KV_SPLIT))
+    return sympy.expand(scale * per), sympy.expand(scale * (per + CPU_Q_SPLIT * CPU_KV_SPLIT))
 
 
 def ring_attention(a: dict, p) -> Workspace:
