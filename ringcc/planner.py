@@ -32,15 +32,17 @@ Note [Memory plan]
    lse, views and additions nothing; unknown ops save their inputs, which over-counts
    rather than under-counts). A saved storage lives until the backward of the earliest
    node that saved it (a compiled backward frees it there: inductor's code, and aot_eager's
-   graphs through `_compat.boxed_graph`; functorch's make_boxed_func kept every one to the end). The gradient of a storage lives from the backward of its last user
-   to the backward of its producer; a view that takes part of its base (select, slice,
-   unbind) adds, at its backward, a base-sized gradient (autograd writes the part into
-   zeros) and its own incoming gradient. Parameters' gradients are static (they exist
+   graphs through `_compat.boxed_graph`; functorch's make_boxed_func kept every one to the
+   end). The gradient of a storage lives from the backward of its last user to the backward
+   of its producer; a view that takes part of its base (select, slice, unbind) adds, at its
+   backward, a base-sized gradient (autograd writes the part into zeros) and its own
+   incoming gradient. Parameters' gradients are static (they exist
    before the step and are accumulated into); a compiled backward (AOTAutograd: how the
    backend runs graphs) returns each parameter's new gradient at its end, so that gradient
    also lives from the backward of the parameter's last user to the end (`compiled=False`:
-   eager autograd adds it into .grad at once; the backend plans so for inner="eager"). Checked on CPU against the tensors autograd
-   saves and against the peak of live tensor bytes (tests/test_planner.py).
+   eager autograd adds it into .grad at once; the backend plans so for inner="eager").
+   Checked on CPU against the tensors autograd saves and against the peak of live tensor
+   bytes (tests/test_planner.py).
 4. Workspace. Each custom op declares its transient bytes, forward and backward, in
    runtime/workspace.py (`FORMULAS`), counted at its own program point. A ring on the
    copy-engine transport also leaves its receive area allocated (shared by every ring of the

@@ -623,10 +623,10 @@ def dilated_attention(a: dict, p) -> Workspace:
     budget = workspace_budget(a["q"], a["k"], default_dilated_budget)
     opts = _dilated_options(a, p)
     tf, tb = cpu_kernel_tiles(a["q"])
-    if budget == 0 or len(opts) == 1:
-        return Workspace(opts[0][1] + tf, opts[0][2] + tb)
 
     def rule(i):  # the first option (the largest chunk) whose workspace fits
+        if budget == 0 or len(opts) == 1:
+            return opts[0][i]
         return sympy.Piecewise(*[(o[i], o[i] <= budget) for o in opts[:-1]], (opts[-1][i], True))
 
     return Workspace(rule(1) + tf, rule(2) + tb)

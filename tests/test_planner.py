@@ -387,6 +387,24 @@ def _step_peak_bytes(step) -> int:
     return peak
 
 
+def _planned_and_measured(m: nn.Module, x: torch.Tensor, inner: str) -> tuple[int, int]:
+    """(the plan's peak, the measured peak) of one training step of m(x) compiled by the backend:
+    measured after two steps (compiled, and the weights' .grad exist, as the plan assumes), as the
+    bytes alive before it (x, weights, their .grad) plus what the step allocates at its peak."""
+    import ringcc
+
+    ringcc.reset_reports()
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=ringcc.backend(ringcc.Config(inner=inner)))
+    for _ in range(2):
+        compiled(x).backward()
+    before = sum(t.numel() * t.element_size() for t in [x, *m.parameters(), *(q.grad for q in m.parameters())])
+    measured = before + _step_peak_bytes(lambda: compiled(x).backward())
+    planned = ringcc.last_report().plan.peak_bytes()
+    torch._dynamo.reset()
+    return planned, measured
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor", "eager"])
 def test_compiled_training_step_stays_within_its_plan_on_cpu(inner):
     """A stack compiled by the backend: the plan (saved activations freed after their last use
@@ -397,19 +415,8 @@ def test_compiled_training_step_stays_within_its_plan_on_cpu(inner):
     0.92x the peak here, 1.04x with _compat.boxed_graph. inner="eager" runs the graph under eager
     autograd, which adds each weight's gradient into .grad as it is made: planned so
     (compiled=False), 1.00x."""
-    import ringcc
-
     torch.manual_seed(0)
-    m, x = CheckpointedStack(checkpoint=False), torch.randn(2, 96, 32)
-    ringcc.reset_reports()
-    torch._dynamo.reset()
-    compiled = torch.compile(m, backend=ringcc.backend(ringcc.Config(inner=inner)))
-    for _ in range(2):  # compiled, and the weights' .grad exist, as the plan assumes
-        compiled(x).backward()
-    before = sum(t.numel() * t.element_size() for t in [x, *m.parameters(), *(q.grad for q in m.parameters())])
-    measured = before + _step_peak_bytes(lambda: compiled(x).backward())
-    planned = ringcc.last_report().plan.peak_bytes()
-    torch._dynamo.reset()
+    planned, measured = _planned_and_measured(CheckpointedStack(checkpoint=False), torch.randn(2, 96, 32), inner)
     assert 1.0 <= planned / measured <= (1.5 if inner == "inductor" else 1.07), (planned, measured)
 
 
@@ -429,19 +436,9 @@ class ProjectedAttention(nn.Module):
 
 def case_ring_step_within_plan(rank, world, heads, head_dim, n_local, causal):
     """plan / measured peak of one training step of ProjectedAttention, rewritten to the ring."""
-    import ringcc
-
     torch.manual_seed(0)
     m, x = ProjectedAttention(heads, head_dim, causal), torch.randn(1, n_local * world, heads * head_dim)
-    ringcc.reset_reports()
-    torch._dynamo.reset()
-    compiled = torch.compile(m, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
-    for _ in range(2):
-        compiled(x).backward()
-    before = sum(t.numel() * t.element_size() for t in [x, *m.parameters(), *(q.grad for q in m.parameters())])
-    measured = before + _step_peak_bytes(lambda: compiled(x).backward())
-    planned = ringcc.last_report().plan.peak_bytes()
-    torch._dynamo.reset()
+    planned, measured = _planned_and_measured(m, x, "aot_eager")
     return planned / measured
 
 
