@@ -322,6 +322,12 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+def checks_every_call(cuda: bool) -> bool:
+    """Whether `_check_same_call` runs on every call: always on CPU; on CUDA only under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (read by torch when the process group starts)."""
+    return not cuda or dist.get_debug_level() == dist.DebugLevel.DETAIL
+
+
 def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     """Every rank must hold a shard of the same length, make the same call (`call_signature`:
     shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
@@ -333,14 +339,16 @@ def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     next to CPU attention). On CUDA it runs once per (group, length, call), since a host sync
     per call stalls the GPU pipeline: a rank that later makes a new call while the others
     repeat a checked one enters this collective alone, and the ranks hang until the NCCL
-    watchdog's timeout (as a ring of mismatched calls would).
+    watchdog's timeout (as a ring of mismatched calls would). Under PyTorch's own switch for
+    such hangs, TORCH_DISTRIBUTED_DEBUG=DETAIL, it runs on every call there too
+    (`checks_every_call`): the hang becomes this error, at a host sync per call.
     """
     group, _, world = resolve_world(group)
     if world == 1:
         return
     key = (_compat.group_name(group), n_local, call)
     cuda = device is not None and torch.device(device).type == "cuda"
-    if cuda and key in _CHECKED_LENGTHS:
+    if not checks_every_call(cuda) and key in _CHECKED_LENGTHS:
         return
     code, call_code = _settings_code(), _crc(call)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

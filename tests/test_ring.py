@@ -546,6 +546,18 @@ def test_different_arguments_raise_on_every_rank(pools, what):
         assert "ranks call attention with different arguments; this rank: ring_attention(" in m, m
 
 
+def test_cuda_checks_every_call_only_under_debug_detail(monkeypatch):
+    import torch.distributed as dist
+
+    from ringcc.runtime import ops
+
+    assert ops.checks_every_call(cuda=False)
+    for level, every in ((dist.DebugLevel.OFF, False), (dist.DebugLevel.INFO, False), (dist.DebugLevel.DETAIL, True)):
+        monkeypatch.setattr(dist, "get_debug_level", lambda level=level: level)
+        assert ops.checks_every_call(cuda=True) is every
+        assert ops.checks_every_call(cuda=False)
+
+
 def case_dead_peer(rank, world):
     import datetime
     import time

@@ -365,6 +365,36 @@ def test_compiled_masked_model_on_nccl(pools, world, padded, checkpoint):
         assert worst[1] < 5e-2, errs
 
 
+def case_new_call_after_a_checked_one(rank, world):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, a rank that changes its shard length after a checked
+    call gets the length error on every rank (without it, CUDA checks a call signature once, and
+    this rank would enter the check alone: a hang until the NCCL timeout, ops._check_same_call)."""
+    import torch.distributed as dist
+
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    try:
+        dev = torch.device("cuda", rank)
+        q = torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16)
+        ringcc.ring_attention(q, q, q)  # the same call on every rank: checked
+        s = 128 if rank == 1 else 64
+        q = torch.randn(1, 2, s, 64, device=dev, dtype=torch.bfloat16)
+        try:
+            ringcc.ring_attention(q, q, q)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+    finally:
+        os.environ.pop("TORCH_DISTRIBUTED_DEBUG")
+        dist.set_debug_level_from_env()
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+def test_debug_detail_checks_every_call_on_cuda(pools):
+    for m in pools(2, "nccl").run(case_new_call_after_a_checked_one, timeout=120):
+        assert "needs equal shard lengths on every rank" in m, m
+
+
 @pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
 def test_cuda_graph_replay_follows_the_key_mask():
     """ring_attention compiled with mode="reduce-overhead" (CUDA graphs) over batches padded to
