@@ -3,9 +3,11 @@ the CUDA allocator's history recorded; prints the live blocks at the peak (large
 with the innermost ringcc/benchmark frame of each.
 
     torchrun --nproc-per-node P benchmarks/memory_snapshot.py --model attention --seq-len 65536
+    torchrun --nproc-per-node 2 benchmarks/memory_snapshot.py --model masked --seq-len 16384 --plan
 
 Used to check the memory planner's formulas (runtime/workspace.py, ringcc/planner.py)
-against what the allocator really holds. CUDA only.
+against what the allocator really holds; `--plan` also prints the plan (its nodes, their
+workspace, its peak point) and its step bytes as bench_planner_gpu.py counts them. CUDA only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_planner_gpu as B  # noqa: E402
 
 import ringcc  # noqa: E402
+from ringcc import _compat  # noqa: E402
 from ringcc.config import Config  # noqa: E402
 
 MiB = 2**20
@@ -41,13 +44,14 @@ def peak_report(snapshot, top: int) -> list[str]:
     live: dict[int, tuple[int, str]] = {}
     cur = best = 0
     best_live: dict = {}
+    best_frames: list = []
     for ev in trace:
         act = ev["action"]
         if act == "alloc":
             live[ev["addr"]] = (ev["size"], frame_of(ev.get("frames", [])))
             cur += ev["size"]
             if cur > best:
-                best, best_live = cur, dict(live)
+                best, best_live, best_frames = cur, dict(live), ev.get("frames", [])
         elif act in ("free_requested",) and ev["addr"] in live:
             cur -= live.pop(ev["addr"])[0]
     rows = sorted(best_live.values(), key=lambda x: -x[0])
@@ -57,34 +61,43 @@ def peak_report(snapshot, top: int) -> list[str]:
     out = [f"peak of the recorded step (allocs minus requested frees): {best / MiB:.1f} MiB in {len(rows)} blocks"]
     for where, sizes in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
         out.append(f"  {sum(sizes) / MiB:9.1f} MiB  x{len(sizes):<3} {where}")
+    chain = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in best_frames
+             if any(k in f["filename"] for k in ("ringcc", "runtime/", "benchmarks/"))]
+    out.append("the allocation that reached the peak, innermost first: " + (" <- ".join(chain[:8]) or "?"))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="attention", choices=["attention", "llama"])
+    ap.add_argument("--model", default="attention", choices=["attention", "llama", "masked"])
     ap.add_argument("--seq-len", dest="n", type=int, default=65536)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--plan", action="store_true", help="print the memory plan next to the allocator's peak")
     args = ap.parse_args()
     dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     m, inputs = B.make(args.model, args.n, torch.device("cuda"), torch.bfloat16, False)
+    ringcc.reset_reports()
     compiled = torch.compile(m, backend=ringcc.backend(Config(inner="eager", world_size=world)), dynamic=False)
     compiled(*inputs).backward()
+    plans = [r.plan for r in ringcc.reports() if r.plan is not None]
     m.zero_grad(set_to_none=False)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200000)
+    _compat.record_cuda_memory_history(True)
     compiled(*inputs).backward()
     torch.cuda.synchronize()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
+    snap = _compat.cuda_memory_snapshot()
+    _compat.record_cuda_memory_history(False)
     step = torch.cuda.max_memory_allocated() - before
     lines = [f"{args.model} n={args.n} p={world} rank {rank}: max_memory_allocated - before = {step / MiB:.1f} MiB"]
+    if args.plan:
+        lines += [f"planned step bytes (bench_planner_gpu.step_bytes): {max(B.step_bytes(pl) for pl in plans) / MiB:.1f} MiB"]
+        lines += [pl.format() for pl in plans]
     lines += peak_report(snap, args.top)
     if rank == 0:
         print("\n".join(lines), flush=True)

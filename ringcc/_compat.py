@@ -244,6 +244,20 @@ def cuda_spin(cycles: int) -> None:
     torch.cuda._sleep(int(cycles))
 
 
+def record_cuda_memory_history(enabled: bool, max_entries: int = 200000) -> None:
+    """Start (with Python stacks) or stop the CUDA caching allocator's event history (private
+    API, the one torch's memory visualizer reads)."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot() -> dict:
+    """The allocator's snapshot: segments and the recorded "device_traces" (private API)."""
+    return torch.cuda.memory._snapshot()
+
+
 def cudagraph_unsafe_tags() -> tuple:
     """Tags for a custom op that CUDA graphs must not capture (inductor partitions its graph
     around it): torch.Tag.cudagraph_unsafe where this torch has it, else none."""
