@@ -95,12 +95,14 @@ def main() -> int:
     _compat.record_cuda_memory_history(False)
     step = torch.cuda.max_memory_allocated() - before
     lines = [f"{args.model} n={args.n} p={world} rank {rank}: max_memory_allocated - before = {step / MiB:.1f} MiB"]
-    if args.plan:
+    if args.plan and rank == 0:
         lines += [f"planned step bytes (bench_planner_gpu.step_bytes): {max(B.step_bytes(pl) for pl in plans) / MiB:.1f} MiB"]
         lines += [pl.format() for pl in plans]
     lines += peak_report(snap, args.top)
+    reports = [None] * world  # every rank's: ranks hold different blocks (masks, zigzag)
+    dist.all_gather_object(reports, lines)
     if rank == 0:
-        print("\n".join(lines), flush=True)
+        print("\n\n".join("\n".join(r) for r in reports), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -525,14 +525,17 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
         send = (held if step + 1 < setup.world else []) + list(carry or [])
-        recv, n_held = [], len(held) if step + 1 < setup.world else 0
+        recv, n_held, carried = [], len(held) if step + 1 < setup.world else 0, bool(carry)
         if comm is not None and send:
             recv = comm.send_recv(send)
             comm.commit()
+        # The transport keeps what it sends until the batch is waited for (its contiguous copy
+        # of a strided accumulator, say); this frame lets go of the accumulator itself now.
+        send = carry = None
         src = (setup.rank - step) % setup.world
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
                       setup.masked_calls(s, src, device, runs.get(src)), comm if recv else None,
-                      recv[n_held:] if carry and recv else None)
+                      recv[n_held:] if carried and recv else None)
         yield st
         st.wait()
         carry = st.carry_out
@@ -582,7 +585,7 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     copy-engine ring; benchmarks/RESULTS.md, session 12)."""
     if (step == 0 and not wide_first) or acc.dtype == adt:
         return acc
-    return acc.to(adt)
+    return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
 def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None):

@@ -143,12 +143,15 @@ def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
 
 
 def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
-                zigzag_causal: bool = False, area: bool = False) -> tuple[sympy.Expr, ...]:
+                zigzag_causal: bool = False, area: bool = False, in_flight: bool = True) -> tuple[sympy.Expr, ...]:
     """(forward, backward, forward batch, backward batch): the workspace of the ring over the
     heads of q/k (one head chunk when `chunked`: its accumulators are then always extra, since
     the outputs are allocated once up front; the chunk's K/V slice is made contiguous to be
     sent), and the bytes of one batch it sends per step. With `area` the received blocks land
-    in the copy-engine receive area (`receive_area`), so the workspace leaves them out."""
+    in the copy-engine receive area (`receive_area`), so the workspace leaves them out. Without
+    `in_flight`, the head-chunk rule's numbers: the accumulator in flight during the next step's
+    kernels is left out (the rule decides as it did when it was tuned on GPU, sessions 2-13; the
+    plan counts it since session 20)."""
     b, h, s, d = q.shape
     acc = _acc_itemsize(q.itemsize)  # the accumulators' dtype (fp64 for fp64 inputs, else fp32)
     rows_f32 = sympy.Integer(acc) * b * h * s  # one [b, h, s] accumulator-dtype tensor
@@ -184,7 +187,10 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     #                   q-headed grads, expanded K/V for GQA, its own fp32 dQ accumulator, row
     #                   sums, the GQA-reduced dK/dV); with chunks also the chunk's own K/V
     #                   copy and the previous chunk's last dK/dV hop still arriving;
-    #   later kernels   dQ, the dK/dV accumulator arriving, the held and next K/V; zigzag
+    #   later kernels   dQ, the dK/dV accumulator arriving, the held and next K/V, and the
+    #                   accumulator sent after the step before (the transport holds it, or its
+    #                   contiguous copy, until the batch is waited for, after these kernels:
+    #                   measured on CUDA, benchmarks/RESULTS.md session 20); zigzag
     #                   causal blocks after the diagonal are half as long on the key side;
     #   accumulate      dQ, the dK/dV accumulator, the block's dK/dV, the held/next K/V;
     #   send            dQ, the accumulator being sent and the one arriving, held/next K/V
@@ -214,19 +220,24 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     next_kv = 0 if area else one * (kv + mask)
     held_next = 0 if area else _kv_in_flight(p) * (kv + mask)
     own = one * kv if chunked else 0
+    # the accumulator in flight: the first hop carries one block's gradient in the input dtype
+    # (ring._carry) unless a key mask cut some rank's own block; from p = 3 on, later hops fp32
+    if kv_mask is None and low:
+        sent = one * (2 * k.nbytes + sympy.Min(1, p - 2) * (dkv_acc - 2 * k.nbytes))
+    else:
+        sent = one * dkv_acc
     phases = [
         dq_acc + own + next_kv + block_first + (home if chunked else 0),
-        dq_acc + pending + held_next + block_later,
+        dq_acc + pending + held_next + block_later + (sent if in_flight else 0),
         dq_acc + dkv_acc + 2 * k.nbytes + held_next + own,
         dq_acc + dkv_acc + pending + held_next + own,
     ]
     if q.device_type == "cpu":
-        # CPU (gloo): a sent dK/dV accumulator stays referenced by its send until the batch is
-        # waited for, and with it the contiguous copy gloo needs (the CPU kernel returns its
-        # gradients in its own [b, s, h, d] layout); the kernel also copies dout into that layout.
-        # Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
-        sent = one * 2 * dkv_acc
-        phases = [ph + sent for ph in phases]
+        # CPU (gloo): gloo's worker threads drop the contiguous copy of a sent accumulator (the
+        # CPU kernel returns its gradients in its own [b, s, h, d] layout) some time after the
+        # batch is waited for, so it may outlive its phase; the kernel also copies dout into
+        # that layout. Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
+        phases = [ph + (sent if i != 1 else 0) for i, ph in enumerate(phases)]
         phases[0] += q.nbytes
         phases[1] += q.nbytes
     if not chunked:
@@ -320,18 +331,21 @@ def default_dilated_budget(q: TensorSize, k: TensorSize):
     return sympy.Max(default_ring_budget(q, k), DILATED_BUDGET_FLOOR)
 
 
-def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False, area: bool = False):
+def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool = False, area: bool = False,
+                   rule: bool = False):
     """[(K/V heads per chunk, forward, backward, forward batch, backward batch)] from the whole
     heads (0) down to one K/V head per chunk (divisors of the K/V head count). The backward
     includes dout made contiguous (the full tensor, whatever the chunks). The head-chunk rule
-    decides on the workspaces without `area` (the same choice on every transport)."""
+    decides on its own numbers (`rule`: without `area`, the same choice on every transport, and
+    without the accumulator in flight, _ring_chunk)."""
     h, g = q.shape[1], k.shape[1]
-    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area))]
+    area, flight = (False, False) if rule else (area, True)
+    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area, flight))]
     if isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer)):
         g, rep = int(g), int(h) // int(g)
         for hk in smaller_kv_chunks(g):
             opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True,
-                                          zigzag_causal, area)))
+                                          zigzag_causal, area, flight)))
     return [(hk, f, b + q.nbytes, bf, bb) for hk, f, b, bf, bb in opts]
 
 
@@ -467,9 +481,9 @@ def _ring_workspace(a: dict, p) -> Workspace:
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     budget = workspace_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
-    opts = _chunk_options(q, k, kv_mask, p, zz)  # what the rule decides on
+    opts = _chunk_options(q, k, kv_mask, p, zz, rule=True)  # what the rule decides on
     area = uses_receive_area(q)
-    mem = _chunk_options(q, k, kv_mask, p, zz, area=True) if area else opts  # what is allocated
+    mem = _chunk_options(q, k, kv_mask, p, zz, area=area)  # what is allocated
     n_t = 2 + (kv_mask is not None)  # tensors per forward batch (K, V, mask); the backward adds dK, dV
 
     def area_forward(batch_f, batch_b):
@@ -537,7 +551,7 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
     if budget is None:
         budget = int(default_ring_budget(qs, ks))
     ms = None if mask is None else TensorSize(mask[0], mask[1], device_type)
-    opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal)
+    opts = _chunk_options(qs, ks, ms, sympy.Integer(world), zigzag_causal, rule=True)
     i = next((j for j, o in enumerate(opts) if _fits(o[1], o[2], budget)), len(opts) - 1)
     fwd = next((opts[j][0] for j in _forward_options(opts, i, k_shape[1], k_item) if opts[j][1] <= budget), opts[i][0])
     return fwd, opts[i][0]

@@ -11,8 +11,9 @@ formula changes honest between GPU sessions.
 - benchmarks/results/2026-11-27_4xH200_s14_planner_masked_p4.json (4 x H200, session 14): an
   attention layer with a window and key padding (masked blocks on the math path), at p = 4:
   there the plan is a bound, not an estimate;
-- benchmarks/results/2026-11-27_2xH200_s15_planner_masked_flex_p2.json (2 x H200, session 15):
-  the same layer with masked blocks on flex_attention (the default), at p = 2."""
+- benchmarks/results/2026-11-27_4xH200_s20_planner_masked_flex_p2.json (p = 2 on 4 x H200,
+  session 20; the same step bytes as session 18's run): the same layer with masked blocks on
+  flex_attention (the default)."""
 
 import json
 from pathlib import Path
@@ -28,7 +29,7 @@ RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measure
 COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_s9_planner_vs_measured.json"
 MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s14_planner_masked_p4.json"
 # p = 2 on a 4 x H200 machine, after the weights' copies were dropped (Note [Parameter copies])
-FLEX_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s18_planner_masked_flex_p2.json"
+FLEX_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s20_planner_masked_flex_p2.json"
 
 
 def _replan(monkeypatch, record: Path, model: str, p: int, trace_len: int | None = None):
@@ -92,16 +93,15 @@ def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
 
 
 def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
-    """Masked blocks on flex_attention (Note [Flex blocks]) at p = 2: the plan is at most 1.3x
-    what the GPU allocated (session 18's runtime: -6.5%, +5.8%, +27.0%), and at least that from
-    32K tokens on. At 16K it is 6.5% short: the run allocated 24 MiB more than session 15's
-    runtime did there (2026-11-27_2xH200_s15_planner_masked_flex_p2.json), not yet attributed
-    (benchmarks/RESULTS.md, session 18); the test holds that gap from growing."""
+    """Masked blocks on flex_attention (Note [Flex blocks]) at p = 2: the plan bounds what the GPU
+    allocated, by at most 1.3x. The 16K cell was 6.5% short through sessions 18-19: rank 1's peak
+    (memory_snapshot.py, benchmarks/RESULTS.md session 20) held the dK/dV accumulator it had sent
+    after step 0 (the copy-engine ring keeps its sources until the batch is waited for) during
+    step 1's flex kernels, which the formula left out (workspace._ring_chunk, "later kernels")."""
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
     monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
     rows, plans, step_bytes = _replan(monkeypatch, FLEX_RECORD, "masked", 2, trace_len=16384)
     assert [r["n"] for r in rows] == [16384, 32768, 65536]
-    for r in rows:
-        ratio = step_bytes(r["n"]) / r["measured_step_bytes"]
-        assert (0.93 if r["n"] == 16384 else 1.0) <= ratio <= 1.3, (r["n"], ratio)
+    ratios = {r["n"]: step_bytes(r["n"]) / r["measured_step_bytes"] for r in rows}
+    assert all(1.0 <= x <= 1.3 for x in ratios.values()), ratios

@@ -277,7 +277,7 @@ def test_ring_sliding_window(pools, world, is_causal, layout, window, padded):
 # 4} on these tiny fp32 tensors ([2, h, 10, 8], a key mask): one K/V head per chunk; then a
 # budget where the forward takes larger chunks than the backward (0 = all heads).
 HEAD_CHUNK_BUDGETS = {"0.0001": {(8, 4): [(1, 1)] * 4, (4, 4): [(1, 1)] * 4},
-                      "0.0250": {(8, 4): [(2, 1)] * 4, (4, 4): [(0, 0), (0, 2), (0, 2), (0, 2)]}}
+                      "0.0200": {(8, 4): [(2, 1)] * 4, (4, 4): [(0, 0), (0, 2), (0, 2), (0, 2)]}}
 
 
 def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window, budget):
