@@ -31,8 +31,12 @@ from ringcc.config import Config  # noqa: E402
 MiB = 2**20
 
 
+def _ours(frame) -> bool:
+    return any(k in frame["filename"] for k in ("ringcc", "runtime/", "passes/", "benchmarks/"))
+
+
 def frame_of(block_frames) -> str:
-    keep = [f for f in block_frames if any(k in f["filename"] for k in ("ringcc", "runtime/", "passes/", "benchmarks/"))]
+    keep = [f for f in block_frames if _ours(f)]
     if not keep:
         keep = [f for f in block_frames if "torch/" in f["filename"] and "autograd" in f["filename"]] or block_frames[:1]
     f = keep[0] if keep else {"filename": "?", "line": 0, "name": "?"}
@@ -61,8 +65,7 @@ def peak_report(snapshot, top: int) -> list[str]:
     out = [f"peak of the recorded step (allocs minus requested frees): {best / MiB:.1f} MiB in {len(rows)} blocks"]
     for where, sizes in sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]:
         out.append(f"  {sum(sizes) / MiB:9.1f} MiB  x{len(sizes):<3} {where}")
-    chain = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in best_frames
-             if any(k in f["filename"] for k in ("ringcc", "runtime/", "benchmarks/"))]
+    chain = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in best_frames if _ours(f)]
     out.append("the allocation that reached the peak, innermost first: " + (" <- ".join(chain[:8]) or "?"))
     return out
 
@@ -82,6 +85,9 @@ def main() -> int:
     compiled = torch.compile(m, backend=ringcc.backend(Config(inner="eager", world_size=world)), dynamic=False)
     compiled(*inputs).backward()
     plans = [r.plan for r in ringcc.reports() if r.plan is not None]
+    if args.plan and not plans:  # on every rank, before any collective of the report
+        raise RuntimeError("the ringcc backend stored no memory plan: " + "; ".join(
+            note for r in ringcc.reports() for note in r.notes))
     m.zero_grad(set_to_none=False)
     gc.collect()
     torch.cuda.synchronize()

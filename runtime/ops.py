@@ -296,8 +296,10 @@ SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RI
 
 
 def schedule_settings() -> tuple[str, ...]:
-    """This process's values of SCHEDULE_SETTINGS, as "NAME=value" strings."""
-    return tuple(f"{name}={os.environ.get(name, '')}" for name in SCHEDULE_SETTINGS)
+    """This process's values of SCHEDULE_SETTINGS, as "NAME=value" strings, and whether its CUDA
+    calls are all checked (`checks_every_call`: ranks that differ would check alone)."""
+    return tuple(f"{name}={os.environ.get(name, '')}" for name in SCHEDULE_SETTINGS) + \
+        (f"every CUDA call checked (TORCH_DISTRIBUTED_DEBUG=DETAIL)={checks_every_call(True)}",)
 
 
 def _settings_code() -> int:
@@ -323,9 +325,13 @@ def _crc(text: str) -> int:
 
 
 def checks_every_call(cuda: bool) -> bool:
-    """Whether `_check_same_call` runs on every call: always on CPU; on CUDA only under
-    TORCH_DISTRIBUTED_DEBUG=DETAIL (read by torch when the process group starts)."""
-    return not cuda or dist.get_debug_level() == dist.DebugLevel.DETAIL
+    """Whether `_check_same_call` runs on every call: always on CPU; on CUDA only at debug level
+    DETAIL (TORCH_DISTRIBUTED_DEBUG=DETAIL when torch.distributed is imported, or
+    dist.set_debug_level), and not while dynamo traces (it cannot trace the level's read; a
+    compiled call keeps the once-per-signature check)."""
+    if not cuda:
+        return True
+    return not torch.compiler.is_compiling() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
 def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
@@ -361,7 +367,8 @@ def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     if codes != (code, code):
         raise ValueError(
             f"ranks run ring attention with different runtime settings (this rank: "
-            f"{', '.join(schedule_settings())}); set {' and '.join(SCHEDULE_SETTINGS)} the same on every rank"
+            f"{', '.join(schedule_settings())}); set {', '.join(SCHEDULE_SETTINGS)} and the debug level "
+            f"(TORCH_DISTRIBUTED_DEBUG) the same on every rank"
         )
     if calls != (call_code, call_code):
         raise ValueError(

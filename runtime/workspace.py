@@ -143,15 +143,15 @@ def _expanded_kv(q: TensorSize, k: TensorSize) -> sympy.Expr:
 
 
 def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
-                zigzag_causal: bool = False, area: bool = False, in_flight: bool = True) -> tuple[sympy.Expr, ...]:
+                zigzag_causal: bool = False, area: bool = False, rule: bool = False) -> tuple[sympy.Expr, ...]:
     """(forward, backward, forward batch, backward batch): the workspace of the ring over the
     heads of q/k (one head chunk when `chunked`: its accumulators are then always extra, since
     the outputs are allocated once up front; the chunk's K/V slice is made contiguous to be
     sent), and the bytes of one batch it sends per step. With `area` the received blocks land
-    in the copy-engine receive area (`receive_area`), so the workspace leaves them out. Without
-    `in_flight`, the head-chunk rule's numbers: the accumulator in flight during the next step's
-    kernels is left out (the rule decides as it did when it was tuned on GPU, sessions 2-13; the
-    plan counts it since session 20)."""
+    in the copy-engine receive area (`receive_area`), so the workspace leaves them out. With
+    `rule`, the numbers the head-chunk rule decides on, unchanged since it was tuned (on GPU,
+    sessions 2-13; the CPU terms, session 19): every arriving accumulator counted in fp32, none
+    in flight counted (the plan's own accounting of both is session 20's)."""
     b, h, s, d = q.shape
     acc = _acc_itemsize(q.itemsize)  # the accumulators' dtype (fp64 for fp64 inputs, else fp32)
     rows_f32 = sympy.Integer(acc) * b * h * s  # one [b, h, s] accumulator-dtype tensor
@@ -188,9 +188,7 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     #                   sums, the GQA-reduced dK/dV); with chunks also the chunk's own K/V
     #                   copy and the previous chunk's last dK/dV hop still arriving;
     #   later kernels   dQ, the dK/dV accumulator arriving, the held and next K/V, and the
-    #                   accumulator sent after the step before (the transport holds it, or its
-    #                   contiguous copy, until the batch is waited for, after these kernels:
-    #                   measured on CUDA, benchmarks/RESULTS.md session 20); zigzag
+    #                   accumulator sent after the step before; zigzag
     #                   causal blocks after the diagonal are half as long on the key side;
     #   accumulate      dQ, the dK/dV accumulator, the block's dK/dV, the held/next K/V;
     #   send            dQ, the accumulator being sent and the one arriving, held/next K/V
@@ -215,29 +213,36 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     # the last hop of an accumulator (home) carries the input dtype: its sum is complete (with
     # the area: its cast copy, alive until the hop is waited for)
     home = one * (2 * k.nbytes if low else dkv_acc)
+    cpu = q.device_type == "cpu"
+    # One hop of an accumulator: the first carries one block's gradient in the input dtype
+    # (ring._carry) unless a key mask cut some rank's own block; from p = 3 on, later hops fp32.
+    if kv_mask is None and low:
+        hop = one * (2 * k.nbytes + sympy.Min(1, p - 2) * (dkv_acc - 2 * k.nbytes))
+    else:
+        hop = one * dkv_acc
     # received: the arriving accumulator, the next K/V, the held and next K/V (area: in it)
-    pending = 0 if area else one * dkv_acc
+    pending = 0 if area else (one * dkv_acc if rule else hop)
     next_kv = 0 if area else one * (kv + mask)
     held_next = 0 if area else _kv_in_flight(p) * (kv + mask)
     own = one * kv if chunked else 0
-    # the accumulator in flight: the first hop carries one block's gradient in the input dtype
-    # (ring._carry) unless a key mask cut some rank's own block; from p = 3 on, later hops fp32
-    if kv_mask is None and low:
-        sent = one * (2 * k.nbytes + sympy.Min(1, p - 2) * (dkv_acc - 2 * k.nbytes))
-    else:
-        sent = one * dkv_acc
+    # The accumulator sent after the step before, during this step's kernels: the copy-engine
+    # ring holds its sources and gloo's work its contiguous copy until the batch is waited for,
+    # after the kernels (measured on CUDA, benchmarks/RESULTS.md session 20). NCCL's buffer may
+    # be booked free as soon as the ring lets go of it (its stream only keeps it from reuse): a
+    # bound there, not measured since the ring lets go (session 20).
+    sent = 0 if rule else hop
     phases = [
         dq_acc + own + next_kv + block_first + (home if chunked else 0),
-        dq_acc + pending + held_next + block_later + (sent if in_flight else 0),
+        dq_acc + pending + held_next + block_later + sent,
         dq_acc + dkv_acc + 2 * k.nbytes + held_next + own,
         dq_acc + dkv_acc + pending + held_next + own,
     ]
-    if q.device_type == "cpu":
+    if cpu:
         # CPU (gloo): gloo's worker threads drop the contiguous copy of a sent accumulator (the
         # CPU kernel returns its gradients in its own [b, s, h, d] layout) some time after the
         # batch is waited for, so it may outlive its phase; the kernel also copies dout into
         # that layout. Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
-        phases = [ph + (sent if i != 1 else 0) for i, ph in enumerate(phases)]
+        phases = [ph + (2 * one * dkv_acc if rule else 0 if i == 1 else hop) for i, ph in enumerate(phases)]
         phases[0] += q.nbytes
         phases[1] += q.nbytes
     if not chunked:
@@ -339,13 +344,13 @@ def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool
     decides on its own numbers (`rule`: without `area`, the same choice on every transport, and
     without the accumulator in flight, _ring_chunk)."""
     h, g = q.shape[1], k.shape[1]
-    area, flight = (False, False) if rule else (area, True)
-    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area, flight))]
+    area = area and not rule
+    opts = [(0, *_ring_chunk(q, k, kv_mask, p, False, zigzag_causal, area, rule))]
     if isinstance(g, (int, sympy.Integer)) and isinstance(h, (int, sympy.Integer)):
         g, rep = int(g), int(h) // int(g)
         for hk in smaller_kv_chunks(g):
             opts.append((hk, *_ring_chunk(_with_heads(q, hk * rep), _with_heads(k, hk), kv_mask, p, True,
-                                          zigzag_causal, area, flight)))
+                                          zigzag_causal, area, rule)))
     return [(hk, f, b + q.nbytes, bf, bb) for hk, f, b, bf, bb in opts]
 
 

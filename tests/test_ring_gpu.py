@@ -371,8 +371,8 @@ def case_new_call_after_a_checked_one(rank, world):
     this rank would enter the check alone: a hang until the NCCL timeout, ops._check_same_call)."""
     import torch.distributed as dist
 
-    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    dist.set_debug_level_from_env()
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
     try:
         dev = torch.device("cuda", rank)
         q = torch.randn(1, 2, 64, 64, device=dev, dtype=torch.bfloat16)
@@ -385,8 +385,7 @@ def case_new_call_after_a_checked_one(rank, world):
             return str(e)
         return "no error"
     finally:
-        os.environ.pop("TORCH_DISTRIBUTED_DEBUG")
-        dist.set_debug_level_from_env()
+        dist.set_debug_level(before)
 
 
 @pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
