@@ -501,46 +501,39 @@ def test_unequal_shard_lengths_raise_on_every_rank(pools):
 
 
 def case_different_settings(rank, world, name, values):
-    os.environ[name] = values[rank]
+    """Rank r runs with values[r] of one setting: an environment variable, or the debug level
+    (TORCH_DISTRIBUTED_DEBUG, set through torch.distributed since torch reads the variable at
+    import)."""
+    import torch.distributed as dist
+
+    debug = name == "TORCH_DISTRIBUTED_DEBUG"
+    if debug:
+        dist.set_debug_level(getattr(dist.DebugLevel, values[rank]))
+    else:
+        os.environ[name] = values[rank]
     try:
         q, k, v = _qkv()
         ringcc.ring_attention(q, k, v)
     except ValueError as e:
         return str(e)
     finally:
-        del os.environ[name]
+        if debug:
+            dist.set_debug_level(dist.DebugLevel.OFF)
+        else:
+            del os.environ[name]
     return "no error"
 
 
 @pytest.mark.parametrize("name,values", [("RINGCC_RING_WORKSPACE_MIB", ("0", "64")),
-                                         ("RINGCC_RING_TRANSPORT", ("auto", "nccl"))])
+                                         ("RINGCC_RING_TRANSPORT", ("auto", "nccl")),
+                                         ("TORCH_DISTRIBUTED_DEBUG", ("OFF", "DETAIL"))])
 def test_different_schedule_settings_raise_on_every_rank(pools, name, values):
     # Ranks chunking heads differently, or moving blocks by different transports, would wait
-    # for each other forever: an error instead.
+    # for each other forever: an error instead. A rank at debug level DETAIL checks every CUDA
+    # call and the others once per signature: they would wait for each other at the first
+    # repeated call, so the first check of every signature compares the levels too.
     for m in pools(2).run(case_different_settings, name, values):
         assert "different runtime settings" in m and name in m, m
-
-
-def case_different_debug_levels(rank, world):
-    import torch.distributed as dist
-
-    dist.set_debug_level(dist.DebugLevel.DETAIL if rank == 1 else dist.DebugLevel.OFF)
-    try:
-        q, k, v = _qkv()
-        ringcc.ring_attention(q, k, v)
-    except ValueError as e:
-        return str(e)
-    finally:
-        dist.set_debug_level(dist.DebugLevel.OFF)
-    return "no error"
-
-
-def test_different_debug_levels_raise_on_every_rank(pools):
-    # A rank at DETAIL checks every CUDA call and the others once per signature: they would
-    # wait for each other at the first repeated call. The first check of every signature
-    # compares the levels.
-    for m in pools(2).run(case_different_debug_levels):
-        assert "different runtime settings" in m and "TORCH_DISTRIBUTED_DEBUG" in m, m
 
 
 def case_different_arguments(rank, world, what):
