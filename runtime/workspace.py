@@ -15,14 +15,15 @@ and the merge phase (block out, its fp32 cast, the weighted product, a few fp32 
 
 Backward ring: the maximum over the schedule's phases (first kernels, later kernels,
 accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK/dV
-accumulators, the dK/dV accumulator arriving from the previous rank, the held and next K/V,
-one block's gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
+accumulators, the dK/dV accumulator arriving from the previous rank and the one sent to the
+next (held by the transport until the batch is waited for), the held and next K/V, one block's
+gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
 Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
 bench_planner_gpu.py; results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
-allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: a sent dK/dV
-accumulator and gloo's contiguous copy of it (the CPU kernel returns gradients in its own
-[b, s, h, d] layout) live until the batch is waited for, the kernel copies dout into that layout,
-and it holds per-thread tiles (`cpu_kernel_tiles`, a constant outside the head-chunk rule).
+allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: gloo's
+contiguous copy of a sent accumulator (the CPU kernel returns gradients in its own [b, s, h, d]
+layout) may outlive the wait, the kernel copies dout into that layout, and it holds per-thread
+tiles (`cpu_kernel_tiles`, a constant outside the head-chunk rule).
 
 Received blocks: through NCCL/gloo they are fresh allocations per step, counted in the
 phases above. With the copy-engine transport (the GPU default, runtime/comm.py) they land in
@@ -242,7 +243,10 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         # CPU kernel returns its gradients in its own [b, s, h, d] layout) some time after the
         # batch is waited for, so it may outlive its phase; the kernel also copies dout into
         # that layout. Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
-        phases = [ph + (2 * one * dkv_acc if rule else 0 if i == 1 else hop) for i, ph in enumerate(phases)]
+        # (the rule's: the sent accumulator and gloo's copy in every phase, as tuned in session 19;
+        # the plan's: the copy beside phase 1's `sent`, which it outlives)
+        linger = [2 * one * dkv_acc] * 4 if rule else [hop, 0, hop, hop]
+        phases = [ph + extra for ph, extra in zip(phases, linger)]
         phases[0] += q.nbytes
         phases[1] += q.nbytes
     if not chunked:
