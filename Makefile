@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-zoo zoo-matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not zoo" $(PYTEST_ARGS)
+
+# the model zoo: Hugging Face architectures under four patterns on gloo ranks (tests/zoo.py)
+test-zoo: $(STAMP)
+	$(PY) -m pytest -q -m zoo tests/test_zoo.py $(PYTEST_ARGS)
+
+# docs/compatibility.md from a run of the zoo
+zoo-matrix: $(STAMP)
+	$(PY) tests/zoo.py --matrix
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,6 +2,7 @@
 
     ringcc plan examples/plan_model.py:exact_ring --seq-len 131072 --world-size 8 --budget 80GiB
     ringcc plan examples/plan_model.py:dilated --seq-len 1048576 --world-size 8
+    ringcc plan examples/plan_model.py:sharded_logits --seq-len 131072 --world-size 8
     ringcc plan examples/plan_model.py:full_logits --seq-len 131072 --world-size 8 --json plan.json
 
 exact_ring: a small causal LM trained on its loss: every activation is sharded and attention
@@ -9,8 +10,10 @@ is exact ring attention, so the peak per rank is O(n/p).
 dilated: the same LM with LongNet dilated attention (the options' `dilation` spec).
 (Vocabularies are not powers of two so that no model dim equals a traced length: the
 dilated example is traced with constant shapes, where such a dim would be read as n.)
-full_logits: the same LM returning its logits: ringcc gathers outputs to full length, so
-every rank holds [b, n, vocab] - the planner names that gather as the culprit.
+sharded_logits: the same LM returning its logits: they leave the graph as shards (gathered
+only when read, docs/outputs.md), so the peak per rank stays O(n/p).
+full_logits: the same with Config(gather_outputs=True): ringcc gathers outputs to full length,
+so every rank holds [b, n, vocab] - the planner names that gather as the culprit.
 contiguous_view: the LM with nanoGPT's `y.transpose(1, 2).contiguous().view(b, s, dim)` after
 attention (torch.export leaves the `.contiguous()` out when it is a no-op on SDPA's result).
 """
@@ -81,9 +84,14 @@ def dilated(seq_len: int = 256):
     return TinyLM(), _inputs(seq_len, 1000), {"dilation": spec}
 
 
-def full_logits(seq_len: int = 256):
+def sharded_logits(seq_len: int = 256):
     torch.manual_seed(0)
     return TinyLM(vocab=8000, return_logits=True), _inputs(seq_len, 8000)
+
+
+def full_logits(seq_len: int = 256):
+    torch.manual_seed(0)
+    return TinyLM(vocab=8000, return_logits=True), _inputs(seq_len, 8000), {"gather_outputs": True}
 
 
 def contiguous_view(seq_len: int = 256):

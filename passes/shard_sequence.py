@@ -32,8 +32,9 @@ Rules (RULES below) say for each op how states map from inputs to the output and
 op needs: token-local ops keep a shard; reductions over the sequence become a local
 reduction + ringcc::all_reduce_sum (mean = global sum / global count, cross_entropy with
 ignore_index); selecting one token becomes ringcc::seq_select; anything else that mixes
-tokens gets an all-gather (recorded in the report as O(n)). Graph outputs are gathered
-unless Config(gather_outputs=False).
+tokens gets an all-gather (recorded in the report as O(n)). Sharded graph outputs leave the
+graph as shards (Note [Sharded outputs] in ringcc/sharded.py), or gathered under
+Config(gather_outputs=True).
 """
 
 from __future__ import annotations
@@ -299,7 +300,14 @@ class Sharder:
         return self.seq_of_size(val) if isinstance(val, torch.Tensor) else None
 
     def _outputs(self, node: torch.fx.Node) -> None:
-        def visit(a):
+        """Sharded outputs leave the graph as shards, each with its window in
+        ctx.scratch["sharded_outputs"] (output index -> (dim, rows before, rows after)) for the
+        backend to wrap (Note [Sharded outputs], ringcc/sharded.py); gathered to full length
+        under Config(gather_outputs=True), and where the batch is merged into the sequence dim."""
+        specs: dict[int, tuple[int, int, int]] = {}
+        flat = node.args[0] if len(node.args) == 1 and isinstance(node.args[0], (tuple, list)) else None
+
+        def visit(a, index=None):
             if not isinstance(a, torch.fx.Node):
                 return a
             st = self.state.get(a)
@@ -307,11 +315,22 @@ class Sharder:
                 return a
             if self.ctx.config.gather_outputs:
                 return self.gather(a, st, "graph output (Config(gather_outputs=True))")
-            if not self.full(st):  # a shard with garbage rows would be unreadable to the caller
-                return self.gather(a, st, "graph output narrowed along the sequence (a slice or padding)")
+            front, back = st.start, self.N - st.start - st.length
+            if index is None:
+                return self.gather(a, st, "graph output nested in a container")
+            if not _eq(st.outer, 1):
+                return self.gather(a, st, "graph output with the batch merged into its sequence dim")
+            if not (sympy.sympify(front).is_Integer and sympy.sympify(back).is_Integer):
+                return self.gather(a, st, f"graph output with a window of symbolic offset ({front}, {back})")
+            specs[index] = (st.dim, int(front), int(back))
+            self.decisions.append(f"output {index} {a.name}@{st.dim}+{int(front)}-{int(back)}")
             return a
 
-        node.args = torch.fx.node.map_aggregate(node.args, visit)
+        if flat is not None:
+            node.args = (type(flat)(visit(a, i) for i, a in enumerate(flat)),)
+        else:
+            node.args = torch.fx.node.map_aggregate(node.args, visit)
+        self.ctx.scratch["sharded_outputs"] = specs
 
 
 def _resolve_layout(ctx: PassContext, sites) -> str:
@@ -787,6 +806,13 @@ def cat_rule(w: Sharder, node):
     d = _norm_dim(_arg(node, 1, "dim", 0), out.dim())
     sts = [w.state.get(t) for t in tensors]
     name = op_name(node)
+    if name != "stack":
+        # A cat onto empty operands is the identity on the rest (HF's DynamicCache.update
+        # appends each layer's keys and values to an empty past, in training too): the
+        # one operand with elements keeps its state, its shard included.
+        kept = [s for t, s in zip(tensors, sts) if not _empty_along(fake(t), d)]
+        if len(kept) == 1 and len(tensors) > 1:
+            return kept[0]
     seq_dims = {s.dim + (1 if name == "stack" and s.dim >= d else 0) for s in sts if isinstance(s, Seq)}
     if name == "cat" and d in seq_dims:
         if any(s is not None and s.sharded for s in sts):
@@ -805,6 +831,16 @@ def cat_rule(w: Sharder, node):
         new_list.append(t)
     _set_arg(node, 0, "tensors", type(_arg(node, 0, "tensors"))(new_list))
     return Seq(od, win.length, win.outer, win.start, sharded=True)
+
+
+def _empty_along(val, d: int) -> bool:
+    """A cat operand that adds no rows: zero length along the cat dim, or the 1-D empty
+    tensor (`torch.tensor([])`) that torch.cat skips whatever the other operands' shapes."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    if val.dim() == 1 and expr(val.shape[0]) == 0:
+        return True
+    return val.dim() > d and expr(val.shape[d]) == 0
 
 
 def pad_rule(w: Sharder, node):

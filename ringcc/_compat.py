@@ -281,3 +281,14 @@ def boxed_graph(gm: torch.fx.GraphModule, _example_inputs=None):
 
     run._boxed_call = True
     return run
+
+
+def make_wrapper_subclass(cls, shape, **kwargs):
+    """A tensor of class `cls` with metadata and no storage (ringcc.sharded.SequenceSharded)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+def no_torch_function_subclass():
+    """A context in which tensor subclasses' __torch_function__ is not called (their metadata
+    is read as a plain tensor's)."""
+    return torch._C.DisableTorchFunctionSubclass()

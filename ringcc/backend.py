@@ -21,6 +21,7 @@ from ringcc.config import Config
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
+from ringcc.sharded import wrap_outputs
 from ringcc.runtime.ops import schedule_settings
 
 _graph_ids = itertools.count()
@@ -62,11 +63,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     _plan(gm, ctx)
     record(report)
     compiled = _inner(gm, example_inputs, config)
+    if ctx.scratch.get("sharded_outputs"):
+        compiled = _sharded_outputs(compiled, ctx)
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):
         return compiled  # nothing to agree on (offline rewrites for Config(world_size=...) too)
     decisions += schedule_settings()  # the runtime settings that shape the ring's schedule too
     return _checked_first_call(compiled, decisions, config, report.graph)
+
+
+def _sharded_outputs(compiled, ctx: PassContext):
+    """The compiled graph, its sequence-sharded outputs handed out as SequenceSharded tensors
+    (Note [Sharded outputs], ringcc/sharded.py)."""
+    specs, comm = ctx.scratch["sharded_outputs"], (ctx.group_name, ctx.world_size, ctx.scratch["layout"])
+
+    @functools.wraps(compiled)
+    def run(*args):
+        return wrap_outputs(compiled(*args), specs, *comm)
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run
 
 
 def fingerprint(decisions: list[str]) -> str:

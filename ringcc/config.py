@@ -34,8 +34,12 @@ class Config:
     site -> DilatedSpec | None choosing per site. Changes the model's math: opt-in only."""
     layout: str = "auto"
     """Sequence layout: "contiguous", "zigzag", or "auto" (zigzag when every site is causal)."""
-    gather_outputs: bool = True
-    """Gather graph outputs to full length (results equal eager); False returns shards."""
+    gather_outputs: bool = False
+    """Sequence-carrying graph outputs (logits, hidden states, a returned K/V cache): False
+    returns each as a SequenceSharded tensor holding this rank's rows, gathered to the full
+    value (with autograd) by the first op that reads it, so that outputs nobody reads cost
+    n/p rows per rank (Note [Sharded outputs], ringcc/sharded.py); True gathers them inside
+    the graph (every rank holds all n rows of every output, counted O(n) by the planner)."""
     pad: bool = False
     """Pad lengths not divisible by p (2p for zigzag) with masked keys; False raises."""
     seq_dim: Optional[int] = None

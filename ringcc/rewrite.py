@@ -138,7 +138,12 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     from ringcc.passes.pipeline import run_pipeline
     from ringcc.report import GraphReport
 
-    config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
+    options = dict(options or {})
+    if options.get("gather_outputs", True) is not True:
+        raise ValueError(f"ringcc rewrite: gather_outputs={options['gather_outputs']!r} is not allowed; the saved "
+                         "program returns full outputs (Note [Offline program contract]): drop the option")
+    # no wrapper can hand a saved program's shards out as SequenceSharded tensors (ringcc/sharded.py)
+    config = Config.from_options(dict(options, gather_outputs=True, world_size=world_size, inner="eager"))
     gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",

@@ -74,7 +74,8 @@ def test_offline_rewrite_main_single_process(tmp_path, capsys):
     assert os.path.exists(tmp_path / "program.pt2") and "2/2 attention sites rewritten" in out
 
 
-@pytest.mark.parametrize("factory,verdict", [("exact_ring", True), ("dilated", True), ("full_logits", False)])
+@pytest.mark.parametrize("factory,verdict", [("exact_ring", True), ("dilated", True), ("sharded_logits", True),
+                                             ("full_logits", False)])
 def test_plan_model_verdicts(tmp_path, capsys, factory, verdict):
     path = tmp_path / "plan.json"
     # n = 1024 and n / p = 512 equal no model dim: the dilated factory traces with static sizes

@@ -68,13 +68,37 @@ def test_gpt_graph_shards_inputs_and_keeps_the_label_shift():
     # the labels shifted left are padded with ignore_index at the end before slicing
     fills = [n for n in gm.graph.nodes if n.target is torch.full_like]
     assert [n.args[1] for n in fills] == [-100]
-    # one all-reduce of (loss sum, target count); logits are the one gather (an output)
+    # one all-reduce of (loss sum, target count); the logits leave the graph as shards
+    # (Note [Sharded outputs]), gathered inside it only under Config(gather_outputs=True)
     assert count(gm, ALL_REDUCE) == 1
-    assert count(gm, GATHER) == 1 and rep.gathers[0].why.startswith("graph output")
+    assert count(gm, GATHER) == 0 and rep.gathers == []
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][1].meta[STATE_META].sharded
     # every parameter's gradient is synced, in one bucket at this size
     assert count(gm, SYNC) == 1
     # p travels as an op argument, never read in a fake
     assert {n.args[3] for n in gm.graph.nodes if n.target is SHARD} == {4}
+
+
+def test_gather_outputs_true_gathers_the_logits_in_the_graph():
+    gm, rep = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), gather_outputs=True)
+    assert count(gm, GATHER) == 1 and [g.why for g in rep.gathers] == ["graph output (Config(gather_outputs=True))"]
+
+
+def test_cat_onto_an_empty_past_keeps_the_shard():
+    """HF's DynamicCache.update (use_cache=True, also in training) concatenates each layer's keys
+    and values onto an empty past: the identity on the shard, not an all-gather."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 24))  # no model dim is 24 (a static plan reads such dims as n)
+    gm, rep = rewrite(lambda ids: model(input_ids=ids, labels=ids), ids)
+    assert rep.gathers == [] and rep.plan.verdict, (rep.gathers, rep.plan.culprits)
+    cats = [n for n in gm.graph.nodes if n.target is torch.cat and "cache_utils" in str(n.meta.get("stack_trace"))]
+    assert len(cats) == 2 and all(n.meta[STATE_META].sharded for n in cats)
 
 
 def test_length_not_divisible_is_a_clear_error():
@@ -131,7 +155,7 @@ def test_batch_equal_to_length_needs_a_mark():
     gm, rep = rewrite(model, idx, labels)
     first_shard = next(n for n in gm.graph.nodes if n.target is SHARD)
     assert first_shard.args[0].op == "placeholder" and first_shard.args[1] == 1
-    assert [g.why for g in rep.gathers] == ["graph output (Config(gather_outputs=True))"]
+    assert rep.gathers == []
 
 
 def test_mark_sequence_rejects_bad_dims():

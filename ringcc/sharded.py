@@ -1,0 +1,133 @@
+"""Sequence-carrying graph outputs: this rank's shard, gathered when something reads it.
+
+Note [Sharded outputs]
+A compiled graph whose output carries the sequence (a causal LM's logits [b, n, V], its
+hidden states, the keys and values in a returned K/V cache) would hold all n tokens on every
+rank if it gathered them: at n = V = 128K in bf16 that is 32 GiB per rank for the logits
+alone, for as long as the caller keeps the output object. So, unless
+Config(gather_outputs=True), the graph returns its shards and the backend hands the caller a
+`SequenceSharded` tensor for each:
+- Its metadata is the global value's (shape [b, n, V], dtype, device, requires_grad): code
+  that reads shapes (`out.logits.shape[1]`, a cache's `get_seq_length()`) sees the model's
+  n, as eager.
+- It holds only this rank's rows (`.local`, in the graph's layout: contiguous, or zigzag
+  where rank r holds chunks r and 2p-1-r of 2p; `.positions()` gives their global token
+  positions). Its order is part of the object: no torch op ever sees the shard as if it were
+  a contiguous slice of the sequence.
+- Any torch op on it (indexing `out.logits[:, -1]`, `F.cross_entropy(out.logits.flatten(0, 1),
+  labels.flatten())`, a mean over the sequence, printing) first gathers the full value with
+  `ringcc::gather` (`.full_tensor()`; autograd flows back into the shard: the gather's
+  backward keeps this rank's rows of the cotangent), caches it in the object, and runs the
+  op on it. The result is an ordinary tensor, equal to eager's, gradients included.
+- The gather is a collective: every rank must read the value (as every rank runs the same
+  training loop). A rank that reads it alone waits for the others.
+- A value that nobody reads (the K/V cache of a training step, the logits when the loss is
+  computed inside from `labels=`) is never gathered: the step's memory stays O(n/p), and the
+  memory plan of the graph, which ends at its outputs, counts n/p rows for each.
+A shard holding rows outside the value's window (`logits[:, :-1]`, or padded rows under
+Config(pad=True)) carries the window (`front`, `back`: rows of the padded global order
+before and after it); the gather narrows to it. Outputs that merge the batch into the
+sequence dim (`logits.view(-1, V)`) are gathered inside the graph and named in the report.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ringcc import _compat
+from ringcc.runtime import layout as L
+from ringcc.runtime.ops import gather_op
+
+
+class SequenceSharded(torch.Tensor):
+    """A sequence-sharded graph output (Note [Sharded outputs]): global metadata, this rank's
+    rows, gathered (with autograd, once per grad mode) by the first op that reads it."""
+
+    local: torch.Tensor
+    seq_dim: int
+    seq_layout: str
+    front: int
+    back: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
+                front: int = 0, back: int = 0):
+        shape = list(local.shape)
+        shape[seq_dim] = shape[seq_dim] * world_size - front - back
+        strides = torch.empty(shape, device="meta").stride()
+        self = _compat.make_wrapper_subclass(
+            cls, shape, strides=strides, dtype=local.dtype, device=local.device,
+            requires_grad=local.requires_grad)
+        self.local, self.seq_dim, self.seq_layout = local, seq_dim, layout
+        self._comm = (group_name, world_size)
+        self.front, self.back = front, back
+        self._full: dict[bool, torch.Tensor] = {}
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __repr__(self, *, tensor_contents=None):
+        return (f"SequenceSharded(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, seq_layout={self.seq_layout!r}, "
+                f"world_size={self._comm[1]}, local rows={self.local.shape[self.seq_dim]})")
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole value on every rank (a collective), cached: under autograd it is the
+        differentiable gather of `.local`."""
+        grad = torch.is_grad_enabled() and self.local.requires_grad
+        if grad not in self._full:
+            full = gather_op(self.local, self.seq_dim, *self._comm, self.seq_layout)
+            if self.front or self.back:
+                full = full.narrow(self.seq_dim, self.front, self.shape[self.seq_dim])
+            self._full[grad] = full
+        return self._full[grad]
+
+    def positions(self) -> torch.Tensor:
+        """The global token position of each of `.local`'s rows (padded rows and rows outside
+        the window: positions outside [0, shape[seq_dim]))."""
+        from ringcc.runtime.ops import _group_from
+
+        _, rank, world = _group_from(*self._comm)
+        rows = self.local.shape[self.seq_dim]
+        return L.global_positions(rank, world, L.Layout(self.seq_layout), rows, self.local.device) - self.front
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with _compat.no_torch_function_subclass():
+                return func(*args, **kwargs)
+        args, kwargs = tree_map(_full, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # Every torch-level call goes through __torch_function__ and sees the gathered value;
+        # reaching the dispatcher with the wrapper itself means autograd recorded the wrapper,
+        # whose gradient would never reach the shard: refuse rather than compute wrong gradients.
+        raise TypeError(
+            f"ringcc: {func} reached a SequenceSharded output below torch's Python API; call "
+            f".full_tensor() first (the gathered value, with autograd) or use .local (this rank's rows)")
+
+
+def _full(x):
+    return x.full_tensor() if isinstance(x, SequenceSharded) else x
+
+
+_T = torch.Tensor
+_METADATA = {
+    _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,
+    _T.requires_grad.__get__, _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__,
+    _T.is_meta.__get__, _T.size, _T.dim, _T.ndimension, _T.numel, _T.nelement, _T.__len__,
+    _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device,
+}
+
+
+def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str):
+    """The graph's outputs with the sharded ones (index -> (dim, front, back)) wrapped."""
+    out = list(outputs)
+    for i, (dim, front, back) in specs.items():
+        if isinstance(out[i], torch.Tensor):
+            out[i] = SequenceSharded(out[i], dim, group_name, world_size, layout, front, back)
+    return type(outputs)(out) if isinstance(outputs, tuple) else out

@@ -1,0 +1,45 @@
+"""SequenceSharded on one process (p = 1: the gather is a copy); the distributed behaviour is
+in test_backend_distributed.py and the zoo."""
+
+import torch
+
+from ringcc.sharded import SequenceSharded, wrap_outputs
+
+
+def sharded(local, front=0, back=0):
+    return SequenceSharded(local, 1, "", 1, "contiguous", front, back)
+
+
+def test_metadata_is_the_global_value_and_reading_needs_no_gather():
+    x = sharded(torch.randn(2, 6, 3, requires_grad=True), front=0, back=1)
+    assert x.shape == (2, 5, 3) and x.dtype == torch.float32 and x.requires_grad and x.dim() == 3
+    assert x.numel() == 30 and len(x) == 2 and x.size(1) == 5
+    assert not x._full  # metadata alone gathers nothing
+    assert "SequenceSharded" in repr(x) and not x._full
+
+
+def test_ops_read_the_window_and_gradients_reach_the_shard():
+    local = torch.randn(2, 6, 3, requires_grad=True)
+    x = sharded(local, front=1, back=0)
+    w = torch.randn(2, 5, 3)
+    assert isinstance(x[:, -1], torch.Tensor) and not isinstance(x[:, -1], SequenceSharded)
+    torch.testing.assert_close(x[:, -1], local[:, -1])
+    (x * w).sum().backward()
+    want = torch.cat([torch.zeros(2, 1, 3), w], 1)
+    torch.testing.assert_close(local.grad, want)
+    assert x.full_tensor() is x.full_tensor()
+
+
+def test_a_value_read_without_grad_is_gathered_again_with_grad():
+    local = torch.randn(2, 4, requires_grad=True)
+    x = sharded(local)
+    with torch.no_grad():
+        assert float(x.sum()) == float(local.sum())
+    x.sum().backward()  # not cut off by the no_grad copy
+    torch.testing.assert_close(local.grad, torch.ones(2, 4))
+
+
+def test_wrap_outputs_wraps_only_the_listed_outputs():
+    a, b = torch.randn(2, 4), torch.randn(())
+    out = wrap_outputs((b, a), {1: (1, 0, 0)}, "", 1, "contiguous")
+    assert type(out) is tuple and out[0] is b and isinstance(out[1], SequenceSharded) and out[1].local is a

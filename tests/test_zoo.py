@@ -1,0 +1,29 @@
+"""The model zoo (tests/zoo.py) on gloo ranks: every architecture under its patterns, against
+single-process eager. The whole zoo is marked `zoo` (`make test-zoo`); the cheap cases run in
+`make test`."""
+
+import pytest
+
+import zoo
+
+CASES = [(arch.name, world) for arch in zoo.ZOO for world in arch.worlds]
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name,world", CASES, ids=[f"{n}-p{w}" for n, w in CASES])
+def test_zoo(pools, name, world):
+    results = pools(world).run(zoo.run_arch, name, timeout=1200)
+    for rank, res in enumerate(results):
+        assert set(res) == set(zoo.BY_NAME[name].patterns)
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)
+
+
+@pytest.mark.parametrize("name", zoo.CHEAP)
+def test_default_config_decoder_is_exact_and_linear(pools, name):
+    """A Hugging Face decoder in its default config (use_cache=True in training): the loss
+    inside and the cross-entropy outside on the sharded logits are exact, every site is
+    rewritten, and the plan is O(n/p) (no K/V cache or output gather)."""
+    results = pools(2).run(zoo.run_arch, name, ("loss_inside", "ce_outside"), timeout=600)
+    for rank, res in enumerate(results):
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)
+        assert all(r["gathers"] == [] for r in res.values()), (rank, res)

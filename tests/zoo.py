@@ -1,0 +1,329 @@
+"""The model zoo: Hugging Face architectures as people run them, with tiny random configs.
+
+Each `Arch` names a factory of the task model (causal LM, masked LM or image classifier, in
+its default config: a decoder keeps use_cache=True in training), the patterns it runs, and
+what the zoo expects: attention sites rewritten and skipped per graph, and the planner's
+verdict. `run_arch(rank, world, name)` (a DistPool job) runs every pattern on `world` gloo
+ranks against single-process eager and returns what the tests assert on:
+
+- loss_inside: `model(..., labels=labels).loss`;
+- ce_outside: `F.cross_entropy` on `out.logits` in the caller's own code (the logits are a
+  SequenceSharded output, gathered when read: Note [Sharded outputs]);
+- projection: a fixed random projection of the base model's `last_hidden_state`, outside;
+- padded: right padding with an attention mask (padded labels ignored), loss inside.
+
+Gradient errors are max |g - g_eager| over max |g_eager| of that parameter, with a floor of
+1e-3 of the largest gradient of the model: gradients that are zero in exact math (attention
+key biases: softmax is shift-invariant) are compared against that floor, not against their
+own rounding noise (PITFALLS.md).
+
+`python tests/zoo.py --matrix` runs the zoo and writes docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, N, BATCH, PAD = 64, 24, 2, 5  # no model dim is 24 (a static plan reads dims of size n as n)
+PATTERNS = ("loss_inside", "ce_outside", "projection", "padded")
+TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture of the zoo and what it is expected to give."""
+
+    name: str
+    factory: Callable[[], torch.nn.Module]  # the task model, random weights (seeded by the caller)
+    kind: str = "decoder"  # "decoder" (causal LM), "encoder" (masked LM) or "vision" (classifier)
+    patterns: tuple[str, ...] = PATTERNS
+    sites: int = 2  # attention sites rewritten per graph (one per layer)
+    skipped: int = 0  # attention sites skipped per graph
+    linear: bool = True  # the planner's verdict: O(n/p) holds
+    worlds: tuple[int, ...] = (2,)
+    why: str = ""  # where not O(n/p) or not exact: the op and why (the matrix shows it)
+
+
+def _no_dropout(cfg):
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
+def _llama_like(config_cls: str, **extra):
+    """A decoder config in Llama's names (hidden_size, intermediate_size, ...)."""
+    def make():
+        import transformers
+
+        cfg = getattr(transformers, config_cls)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa", **extra)
+        return transformers.AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation="sdpa")
+    return make
+
+
+def _config(config_cls: str, auto: str, **kwargs):
+    def make():
+        import transformers
+
+        cfg = getattr(transformers, config_cls)(attn_implementation="sdpa", **kwargs)
+        return getattr(transformers, auto).from_config(_no_dropout(cfg), attn_implementation="sdpa")
+    return make
+
+
+_BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=128)
+
+ZOO: list[Arch] = [
+    Arch("llama", _llama_like("LlamaConfig"), worlds=(2, 4)),
+    Arch("mistral", _llama_like("MistralConfig", sliding_window=None)),
+    Arch("qwen2", _llama_like("Qwen2Config")),
+    Arch("qwen3", _llama_like("Qwen3Config", head_dim=8)),
+    Arch("gemma", _llama_like("GemmaConfig", head_dim=8)),
+    Arch("phi", _llama_like("PhiConfig")),
+    Arch("phi3", _llama_like("Phi3Config", pad_token_id=0)),
+    Arch("gpt_neox", _config("GPTNeoXConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             max_position_embeddings=128)),
+    Arch("opt", _config("OPTConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+                        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                        word_embed_proj_dim=32)),
+    Arch("gpt2", _config("GPT2Config", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                         n_positions=128), worlds=(2, 4)),
+    Arch("gptj", _config("GPTJConfig", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                         n_positions=128, rotary_dim=4)),
+    Arch("stablelm", _llama_like("StableLmConfig")),
+    Arch("cohere", _llama_like("CohereConfig")),
+    Arch("granite", _llama_like("GraniteConfig")),
+    Arch("olmo", _llama_like("OlmoConfig")),
+    Arch("olmo2", _llama_like("Olmo2Config")),
+    Arch("starcoder2", _llama_like("Starcoder2Config", sliding_window=None)),
+    Arch("bert", _config("BertConfig", "AutoModelForMaskedLM", **_BERT), kind="encoder", worlds=(2, 4)),
+    Arch("roberta", _config("RobertaConfig", "AutoModelForMaskedLM", **dict(_BERT, max_position_embeddings=130)),
+         kind="encoder"),
+    Arch("distilbert", _config("DistilBertConfig", "AutoModelForMaskedLM", vocab_size=VOCAB, dim=32, n_layers=2,
+                               n_heads=4, hidden_dim=64, max_position_embeddings=128), kind="encoder"),
+    Arch("electra", _config("ElectraConfig", "AutoModelForMaskedLM", embedding_size=32, **_BERT), kind="encoder"),
+    Arch("albert", _config("AlbertConfig", "AutoModelForMaskedLM", embedding_size=32, **_BERT), kind="encoder"),
+    Arch("vit", _config("ViTConfig", "AutoModelForImageClassification", image_size=(20, 28), patch_size=4,
+                        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection")),
+    Arch("deit", _config("DeiTConfig", "AutoModelForImageClassification", image_size=(20, 24), patch_size=4,
+                         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection")),
+]
+BY_NAME = {a.name: a for a in ZOO}
+CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
+
+
+# ---------------------------------------------------------------------------------------
+# one pattern
+
+
+def _inputs(arch: Arch):
+    gen = torch.Generator().manual_seed(1)
+    if arch.kind == "vision":
+        return dict(pixel_values=torch.randn(BATCH, 3, *_image_size(arch), generator=gen),
+                    labels=torch.tensor([3, 7]))
+    ids = torch.randint(1, VOCAB, (BATCH, N), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, N), generator=gen)
+    labels[0, 3] = -100
+    return dict(input_ids=ids, labels=labels)
+
+
+def _image_size(arch: Arch):
+    return (20, 28) if arch.name == "vit" else (20, 24)  # 35 patches + [CLS] / 30 + [CLS] + distillation
+
+
+def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
+    """The pattern's loss computed from `model` (compiled or eager)."""
+    data = "pixel_values" if arch.kind == "vision" else "input_ids"
+    x, labels = inputs[data], inputs["labels"]
+    if pattern == "loss_inside":
+        return model(**{data: x}, labels=labels).loss
+    if pattern == "ce_outside":
+        logits = model(**{data: x}).logits
+        if arch.kind == "vision":
+            return F.cross_entropy(logits, labels)
+        if arch.kind == "decoder":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    if pattern == "projection":
+        h = model.base_model(**{data: x}).last_hidden_state
+        if "r" not in projection:
+            projection["r"] = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
+        return (h * projection["r"]).sum()
+    if pattern == "padded":
+        mask = torch.ones_like(x)
+        mask[1, -PAD:] = 0
+        labels = labels.masked_fill(mask == 0, -100)
+        return model(**{data: x}, attention_mask=mask, labels=labels).loss
+    raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}")
+
+
+def _grad_errors(model, ref) -> dict[str, float]:
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values() if g is not None)
+    errs = {}
+    for name, p in model.named_parameters():
+        r = ref_grads[name]
+        if r is None or p.grad is None:
+            errs[name] = 0.0 if (r is None) == (p.grad is None) else float("inf")
+            continue
+        errs[name] = float((p.grad - r).abs().max()) / max(float(r.abs().max()), floor)
+    return errs
+
+
+def run_arch(rank: int, world: int, name: str, patterns=None, inner: str = "aot_eager") -> dict:
+    """Every pattern of `name` on this rank: errors against eager and the report facts."""
+    import ringcc
+
+    arch = BY_NAME[name]
+    torch.manual_seed(0)
+    ref = arch.factory().train()
+    torch.manual_seed(0)
+    model = arch.factory().train()
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=inner)))
+    results = {}
+    for pattern in patterns or arch.patterns:
+        torch._dynamo.reset()
+        ringcc.reset_reports()
+        inputs, projection = _inputs(arch), {}
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        ref_loss = _call(arch, ref, pattern, inputs, projection)
+        ref_loss.backward()
+        target = compiled if pattern != "projection" else _CompiledBase(model, ringcc.Config(inner=inner))
+        loss = _call(arch, target, pattern, inputs, projection)
+        loss.backward()
+        reports = ringcc.reports()
+        errs = _grad_errors(model, ref)
+        worst = max(errs, key=errs.get)
+        plans = [r.plan for r in reports if r.plan is not None]
+        results[pattern] = dict(
+            loss=abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-6),
+            grad=errs[worst], worst=worst,
+            graphs=len(reports),
+            rewritten=[len(r.rewritten) for r in reports], skipped=[len(r.skipped) for r in reports],
+            skip_reasons=sorted({f"{s.reason.value}: {s.location}" for r in reports for s in r.skipped}),
+            gathers=sorted({f"{g.location}: {g.why}" for r in reports for g in r.gathers}),
+            linear=bool(plans) and all(p.verdict for p in plans),
+            culprits=sorted({f"{c.name} at {c.location}" for p in plans for c in p.culprits}),
+            seconds=time.perf_counter() - t0,
+        )
+    return results
+
+
+class _CompiledBase:
+    """`model.base_model` compiled on its own (the projection pattern reads its hidden states)."""
+
+    def __init__(self, model, cfg):
+        import ringcc
+
+        self.base_model = torch.compile(model.base_model, backend=ringcc.backend(cfg))
+
+
+def check(arch: Arch, results: dict) -> list[str]:
+    """What differs from the zoo's expectations (empty: as expected)."""
+    bad = []
+    for pattern, r in results.items():
+        if not (r["loss"] < TOL and r["grad"] < TOL):
+            bad.append(f"{pattern}: loss error {r['loss']:.2e}, gradient error {r['grad']:.2e} ({r['worst']})")
+        if set(r["rewritten"]) != {arch.sites} or set(r["skipped"]) != {arch.skipped}:
+            bad.append(f"{pattern}: sites rewritten {r['rewritten']}, skipped {r['skipped']} per graph "
+                       f"(expected {arch.sites}, {arch.skipped}) {r['skip_reasons']}")
+        if r["linear"] != arch.linear:
+            bad.append(f"{pattern}: O(n/p) {'holds' if r['linear'] else 'fails'} (expected the opposite): "
+                       f"{r['culprits']} {r['gathers']}")
+    return bad
+
+
+# ---------------------------------------------------------------------------------------
+# the compatibility matrix
+
+
+HEADER = """# Compatibility matrix
+
+Generated by `make zoo-matrix` (`python tests/zoo.py --matrix`) from a run of the model zoo
+(tests/zoo.py): each Hugging Face architecture with a tiny random config, in its default
+config (decoders keep `use_cache=True` in training), compiled with `backend="ringcc"`
+(inner compiler aot_eager) on {world} gloo ranks (CPU) and compared with single-process eager.
+Patterns: loss inside (`labels=`), cross-entropy outside on `out.logits`, a random projection
+of `last_hidden_state` outside, right padding with an attention mask (vision models: the
+first three). Outputs are returned sharded (docs/outputs.md).
+
+- sites: attention sites rewritten / found, per graph;
+- O(n/p): the memory planner's verdict for every graph of every pattern;
+- exact: every parameter's gradient and the loss within {tol:g} of eager (relative to the
+  parameter's largest gradient, floored at 1e-3 of the model's largest);
+- not O(n/p) because: the ops the planner names and the gathers the report records.
+
+"""
+
+
+def matrix(rows: dict[str, dict], world: int) -> str:
+    lines = [HEADER.format(world=world, tol=TOL),
+             "| architecture | kind | sites | O(n/p) | exact | max gradient error | not O(n/p) because |",
+             "|---|---|---|---|---|---|---|"]
+    for arch in ZOO:
+        res = rows.get(arch.name)
+        if res is None:
+            continue
+        if isinstance(res, str):
+            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | run failed: {res} |")
+            continue
+        sites = sorted({f"{w}/{w + s}" for r in res.values() for w, s in zip(r["rewritten"], r["skipped"])})
+        linear = all(r["linear"] for r in res.values())
+        exact = all(r["loss"] < TOL and r["grad"] < TOL for r in res.values())
+        why = sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
+        worst = max(r["grad"] for r in res.values())
+        lines.append(f"| {arch.name} | {arch.kind} | {', '.join(sites)} | {'yes' if linear else 'no'} | "
+                     f"{'yes' if exact else 'no'} | {worst:.1e} | {'; '.join(why) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--matrix", action="store_true", help="run the zoo and write docs/compatibility.md")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=None, help="architectures to run (default: all)")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "compatibility.md"))
+    args = parser.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from distpool import DistPool
+
+    pool = DistPool(args.world_size)
+    rows: dict[str, dict] = {}
+    try:
+        for arch in ZOO:
+            if args.only and arch.name not in args.only:
+                continue
+            t0 = time.perf_counter()
+            try:
+                rows[arch.name] = pool.run(run_arch, arch.name, timeout=900)[0]
+            except Exception as e:  # noqa: BLE001 - a failing architecture is a row of the matrix
+                rows[arch.name] = str(e).strip().splitlines()[-1][:200]
+            print(f"{arch.name}: {time.perf_counter() - t0:.0f} s "
+                  f"{check(arch, rows[arch.name]) if isinstance(rows[arch.name], dict) else rows[arch.name]}",
+                  flush=True)
+    finally:
+        pool.close()
+    if args.matrix:
+        with open(args.out, "w") as f:
+            f.write(matrix(rows, args.world_size))
+        print(f"wrote {os.path.normpath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
