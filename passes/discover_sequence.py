@@ -1,6 +1,8 @@
 """Find the sequence: its length n (from the attention sites) and the graph inputs carrying it.
 
-n is q's length (dim 2) at the ring attention sites; every site must agree. Under dynamic
+n is q's length (dim 2) at the ring attention sites; every site must agree (in a graph without
+sites, the length of the sharded outputs of another ringcc graph that it reads: Note
+[Sharded outputs]). Under dynamic
 shapes n is a symbol and a dim carries the sequence iff its size *is* that expression; with
 constant sizes an input dim of size n is taken only when it is the input's one such dim
 (a batch or head dim equal to n makes it ambiguous: `ringcc.mark_sequence(x, dim)` or
@@ -62,12 +64,22 @@ def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and n.target._opname in ATTENTION_OPS]
 
 
+def handoff_gathers(gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
+    """`ringcc::gather` of a graph input for this graph's group: what dynamo traces when a
+    SequenceSharded output of another ringcc graph is read here (Note [Sharded outputs])."""
+    return [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.gather.default
+            and n.args[0].op == "placeholder" and tuple(n.args[2:4]) == (ctx.group_name, ctx.world_size)
+            and ctx.world_size > 1]
+
+
 def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     sites = attention_nodes(gm)
-    if not sites:
+    handoffs = handoff_gathers(gm, ctx)
+    if not sites and not handoffs:
         ctx.scratch.pop("seq", None)
         return PassResult(False)
-    lengths = {expr(fake(s.args[0]).shape[2]) for s in sites}
+    lengths = {expr(fake(s.args[0]).shape[2]) for s in sites} or \
+        {expr(fake(g).shape[g.args[1]]) for g in handoffs}
     if len(lengths) != 1:
         raise ValueError(
             f"attention sites in one graph attend over different lengths {sorted(map(str, lengths))}; "

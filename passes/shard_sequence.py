@@ -52,7 +52,7 @@ from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
 from .base import PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, written_between
-from .discover_sequence import attention_nodes, expr, fake
+from .discover_sequence import attention_nodes, expr, fake, handoff_gathers
 
 PASS = "shard_sequence"
 STATE_META = "ringcc_seq"  # the node's Seq state (tests read it)
@@ -132,7 +132,9 @@ class Sharder:
         self.n: sympy.Expr = info.n  # the sequence length
         self.sources = info.sources
         self.p = ctx.world_size
-        self.layout = ctx.scratch.get("layout") or _resolve_layout(ctx, attention_nodes(gm))
+        self.handoffs = {g: g.args[0] for g in handoff_gathers(gm, ctx)}
+        sites = attention_nodes(gm)
+        self.layout = (ctx.scratch.get("layout") if sites else None) or _resolve_layout(ctx, sites, self.handoffs)
         self.N: sympy.Expr = self._padded_length(ctx)  # rows held by all ranks together
         ctx.scratch["layout"] = self.layout
         self.comm = (ctx.group_name, ctx.world_size, self.layout)
@@ -258,6 +260,8 @@ class Sharder:
             if node.op == "placeholder":
                 dim = self.sources.get(node.name)
                 self.state[node] = None if dim is None else Seq(dim, expr(fake(node).shape[dim]))
+            elif node in self.handoffs:
+                self.state[node] = self._handoff(node)
             elif node.op == "output":
                 self._outputs(node)
             elif node.op in ("call_function", "call_method"):
@@ -267,6 +271,21 @@ class Sharder:
         for node, st in self.state.items():
             if isinstance(st, (Seq, tuple)) and node.graph is self.graph:
                 node.meta[STATE_META] = st
+
+    def _handoff(self, node: torch.fx.Node) -> State:
+        """A gather of another ringcc graph's sharded output (Note [Sharded outputs]): its
+        shard is this graph's shard when the layouts and lengths agree, and the gather goes."""
+        local, dim = node.args[0], node.args[1]
+        if node.args[4] != self.layout or not _eq(fake(node).shape[dim], self.N):
+            why = (f"input {local.name} is sharded in the {node.args[4]} layout and this graph's is "
+                   f"{self.layout}" if node.args[4] != self.layout else f"input {local.name} has another length")
+            self.ctx.report.gathers.append(Gather(node=node.name, location=location(node), why=why))
+            self.decisions.append(f"gather {node.name}: {why}")
+            return self.seq_of_size(fake(node))
+        node.replace_all_uses_with(local)
+        self.state[local] = Seq(dim, self.N, sharded=True)
+        self.decisions.append(f"handoff {local.name}@{dim}")
+        return None
 
     def _visit(self, node: torch.fx.Node):
         ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple))]
@@ -333,9 +352,12 @@ class Sharder:
         self.ctx.scratch["sharded_outputs"] = specs
 
 
-def _resolve_layout(ctx: PassContext, sites) -> str:
+def _resolve_layout(ctx: PassContext, sites, handoffs) -> str:
     if ctx.config.layout != "auto":
         return ctx.config.layout
+    layouts = {g.args[4] for g in handoffs}
+    if len(layouts) == 1 and not sites:
+        return layouts.pop()  # a graph reading another's shards only (a loss after a graph break)
     causal = bool(sites) and all(s.args[_ATTENTION_ARGS[op_name(s)]["causal"]] is True for s in sites)
     return "zigzag" if ctx.world_size > 1 and causal else "contiguous"
 
@@ -784,6 +806,23 @@ def _slice_bounds(s: slice, length: sympy.Expr):
     return lo, hi
 
 
+def narrow_rule(w: Sharder, node):
+    """x.narrow(dim, start, length): along the sequence of a shard, a window (the rows stay)."""
+    x = node.args[0]
+    st = w.state[x]
+    d = _norm_dim(_arg(node, 1, "dim"), fake(x).dim())
+    if d != st.dim:
+        return st
+    if not st.sharded:
+        return Seq(d, expr(fake(node).shape[d]))
+    start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
+    if not (isinstance(start, int) and _eq(st.outer, 1)):
+        raise Fallback("narrows the sequence at a symbolic start")
+    node.replace_all_uses_with(x)
+    return Seq(d, expr(length) if not isinstance(length, torch.fx.Node) else expr(fake(length)), st.outer,
+               st.start + start, sharded=True)
+
+
 def split_rule(w: Sharder, node):
     x = node.args[0]
     st = w.state[x]
@@ -1096,6 +1135,7 @@ RULES: dict[str, Rule] = {
     "squeeze": Rule(squeeze_rule, unary=True),
     "movedim": Rule(movedim_rule, unary=True),
     "getitem": Rule(getitem_rule, creates=True, unary=True),
+    "narrow": Rule(narrow_rule, unary=True),
     "split": Rule(split_rule, unary=True),
     "chunk": Rule(split_rule, unary=True),
     "unbind": Rule(split_rule, unary=True),

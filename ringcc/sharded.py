@@ -75,13 +75,18 @@ class SequenceSharded(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """The whole value on every rank (a collective), cached: under autograd it is the
         differentiable gather of `.local`."""
+        if torch.compiler.is_compiling():
+            return self._gather()  # traced into a graph, where ringcc takes the shard as is
         grad = torch.is_grad_enabled() and self.local.requires_grad
         if grad not in self._full:
-            full = gather_op(self.local, self.seq_dim, *self._comm, self.seq_layout)
-            if self.front or self.back:
-                full = full.narrow(self.seq_dim, self.front, self.shape[self.seq_dim])
-            self._full[grad] = full
+            self._full[grad] = self._gather()
         return self._full[grad]
+
+    def _gather(self) -> torch.Tensor:
+        full = gather_op(self.local, self.seq_dim, *self._comm, self.seq_layout)
+        if self.front or self.back:
+            full = full.narrow(self.seq_dim, self.front, self.shape[self.seq_dim])
+        return full
 
     def positions(self) -> torch.Tensor:
         """The global token position of each of `.local`'s rows (padded rows and rows outside

@@ -101,7 +101,7 @@ def test_dilated_program_at_p2_matches_p1(pools, tmp_path):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:full_logits", "--seq-len", "64", "--dilation", "16,32:1,2")
     assert code == rw.EXIT_OK
     assert "ringcc.dilated_attention.default" in open(os.path.join(out, "program.py")).read()
-    model, inputs = load_factory(f"{PLAN_MODEL}:full_logits")(seq_len=64)
+    model, inputs = load_factory(f"{PLAN_MODEL}:full_logits")(seq_len=64)[:2]
     spec = ringcc.DilatedSpec((16, 32), (1, 2))
     single, report = rw.rewrite(model, inputs, world_size=1, options={"dilation": spec})
     assert [s.dilation for s in report.sites] == [repr(spec)] * 2
