@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from . import fused
-from .kernels import acc_dtype
+from .dtypes import acc_dtype
 
 
 def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
