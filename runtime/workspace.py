@@ -18,8 +18,8 @@ accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK
 accumulators, the dK/dV accumulator arriving from the previous rank and the one sent to the
 next (held by the transport until the batch is waited for), the held and next K/V, one block's
 gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
-Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
-bench_planner_gpu.py; results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
+Checked against the CUDA allocator (benchmarks/bench_planner_gpu.py, memory_snapshot.py;
+results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
 allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: gloo's
 contiguous copy of a sent accumulator (the CPU kernel returns gradients in its own [b, s, h, d]
 layout) may outlive the wait, the kernel copies dout into that layout, and it holds per-thread
