@@ -373,18 +373,10 @@ def test_checkpoint_regions_plan_their_recompute_within_live_tensor_bytes_on_cpu
 
 
 def _step_peak_bytes(step) -> int:
-    """Peak of the bytes a call of step() allocates beyond what exists before it (the CPU
-    allocator's events, seen by torch.profiler: compiled code included, unlike dispatch modes)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Peak of the bytes a call of step() allocates beyond what exists before it."""
+    from ringcc import _compat
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    for ev in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                     key=lambda e: e.start_ns()):
-        live += ev.nbytes()
-        peak = max(peak, live)
-    return peak
+    return _compat.cpu_allocation_peak(step)
 
 
 def _planned_and_measured(m: nn.Module, x: torch.Tensor, inner: str) -> tuple[int, int]:
