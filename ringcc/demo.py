@@ -138,8 +138,8 @@ def _ring_worker(rank, world, port, args, results):
     for t in (ql, kl, vl):
         t.grad = None
     peak = _compat.cpu_allocation_peak(step)  # a second step, profiled: the tensors it allocates at its peak
-    for t, g in zip((ql, kl, vl), grads):
-        t.grad = g
+    for t, grad in zip((ql, kl, vl), grads):
+        t.grad = grad
     if rank == 0:
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref, _ = reference.attention(qr, kr, vr, is_causal=True)
@@ -279,6 +279,8 @@ def _train_worker(rank, world, port, args, results):
         out["plan"] = None if plan is None else plan.summary()
         out["plan_points"] = _plan_points(plan, n)
         out["resident_mib"] = None if plan is None else plan.to_dict()["static_bytes"] / 2**20
+        # what every rank holds however many ranks share the sequence (one token each)
+        out["floor_mib"] = None if plan is None else plan.peak_bytes(seq_len=n, world_size=n) / 2**20
     results.put((rank, out))
     exit_worker(results)
 
@@ -350,6 +352,9 @@ def _plot(args, per_rank):
     if pts:
         ps = sorted(pts, key=int)
         ax.plot(ps, [pts[p] / 2**20 for p in ps], marker="o", label="planned peak per rank (memory planner)")
+    if r0.get("floor_mib"):
+        ax.axhline(r0["floor_mib"], color="C0", linestyle=":",
+                   label="planned peak with one token per rank: the gradient all-reduce's")
     if r0.get("resident_mib"):
         ax.axhline(r0["resident_mib"], color="gray", linestyle="--",
                    label="parameters and gradients: replicated on every rank")
@@ -357,12 +362,14 @@ def _plot(args, per_rank):
     ax.plot([args.world_size], [max(measured)], linestyle="none", marker="x", markersize=10, color="C3", zorder=3,
             label=f"measured at p = {args.world_size} (largest rank; torch.profiler's tensor allocations)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
     ax.set_ylim(bottom=0)
     ax.set(xlabel="p (ranks)", ylabel="MiB per rank",
            title=f"tensor memory at the peak of a training step, n = {args.seq_len}")
-    ax.text(0.02, 0.02, "Activations shrink as n/p; the parameters, their gradients (and AdamW's\n"
-            "state, outside the plan) are replicated, so the peak levels off at their size.",
-            transform=ax.transAxes, fontsize=8, va="bottom")
+    ax.text(0.02, 0.02, "Activations shrink as n/p. Once they are small, the peak is the gradient all-reduce's:\n"
+            "parameters, gradients and the all-reduce's buffers, the same on every rank whatever p.\n"
+            "(AdamW's state, outside the compiled graph, comes on top, also replicated.)",
+            transform=ax.transAxes, fontsize=7.5, va="bottom")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
     fig.tight_layout()
     path = os.path.join(args.out, "demo.png")
