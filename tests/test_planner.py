@@ -444,8 +444,8 @@ def test_ring_training_step_stays_within_its_plan_on_gloo(pools):
     worker threads drop a finished batch's tensors some time after wait() returns, so how many
     of them are still held at the peak varies (at one intra-op thread part of the rest lies
     outside the ring, in the backward's sums of the CPU kernel's gradients: 0.8 MB over the plan).
-    Session 20 let the ring drop its own reference to a sent accumulator once the transport has
-    it (the 2 MiB of the non-causal case's peak)."""
+    The ring drops its own reference to a sent accumulator once the transport has it (2 MiB of
+    the non-causal case's peak)."""
     steady = pools(2).run(case_ring_step_within_plan, 8, 32, 1024, False)
     assert all(1.0 <= r <= 1.1 for r in steady), steady
     varying = pools(2).run(case_ring_step_within_plan, 16, 64, 512, True)
