@@ -25,6 +25,7 @@ random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
-from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
-                             is_sdpa, real_users, same_shape, same_size, static_float)
+from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, ScoreMods, SdpaCall,
+                             erase_dead, fake, is_aten_graph, is_sdpa, real_users, same_shape, same_size,
+                             static_float)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -101,6 +103,9 @@ ADD_FUNCS = (operator.add, torch.add, aten.add.Tensor)
 MASKED_FILL_FUNCS = (torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
 DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
+TANH_FUNCS = (torch.tanh, F.tanh, aten.tanh.default)
+EINSUM_FUNCS = (torch.einsum, aten.einsum.default)
+LINEAR_FUNCS = (F.linear, aten.linear.default, aten.addmm.default, aten.mm.default)  # contract the last dim
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
@@ -243,11 +248,15 @@ class _Manual:
     dropout: Optional[tuple[float, bool]] = None
     reused: list[str] = field(default_factory=list)
     dead: list[torch.fx.Node] = field(default_factory=list)
+    mods: ScoreMods = field(default_factory=ScoreMods)
 
 
 def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: PassContext) -> bool:
     m = _match_manual(softmax)
     if m is None:
+        why = _scores_of_q_k(softmax)
+        if why:  # attention in a form the matcher does not read: found, and kept as written
+            _skip_site(ctx, softmax, "manual", SkipReason.OTHER, why)
         return False
     if isinstance(m, str):
         _skip_site(ctx, softmax, "manual", SkipReason.OTHER, m)
@@ -288,6 +297,12 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         _erase_new(gm, PASS, m.out)
         _skip_site(ctx, m.out, "manual", SkipReason.SHAPE, f"not expressible as one SDPA call: {e}"[:300])
         return False
+    sdpa = out if not three_d else out.args[0]
+    if m.mods.softcap is not None or m.mods.alibi_slopes is not None:
+        # the shadow of the user's nodes (attention_form.REPLACES_META): they stay for now
+        sdpa.meta[MODS_META] = m.mods
+        sdpa.meta[REPLACES_META] = (m.out, out)
+        return True
     m.out.replace_all_uses_with(out)
     erase_dead(gm, [m.out])
     return True
@@ -334,8 +349,9 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
             out, v = u, u.args[1]
             break
         p = u
-    # backward: scores -> casts / scales / one mask -> A @ B
+    # backward: scores -> casts / scales / one mask / one soft-cap -> A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
+    mods, mask_before_cap = ScoreMods(), False
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
@@ -344,12 +360,20 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         if _is_cast(s):
             s = s.args[0]
             continue
+        cap = _softcap_of(s)
+        if cap is not None:
+            if mods.softcap is not None or not scale.is_one:
+                return "attention scores go through a soft-cap c * tanh(s / c) with a second cap or a scale after it"
+            s, mods.softcap, mask_before_cap = cap[0], cap[1], mask is not None
+            continue
         inner, c = _scaled(s)
         if inner is not s:
             s, scale = inner, scale * c
             continue
         if mask is None:
             found = _mask_of(s)
+            if found is not None and mods.softcap is not None and not mask_before_cap:
+                return "a mask applied inside the soft-cap tanh (the cap of a masked score is not masked)"
             if found is not None:
                 (s, mask), mask_scale = found, scale  # scales seen so far apply to the mask too
                 continue
@@ -381,7 +405,83 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
     if not same_size(qv.shape[-1], ktv.shape[-2]) or not same_size(ktv.shape[-1], vv.shape[-2]):
         return None
     return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, mask_scale=mask_scale,
-                   dropout=dropout, reused=reused)
+                   dropout=dropout, reused=reused, mods=mods)
+
+
+def _softcap_of(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """(z, c) when node = tanh(z / c) * c (or c * tanh(z * (1 / c))) with one constant c > 0:
+    attention-logit soft-capping (Gemma2's eager attention)."""
+    if not _is(node, MUL_FUNCS, ("mul", "__mul__")) or len(node.args) != 2:
+        return None
+    for t, c in (node.args, node.args[::-1]):
+        cv = static_float(c)
+        if cv is None or cv <= 0 or not _is(t, TANH_FUNCS, ("tanh",)) or not _single_user(t):
+            continue
+        inner, ci = _scaled(t.args[0])
+        if inner is not t.args[0] and not ci.syms and math.isclose(ci.const * cv, 1.0, rel_tol=1e-12):
+            return inner, cv
+    return None
+
+
+def _scores_of_q_k(softmax: torch.fx.Node, depth: int = 12) -> str:
+    """Why `softmax` is attention the matcher could not take, or "" when it is no attention:
+    a softmax over the last dim whose input comes, through ops that keep that dim's size, from
+    a product of two graph values (matmul, bmm, baddbmm, einsum) whose last dim it is: scores
+    q.k however modified (soft-caps, biases, views). A softmax over a linear layer's output
+    (a router's) or over anything else is not one."""
+    x, dim, _ = _softmax_parts(softmax)
+    xv = fake(x)
+    if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
+        return ""
+    if not _weights_values(softmax):
+        return ""
+    width = xv.shape[-1]
+    seen, frontier, path = set(), [x], []
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if not isinstance(node, torch.fx.Node) or node in seen:
+                continue
+            seen.add(node)
+            val = fake(node)
+            if not isinstance(val, torch.Tensor) or val.dim() < 2 or not same_size(val.shape[-1], width):
+                continue
+            if _is(node, MATMUL_FUNCS + BADDBMM_FUNCS + EINSUM_FUNCS, MATMUL_METHODS + ("baddbmm",)):
+                operands = [a for a in node.all_input_nodes if isinstance(fake(a), torch.Tensor) and fake(a).dim() >= 2]
+                if len(operands) >= 2:
+                    steps = " -> ".join(dict.fromkeys(path)) or "nothing"
+                    return (f"softmax over q.k scores (from {node.name}) in a form the matcher does not read "
+                            f"(the scores go through {steps}); kept as dense attention")
+                continue
+            if node.op in ("call_function", "call_method") and not _is(node, LINEAR_FUNCS):
+                path.append(_op_label(node))
+                nxt.extend(node.all_input_nodes)
+        frontier = nxt
+    return ""
+
+
+def _weights_values(p: torch.fx.Node, depth: int = 8) -> bool:
+    """The probabilities (through casts, dropout, views: ops of one tensor input) weight values:
+    they are the left operand of a product (P @ v, bmm(P, v)) or an einsum's operand."""
+    frontier = [p]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            for u in real_users(node):
+                if _is(u, EINSUM_FUNCS):
+                    return True
+                if _is(u, MATMUL_FUNCS, MATMUL_METHODS):
+                    if u.args and u.args[0] is node:
+                        return True
+                    continue
+                if u.op in ("call_function", "call_method") and len(u.all_input_nodes) == 1:
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _op_label(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _baddbmm(node: torch.fx.Node, mask: Any):
@@ -445,14 +545,17 @@ def _is_very_negative(value: Any) -> bool:
 
 
 def _reaches_matmul(node: Any, depth: int = 6) -> bool:
-    """node is (a cast / scale of) a matmul: tells the scores apart from the mask in s + m."""
+    """node is (a cast / scale / soft-cap of) a matmul: tells the scores apart from the mask in s + m."""
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node):
             return False
         if _is(node, MATMUL_FUNCS, MATMUL_METHODS):
             return True
         inner, c = _scaled(node)
-        if inner is not node:
+        cap = _softcap_of(node)
+        if cap is not None:
+            node = cap[0]
+        elif inner is not node:
             node = inner
         elif _is_cast(node):
             node = node.args[0]
