@@ -254,3 +254,52 @@ def test_hf_model_matches_eager(pools, name, world):
         if name == "gemma2":  # the cap on every layer, the window on the sliding ones
             assert all(mask["softcap"] == 0.5 for _, _, mask in sites)
             assert sorted(mask["window"] or 0 for _, _, mask in sites) == [0, 8]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (NCCL): the modifiers on flex_attention (bf16) and the math path (fp32)
+
+N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPU_WORLDS = [w for w in (2, 4) if w <= N_GPU]
+
+
+def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap, alibi, padded, window):
+    """Errors (max-norm relative; LSE absolute) of a rank's shard of out, lse and gradients
+    against the fp32 dense reference, 256 tokens per rank, GQA 8 / 2, d = 128."""
+    from parity import lse_err, rel_err
+
+    dev, dtype = torch.device("cuda", rank), getattr(torch, dtype_name)
+    n, b, h, g, d = 256 * world, 2, 8, 2, 128
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(b, x, n, d, generator=gen).to(dev) for x in (h, g, g, h))
+    kpm = None
+    if padded:
+        kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        kpm[1, n - n // 5:] = True
+    mods = dict(softcap=softcap, alibi_slopes=SLOPES[:h].to(dev) if alibi else None)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window, **mods)
+    ref.backward(dout)
+    lay = L.Layout(layout)
+    sh = lambda t, dim=2: L.shard(t, dim, rank, world, lay)  # noqa: E731
+    ql, kl, vl = (sh(t).to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window,
+                                     key_padding_mask=None if kpm is None else sh(kpm, 1), **mods)
+    out.backward(sh(dout).to(dtype))
+    return {"out": rel_err(out, sh(ref.detach())), "lse": lse_err(lse, sh(ref_lse.detach())),
+            "dq": rel_err(ql.grad, sh(qr.grad)), "dk": rel_err(kl.grad, sh(kr.grad)), "dv": rel_err(vl.grad, sh(vr.grad))}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", GPU_WORLDS)
+@pytest.mark.parametrize("dtype_name,tol", [("bfloat16", 2e-2), ("float32", 1e-4)])
+@pytest.mark.parametrize("is_causal,layout,softcap,alibi,padded,window", [
+    (True, "zigzag", 2.0, False, False, None), (False, "contiguous", None, True, False, None),
+    (True, "contiguous", 2.0, True, True, 100)])
+def test_ring_with_score_modifiers_on_cuda(pools, world, dtype_name, tol, is_causal, layout, softcap, alibi, padded,
+                                           window):
+    for errs in pools(world, "nccl").run(case_ring_modified_cuda, dtype_name, is_causal, layout, softcap, alibi,
+                                         padded, window):
+        for name, err in errs.items():
+            assert err < (0.05 if name == "lse" and dtype_name == "bfloat16" else tol), (name, err, errs)
