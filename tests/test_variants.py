@@ -176,6 +176,39 @@ def test_one_broadcast_kv_head_is_multi_query():
         torch.testing.assert_close(gm(*inputs)[0], fn(q, k, v), atol=1e-5, rtol=1e-5)
 
 
+def _alibi_mpt(q, k, v, query_too=False):
+    """MPT's ALiBi: slopes x a [1 - L, 0] table of a longer length L, sliced to the keys; with
+    query_too, a bias that also varies along the queries (not ALiBi)."""
+    n, h = q.shape[2], q.shape[1]
+    table = torch.arange(1 - 16, 1, dtype=torch.int32).view(1, 1, 1, 16)
+    slopes = (1.0 / torch.pow(2, torch.arange(1, h + 1).float() * (8 / h))).view(1, h, 1, 1)
+    bias = (table * slopes).squeeze(0)[:, 0:, 16 - n:]
+    if query_too:
+        bias = bias * torch.arange(n)[:, None]
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + bias
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return F.softmax(s.float(), dim=-1) @ v
+
+
+def test_alibi_site_is_lifted_and_rewritten():
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(_alibi_mpt, q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "rewritten" and site.mask["causal"] and site.mask["alibi"]
+    (op,) = _ring_nodes(gm)
+    slopes = op.kwargs["alibi_slopes"].meta["example_value"]
+    assert tuple(slopes.shape) == (4,) and "softcap" not in op.kwargs
+    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_bias_that_varies_along_queries_is_not_alibi():
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(lambda q, k, v: _alibi_mpt(q, k, v, query_too=True), q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "skipped" and not _ring_nodes(gm)
+    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v, query_too=True))
+
+
 UNREAD_FORMS = {
     # a bias we do not lift (T5 / DeBERTa-like relative terms: data, not a slope times positions)
     "learned_bias": lambda q, k, v, bias: F.softmax(q @ k.mT * 0.25 + bias, dim=-1) @ v,
@@ -216,6 +249,9 @@ def _hf_model(name):
         cfg = T.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                              multi_query=True, new_decoder_architecture=False, alibi=False, pad_token_id=0)
         return T.FalconForCausalLM(cfg)
+    if name == "mpt":  # ALiBi from a max_seq_len table, sliced to the keys
+        cfg = T.MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, pad_token_id=0)
+        return T.MptForCausalLM(cfg)
     raise ValueError(name)
 
 
@@ -245,7 +281,7 @@ def case_hf_parity(rank, world, name):
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name,world", [("gemma2", 2), ("gemma2", 4), ("falcon_mq", 2)])
+@pytest.mark.parametrize("name,world", [("gemma2", 2), ("gemma2", 4), ("falcon_mq", 2), ("mpt", 2)])
 def test_hf_model_matches_eager(pools, name, world):
     for errs, sites in pools(world).run(case_hf_parity, name, timeout=600):
         assert sites and all(decision == "rewritten" for decision, _, _ in sites), sites
@@ -254,6 +290,8 @@ def test_hf_model_matches_eager(pools, name, world):
         if name == "gemma2":  # the cap on every layer, the window on the sliding ones
             assert all(mask["softcap"] == 0.5 for _, _, mask in sites)
             assert sorted(mask["window"] or 0 for _, _, mask in sites) == [0, 8]
+        if name == "mpt":
+            assert all(mask["alibi"] for _, _, mask in sites)
 
 
 # ---------------------------------------------------------------------------------------
