@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	# PYTHONWARNINGS: setuptools warns about editable installs of mapped packages on every install
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)

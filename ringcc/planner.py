@@ -226,20 +226,19 @@ class MemoryPlan:
     def readable_peak(self, limit: int = 160) -> str:
         """'= formula' when it is short; else, for a linear plan, its straight line for long
         sequences at the plan's p (exact there: once p is fixed every term is piecewise linear in
-        n), or the growth of the culprits; with where to find the exact formula."""
+        n), or the growth of the culprits (the exact formula: `peak`, and `ringcc plan --json`)."""
         text = str(self.peak)
         if len(text) <= limit:
             return f"= {text}"
-        where = f"exact formula: {len(text)} characters, peak_formula in to_dict() / `ringcc plan --json`"
         world = self.hints.get(p)
         if not self.verdict:
             growth = ", ".join(sorted({c.growth for c in self.culprits})) or "faster than n/p"
-            return f"grows as {growth} ({where})"
+            return f"grows as {growth}"
         n1, n2 = 2**30, 2**31
         f1, f2 = self.peak_bytes(n1, world), self.peak_bytes(n2, world)
         slope = (f2 - f1) / (n2 - n1)
         intercept = f1 - slope * n1
-        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world} ({where})"
+        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world}"
 
     def summary(self) -> str:
         verdict = "O(n/p) holds" if self.verdict else "O(n/p) FAILS (" + ", ".join(c.name for c in self.culprits[:3]) + ")"
