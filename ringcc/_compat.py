@@ -180,7 +180,7 @@ class CudaDriver:
     cuStreamWriteValue32 (a stream writes one, after a system-wide fence); and the few
     stream calls the ring issues per batch (async copy, event record, stream wait on an event),
     which through the driver cost the host a few microseconds each instead of torch's tens
-    (host time by call site: benchmarks/ring_timeline.py --host-breakdown).
+    (host time measured per call site).
     Streams are raw handles (`torch.cuda.Stream.cuda_stream`; 0 is the current device's
     default stream, so callers make their device current)."""
 
@@ -292,3 +292,24 @@ def no_torch_function_subclass():
     """A context in which tensor subclasses' __torch_function__ is not called (their metadata
     is read as a plain tensor's)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def cpu_allocation_peak(step) -> int:
+    """The peak of the bytes a call of step() allocates beyond what exists before it, from the
+    CPU allocator's events as torch.profiler records them (compiled code included, unlike
+    dispatch modes); the events' list is the profiler's private kineto result."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    # kineto prints a "profiler_start" / "profiler_stop" line per profile below level 6; it
+    # reads the level when a process first profiles (a setting made earlier is kept)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for ev in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns()):
+        live += ev.nbytes()
+        peak = max(peak, live)
+    return peak
