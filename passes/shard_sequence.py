@@ -133,6 +133,7 @@ class Sharder:
         self.sources = info.sources
         self.p = ctx.world_size
         self.handoffs = {g: g.args[0] for g in handoff_gathers(gm, ctx)}
+        self._taken: list[torch.fx.Node] = []  # handoff gathers whose shard is taken as is
         sites = attention_nodes(gm)
         self.layout = (ctx.scratch.get("layout") if sites else None) or _resolve_layout(ctx, sites, self.handoffs)
         self.N: sympy.Expr = self._padded_length(ctx)  # rows held by all ranks together
@@ -268,6 +269,9 @@ class Sharder:
                 self.state[node] = self._visit(node)
             else:
                 self.state[node] = None
+        for node in self._taken:
+            node.replace_all_uses_with(node.args[0])
+            self.state[node.args[0]] = self.state.pop(node)
         for node, st in self.state.items():
             if isinstance(st, (Seq, tuple)) and node.graph is self.graph:
                 node.meta[STATE_META] = st
@@ -282,10 +286,10 @@ class Sharder:
             self.ctx.report.gathers.append(Gather(node=node.name, location=location(node), why=why))
             self.decisions.append(f"gather {node.name}: {why}")
             return self.seq_of_size(fake(node))
-        node.replace_all_uses_with(local)
-        self.state[local] = Seq(dim, self.N, sharded=True)
+        # the rules read the gather's (global) fake; its uses move to the shard after the walk
+        self._taken.append(node)
         self.decisions.append(f"handoff {local.name}@{dim}")
-        return None
+        return Seq(dim, self.N, sharded=True)
 
     def _visit(self, node: torch.fx.Node):
         ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple))]
@@ -1183,6 +1187,9 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     ctx.report.notes.append(f"sequence of {length} sharded over {ranks} ({w.layout} layout): "
                             f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
                             f"{len(ctx.report.gathers)} gathered")
+    taken = [d.split()[1] for d in w.decisions if d.startswith("handoff ")]
+    if taken:
+        ctx.report.notes.append(f"handoff: {', '.join(taken)} taken as shards (sharded outputs of another graph)")
     refresh_fakes(gm)
     return PassResult(True)
 

@@ -85,7 +85,7 @@ def case_sharded_outputs(rank, world):
 
 
 def test_sharded_outputs_gather_on_use(pools):
-    shapes = pools(2).run(case_sharded_outputs)
+    shapes = pools(2).run(case_sharded_outputs, timeout=600)
     assert shapes == [(2, 12, shard_models.VOCAB)] * 2
 
 
@@ -178,3 +178,34 @@ def test_ranks_with_different_ring_settings_fail_at_the_first_call(pools):
         assert m is not None and "ranks took different rewrite decisions" in m
         assert "RINGCC_RING_WORKSPACE_MIB=0" in m and "RINGCC_RING_WORKSPACE_MIB=64" in m
 
+
+
+def case_handoff(rank, world):
+    """A second ringcc graph reading the first one's sharded logits (a loss compiled on its
+    own, as after a graph break) takes the shard as is: no gather in either graph, exact."""
+    import torch.nn.functional as F
+
+    ref, model = shard_models.build("gpt"), shard_models.build("gpt")
+    backend = ringcc.backend(inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    loss_fn = torch.compile(lambda logits, labels: F.cross_entropy(logits.flatten(0, 1), labels.flatten()),
+                            backend=backend)
+    idx, labels = shard_models.batch("gpt", 24)
+    ringcc.reset_reports()
+    _, logits = compiled(idx, labels)
+    loss = loss_fn(logits, labels)
+    _, ref_logits = ref(idx, labels)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    assert not logits._full  # never gathered outside a graph
+    return [(len(r.gathers), r.plan.verdict, any("handoff" in n for n in r.notes)) for r in ringcc.reports()]
+
+
+def test_sharded_output_feeds_another_graph_as_a_shard(pools):
+    for facts in pools(2).run(case_handoff, timeout=600):
+        assert facts == [(0, True, False), (0, True, True)], facts

@@ -278,6 +278,7 @@ def matrix(rows: dict[str, dict], world: int) -> str:
     for arch in ZOO:
         res = rows.get(arch.name)
         if res is None:
+            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | not run in this generation |")
             continue
         if isinstance(res, str):
             lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | run failed: {res} |")
