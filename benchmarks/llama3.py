@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     gqa: str = "native"  # "native" (enable_gqa=True) or "repeat" (K/V repeated to the query heads)
+    vocab_chunks: int = 1  # the loss's logits in this many vocabulary chunks, each recomputed in backward
 
 
 TINY = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0)
@@ -90,17 +92,32 @@ class Block(nn.Module):
         return x_bsd + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
+def _logsumexp_of_logits(h_bsd, w_vd):
+    return torch.logsumexp(F.linear(h_bsd, w_vd).float(), dim=-1)
+
+
 class Head(nn.Module):
-    """Final norm, output projection (tied to the embedding) and the mean cross-entropy."""
+    """Final norm, output projection (tied to the embedding) and the mean cross-entropy. With
+    vocab_chunks > 1 the logits are made a vocabulary chunk at a time under
+    torch.utils.checkpoint (only each chunk's logsumexp is kept; at 128K tokens and a 128K
+    vocabulary the whole logits are 32 GiB in bf16): every op stays token-local."""
 
     def __init__(self, cfg: LlamaConfig, embedding: nn.Embedding):
         super().__init__()
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.embedding = embedding
+        self.vocab_chunks = cfg.vocab_chunks
 
     def forward(self, x_bsd, labels_bs):
-        logits = F.linear(self.norm(x_bsd), self.embedding.weight)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels_bs.flatten(0, 1))
+        h_bsd, w_vd = self.norm(x_bsd), self.embedding.weight
+        if self.vocab_chunks == 1:
+            return F.cross_entropy(F.linear(h_bsd, w_vd).flatten(0, 1).float(), labels_bs.flatten(0, 1))
+        lse_bs = None
+        for chunk in w_vd.chunk(self.vocab_chunks):
+            part = torch.utils.checkpoint.checkpoint(_logsumexp_of_logits, h_bsd, chunk, use_reentrant=False)
+            lse_bs = part if lse_bs is None else torch.logaddexp(lse_bs, part)
+        target_bs = (F.embedding(labels_bs, w_vd) * h_bsd).float().sum(-1)
+        return (lse_bs - target_bs).mean()
 
 
 class Llama(nn.Module):

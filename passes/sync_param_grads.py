@@ -82,11 +82,17 @@ def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     if not uses:
         return PassResult(False)
     index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    placeholders = [v for v in uses if v.op == "placeholder" and index[v] not in ctx.outer_reduced]
-    scaled = [v for v in uses if v.op == "placeholder" and index[v] in ctx.outer_reduced]
-    others = [v for v in uses if v.op != "placeholder"]
+
+    def averaged(v):  # a graph input the engine averages, or a value made from one alone (w.chunk(k))
+        while v.op != "placeholder" and len(v.all_input_nodes) == 1:
+            v = v.all_input_nodes[0]
+        return v.op == "placeholder" and index[v] in ctx.outer_reduced
+
+    placeholders = [v for v in uses if v.op == "placeholder" and not averaged(v)]
+    others = [v for v in uses if v.op != "placeholder" and not averaged(v)]
+    scaled = [v for v in uses if averaged(v)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for values, target in ((placeholders, SYNC_VIEW), (scaled, SCALE_VIEW)):
+    for values, target in ((placeholders, SYNC_VIEW), ([v for v in scaled if v.op == "placeholder"], SCALE_VIEW)):
         for bucket in _buckets(values, ctx.config.bucket_mb):
             # Just before the bucket's first use: in backward its all-reduce then runs as soon as
             # that use's backward has made the last of its cotangents (autograd runs the ready node
@@ -96,6 +102,9 @@ def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             _sync(gm, ctx, bucket, uses, first.prev, target)
     for v in others:
         _sync(gm, ctx, [v], uses, v, SYNC)
+    for v in scaled:
+        if v.op != "placeholder":
+            _sync(gm, ctx, [v], uses, v, SCALE_VIEW)
     decision = f"sync {len(placeholders) + len(others)} values in {len(_buckets(placeholders, ctx.config.bucket_mb))} buckets"
     if scaled:
         decision += f", scale {len(scaled)}"
