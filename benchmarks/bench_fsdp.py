@@ -373,8 +373,8 @@ def main(argv=None) -> None:
     info = None
     if dist.get_rank() == 0:
         print(table(records))
-        device = torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu"
-        info = {"device": f"{env.world} x {device}", "torch": torch.__version__, "world": env.world, "dp": env.dp,
+        device = f"{env.world} x {torch.cuda.get_device_name()}" if env.device.type == "cuda" else "cpu (smoke, gloo)"
+        info = {"device": device, "torch": torch.__version__, "world": env.world, "dp": env.dp,
                 "model": dataclasses.asdict(model_config(args, "native")), "checkpoint": not args.no_checkpoint,
                 "warmup": args.warmup, "reps": args.reps, "records": records}
     dist_setup.finish(info, args.json)
