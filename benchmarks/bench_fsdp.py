@@ -19,7 +19,8 @@ Methods:
   single  the same model without FSDP on rank 0 alone, at the whole length (dp x cp x
           tokens-per-GPU); "OOM" where it does not fit.
 Per method and size: tokens/s (global tokens per step over the median step), each rank's peak
-memory (max_memory_allocated over the measured steps), and one profiled step split into GPU time
+memory (max_memory_allocated over the measured steps), the loss of the last measured step (the
+same model and tokens in every method), and one more step, profiled, split into GPU time
 in attention kernels, in collectives (NCCL kernels and peer copies) and in other kernels, as
 shares of the step (collectives overlap compute, so the shares may add up past 1).
 
@@ -288,9 +289,14 @@ def run_cell(method: str, args, env: Env, n: int) -> dict:
                 if env.device.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                ms = [time_step(step, env.device, barrier=method != "single") for _ in range(args.reps)]
+                losses = []
+
+                def logged():
+                    losses.append(step())
+
+                ms = [time_step(logged, env.device, barrier=method != "single") for _ in range(args.reps)]
                 peak = torch.cuda.max_memory_allocated() if env.device.type == "cuda" else None
-                loss = float(step().detach())
+                loss = float(losses[-1].detach())
                 kinds = {} if args.no_profile else profile_step(step, env.device)
                 result = {"ms_steps": ms, "peak_bytes": peak, "loss": loss, "kinds_ms": kinds,
                           "notes": {k: (v() if callable(v) else v) for k, v in notes.items()}}
@@ -357,7 +363,10 @@ def table(records: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
+    from ringcc import _compat
+
     args = parse_args(argv)
+    _compat.raise_recompile_limit(4 * args.layers)  # never an eager fallback for some of the blocks
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
