@@ -183,7 +183,7 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
-               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size")
+               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync")
 
 
 def _from_env(cls) -> dict:

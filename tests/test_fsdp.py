@@ -78,7 +78,8 @@ def case_fsdp(rank, world, shape, names, shard_over, compile_mode, checkpoint, e
 
     torch.manual_seed(0)
     model = lm.Llama(cfg)
-    backend = ringcc.backend(ringcc.Config(mesh=device_mesh, axis="cp", inner="eager", grad_sync=grad_sync))
+    backend = ringcc.backend(ringcc.Config(mesh=device_mesh, axis="cp", inner="eager", grad_sync=grad_sync,
+                                           gather_outputs=True))
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
