@@ -262,6 +262,7 @@ class Env:
             m["ringcc"] = ringcc.__version__
         except Exception as e:  # noqa: BLE001 - recorded, the phase still runs its other methods
             m["ringcc"] = f"not importable: {e}"
+        m["commit"] = source_commit()
         if self.cuda:
             props = torch.cuda.get_device_properties(self.device)
             m.update(device=torch.cuda.get_device_name(self.device), device_total_memory=props.total_memory,
@@ -1430,13 +1431,27 @@ def format_table(res: dict) -> str:
     return "\n".join(out)
 
 
+def source_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when files differ from it), or None outside git."""
+    try:
+        git = ["git", "-C", str(HERE)]
+        sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode:
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def header(res: dict) -> str:
     ph = res["phases"]
     if not ph:
         return "no phases"
     dev = {(x.get("device"), x.get("gpus_visible")) for x in ph}
     return (f"device: {', '.join(f'{d} (x{g} visible)' if g else str(d) for d, g in dev)}; torch {ph[0]['torch']}; "
-            f"ringcc {ph[0].get('ringcc')}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
+            f"ringcc {ph[0].get('ringcc')}, commit {ph[0].get('commit') or '?'}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
             f"date {max(x['date'] for x in ph)}; worlds {sorted(x['world'] for x in ph)}; "
             f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}" + _runs_note(ph))
 

@@ -508,7 +508,7 @@ class _Interp:
         if t is aten.index.Tensor:  # export's spelling of x[i, j] with tensor indices
             return self._advanced_index(self.eval(args[0]), args[0], tuple(args[1]), node)
         if t is aten.slice.Tensor:
-            return self._full_slice(node)
+            return self._slice(node)
         if t in ("unsqueeze", torch.unsqueeze, aten.unsqueeze.default, "view", "reshape", torch.reshape,
                  aten.view.default, aten.reshape.default, "squeeze", aten.squeeze.dim):
             return self._reshape(node)
@@ -656,8 +656,10 @@ class _Interp:
             elif i is None:
                 out_pos += 1
             elif isinstance(i, slice):
-                if not (i.start in (None, 0) and i.step in (None, 1)):
-                    raise Unliftable("a slice that shifts or strides positions")
+                if i.step not in (None, 1):
+                    raise Unliftable("a slice that strides positions")
+                if i.start not in (None, 0):
+                    x = self._shift(x, len(mapping) - in_nd, i.start)
                 mapping.append(out_pos)
                 out_pos += 1
             else:
@@ -667,14 +669,27 @@ class _Interp:
             out_pos += 1
         return self._apply_map(x, self._dim_map(node, in_nd, mapping), node)
 
-    def _full_slice(self, node: torch.fx.Node) -> Any:
-        """aten.slice(x, dim, start, end) that keeps every element (export's x[:, :n])."""
+    def _shift(self, x: Any, dim: int, start: Any) -> Lin:
+        """x[..., start:] along trailing dim `dim`: element k is x's element start + k, which
+        only positions can say (c + a * k becomes c + a * start + a * k); the memo's _fit reads
+        the new length off the result."""
+        start = static_int(start)
+        if not isinstance(x, Lin) or start is None or start < 0:
+            raise Unliftable("a slice that drops or shifts mask positions")
+        return Lin(x.coefs, x.const + dict(x.coefs).get(dim, 0) * start, x.ndim, x.lengths)
+
+    def _slice(self, node: torch.fx.Node) -> Any:
+        """aten.slice(x, dim, start, end, step): one that keeps every element (export's
+        x[:, :n]) is x; of positions, x[..., start:end] is x shifted (_shift). Any other slice
+        of a mask is unliftable."""
         args = list(node.args) + [0, 0, None, None, 1][len(node.args):]
         x, dim, start, end, step = args[:5]
         size = fake(x).shape[dim]
         if start in (None, 0) and step == 1 and (end is None or same_size(fake(node).shape[dim], size)):
             return self.eval(x)
-        raise Unliftable("a slice that drops mask positions")
+        if step != 1:
+            raise Unliftable("a slice that strides positions")
+        return self._shift(self.eval(x), dim - fake(x).dim() if dim >= 0 else dim, start or 0)
 
     def _advanced_index(self, x: Any, base: torch.fx.Node, idx: tuple, node: torch.fx.Node) -> Any:
         """HF: t2d[batch_arange[:, None, None, None], kv_arange[None, None, None, :]] for a
@@ -836,11 +851,13 @@ class _Interp:
 
     def _diff(self, node: torch.fx.Node) -> Any:
         """diff(pos, dim=-1, prepend=pos[..., :1] - a) of positions c + a * k: a everywhere
-        (HF's packed-sequence detection on position ids that are a plain arange)."""
+        (HF's packed-sequence detection on position ids that are a plain arange). The first
+        element is pos[0] - (pos[0] - a) only when the prepend is that very value: a constant
+        along every dim (no batch term) equal to the first position minus the step."""
         x = self.eval(node.args[0])
-        dim = node.kwargs.get("dim", -1)
-        prepend = node.kwargs.get("prepend")
-        if node.kwargs.get("n", 1) != 1 or node.kwargs.get("append") is not None or len(node.args) > 1:
+        bound = dict(zip(("n", "dim", "prepend", "append"), node.args[1:]), **node.kwargs)
+        dim, prepend = bound.get("dim", -1), bound.get("prepend")
+        if bound.get("n", 1) != 1 or bound.get("append") is not None:
             raise Unliftable("diff with n / append")
         if not isinstance(x, Lin) or dim % self._ndim(node) != self._ndim(node) - 1 or prepend is None:
             raise Unliftable("diff of something other than positions")
@@ -850,7 +867,7 @@ class _Interp:
         a = coefs.get(-1, 0)
         p = self.eval(prepend)
         pv = fake(prepend)
-        if not isinstance(p, Lin) or not is_one(pv.shape[-1]) or p.const != x.const - a:
+        if not isinstance(p, Lin) or p.coefs or not is_one(pv.shape[-1]) or p.const != x.const - a:
             raise Unliftable("diff with a prepend that is not the first position minus the step")
         return Ind(TRUE, float(a), float(a), self._ndim(node))
 

@@ -180,7 +180,7 @@ class CudaDriver:
     cuStreamWriteValue32 (a stream writes one, after a system-wide fence); and the few
     stream calls the ring issues per batch (async copy, event record, stream wait on an event),
     which through the driver cost the host a few microseconds each instead of torch's tens
-    (host time by call site: benchmarks/ring_timeline.py --host-breakdown).
+    (host time measured per call site).
     Streams are raw handles (`torch.cuda.Stream.cuda_stream`; 0 is the current device's
     default stream, so callers make their device current)."""
 

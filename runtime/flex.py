@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ringcc import _compat
 
-from . import kernels
+from .dtypes import acc_dtype
 
 # Note [Flex blocks]
 # The fused cuDNN/flash kernels take no masks, so a masked bf16/fp16 block (key padding, a
@@ -249,7 +249,7 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
             return grads
         if dq is None:
             dq = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
-            dk, dv = (t.to(kernels.acc_dtype(k_bgsd.dtype)) for t in grads[1:])
+            dk, dv = (t.to(acc_dtype(k_bgsd.dtype)) for t in grads[1:])
         else:
             dk.add_(grads[1])
             dv.add_(grads[2])
@@ -261,7 +261,7 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
 def _grad_inputs(dout, out, o_blk, l_blk, lse):
     """(grad_o, grad_l) for autograd through the block's own (o, l) (Note [Flex blocks]). On
     CUDA it runs compiled (one fused pass); eager (CPU tests) it makes fp32 copies of dO's size."""
-    acc = kernels.acc_dtype(dout.dtype)
+    acc = acc_dtype(dout.dtype)
     # c = exp(l - L): 0 where the block's row saw no key (l = -inf) or no row key at all (L = +inf)
     c = (l_blk.to(acc) - lse.to(acc)).exp()
     grad_o = (dout.to(acc) * c[..., None]).to(dout.dtype)

@@ -32,9 +32,7 @@ import torch
 
 from ringcc import _compat
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .dtypes import acc_dtype
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ def _group_from(group_name: str, world_size: int, group=None):
 
 # The RingSetup of each call signature, made once: the rank, the head-chunk rule and the
 # settings it reads took about 100 µs of host per call on the GPU machines, before an idle
-# GPU gets its first kernel (benchmarks/call_latency.py). Keyed by the group object (a name can
+# GPU gets its first kernel. Keyed by the group object (a name can
 # come back for a new group after destroy_process_group), every input the rule reads, and the
 # settings it reads; cleared when it grows past a few hundred signatures.
 _SETUPS: dict = {}

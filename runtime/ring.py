@@ -281,8 +281,8 @@ def _skip_comm() -> bool:
 def copy_by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src), as an elementwise kernel on CUDA. A same-dtype copy would be a memcpy,
     done by the copy engines that also carry the ring's peer copies (Note [Copy-engine ring]),
-    so it may wait behind them. A/B on one 4 x H200 machine (ring_timeline.py, copy-engine
-    ring, default chunks): 16K tokens per GPU causal 32.45 -> 31.58 ms, 64K per GPU
+    so it may wait behind them. A/B on one 4 x H200 machine (copy-engine ring, default
+    chunks): 16K tokens per GPU causal 32.45 -> 31.58 ms, 64K per GPU
     non-causal 924.93 -> 920.61 ms. x * 1 is exact for every number (-0.0 included); a NaN
     stays a NaN."""
     if dst.is_cuda and dst.dtype == src.dtype and dst.dtype.is_floating_point:
@@ -316,7 +316,7 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # Note [Fewer passes]
 # Between the kernel calls the ring runs memory-bound passes over each head chunk (dQ/dK/dV
 # sums, merges, casts): they took 1.0-1.15 ms of a 14 ms step at 16K tokens per GPU, p = 2
-# (ring_timeline.py, kernel families), 0.4-0.46 ms with the rules below and the merge and the
+# (profiled, by kernel family), 0.4-0.46 ms with the rules below and the merge and the
 # add of two bf16 operands as Triton kernels (fused.py). The rules, all exact:
 # - A partial result that holds one block only (the first block's out, or its dQ/dK/dV) stays
 #   in the kernel's output dtype: widening it would add no information. It is widened inside

@@ -18,8 +18,8 @@ accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK
 accumulators, the dK/dV accumulator arriving from the previous rank and the one sent to the
 next (held by the transport until the batch is waited for), the held and next K/V, one block's
 gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
-Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
-bench_planner_gpu.py; results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
+Checked against the CUDA allocator (benchmarks/bench_planner_gpu.py, memory_snapshot.py;
+results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
 allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: gloo's
 contiguous copy of a sent accumulator (the CPU kernel returns gradients in its own [b, s, h, d]
 layout) may outlive the wait, the kernel copies dout into that layout, and it holds per-thread
@@ -73,6 +73,8 @@ from typing import Callable
 
 import sympy
 
+from .dilated_spec import DilatedSpec, chunk_pairs, dilated_comm_rows, dilated_kv_slots
+
 FP32 = 4
 
 
@@ -115,7 +117,7 @@ def _nbytes(t) -> sympy.Expr:
 
 
 def _acc_itemsize(itemsize: int) -> int:
-    """Bytes per element of the ring's accumulators (kernels.acc_dtype: fp64 for fp64, else fp32)."""
+    """Bytes per element of the ring's accumulators (dtypes.acc_dtype: fp64 for fp64, else fp32)."""
     return 8 if itemsize == 8 else FP32
 
 
@@ -567,16 +569,12 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
 
 
 def _dilated_spec(a: dict):
-    from .dilated import DilatedSpec
-
     return DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
 
 
 def _dilated_branches(a: dict, p, kv_range: tuple[int, int] | None = None):
     """Per branch taking part (in the head chunk of K/V heads kv_range, else in all heads):
     (w, r, rows sent per slot, K/V slots, query heads)."""
-    from .dilated import chunk_pairs, dilated_comm_rows, dilated_kv_slots
-
     q, k = a["q"], a["k"]
     h, g = int(q.shape[1]), int(k.shape[1])
     spec = _dilated_spec(a)
