@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-zoo clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,10 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not zoo and not soak" $(PYTEST_ARGS)
+
+test-zoo: $(STAMP)
+	$(PY) -m pytest -q -m "zoo and not gpu" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
