@@ -20,7 +20,7 @@ SELECT = torch.ops.ringcc.seq_select.default
 from ringcc.runtime.seqops import sync_grads_view as SYNC  # dynamo graphs (Note [Parameter copies])
 
 
-def rewrite(model, *inputs, world=2, **options):
+def rewrite(model, *inputs, world=2, dynamic=False, **options):
     """The rewritten graph and its report (running it needs a process group: not done here)."""
     graphs = []
     inner = ringcc.backend(ringcc.Config(world_size=world, inner="eager", verify=True, **options))
@@ -33,7 +33,7 @@ def rewrite(model, *inputs, world=2, **options):
     ringcc.reset_reports()
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="no process group is initialised"):
-        torch.compile(model, backend=backend, dynamic=False)(*inputs)
+        torch.compile(model, backend=backend, dynamic=dynamic)(*inputs)
     return graphs[0], ringcc.reports()[0]
 
 
@@ -187,6 +187,24 @@ def test_a_dtype_cast_of_a_float_input_is_sliced_before_the_cast():
     ring = next(n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default)
     assert all(t.requires_grad for t in ring.meta["example_value"][:1])
     assert ring.args[0].meta["example_value"].requires_grad
+
+
+@pytest.mark.parametrize("world,dynamic,expected", [
+    (1, False, "sequence of 8 tokens sharded over 1 rank "),
+    (2, True, "sequence of a dynamic length sharded over 2 ranks "),
+])
+def test_sharding_note_reads_as_words(world, dynamic, expected):
+    """The report's sharding note names a symbolic length as such, not by its symbol (s27)."""
+    if world == 1:  # p = 1 runs without a process group
+        ringcc.reset_reports()
+        torch._dynamo.reset()
+        torch.compile(Pooled("mean"), backend=ringcc.backend(ringcc.Config(world_size=1, inner="eager")))(
+            torch.randn(2, 8, 16))
+        rep = ringcc.reports()[0]
+    else:
+        _, rep = rewrite(Pooled("mean"), torch.randn(2, 8, 16), world=world, dynamic=dynamic)
+    (note,) = [n for n in rep.notes if n.startswith("sequence of")]
+    assert note.startswith(expected), note
 
 
 class FlatResidual(nn.Module):
