@@ -286,6 +286,7 @@ def run_cell(method: str, args, env: Env, n: int) -> dict:
     rec["tokens_per_step"] = n * env.world  # dp sequences of n * cp tokens (one GPU: the same batch)
     result = None
     if active:
+        torch.compiler.reset()  # every cell compiles afresh, at its own static shapes
         try:
             with FACTORIES[method](args, env, n) as (step, notes):
                 for _ in range(args.warmup):
