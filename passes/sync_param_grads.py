@@ -37,7 +37,7 @@ def _sharded(state) -> bool:
     return state is not None and state.sharded
 
 
-def _computes_on_shards(node: torch.fx.Node) -> bool:
+def computes_on_shards(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     t = node.target
@@ -57,7 +57,7 @@ def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(False)
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        if not _computes_on_shards(node):
+        if not computes_on_shards(node):
             continue
         for a in node.all_input_nodes:
             if _needs_sync(a):
