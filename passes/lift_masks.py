@@ -39,7 +39,7 @@ import torch.fx
 
 from ringcc.report import SkipReason
 
-from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
+from .attention_form import (MASK_META, MODS_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
                              fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size, static_float,
                              static_int)
 from .base import PassContext, PassResult, written_between
@@ -70,6 +70,8 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         node.meta[MASK_META] = lifted
         site.mask = lifted.spec()
+        if MODS_META in node.meta:
+            site.mask.update(node.meta[MODS_META].spec())
     return PassResult(modified)
 
 
@@ -79,6 +81,12 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 
 def _undo_gqa_repeat(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     call = SdpaCall.of(node)
+    if _broadcast_heads(call):
+        # K/V with one head broadcast to the query heads by SDPA itself (Falcon's multi-query
+        # form): the same attention as enable_gqa=True, every query head on kv head 0.
+        call.enable_gqa = True
+        node.args, node.kwargs = call.args_kwargs(is_aten_graph(gm))
+        return True
     ks, vs = _repeat_source(call.k), _repeat_source(call.v)
     if ks is None or vs is None or ks[1] != vs[1]:
         return False
@@ -89,12 +97,29 @@ def _undo_gqa_repeat(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return True
 
 
+def _broadcast_heads(call: SdpaCall) -> bool:
+    """q with h > 1 heads, k and v with one head each and enable_gqa off: SDPA broadcasts them."""
+    qv, kv, vv = fake(call.q), fake(call.k), fake(call.v)
+    if call.enable_gqa is not False or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+        return False
+    return is_one(kv.shape[1]) and is_one(vv.shape[1]) and isinstance(qv.shape[1], int) and qv.shape[1] > 1
+
+
 def _repeat_source(x: Any) -> Optional[tuple[torch.fx.Node, int]]:
-    """(source [b, g, n, d], r) when x repeats each of its g heads r times consecutively."""
+    """(source [b, g, n, d], r) when x repeats each of its g heads r times consecutively
+    (repeat_interleave, HF's expand + reshape, or one head expanded: multi-query)."""
     if not isinstance(x, torch.fx.Node) or x.op not in ("call_function", "call_method"):
         return None
     xv = fake(x)
     if not isinstance(xv, torch.Tensor) or xv.dim() != 4:
+        return None
+    if x.target in ("expand", aten.expand.default):
+        src = x.args[0]
+        sv = fake(src)
+        if (isinstance(src, torch.fx.Node) and isinstance(sv, torch.Tensor) and sv.dim() == 4 and is_one(sv.shape[1])
+                and isinstance(xv.shape[1], int) and same_shape(sv.shape[2:], xv.shape[2:])
+                and same_size(sv.shape[0], xv.shape[0])):
+            return src, xv.shape[1]
         return None
     if x.target in (torch.repeat_interleave, "repeat_interleave", aten.repeat_interleave.self_int):
         src = x.args[0]

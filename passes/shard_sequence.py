@@ -1102,7 +1102,9 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     # dynamic shapes) is gone with it: the report lists what the graph does
     alive = {node.name for node in gm.graph.nodes}
     ctx.report.gathers[:] = [g for g in ctx.report.gathers if g.node in alive]
-    ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
+    length = f"{w.n} tokens" if str(w.n).isdigit() else "a dynamic length"
+    ranks = "1 rank" if w.p == 1 else f"{w.p} ranks"
+    ctx.report.notes.append(f"sequence of {length} sharded over {ranks} ({w.layout} layout): "
                             f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
                             f"{len(ctx.report.gathers)} gathered")
     refresh_fakes(gm)

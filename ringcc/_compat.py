@@ -281,3 +281,24 @@ def boxed_graph(gm: torch.fx.GraphModule, _example_inputs=None):
 
     run._boxed_call = True
     return run
+
+
+def cpu_allocation_peak(step) -> int:
+    """The peak of the bytes a call of step() allocates beyond what exists before it, from the
+    CPU allocator's events as torch.profiler records them (compiled code included, unlike
+    dispatch modes); the events' list is the profiler's private kineto result."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    # kineto prints a "profiler_start" / "profiler_stop" line per profile below level 6; it
+    # reads the level when a process first profiles (a setting made earlier is kept)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for ev in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns()):
+        live += ev.nbytes()
+        peak = max(peak, live)
+    return peak

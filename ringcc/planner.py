@@ -226,20 +226,19 @@ class MemoryPlan:
     def readable_peak(self, limit: int = 160) -> str:
         """'= formula' when it is short; else, for a linear plan, its straight line for long
         sequences at the plan's p (exact there: once p is fixed every term is piecewise linear in
-        n), or the growth of the culprits; with where to find the exact formula."""
+        n), or the growth of the culprits (the exact formula: `peak`, and `ringcc plan --json`)."""
         text = str(self.peak)
         if len(text) <= limit:
             return f"= {text}"
-        where = f"exact formula: {len(text)} characters, peak_formula in to_dict() / `ringcc plan --json`"
         world = self.hints.get(p)
         if not self.verdict:
             growth = ", ".join(sorted({c.growth for c in self.culprits})) or "faster than n/p"
-            return f"grows as {growth} ({where})"
+            return f"grows as {growth}"
         n1, n2 = 2**30, 2**31
         f1, f2 = self.peak_bytes(n1, world), self.peak_bytes(n2, world)
         slope = (f2 - f1) / (n2 - n1)
         intercept = f1 - slope * n1
-        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world} ({where})"
+        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world}"
 
     def summary(self) -> str:
         verdict = "O(n/p) holds" if self.verdict else "O(n/p) FAILS (" + ", ".join(c.name for c in self.culprits[:3]) + ")"
@@ -1086,6 +1085,23 @@ def _verdict(candidates, plans: Iterable[NodePlan]):
 # the backend's entry
 
 
+def _skipped_sites_fail(plan: MemoryPlan, report) -> None:
+    """A skipped attention site runs dense attention as the user wrote it, on the full
+    sequence on every rank (its [b, h, n, n] scores, or a fused kernel over all n keys): the
+    plan names it a culprit and the verdict fails, whatever the rest of the graph holds. (The
+    graph's nodes alone may not show it: a fused SDPA kernel's workspace is not in its output.)"""
+    from ringcc.report import SkipReason
+
+    skipped = [s for s in report.skipped if s.reason is not SkipReason.NOT_SEQUENCE]
+    if not skipped:
+        return
+    plan.verdict = False
+    plan.culprits[:0] = [Culprit(s.node, s.location, "dense attention over the full sequence", "n**2",
+                                 f"skipped attention site ({s.reason.value})") for s in skipped]
+    plan.reasons.append(f"{len(skipped)} attention site(s) skipped: they run dense attention on the full sequence "
+                        "on every rank")
+
+
 def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
     """Plan a graph the pipeline rewrote (the backend calls this after the passes): the
     sequence length comes from discover_sequence (ctx.scratch["seq"]), the plan goes to
@@ -1107,6 +1123,7 @@ def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
     except ValueError as e:  # no sequence found: sizes stay constants, say so
         plan = plan_graph(gm, world_size=ctx.world_size, symbols={}, graph_name=ctx.report.graph, compiled=compiled)
         plan.reasons.append(f"no sequence length identified ({e})")
+    _skipped_sites_fail(plan, ctx.report)
     ctx.report.plan = plan
     if ctx.config.require_linear_memory and not plan.verdict:
         names = "; ".join(str(c) for c in plan.culprits[:MAX_LISTED]) or "; ".join(plan.reasons)

@@ -425,6 +425,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
       (kernels._row_chunks);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
+    Blocks with a score modifier (softcap, alibi_slopes: Note [Score modifiers] in kernels.py)
+    count as masked ones (flex_attention, or the math path, which they take on CPU too), with
+    one more scores-sized buffer per call (the ALiBi bias, or the cap's tanh kept for backward).
     Zero for unmasked half-precision blocks."""
     from .kernels import MASKED_CALL_BYTES, masked_kernel
 
@@ -432,10 +435,11 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     b, h, s, d = q.shape
     zero = sympy.Integer(0)
     acc = _acc_itemsize(q.itemsize)
-    if q.device_type == "cuda":
-        if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
+    modified = bool(a.get("softcap")) or a.get("alibi_slopes") is not None
+    if q.device_type == "cuda" or modified:
+        if kv_mask is None and not window and q.itemsize == 2 and not modified:  # fp16/bf16: the fused kernels
             return zero, zero
-        if q.itemsize == 2 and masked_kernel() == "flex":
+        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex":
             return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows
@@ -448,8 +452,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
         kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
         masks = 2 * b * plane
         build = lambda held: sympy.Max(0, 9 * plane - held) if window else zero  # noqa: E731
-        return (2 * kv32 + scores + masks + build(scores) + 2 * row_bytes,
-                4 * kv32 + 2 * scores + masks + build(2 * scores) + 4 * row_bytes)
+        mod = scores if modified else zero
+        return (2 * kv32 + scores + mod + masks + build(scores) + 2 * row_bytes,
+                4 * kv32 + 2 * scores + mod + masks + build(2 * scores) + 4 * row_bytes)
     if not (window or (kv_mask is not None and a.get("is_causal"))):
         return zero, zero
     mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)
