@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import operator
 import os
 import sys
 
@@ -169,19 +170,38 @@ def _torch_level_spellings(gm) -> None:
     """Respell the aten ops whose export form the sharding rules do not read as the torch
     calls dynamo records (the re-export lowers them back to the same aten ops):
     aten.embedding takes (weight, indices), F.embedding (indices, weight); aten's
-    cross_entropy_loss takes the reduction as an enum int. Without this both still run
-    correctly, but on full-length values (the memory plan names them)."""
+    cross_entropy_loss takes the reduction as an enum int; aten.slice and aten.select are
+    x[..., a:b] and x[..., i]. Without this both still run
+    correctly, but on full-length values (the memory plan names them). Export's
+    `_assert_tensor_metadata` checks (a dtype / device per `.to()`) are dropped: they have
+    no sharding rule, so each would gather its sequence-carrying input, and the re-export
+    records them again on the rewritten values."""
     import torch
     import torch.nn.functional as F
 
     aten = torch.ops.aten
     reductions = {0: "none", 1: "mean", 2: "sum"}
     for node in list(gm.graph.nodes):
-        if node.target is aten.embedding.default:
-            weight, indices, *options = node.args  # padding_idx, scale_grad_by_freq, sparse
-            if node.kwargs or any(a != default for a, default in zip(options, (-1, False, False))):
-                continue
-            new = (F.embedding, (indices, weight), {})
+        if node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
+        if node.target is aten.slice.Tensor and not node.kwargs:  # x[..., start:end:step]; end INT64_MAX: open
+            x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+            end = None if end == sys.maxsize else end
+            cut = slice(start, end, None if step == 1 else step)
+            index = (slice(None),) * dim + (cut,) if dim >= 0 else (Ellipsis, cut) + (slice(None),) * (-dim - 1)
+            new = (operator.getitem, (x, index), {})
+        elif node.target is aten.select.int and not node.kwargs:  # x[..., i]
+            x, dim, i = node.args
+            index = (slice(None),) * dim + (i,) if dim >= 0 else (Ellipsis, i) + (slice(None),) * (-dim - 1)
+            new = (operator.getitem, (x, index), {})
+        elif node.target is aten.embedding.default:
+            names = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
+            bound = dict(zip(names, node.args), **node.kwargs)
+            padding_idx = bound.get("padding_idx", -1)  # HF's word embeddings have one: no gradient for that row
+            new = (F.embedding, (bound["indices"], bound["weight"]),
+                   dict(padding_idx=None if padding_idx == -1 else padding_idx,
+                        scale_grad_by_freq=bound.get("scale_grad_by_freq", False), sparse=bound.get("sparse", False)))
         elif node.target is aten.cross_entropy_loss.default:
             names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
             bound = dict(zip(names, node.args), **node.kwargs)
