@@ -178,3 +178,30 @@ def test_undecidable_tie_asks_for_a_mark():
                        r".*\). Say which: ringcc.mark_sequence\(x, dim\) .* or Config\(seq_dim=...\)"):
         compiled(torch.randn(8, 8, 32))
     torch._dynamo.reset()
+
+
+# -- different sequence lengths on different ranks in a compiled model ----------------------------
+
+
+def case_compiled_lengths(rank, world, first_common):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(CausalLayer(tokens=True), backend=ringcc.backend(inner="eager"), dynamic=False)
+    if first_common:
+        compiled(torch.randint(0, 50, (3, 8)))  # a common first step
+    t0 = time.monotonic()
+    try:
+        compiled(torch.randint(0, 50, (3, 8 if rank == 0 else 12)))
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    seconds = time.monotonic() - t0
+    ok = compiled(torch.randint(0, 50, (3, 8))).shape  # the ranks go on together
+    return outcome, seconds, tuple(ok)
+
+
+@pytest.mark.parametrize("first_common", [False, True])
+def test_different_lengths_on_ranks_raise_on_every_rank(pools, first_common):
+    for outcome, seconds, shape in pools(2).run(case_compiled_lengths, first_common, timeout=300):
+        assert "ranks called" in outcome and "with inputs of different shapes" in outcome, outcome
+        assert seconds < 60 and shape == (3, 8, 32)
