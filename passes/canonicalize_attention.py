@@ -583,10 +583,10 @@ def _eval_bias(node: Any, depth: int):
         raise _NotAlibi
     if _is(node, ARANGE_FUNCS):
         args = [static_float(a) for a in node.args]
-        if None in args or node.kwargs.get("step", 1) != 1 and len(args) < 3:
+        if not args or None in args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
             raise _NotAlibi
-        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1.0)
-        return _Pos(-1, float(node.kwargs.get("step", step)), start)
+        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) == 3 else 1.0)
+        return _Pos(-1, step, start)
     if _is_cast(node):
         return _eval_bias(node.args[0], depth + 1)
     if _is(node, VIEW_FUNCS, VIEW_METHODS) or (node.op == "call_function" and node.target is operator.getitem):
@@ -608,7 +608,7 @@ def _eval_bias(node: Any, depth: int):
     # a per-head vector: a value with one dim of size > 1, computed from constants only
     sizes = [static_int(x) for x in val.shape]
     big = [i for i, x in enumerate(sizes) if x != 1]
-    if len(big) == 1 and sizes[big[0]] is not None and not _has_placeholder_input(node):
+    if len(big) == 1 and sizes[big[0]] is not None and val.is_floating_point() and not _has_placeholder_input(node):
         return _Head(node, big[0] - val.dim())
     raise _NotAlibi
 
