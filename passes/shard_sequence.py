@@ -197,19 +197,24 @@ class Sharder:
         key = (src, st.dim, int(front), int(back), pad_value)
         if key in self._shards and not written_between(src, self._shards[key], self.cur):
             return self._shards[key]  # (a write to src in between needs a new shard)
+        # Every node made here gets its state: a shard without one would read as a replicated
+        # value consumed by sharded work, whose cotangent sync_param_grads all-reduces.
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
+            self.state[x] = Seq(d, st.length)
         if front or back:
             # cat with filled blocks, not F.pad: F.pad's fake guards on the (symbolic) length
             pieces = ([self._fill(x, d, int(front), pad_value)] if front else []) + [x] + \
                 ([self._fill(x, d, int(back), pad_value)] if back else [])
             x = self.new(torch.cat, pieces, d)
+            self.state[x] = Seq(d, self.N)
         x = self.new(SHARD, x, d, *self.comm)
+        self.state[x] = Seq(d, st.length, start=front, sharded=True)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
+            self.state[x] = Seq(st.dim, st.length, st.outer, start=front, sharded=True)
         self._shards[key] = x
-        self.state[x] = Seq(st.dim, st.length, st.outer, sharded=True)
         self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
         return x
 
@@ -225,9 +230,12 @@ class Sharder:
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
+            self.state[x] = Seq(d, st.length, start=st.start, sharded=True)
         x = self.new(GATHER, x, d, *self.comm)
+        self.state[x] = Seq(d, self.N)
         if not self.full(st):
             x = self.new("narrow", x, d, self.size(st.start), self.size(st.length), method=True)
+            self.state[x] = Seq(d, st.length)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
         self._gathers[src] = x
@@ -870,7 +878,10 @@ def reduce_rule(w: Sharder, node):
         rows = w.new(torch.ones, (w.size(st.length),), dtype=fake(x).dtype)
         rows = w.shard(rows, Seq(0, st.length), st)  # 1 on the window's rows, 0 elsewhere
         shape = [-1 if d == st.dim else 1 for d in range(nd)]
-        node.replace_input_with(x, w.new(operator.mul, x, w.new("view", rows, *shape, method=True)))
+        rows = w.new("view", rows, *shape, method=True)
+        masked = w.new(operator.mul, x, rows)
+        w.state[rows], w.state[masked] = Seq(st.dim, st.length, start=st.start, sharded=True), st
+        node.replace_input_with(x, masked)
         if name == "mean":
             node.target = "sum" if node.op == "call_method" else torch.sum
         divisor = int(count)
@@ -1025,7 +1036,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1072,6 +1083,7 @@ RULES: dict[str, Rule] = {
     # reductions over the sequence: local reduction + all-reduce
     "sum": Rule(reduce_rule, unary=True),
     "mean": Rule(reduce_rule, unary=True),
+    "logsumexp": Rule(reduce_rule, unary=True),  # token-local over a feature dim (a chunked loss)
     "cross_entropy": Rule(cross_entropy_rule),
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),

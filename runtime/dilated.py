@@ -21,7 +21,7 @@ view x[:, h0:h1:step, offset::r] (`pieces`), so a branch's compressed tensor is 
 copy per run of heads (none when it takes every row of every head, r = 1), and gradients go
 back by strided in-place adds: no index tensors, no gather / index_add kernels (on 4 x H200 the
 index kernels were 40% of the dilated time at 1M tokens; replacing them made fwd+bwd 1.2-1.4x
-faster, benchmarks/RESULTS.md, session 7). Causal masking inside a segment is the causal
+faster). Causal masking inside a segment is the causal
 diagonal of the compressed block. K/V are gathered per *slot* = (kv head, offset):
 GQA query heads that share a kv head and an offset share a slot, so K/V keep their own
 (fewer) heads where the offsets allow. Query heads are ordered slot-major, so a slot serves

@@ -609,7 +609,7 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     Later steps differ by rank (a block may get one call, several, or none and be forwarded as
     it came): the accumulator's dtype. Sending what happened to be at hand
     broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
-    copy-engine ring; benchmarks/RESULTS.md, session 12)."""
+    copy-engine ring)."""
     if (step == 0 and not wide_first) or acc.dtype == adt:
         return acc
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
