@@ -1,6 +1,8 @@
 """Find the sequence: its length n (from the attention sites) and the graph inputs carrying it.
 
-n is q's length (dim 2) at the ring attention sites; every site must agree. Under dynamic
+n is q's length (dim 2) at the ring attention sites; every site must agree. A graph without
+attention (a model's head compiled on its own) is sharded when inputs are marked with
+`ringcc.mark_sequence(x, dim)`: their marked dim's size is n. Under dynamic
 shapes n is a symbol and a dim carries the sequence iff its size *is* that expression; with
 constant sizes an input dim of size n is taken only when it is the input's one such dim
 (a batch or head dim equal to n makes it ambiguous: `ringcc.mark_sequence(x, dim)` or
@@ -64,18 +66,27 @@ def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     sites = attention_nodes(gm)
-    if not sites:
-        ctx.scratch.pop("seq", None)
-        return PassResult(False)
-    lengths = {expr(fake(s.args[0]).shape[2]) for s in sites}
-    if len(lengths) != 1:
-        raise ValueError(
-            f"attention sites in one graph attend over different lengths {sorted(map(str, lengths))}; "
-            "ringcc shards one sequence per graph: compile the parts separately or set Config(shard=False)")
-    n = lengths.pop()
-    info = SeqInfo(n=n)
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
     inputs = list(ctx.example_inputs) if len(ctx.example_inputs) == len(placeholders) else [None] * len(placeholders)
+    if sites:
+        lengths = {expr(fake(s.args[0]).shape[2]) for s in sites}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"attention sites in one graph attend over different lengths {sorted(map(str, lengths))}; "
+                "ringcc shards one sequence per graph: compile the parts separately or set Config(shard=False)")
+    else:
+        # No attention (a model's head compiled on its own): the inputs marked with
+        # ringcc.mark_sequence say the sequence and its length.
+        lengths = {expr(fake(node).shape[marked_dim(real)]) for node, real in zip(placeholders, inputs)
+                   if marked_dim(real) is not None and isinstance(fake(node), torch.Tensor)}
+        if len(lengths) > 1:
+            raise ValueError(f"inputs marked with ringcc.mark_sequence have different lengths {sorted(map(str, lengths))} "
+                             "at their marked dims; ringcc shards one sequence per graph")
+        if not lengths:
+            ctx.scratch.pop("seq", None)
+            return PassResult(False)
+    n = lengths.pop()
+    info = SeqInfo(n=n)
     for node, real in zip(placeholders, inputs):
         val = fake(node)
         if not isinstance(val, torch.Tensor) or isinstance(real, torch.nn.Parameter) or "_buffers_" in node.name:

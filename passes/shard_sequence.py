@@ -1036,7 +1036,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1083,6 +1083,7 @@ RULES: dict[str, Rule] = {
     # reductions over the sequence: local reduction + all-reduce
     "sum": Rule(reduce_rule, unary=True),
     "mean": Rule(reduce_rule, unary=True),
+    "logsumexp": Rule(reduce_rule, unary=True),  # token-local over a feature dim (a chunked loss)
     "cross_entropy": Rule(cross_entropy_rule),
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),

@@ -26,16 +26,57 @@ from ringcc.runtime.ops import schedule_settings
 _graph_ids = itertools.count()
 
 
+def sequence_group(config: Config):
+    """The process group the sequence is sharded over: Config.group, or the `axis` dimension of
+    Config.mesh (None: WORLD)."""
+    if config.mesh is None:
+        return config.group
+    return config.mesh.get_group(config.axis) if config.axis is not None else config.mesh.get_group()
+
+
 def _world(config: Config) -> tuple[int, str]:
     if config.world_size is not None:
         name = ""
         if dist.is_available() and dist.is_initialized():
-            name = _compat.group_name(config.group)
+            name = _compat.group_name(sequence_group(config))
         return config.world_size, name
     if not config.shard or not (dist.is_available() and dist.is_initialized()):
         return 1, ""
-    group = config.group if config.group is not None else dist.group.WORLD
+    group = sequence_group(config)
+    group = group if group is not None else dist.group.WORLD
     return dist.get_world_size(group), _compat.group_name(group)
+
+
+def _outer_reduced(example_inputs, config: Config, world: int) -> frozenset:
+    """Graph inputs whose gradients a data-parallel engine averages over the whole sequence group
+    (Note [Gradients under data parallelism]); an engine that covers the group but does not
+    reduce by the plain mean leaves no way to know the divisor: an error asking for grad_sync."""
+    if config.grad_sync == "all_reduce" or world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return frozenset()
+    group = sequence_group(config)
+    mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    found = _compat.data_parallel_means(list(example_inputs))
+    covering = set()
+    for i, (ranks, mean) in found.items():
+        if mine <= set(ranks):
+            if not mean and config.grad_sync == "auto":
+                raise ValueError(
+                    f"a data-parallel engine reduces gradients over ranks {sorted(ranks)}, which include the "
+                    f"sequence group's ranks {sorted(mine)}, with a divisor other than its size (FSDP2's "
+                    "set_gradient_divide_factor or set_force_sum_reduction_for_comms): ringcc cannot tell which "
+                    "share to give it. Set Config.grad_sync='outer' (the engine divides the sum by the whole "
+                    "group's size, and ringcc scales each share by p) or 'all_reduce' (ringcc sums over the "
+                    "sequence group first)")
+            covering.add(i)
+        elif config.grad_sync == "outer" and len(mine & set(ranks)) == 1:
+            raise ValueError(
+                f"Config.grad_sync='outer', but a data-parallel engine reduces graph input {i}'s gradient over "
+                f"ranks {sorted(ranks)}, none of them in this rank's sequence group {sorted(mine)} but itself: "
+                "nothing would sum the sequence shards' gradients. Use grad_sync='auto' or 'all_reduce'")
+    if config.grad_sync == "outer":
+        params = {i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)}
+        return frozenset(params | covering)
+    return frozenset(covering)
 
 
 def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -57,7 +98,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     world, name = _world(config)
     report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
     ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
-                      example_inputs=list(example_inputs))
+                      example_inputs=list(example_inputs), outer_reduced=_outer_reduced(example_inputs, config, world))
     gm = run_pipeline(gm, ctx)
     _plan(gm, ctx)
     record(report)
@@ -83,7 +124,7 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     def run(*args):
         nonlocal done
         if not done:
-            check_rank_consistency(decisions, config.group, graph)
+            check_rank_consistency(decisions, sequence_group(config), graph)
             done = True
         return compiled(*args)
 
