@@ -50,7 +50,8 @@ METHODS = ("ringcc", "cp", "single")
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens-per-gpu", type=int, nargs="+", default=[32768])
+    ap.add_argument("--tokens-per-gpu", type=int, nargs="+", default=[32768],
+                    help="sizes, each a separate cell per method (one GPU runs tokens-per-GPU x world)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {METHODS}")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size; cp = world / dp")
     ap.add_argument("--layers", type=int, default=16)
@@ -285,6 +286,7 @@ def run_cell(method: str, args, env: Env, n: int) -> dict:
     rec["tokens_per_step"] = n * env.world  # dp sequences of n * cp tokens (one GPU: the same batch)
     result = None
     if active:
+        torch.compiler.reset()  # every cell compiles afresh, at its own static shapes
         try:
             with FACTORIES[method](args, env, n) as (step, notes):
                 for _ in range(args.warmup):
@@ -347,9 +349,10 @@ def time_step(step, device, barrier: bool) -> float:
 
 def table(records: list[dict]) -> str:
     head = f"{'method':8} {'tok/GPU':>8} {'tokens/s':>11} {'ms/step':>9} {'peak GiB (max rank)':>20} " \
-           f"{'attn':>6} {'coll':>6} {'other':>6}  vs cp"
+           f"{'attn':>6} {'coll':>6} {'other':>6}  {'vs cp':>6} {'vs 1 GPU':>8}"
     lines = [head, "-" * len(head)]
     cp = {r["tokens_per_gpu"]: r for r in records if r["method"] == "cp" and r["status"] == "ok"}
+    one = {r["tokens_per_gpu"]: r for r in records if r["method"] == "single" and r["status"] == "ok"}
     for r in records:
         if r["status"] != "ok":
             lines.append(f"{r['method']:8} {r['tokens_per_gpu']:>8} {r['status']:>11}")
@@ -358,10 +361,10 @@ def table(records: list[dict]) -> str:
         peak = f"{max(peaks) / 2**30:.2f}" if peaks else "-"
         sh = r.get("shares", {})
         shares = " ".join(f"{sh[k]:6.2f}" if k in sh else f"{'-':>6}" for k in ("attention", "collectives", "other"))
-        base = cp.get(r["tokens_per_gpu"])
-        vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        vs = [f"{r['tokens_per_s'] / base[r['tokens_per_gpu']]['tokens_per_s']:.2f}x"
+              if r["tokens_per_gpu"] in base else "-" for base in (cp, one)]
         lines.append(f"{r['method']:8} {r['tokens_per_gpu']:>8} {r['tokens_per_s']:>11.0f} {r['ms']:>9.1f} "
-                     f"{peak:>20} {shares}  {vs}")
+                     f"{peak:>20} {shares}  {vs[0]:>6} {vs[1]:>8}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
 from ringcc.runtime.ops import schedule_settings
+from ringcc.runtime.ring import check_no_launcher
 
 _graph_ids = itertools.count()
 
@@ -40,7 +41,11 @@ def _world(config: Config) -> tuple[int, str]:
         if dist.is_available() and dist.is_initialized():
             name = _compat.group_name(sequence_group(config))
         return config.world_size, name
-    if not config.shard or not (dist.is_available() and dist.is_initialized()):
+    if not config.shard:
+        return 1, ""
+    if not (dist.is_available() and dist.is_initialized()):
+        check_no_launcher("torch.compile(backend='ringcc')",
+                          remedy=", or pass Config(world_size=1) (options={'world_size': 1}) to compile for one rank")
         return 1, ""
     group = sequence_group(config)
     group = group if group is not None else dist.group.WORLD

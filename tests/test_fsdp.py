@@ -63,6 +63,7 @@ def case_fsdp(rank, world, shape, names, shard_over, compile_mode, checkpoint, e
     import ringcc
 
     lm = llama3()
+    torch.compiler.reset()  # each case compiles afresh (the pool's processes outlive cases)
     device_mesh, flat = mesh(shape, names)
     dp_mesh = {"dp": device_mesh["dp"], "dp_cp": flat}[shard_over]
     dp, dp_rank = device_mesh["dp"].size(), device_mesh["dp"].get_local_rank()
