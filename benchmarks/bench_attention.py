@@ -27,7 +27,7 @@ Note [Benchmark metrics]
   first warm-up, cheap cells get one more. Two timings per cell:
   - "from idle" (ms, TF/s, eff): each iteration starts after a barrier and a wait for the GPU,
     so it pays the host's latency to its first kernel and the GPU's start from idle (on 1 x
-    H200, 11% of a 28 ms single-GPU step, benchmarks/RESULTS.md session 11): a fixed cost that
+    H200, 11% of a 28 ms single-GPU step): a fixed cost that
     weighs more on short per-GPU steps. About --target-seconds of iterations, at most --reps, at
     least 3 in cells of up to MEDIAN_OF_3_MAX_S seconds.
   - "back to back" (b2b ms, b2b eff): after one barrier and an untimed lead iteration, the
@@ -755,7 +755,7 @@ def plan_iters(t_iter: float, args) -> tuple[int, int]:
     transport and the allocator's pool. Timed: about --target-seconds of iterations, at most
     --reps, and at least 3 (a median) for cells of up to MEDIAN_OF_3_MAX_S: one iteration of a
     1 s cell differed from the back-to-back median by more than the methods compared differ
-    (session 13: 912.09 vs 924.44 ms, where context parallel took 916.41)."""
+    (912.09 vs 924.44 ms, where context parallel took 916.41)."""
     warm = 0 if t_iter >= 1.0 else min(10, max(1, int(0.25 / max(t_iter, 1e-9))))
     iters = int(args.target_seconds / max(t_iter, 1e-9))
     if t_iter <= MEDIAN_OF_3_MAX_S:
@@ -877,7 +877,7 @@ def base_record(cell: Cell, env: Env, mode: str | None) -> dict:
 # A multi-rank cell runs only where the peaks measured at shorter lengths predict at most this
 # share of the device: the allocated peak leaves out the CUDA context, NCCL's buffers and the
 # allocator's fragmentation. At 92% a GQA dilated cell predicted at 89% (125 of 140 GiB, 4 x
-# H200, session 6) ran out of memory on some ranks, and the others waited in NCCL until its
+# H200) ran out of memory on some ranks, and the others waited in NCCL until its
 # timeout ended the phase.
 MULTI_RANK_PEAK_LIMIT = 0.80
 
@@ -1008,7 +1008,7 @@ def _maxlen_capacity(env: Env) -> float | None:
 # Note [Max-length probes]
 # Each probe is its own torchrun job: one MHA causal fwd+bwd at one length. A rank that runs out
 # of memory writes a marker and exits at once; torchrun then stops its peers, which may be
-# waiting in NCCL for it (in one process that wait is a hang: run 5 of RESULTS.md). So every
+# waiting in NCCL for it (in one process that wait is a hang). So every
 # length is really run, at p > 1 too, and the answer is the largest that ran. Subprocesses also
 # let each probe start with the allocator configuration under test (PYTORCH_CUDA_ALLOC_CONF is
 # read once, at the first CUDA allocation). ringcc's ring probes run at its leanest setting (one
@@ -1187,7 +1187,7 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                           + (f" (reserved {probe['peak_reserved'] / GiB:.2f} GiB)" if "peak_reserved" in probe else "")
                           + (f" ({probe['detail']})" if probe["outcome"] in ("error", "timeout") else ""), flush=True)
                     # expandable segments map 2 MiB pages: a few MiB past the cap is the cap (the
-                    # 4-GPU run of session 6 saw +10 MiB at 8 GiB)
+                    # 4-GPU run saw +10 MiB at 8 GiB)
                     if probe["outcome"] == "fits" and probe["peak_reserved"] > capacity + CAP_SLACK:
                         why["stop"] = why["invalid"] = (f"the cap was not enforced (n={n} reserved "
                                                         f"{probe['peak_reserved']} bytes > {capacity:.0f})")

@@ -78,18 +78,12 @@ def run(args) -> int:
 
 
 def _init(rank, world, port):
-    import threading
-
     import torch
     import torch.distributed as dist
 
-    try:  # tqdm's default lock is a multiprocessing one, whose semaphore each worker would leak
-        from tqdm import tqdm
+    from ringcc.launch import thread_lock_for_tqdm
 
-        tqdm.set_lock(threading.RLock())
-    except ImportError:
-        pass
-
+    thread_lock_for_tqdm()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=5))

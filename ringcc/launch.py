@@ -42,7 +42,22 @@ def exit_worker(results=None) -> None:
     os._exit(0)
 
 
+def thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock in a spawned worker. Its default is a multiprocessing lock, a
+    semaphore that a worker leaving through os._exit (exit_worker) never releases: Python's
+    resource tracker then warns about leaked semaphores at shutdown. Libraries create bars
+    (transformers' weight loading), so every worker sets this before its work."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _spawned(rank: int, world: int, port: int, fn, args: tuple, kwargs: dict, results) -> None:
+    thread_lock_for_tqdm()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -31,8 +31,7 @@ a receive area of a header and two slots of the largest batch, which stays alloc
 the op (outside torch's caching allocator on torch 2.11; comm.py measures which): the
 workspace then leaves the received blocks out, and `Workspace.area_*` gives the area, which
 the planner counts once per graph as resident. Counting received blocks per phase instead
-under-predicted a training step on 4 x H200 by 12-38% once the area was measured (RESULTS.md,
-session 9). The head-chunk rule decides on the per-phase numbers on every transport, so the
+under-predicted a training step on 4 x H200 by 12-38% once the area was measured. The head-chunk rule decides on the per-phase numbers on every transport, so the
 chunks (and the measured schedules) do not depend on the transport.
 
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
@@ -152,9 +151,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     the outputs are allocated once up front; the chunk's K/V slice is made contiguous to be
     sent), and the bytes of one batch it sends per step. With `area` the received blocks land
     in the copy-engine receive area (`receive_area`), so the workspace leaves them out. With
-    `rule`, the numbers the head-chunk rule decides on, unchanged since it was tuned (on GPU,
-    sessions 2-13; the CPU terms, session 19): every arriving accumulator counted in fp32, none
-    in flight counted (the plan's own accounting of both is session 20's)."""
+    `rule`, the numbers the head-chunk rule decides on, as they were tuned on GPU (and the CPU
+    terms on CPU): every arriving accumulator counted in fp32, none in flight counted (the
+    plan's own accounting counts both as they are)."""
     b, h, s, d = q.shape
     acc = _acc_itemsize(q.itemsize)  # the accumulators' dtype (fp64 for fp64 inputs, else fp32)
     rows_f32 = sympy.Integer(acc) * b * h * s  # one [b, h, s] accumulator-dtype tensor
@@ -230,9 +229,8 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     own = one * kv if chunked else 0
     # The accumulator sent after the step before, during this step's kernels: the copy-engine
     # ring holds its sources and gloo's work its contiguous copy until the batch is waited for,
-    # after the kernels (measured on CUDA, benchmarks/RESULTS.md session 20). NCCL's buffer may
-    # be booked free as soon as the ring lets go of it (its stream only keeps it from reuse): a
-    # bound there, not measured since the ring lets go (session 20).
+    # after the kernels (measured on CUDA). NCCL's buffer may be booked free as soon as the ring
+    # lets go of it (its stream only keeps it from reuse): a bound there, not measured.
     sent = 0 if rule else hop
     phases = [
         dq_acc + own + next_kv + block_first + (home if chunked else 0),
@@ -245,7 +243,7 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         # CPU kernel returns its gradients in its own [b, s, h, d] layout) some time after the
         # batch is waited for, so it may outlive its phase; the kernel also copies dout into
         # that layout. Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
-        # (the rule's: the sent accumulator and gloo's copy in every phase, as tuned in session 19;
+        # (the rule's: the sent accumulator and gloo's copy in every phase, as tuned;
         # the plan's: the copy beside phase 1's `sent`, which it outlives)
         linger = [2 * one * dkv_acc] * 4 if rule else [hop, 0, hop, hop]
         phases = [ph + extra for ph, extra in zip(phases, linger)]
@@ -337,7 +335,7 @@ def default_dilated_budget(q: TensorSize, k: TensorSize):
     kernels, one hop after another), so chunks there cost time and save little memory. On
     4 x H200 at 256K tokens (p = 4, LongNet, bf16) whole heads instead of the ring budget's 4
     chunks made every cell faster, by 1.03-1.44x (MHA causal fwd+bwd 39.6-43.5 -> 32.3-32.5
-    ms), for 1.2 GiB (MHA) and 2.2 GiB (GQA) more per rank (RESULTS.md, session 13). From 1M tokens
+    ms), for 1.2 GiB (MHA) and 2.2 GiB (GQA) more per rank. From 1M tokens
     on 4 GPUs the ring's budget is about as large or larger, so the floor changes little there."""
     return sympy.Max(default_ring_budget(q, k), DILATED_BUDGET_FLOOR)
 
@@ -722,6 +720,16 @@ def sync_grads(a: dict, p) -> Workspace:
     return Workspace(sympy.Integer(0), 3 * sum((x.nbytes for x in xs), sympy.Integer(0)))
 
 
+def scale_grads(a: dict, p) -> Workspace:
+    """A bucket's gradient scaling (runtime/seqops.py): its backward makes the scaled copies of
+    the bucket's cotangents at once: one bucket."""
+    xs = a.get("xs", next(iter(a.values()), None))
+    xs = [xs] if isinstance(xs, TensorSize) else list(xs or ())
+    if not all(isinstance(x, TensorSize) for x in xs):
+        return Workspace()
+    return Workspace(sympy.Integer(0), sum((x.nbytes for x in xs), sympy.Integer(0)))
+
+
 # Op name (as the planner normalises it) -> formula.
 FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "ringcc::ring_attention": ring_attention,
@@ -731,4 +739,5 @@ FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "pow": pow_,
     "ringcc::sync_grads": sync_grads,
     "sync_grads_view": sync_grads,
+    "scale_grads_view": scale_grads,
 }

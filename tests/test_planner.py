@@ -444,8 +444,8 @@ def test_ring_training_step_stays_within_its_plan_on_gloo(pools):
     worker threads drop a finished batch's tensors some time after wait() returns, so how many
     of them are still held at the peak varies (at one intra-op thread part of the rest lies
     outside the ring, in the backward's sums of the CPU kernel's gradients: 0.8 MB over the plan).
-    Session 20 let the ring drop its own reference to a sent accumulator once the transport has
-    it (the 2 MiB of the non-causal case's peak)."""
+    The ring drops its own reference to a sent accumulator once the transport has it (2 MiB of
+    the non-causal case's peak)."""
     steady = pools(2).run(case_ring_step_within_plan, 8, 32, 1024, False)
     assert all(1.0 <= r <= 1.1 for r in steady), steady
     varying = pools(2).run(case_ring_step_within_plan, 16, 64, 512, True)
@@ -813,7 +813,7 @@ def test_key_runs_table_takes_no_device_bytes():
 
 
 def test_cli_node_names_read_as_module_paths():
-    from ringcc.planner_cli import readable_name
+    from ringcc.planner import readable_name
 
     assert readable_name("l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_") == "self.blocks.0.qkv.weight"
     assert readable_name("L_x_") == "x" and readable_name("linear_3") == "linear_3"
