@@ -4,14 +4,16 @@ n is q's length (dim 2) at the ring attention sites; every site must agree. A gr
 attention (a model's head compiled on its own) is sharded when inputs are marked with
 `ringcc.mark_sequence(x, dim)`: their marked dim's size is n. Under dynamic
 shapes n is a symbol and a dim carries the sequence iff its size *is* that expression; with
-constant sizes an input dim of size n is taken only when it is the input's one such dim
-(a batch or head dim equal to n makes it ambiguous: `ringcc.mark_sequence(x, dim)` or
-`Config(seq_dim=...)` says which). Parameters and buffers are never sources here; buffers
-sliced to n (BERT's position ids) and factories (arange) become sources during propagation,
-where the shape flow decides, and anything the walk misses is picked up where it meets a
-shard (see shard_sequence.py).
+constant sizes an input dim of size n is taken when it is the input's one such dim. An input
+with several (a batch, head or feature dim equal to n) is ambiguous: `ringcc.mark_sequence(x,
+dim)` or `Config(seq_dim=...)` says which, else shard_sequence traces which of them becomes
+attention's sequence dim (Note [Ambiguous inputs] there) and stops with an error when it cannot
+tell. Parameters and buffers are never sources here; buffers sliced to n (BERT's position ids)
+and factories (arange) become sources during propagation, where the shape flow decides, and
+anything the walk misses is picked up where it meets a shard (see shard_sequence.py).
 
-Writes ctx.scratch["seq"]: SeqInfo(n, sources={placeholder name: dim}).
+Writes ctx.scratch["seq"]: SeqInfo(n, sources={placeholder name: dim}, ambiguous={placeholder
+name: candidate dims}).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ ATTENTION_OPS = ("ring_attention", "dilated_attention")
 class SeqInfo:
     n: sympy.Expr  # global sequence length (an integer or a symbol expression)
     sources: dict[str, int] = field(default_factory=dict)  # placeholder name -> sequence dim
+    ambiguous: dict[str, list[int]] = field(default_factory=dict)  # placeholder name -> dims of size n
 
 
 def fake(node):
@@ -92,13 +95,16 @@ def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if not isinstance(val, torch.Tensor) or isinstance(real, torch.nn.Parameter) or "_buffers_" in node.name:
             continue
         dim = _input_dim(node, val, real, n, ctx)
-        if dim is not None:
+        if isinstance(dim, list):
+            info.ambiguous[node.name] = dim
+        elif dim is not None:
             info.sources[node.name] = dim
     ctx.scratch["seq"] = info
     return PassResult(False)
 
 
-def _input_dim(node, val, real, n, ctx) -> int | None:
+def _input_dim(node, val, real, n, ctx) -> int | list[int] | None:
+    """The input's sequence dim; None: it has none; a list: several candidates."""
     dim = marked_dim(real) if real is not None else None
     if dim is None and ctx.config.seq_dim is not None:
         dim = ctx.config.seq_dim
@@ -112,12 +118,6 @@ def _input_dim(node, val, real, n, ctx) -> int | None:
                 f"but the attention sites attend over n={n}; mark the dim of length {n}")
         return dim
     dims = [d for d in range(val.dim()) if same(val.shape[d], n)]
-    if len(dims) == 1:
-        return dims[0]
-    if len(dims) > 1 and not n.is_Integer:
+    if not dims:
         return None
-    if len(dims) > 1:
-        ctx.report.notes.append(
-            f"input {node.name} {tuple(val.shape)} has several dims of size n={n}; it is not taken as a "
-            "sequence input (ringcc.mark_sequence(x, dim) or Config(seq_dim=...) says which)")
-    return None
+    return dims[0] if len(dims) == 1 else dims

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,9 @@ from ringcc.config import Config
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
-from ringcc.runtime.ops import schedule_settings
+from ringcc.runtime.comm import group_extremes
+from ringcc.runtime.ops import checks_every_call, schedule_settings
+from ringcc.runtime.ring import check_no_launcher
 
 _graph_ids = itertools.count()
 
@@ -40,7 +43,11 @@ def _world(config: Config) -> tuple[int, str]:
         if dist.is_available() and dist.is_initialized():
             name = _compat.group_name(sequence_group(config))
         return config.world_size, name
-    if not config.shard or not (dist.is_available() and dist.is_initialized()):
+    if not config.shard:
+        return 1, ""
+    if not (dist.is_available() and dist.is_initialized()):
+        check_no_launcher("torch.compile(backend='ringcc')",
+                          remedy=", or pass Config(world_size=1) (options={'world_size': 1}) to compile for one rank")
         return 1, ""
     group = sequence_group(config)
     group = group if group is not None else dist.group.WORLD
@@ -117,12 +124,16 @@ def fingerprint(decisions: list[str]) -> str:
 
 def _checked_first_call(compiled, decisions: list[str], config: Config, graph: str):
     """Compare the rewrite decisions across ranks once, at the first call (passes make no
-    process-group calls; a mismatch must be an error, not a hang in the first collective)."""
+    process-group calls; a mismatch must be an error, not a hang in the first collective).
+    Before that, on every call, the ranks compare their inputs' shapes (`check_same_inputs`):
+    a rank called with another sequence length runs another graph, or this one with other
+    sizes, and its first collective would not match the others'."""
     done = False
 
     @functools.wraps(compiled)
     def run(*args):
         nonlocal done
+        check_same_inputs(args[0] if getattr(run, "_boxed_call", False) else args, config.group, graph)
         if not done:
             check_rank_consistency(decisions, sequence_group(config), graph)
             done = True
@@ -132,6 +143,27 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
+
+
+def check_same_inputs(inputs, group, graph: str = "graph") -> None:
+    """Every rank must call a compiled graph with inputs of the same shapes (the full inputs, as
+    eager code would). One all-reduce of two int64 per call where the functional API checks
+    every call too (CPU; CUDA at TORCH_DISTRIBUTED_DEBUG=DETAIL: `checks_every_call`)."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    cuda = any(t.is_cuda for t in tensors)
+    if not checks_every_call(cuda):
+        return
+    shapes = ";".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
+                      for x in inputs if isinstance(x, (torch.Tensor, int, torch.SymInt)))
+    code = zlib.crc32(shapes.encode()) & 0x7FFFFFFF
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ((lo, hi),) = group_extremes([code], group, device)
+    if lo != code or hi != code:
+        mine = [tuple(t.shape) for t in tensors if t.dim() > 0 and not isinstance(t, torch.nn.Parameter)][:4]
+        raise ValueError(
+            f"ringcc ranks called {graph} with inputs of different shapes (this rank {dist.get_rank(group)}: "
+            f"{mine}...); every rank must pass the same full inputs (the same batch and sequence length), as "
+            "eager code would")
 
 
 def check_rank_consistency(decisions: list[str], group=None, graph: str = "graph") -> None:

@@ -118,14 +118,18 @@ def test_sharded_values_have_n_over_p_rows():
     assert sum(1 for s in states if not isinstance(s, tuple) and s.sharded) > 20
 
 
-def test_batch_equal_to_length_needs_a_mark():
-    """With batch == n the ids' sequence dim is ambiguous: the note says so, and the
-    embedding output is sliced where it meets the positions (correct, but computed in
-    full); marking the dim slices the ids before the embedding."""
+def test_batch_equal_to_length_is_traced_to_the_attention_sites():
+    """With batch == n the ids' sequence dim is the one that becomes attention's sequence dim
+    (Note [Ambiguous inputs]): the ids are sliced before the embedding. The labels feed no
+    attention site: a note, and they are sliced where they meet the logits' shard. Marking
+    the dims gives the same graph."""
     model = shard_models.build("gpt")
     idx, labels = (torch.randint(0, shard_models.VOCAB, (8, 8)) for _ in range(2))
     gm, rep = rewrite(model, idx, labels)
-    assert any("several dims of size n=8" in note for note in rep.notes)
+    assert any("dim 1 is the sequence" in note and "l_idx_" in note for note in rep.notes), rep.notes
+    assert any("several dims of size n=8 and does not feed the attention sites" in note for note in rep.notes)
+    first_shard = next(n for n in gm.graph.nodes if n.target is SHARD)
+    assert first_shard.args[0].op == "placeholder" and first_shard.args[1] == 1
     ringcc.mark_sequence(idx, 1)
     ringcc.mark_sequence(labels, 1)
     gm, rep = rewrite(model, idx, labels)
