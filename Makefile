@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-zoo zoo-matrix clean
+.PHONY: setup demo test test-zoo test-soak zoo-matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test: $(STAMP)
 
 test-zoo: $(STAMP)
 	$(PY) -m pytest -q -m "zoo" $(PYTEST_ARGS)
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m "soak and not gpu" $(PYTEST_ARGS)
 
 # docs/compatibility.md from a run of the model zoo (tests/zoo.py)
 zoo-matrix: $(STAMP)

@@ -20,7 +20,15 @@ A @ B with A = q (optionally scaled) and B = k^T (optionally scaled). k is B's t
 source when B transposes the last two dims, else a new transpose of B. Every intermediate
 must have no other user: a probability or score tensor used elsewhere is not replaced
 (WEIGHTS_USED). Training dropout is left as the user wrote it (reason DROPOUT) so that the
-random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1.
+random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1, unless the
+scores are viewed as [b, h, n, n] around the softmax and the probabilities back as [b * h, n, n]
+(Bloom): then q / k / v are viewed as [b, h, n, d] the same way.
+Score modifiers SDPA cannot say are read too and kept in the site's ScoreMods (attention_form):
+a soft-cap c * tanh(s / c) of the scaled scores, with the mask after it (a mask inside the cap
+is a recorded skip), and an ALiBi bias (Note [ALiBi bias]). Such a site's canonical node is a
+shadow of the user's nodes (attention_form.REPLACES_META).
+A softmax that weights values with q.k scores in a form not read here is still recorded, as a
+skipped site with where the scores came from (`_scores_of_q_k`): no attention goes unreported.
 """
 
 from __future__ import annotations
@@ -249,6 +257,9 @@ class _Manual:
     reused: list[str] = field(default_factory=list)
     dead: list[torch.fx.Node] = field(default_factory=list)
     mods: ScoreMods = field(default_factory=ScoreMods)
+    # (b, h) when q / k / v / P @ v are [b * h, n, d] and the scores are viewed as [b, h, n, n]
+    # around the softmax (Bloom): the site is canonicalised in 4-D
+    split: Optional[tuple[int, int]] = None
 
 
 def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: PassContext) -> bool:
@@ -280,6 +291,11 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             if m.mask_scale.syms:
                 raise ValueError("an additive mask under a symbolic scale")
             mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale.const)
+        if m.split is not None:  # [b * h, n, d] -> [b, h, n, d], as the scores' view splits them
+            bsz, heads = m.split
+            four = (lambda x: b.call(torch.reshape, x, (bsz, heads) + tuple(fake(x).shape[1:]))) if not is_aten_graph(gm) \
+                else (lambda x: b.call(aten.reshape.default, x, [bsz, heads] + list(fake(x).shape[1:])))
+            q, k, v = four(q), four(k), four(v)
         three_d = fake(q).dim() == 3
         if three_d:
             unsq = (lambda x: b.call(torch.unsqueeze, x, 0)) if not is_aten_graph(gm) else (lambda x: b.call(aten.unsqueeze.default, x, 0))
@@ -291,13 +307,16 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         out = b.sdpa(call, "manual")
         if three_d:
             out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
+        if m.split is not None:  # back to the user's [b * h, n, d]
+            out = b.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, out,
+                         tuple(fake(m.out).shape) if not is_aten_graph(gm) else list(fake(m.out).shape))
         if not same_shape(fake(out).shape, fake(m.out).shape) or fake(out).dtype != fake(m.out).dtype:
             raise ValueError("canonical attention does not reproduce the site's output")
     except Exception as e:  # noqa: BLE001 - what SDPA does not take stays the user's code, recorded
         _erase_new(gm, PASS, m.out)
         _skip_site(ctx, m.out, "manual", SkipReason.SHAPE, f"not expressible as one SDPA call: {e}"[:300])
         return False
-    sdpa = out if not three_d else out.args[0]
+    sdpa = out if not (three_d or m.split) else out.args[0]
     if isinstance(m.mods.alibi_slopes, _SlopesPlan):
         plan = m.mods.alibi_slopes
         bb = Builder(gm, sdpa, PASS)
@@ -336,12 +355,12 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
     if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
         return None
     reused: list[str] = []
-    # forward: softmax -> casts / dropout -> P @ v
-    p, dropout = softmax, None
+    # forward: softmax -> casts / dropout (/ a view merging batch and heads) -> P @ v
+    p, dropout, merged, split = softmax, None, False, None
     while True:
         users = real_users(p)
         nxt = [u for u in users if _is_cast(u) or _is(u, DROPOUT_FUNCS, ("dropout",))
-               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p)]
+               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p) or (not merged and _merges_heads(p, u))]
         if len(nxt) != 1:
             return None
         if len(users) > 1:
@@ -355,6 +374,8 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         elif _is(u, MATMUL_FUNCS, MATMUL_METHODS):
             out, v = u, u.args[1]
             break
+        elif _merges_heads(p, u):
+            merged = True
         p = u
     # backward: scores -> casts / scales / one mask / one soft-cap -> A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
@@ -393,6 +414,18 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         if _is(s, MATMUL_FUNCS, MATMUL_METHODS) and len(s.args) == 2:
             a, bt = s.args
             break
+        if split is None and merged and _merges_heads(s, None):
+            split = tuple(fake(s).shape[:2])
+            s = s.args[0]
+            continue
+        if _is(s, BADDBMM_FUNCS, ("baddbmm",)) and split is not None and mask is not None:
+            found = _merged_alibi_baddbmm(s, split)
+            if found is not None:
+                if not scale.is_one or mods.alibi_slopes is not None or mods.softcap is not None:
+                    return "attention scores get an ALiBi bias under a scale, a soft-cap or a second bias"
+                a, bt, alpha, mods.alibi_slopes = found
+                scale = _Scale(alpha)
+                break
         if _is(s, BADDBMM_FUNCS, ("baddbmm",)):
             found = _baddbmm(s, mask)
             if found is None:
@@ -413,12 +446,56 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         k_inner, ck2 = _scaled(k)
         k, ck = k_inner, ck * ck2
     qv, ktv, vv = fake(q), fake(kt), fake(v)
-    if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == xv.dim()):
+    if merged != (split is not None):
+        return "a view merging batch and heads on one side of the softmax only"
+    want = 3 if split is not None else xv.dim()
+    if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == want):
         return None
     if not same_size(qv.shape[-1], ktv.shape[-2]) or not same_size(ktv.shape[-1], vv.shape[-2]):
         return None
     return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, mask_scale=mask_scale,
-                   dropout=dropout, reused=reused, mods=mods)
+                   dropout=dropout, reused=reused, mods=mods, split=split)
+
+
+def _merges_heads(x: torch.fx.Node, u: Optional[torch.fx.Node]) -> bool:
+    """u (or x itself, when u is None: x = view(its input)) views a [b, h, n, m] value as
+    [b * h, n, m] (u is None: a [b * h, n, m] one as [b, h, n, m]) with static b and h."""
+    if u is None:
+        u, x = x, x.args[0] if x.args else None
+        big, small = fake(u), fake(x)
+    else:
+        big, small = fake(x), fake(u)
+    if not _is(u, VIEW_FUNCS, ("view", "reshape")) or not isinstance(big, torch.Tensor) \
+            or not isinstance(small, torch.Tensor) or big.dim() != 4 or small.dim() != 3:
+        return False
+    b, h = static_int(big.shape[0]), static_int(big.shape[1])
+    return (b is not None and h is not None and static_int(small.shape[0]) == b * h
+            and same_shape(big.shape[2:], small.shape[1:]))
+
+
+def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
+    """(a, b, alpha, slopes) of baddbmm(bias, a, b, beta=1, alpha=alpha) whose bias is an ALiBi
+    bias [h, 1, n] repeated over the batch, [b * h, 1, n] (Bloom: Note [ALiBi bias])."""
+    args = list(node.args) + [None] * 2
+    inp = node.kwargs.get("input", args[0])
+    a, bt = node.kwargs.get("batch1", args[1]), node.kwargs.get("batch2", args[2])
+    beta, alpha = static_float(node.kwargs.get("beta", 1.0)), static_float(node.kwargs.get("alpha", 1.0))
+    if beta != 1 or alpha is None or alpha <= 0 or not isinstance(a, torch.fx.Node) or not isinstance(bt, torch.fx.Node):
+        return None
+    while _is_cast(inp):
+        inp = inp.args[0]
+    if not _is(inp, (), ("repeat",)) or [static_int(r) for r in inp.args[1:]] != [split[0], 1, 1]:
+        return None
+    x, xv = inp.args[0], fake(inp.args[0])
+    if not isinstance(xv, torch.Tensor) or xv.dim() != 3 or static_int(xv.shape[0]) != split[1] or not is_one(xv.shape[1]):
+        return None
+    try:
+        val = _eval_bias(x, 0)
+    except _NotAlibi:
+        return None
+    if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0):
+        return None
+    return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef)
 
 
 # Note [ALiBi bias]
@@ -506,10 +583,10 @@ def _eval_bias(node: Any, depth: int):
         raise _NotAlibi
     if _is(node, ARANGE_FUNCS):
         args = [static_float(a) for a in node.args]
-        if None in args or node.kwargs.get("step", 1) != 1 and len(args) < 3:
+        if not args or None in args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
             raise _NotAlibi
-        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1.0)
-        return _Pos(-1, float(node.kwargs.get("step", step)), start)
+        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) == 3 else 1.0)
+        return _Pos(-1, step, start)
     if _is_cast(node):
         return _eval_bias(node.args[0], depth + 1)
     if _is(node, VIEW_FUNCS, VIEW_METHODS) or (node.op == "call_function" and node.target is operator.getitem):
@@ -531,7 +608,7 @@ def _eval_bias(node: Any, depth: int):
     # a per-head vector: a value with one dim of size > 1, computed from constants only
     sizes = [static_int(x) for x in val.shape]
     big = [i for i, x in enumerate(sizes) if x != 1]
-    if len(big) == 1 and sizes[big[0]] is not None and not _has_placeholder_input(node):
+    if len(big) == 1 and sizes[big[0]] is not None and val.is_floating_point() and not _has_placeholder_input(node):
         return _Head(node, big[0] - val.dim())
     raise _NotAlibi
 
@@ -749,12 +826,14 @@ def _reaches_matmul(node: Any, depth: int = 6) -> bool:
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node):
             return False
-        if _is(node, MATMUL_FUNCS, MATMUL_METHODS):
+        if _is(node, MATMUL_FUNCS + BADDBMM_FUNCS, MATMUL_METHODS + ("baddbmm",)):
             return True
         inner, c = _scaled(node)
         cap = _softcap_of(node)
         if cap is not None:
             node = cap[0]
+        elif _merges_heads(node, None):
+            node = node.args[0]
         elif inner is not node:
             node = inner
         elif _is_cast(node):

@@ -64,6 +64,7 @@ Note [Memory plan]
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Optional
@@ -281,14 +282,15 @@ class MemoryPlan:
 
     def format(self, budget_bytes: int | None = None) -> str:
         subs = self._subs()
-        name_w = min(36, max([len(x.name) for x in self.nodes] + [4]))
+        names = {x.name: readable_name(x.name) for x in self.nodes}
+        name_w = min(40, max([len(x) for x in names.values()] + [4]))
         op_w = min(32, max([len(x.op) for x in self.nodes] + [2]))
         lines = [f"memory plan of {self.graph} for p = {self.world_size} "
                  f"(n = {subs.get(n)}, {'training' if self.training else 'inference'})",
                  f"  {'node':{name_w}}  {'op':{op_w}}  {'bytes':>10}  {'live':>9}  size"]
         for nd in self.nodes:
             if nd.alias_of:
-                size = f"= {nd.alias_of}"
+                size = f"= {readable_name(nd.alias_of)}"
             elif nd.static:
                 size = "static"
             else:
@@ -298,8 +300,10 @@ class MemoryPlan:
                 extra = f"  [+ workspace fwd {_fmt_bytes(_evaluate(nd.workspace.forward, subs))}, " \
                         f"bwd {_fmt_bytes(_evaluate(nd.workspace.backward, subs))}]"
             saved = " saved" if nd.saved else ""
-            lines.append(f"  {nd.name[:name_w]:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
-                         f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}")
+            name = names[nd.name] if len(names[nd.name]) <= name_w else "..." + names[nd.name][3 - name_w:]
+            lines.append(f"  {name:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
+                         f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}"
+                         + ("" if nd.location.startswith("<") else f"  ({nd.location})"))
         lines.append(f"  static (parameters{', gradients' if self.training else ''}): {self.static} = "
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
         if self.area != 0:
@@ -312,11 +316,19 @@ class MemoryPlan:
         lines.extend(f"    - {r}" for r in self.reasons)
         lines.extend(f"    culprit: {c}" for c in self.culprits[:MAX_LISTED])
         if len(self.culprits) > MAX_LISTED:
-            lines.append(f"    ... and {len(self.culprits) - MAX_LISTED} more culprits (see to_dict())")
+            lines.append(f"    ... and {len(self.culprits) - MAX_LISTED} more culprits (`ringcc plan --json` lists every one)")
         if budget_bytes is not None:
             lines.append(f"  longest sequence within {_fmt_bytes(budget_bytes)} per rank at p = {subs.get(p)}: "
                          f"n = {self.max_sequence(budget_bytes)}")
         return "\n".join(lines)
+
+
+def readable_name(name: str) -> str:
+    """A graph node's name as the module path it came from: dynamo names parameters and inputs
+    like l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ (self.blocks.0.qkv.weight)."""
+    text = re.sub(r"^[lL]_", "", name)
+    text = re.sub(r"_(modules|parameters|buffers)_", ".", text)
+    return text.rstrip("_") or name
 
 
 def _fmt_bytes(x: int) -> str:

@@ -340,14 +340,6 @@ def _plan(args, static, model, inputs, options, trace_len) -> int:
 SHOWN_NODES = 10  # nodes listed by default, the largest at N
 
 
-def readable_name(name: str) -> str:
-    """A graph node's name as the module path it came from: dynamo names parameters and inputs
-    like l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ (self.blocks.0.qkv.weight)."""
-    text = re.sub(r"^[lL]_", "", name)
-    text = re.sub(r"_(modules|parameters|buffers)_", ".", text)
-    return text.rstrip("_") or name
-
-
 def _ranks(p: int) -> str:
     return "1 rank" if p == 1 else f"{p} ranks"
 
@@ -355,7 +347,7 @@ def _ranks(p: int) -> str:
 def format_plan(args, plans, reports, data: dict) -> str:
     """The answer first (verdict, peak at N, longest length for the budget), then what breaks
     the verdict, then the largest nodes of the graph with the largest peak."""
-    from ringcc.planner import _fmt_bytes
+    from ringcc.planner import _fmt_bytes, readable_name
 
     n_, p_ = args.seq_len, args.world_size
     lead = max(range(len(plans)), key=lambda i: plans[i].peak_bytes())
@@ -391,7 +383,7 @@ def format_plan(args, plans, reports, data: dict) -> str:
             name = readable_name(r["name"])
             name = name if len(name) <= name_w else "..." + name[-(name_w - 3):]
             lines.append(f"  {name:{name_w}}  {r['op'][:op_w]:{op_w}}  {_fmt_bytes(r['bytes']):>10}  "
-                         f"{r['live'][0]:>4}-{r['live'][1]:<4}  {r['location']}")
+                         f"{r['live'][0]:>4}-{r['live'][1]:<4}  {'' if r['location'].startswith('<') else r['location']}")
     graph = data["graphs"][lead]
     lines.append(f"  resident: parameters{' and gradients' if plan.training else ''} {_fmt_bytes(graph['static_bytes'])}"
                  + (f", copy-engine receive area {_fmt_bytes(graph['area_bytes'])}" if graph["area_bytes"] else ""))

@@ -65,7 +65,7 @@ from . import workspace
 from .dilated_spec import BranchPlan, DilatedSpec, dilated_plan
 from .dilated_spec import branch_heads, dilated_comm_rows, dilated_kv_slots  # noqa: F401 (this module's API too)
 from .merge import merge_
-from .ops import _check_inputs, _check_same_call, _group_args, _group_from, call_signature
+from .ops import _check_inputs, _check_same_call, _device_of, _group_args, _group_from, call_signature
 from .ring import RingSetup, head_chunks, ring_backward, ring_forward
 
 
@@ -415,12 +415,16 @@ def dilated_attention(
     [b, h, n_local] when return_lse, without gradient as ring_attention's; rows active in no
     branch give 0 and -inf).
     """
-    if not isinstance(spec, DilatedSpec):
-        raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
-    _check_inputs(q, k, v, None, op="dilated_attention")
-    lay = L.parse_layout(layout)
-    name, world, rank = _group_args(group)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    name, world, rank = _group_args(group, "dilated_attention")
+    try:  # every rank agrees on the call before any raises (_check_same_call)
+        if not isinstance(spec, DilatedSpec):
+            raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
+        _check_inputs(q, k, v, None, op="dilated_attention")
+        lay = L.parse_layout(layout)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    except (TypeError, ValueError) as e:
+        _check_same_call(-1, group, "", _device_of(q), error=e)
+        raise
     _check_same_call(q.shape[2], group, call_signature(
         "dilated_attention", q, k, spec=(spec.segment_lengths, spec.dilation_rates, spec.offsets),
         is_causal=bool(is_causal), scale=scale, layout=lay.value), q.device)

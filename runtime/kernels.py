@@ -417,6 +417,13 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
         attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
     )
     lse = lse.to(acc_dtype(q_bhsd.dtype))
+    # A query row with a NaN has only NaN scores, which the CPU kernel may take for a row with
+    # no key (out = 0, lse = 0, depending on the sizes): NaN in, NaN out, as the math gives, and
+    # the merge carries it (a row that sees no key keeps out = 0, lse = -inf below).
+    nan_rows = q_bhsd.isnan().any(-1)
+    if nan_rows.any():
+        out = out.masked_fill(nan_rows[..., None], float("nan"))
+        lse = lse.masked_fill(nan_rows, float("nan"))
     if mask is not None:
         # Rows with no visible key: the kernel returns lse = 0 there; the contract is -inf.
         valid = mask.any(-1)  # [b or 1, 1, Lq]

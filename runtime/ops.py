@@ -264,8 +264,8 @@ gather_op.register_autograd(_gather_backward, setup_context=_seq_setup_context)
 # public functional API
 
 
-def _group_args(group) -> tuple[str, int, int]:
-    group, rank, world = resolve_world(group)
+def _group_args(group, what: str) -> tuple[str, int, int]:
+    group, rank, world = resolve_world(group, what)
     return ("" if group is None else _compat.group_name(group)), world, rank
 
 
@@ -356,7 +356,7 @@ def checks_every_call(cuda: bool) -> bool:
     return not torch.compiler.is_compiling() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
-def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
+def _check_same_call(n_local: int, group, call: str = "", device=None, error: Exception | None = None) -> None:
     """Every rank must hold a shard of the same length, make the same call (`call_signature`:
     shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
     would hang, or compute with what another rank sent in another format. Callers run it
@@ -370,17 +370,30 @@ def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     watchdog's timeout (as a ring of mismatched calls would). Under PyTorch's own switch for
     such hangs, TORCH_DISTRIBUTED_DEBUG=DETAIL, it runs on every call there too
     (`checks_every_call`): the hang becomes this error, at a host sync per call.
+
+    `error`: this rank's inputs were rejected (the caller's own checks). The rank still takes
+    part, with a flag in the same collective, and every rank raises: the others must not wait
+    for a rank that left (a notebook or a retry loop keeps its process alive).
     """
     group, _, world = resolve_world(group)
     if world == 1:
+        if error is not None:
+            raise error
         return
     key = (_compat.group_name(group), n_local, call)
     cuda = device is not None and torch.device(device).type == "cuda"
-    if not checks_every_call(cuda) and key in _CHECKED_LENGTHS:
+    if error is None and not checks_every_call(cuda) and key in _CHECKED_LENGTHS:
         return
     code, call_code = _settings_code(), _crc(call)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    (n_lo, n_hi), codes, calls = group_extremes([n_local, code, call_code], group, device)
+    (n_lo, n_hi), codes, calls, (_, rejected) = group_extremes(
+        [n_local, code, call_code, int(error is not None)], group, device)
+    if error is not None:
+        raise error
+    if rejected:
+        raise ValueError(
+            f"another rank's inputs to this attention call were rejected (its error says why); this rank's "
+            f"call was {call or 'the same op'} with n_local={n_local}. Every rank raises instead of waiting for it")
     if n_lo != n_local or n_hi != n_local:
         raise ValueError(
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
@@ -421,20 +434,24 @@ def ring_attention(
     before the mask: softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a [h] tensor,
     adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
     """
-    _check_inputs(q, k, v, key_padding_mask)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"softcap must be a positive number (the soft-cap c of c * tanh(s / c)) or None; got {softcap!r}")
-    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape != (q.shape[1],)
-                                     or not alibi_slopes.is_floating_point()):
-        got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
-        raise ValueError(f"alibi_slopes must be a float tensor [heads={q.shape[1]}] (one slope per query head) or "
-                         f"None; got {got}")
-    lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "ring_attention")
+    try:  # every rank agrees on the call before any raises (_check_same_call)
+        _check_inputs(q, k, v, key_padding_mask)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+            raise ValueError(f"softcap must be a positive number (the soft-cap c of c * tanh(s / c)) or None; got {softcap!r}")
+        if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape != (q.shape[1],)
+                                         or not alibi_slopes.is_floating_point()):
+            got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be a float tensor [heads={q.shape[1]}] (one slope per query head) or "
+                             f"None; got {got}")
+        lay = L.parse_layout(layout)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    except (TypeError, ValueError) as e:
+        _check_same_call(-1, group, "", _device_of(q), error=e)
+        raise
     s = q.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
         layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None), q.device)
@@ -450,6 +467,10 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
+def _device_of(x):
+    return x.device if isinstance(x, torch.Tensor) else None
+
+
 def _seq_dim(x, dim: int) -> int:
     """`dim` of x, negative counted from the end; out of range is an error, not a wrap-around."""
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
@@ -461,7 +482,7 @@ def _seq_dim(x, dim: int) -> int:
 def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """This rank's shard of the full-length `x` along `dim` (differentiable)."""
     lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "shard_sequence")
     dim = _seq_dim(x, dim)
     L.check_length(x.shape[dim], world, lay)
     return shard_op(x, dim, name, world, lay.value)
@@ -470,7 +491,7 @@ def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
 def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """Full-length tensor from every rank's shard along `dim` (the inverse of shard_sequence)."""
     lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "gather_sequence")
     dim = _seq_dim(x, dim)
     if lay is L.Layout.ZIGZAG and x.shape[dim] % 2:
         raise ValueError(f"zigzag layout needs an even shard length; got {x.shape[dim]} along dim {dim}")

@@ -745,9 +745,31 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     return (done[0], done[1], done[2]) if whole else tuple(full_out)
 
 
-def resolve_world(group) -> tuple[object, int, int]:
-    """(group, rank, world) with p = 1 when no process group is initialised."""
+def resolve_world(group, what: str = "ringcc") -> tuple[object, int, int]:
+    """(group, rank, world) with p = 1 when no process group is initialised (and the launcher's
+    environment does not say otherwise: `check_no_launcher`)."""
     if not dist.is_available() or not dist.is_initialized():
+        check_no_launcher(what)
         return None, 0, 1
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_no_launcher(what: str, remedy: str = "") -> None:
+    """An error when the launcher's environment (torchrun's WORLD_SIZE) says this process is one
+    of p > 1 ranks but no process group is initialised: run as p = 1, every rank would compute a
+    different and wrong result without a sign."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    try:
+        world = int(raw)
+    except ValueError:
+        return
+    if world <= 1:
+        return
+    seen = ", ".join(f"{name}={os.environ[name]}" for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+                     if name in os.environ)
+    raise ValueError(
+        f"{what}: the environment says this process is one of {world} ranks ({seen}), but no process "
+        "group is initialised, so it would run alone (p = 1) and compute a wrong result. Call "
+        "torch.distributed.init_process_group() first (ringcc.launch.launch does it), or unset WORLD_SIZE "
+        f"to run on one process{remedy}")

@@ -720,6 +720,16 @@ def sync_grads(a: dict, p) -> Workspace:
     return Workspace(sympy.Integer(0), 3 * sum((x.nbytes for x in xs), sympy.Integer(0)))
 
 
+def scale_grads(a: dict, p) -> Workspace:
+    """A bucket's gradient scaling (runtime/seqops.py): its backward makes the scaled copies of
+    the bucket's cotangents at once: one bucket."""
+    xs = a.get("xs", next(iter(a.values()), None))
+    xs = [xs] if isinstance(xs, TensorSize) else list(xs or ())
+    if not all(isinstance(x, TensorSize) for x in xs):
+        return Workspace()
+    return Workspace(sympy.Integer(0), sum((x.nbytes for x in xs), sympy.Integer(0)))
+
+
 # Op name (as the planner normalises it) -> formula.
 FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "ringcc::ring_attention": ring_attention,
@@ -729,4 +739,5 @@ FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "pow": pow_,
     "ringcc::sync_grads": sync_grads,
     "sync_grads_view": sync_grads,
+    "scale_grads_view": scale_grads,
 }

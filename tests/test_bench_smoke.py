@@ -382,3 +382,22 @@ def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
     assert rows["recompute"]["regions_restored_note"] and not rows["inline"]["regions_restored_note"]
     assert 0 < rows["recompute"]["planned_peak_bytes"] < rows["inline"]["planned_peak_bytes"]
     assert "plan/peak" in proc.stdout and all(r["ms"] > 0 for r in rec["rows"])
+
+
+@pytest.mark.soak
+def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
+    """bench_fsdp.py end to end on CPU (gloo, p = 2, smoke sizes): FSDP2 + ringcc and the one-device
+    run train the same model on the same tokens (equal losses after the same steps); ringcc shards
+    the blocks and the head (no gather in the head) and scales every gradient share for FSDP2's
+    mean over both ranks; causal context parallel needs CUDA and is recorded as skipped."""
+    proc, rec = _torchrun_smoke("bench_fsdp.py", tmp_path)
+    assert rec["device"] == "cpu (smoke, gloo)"
+    rows = {r["method"]: r for r in rec["records"]}
+    assert rows["cp"]["status"].startswith("skipped")
+    ring, one = rows["ringcc"], rows["single"]
+    assert ring["status"] == one["status"] == "ok" and ring["tokens_per_s"] > 0 and one["tokens_per_s"] > 0
+    assert ring["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    blocks, head = ring["notes"]["reports"]
+    assert "parameter gradients: 0 all-reduced over the sequence group, 9 scaled by p" in " ".join(blocks["notes"])
+    assert "parameter gradients: 0 all-reduced over the sequence group, 4 scaled by p" in " ".join(head["notes"])
+    assert head["gathers"] == [] and "ringcc" in proc.stdout

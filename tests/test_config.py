@@ -80,3 +80,11 @@ def test_compile_options_reach_the_backend():
     bad = torch.compile(lambda q: q + 1, backend="ringcc", options={"nope": 1})
     with pytest.raises(Exception, match=r"unknown ringcc option\(s\) \['nope'\]"):
         bad(q)
+
+
+def test_grad_sync_choices_and_environment(monkeypatch):
+    with pytest.raises(ValueError, match=r"Config.grad_sync='sum' is not allowed; choose one of \['auto', 'all_reduce', 'outer'\]"):
+        Config(grad_sync="sum")
+    monkeypatch.setenv("RINGCC_GRAD_SYNC", "outer")
+    assert Config.from_options().grad_sync == "outer"
+    assert Config.from_options({"grad_sync": "all_reduce"}).grad_sync == "all_reduce"

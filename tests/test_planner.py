@@ -813,7 +813,7 @@ def test_key_runs_table_takes_no_device_bytes():
 
 
 def test_cli_node_names_read_as_module_paths():
-    from ringcc.planner_cli import readable_name
+    from ringcc.planner import readable_name
 
     assert readable_name("l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_") == "self.blocks.0.qkv.weight"
     assert readable_name("L_x_") == "x" and readable_name("linear_3") == "linear_3"

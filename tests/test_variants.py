@@ -252,6 +252,9 @@ def _hf_model(name):
     if name == "mpt":  # ALiBi from a max_seq_len table, sliced to the keys
         cfg = T.MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, pad_token_id=0)
         return T.MptForCausalLM(cfg)
+    if name == "bloom":  # ALiBi repeated over the batch, heads merged into it around baddbmm / bmm
+        cfg = T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
+        return T.BloomForCausalLM(cfg)
     raise ValueError(name)
 
 
@@ -281,16 +284,16 @@ def case_hf_parity(rank, world, name):
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name,world", [("gemma2", 2), ("gemma2", 4), ("falcon_mq", 2), ("mpt", 2)])
+@pytest.mark.parametrize("name,world", [("gemma2", 2), ("gemma2", 4), ("falcon_mq", 2), ("mpt", 2), ("bloom", 2)])
 def test_hf_model_matches_eager(pools, name, world):
-    for errs, sites in pools(world).run(case_hf_parity, name, timeout=600):
+    for errs, sites in pools(world).run(case_hf_parity, name, timeout=1800):
         assert sites and all(decision == "rewritten" for decision, _, _ in sites), sites
         worst = max(errs, key=errs.get)
         assert errs[worst] < 1e-5, (worst, errs[worst])
         if name == "gemma2":  # the cap on every layer, the window on the sliding ones
             assert all(mask["softcap"] == 0.5 for _, _, mask in sites)
             assert sorted(mask["window"] or 0 for _, _, mask in sites) == [0, 8]
-        if name == "mpt":
+        if name in ("mpt", "bloom"):
             assert all(mask["alibi"] for _, _, mask in sites)
 
 
