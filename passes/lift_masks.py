@@ -22,6 +22,11 @@ Each node of the mask's expression tree is evaluated to an abstract value:
   atoms of pred are comparisons of Lin values and Key = f(node)[b, j] is truthy (or falsy),
   node a [b, n] graph value, f elementwise ops on it, its b / n on trailing dims (-4, -1);
 - Data: f(node) for a [b, n] non-constant graph value (a padding mask), not yet a predicate.
+A slice x[..., a:] of a Lin is a Lin again (const + coef * a); of anything else it is
+unliftable. Hugging Face without a KV cache ANDs "same packed sequence" into its mask, with
+sequence ids (diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1) of the position ids: for
+positions c + a * k, diff is the constant a only when the prepend is c - a on every row, so
+that is checked; the ids are then constant, and comparing two of them is a constant.
 The SDPA mask must end as Ind(pred, True, False) or Ind(pred, 0, <= -1e4) whose pred,
 negations pushed to the atoms, is a conjunction of: bounds on j - i, trivially true bounds
 on i or j alone, and Key atoms. Anything else is unliftable. Sizes are read from fake

@@ -28,13 +28,13 @@ before run_decompositions(), so SDPA is still one op; parameters are attributes,
 are the placeholders). The rewritten module is exported again: that retrace recomputes
 every meta["val"] and the graph signature, and turns the torch-level calls some passes
 insert into aten ops. Export spells a few ops differently from dynamo (aten.embedding's
-argument order, cross_entropy_loss's enum reduction); they are respelled first so that
-the sharding rules read them. Known gap: Hugging Face masks in their export form (aten
-diff / slice of position ids) are not lifted yet, so HF models end with exit code 3
-here while `torch.compile(model, backend="ringcc")` rewrites them.
+argument order, cross_entropy_loss's enum reduction, slices and selects as aten.slice /
+aten.select); they are respelled first so that the sharding rules read them. What the
+command takes and the contract, for users: docs/offline.md.
 
-Exit codes: 0 rewritten, 2 bad arguments (with what to change), 3 no attention site was
-rewritten (the report's reasons are printed and saved; no program is written).
+Exit codes: 0 rewritten, 2 bad arguments or a model torch.export cannot capture (with what
+to change), 3 no attention site was rewritten (the report's reasons are printed and saved;
+no program is written).
 """
 
 from __future__ import annotations
@@ -140,7 +140,16 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     from ringcc.report import GraphReport
 
     config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
-    gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
+    try:
+        gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
+    except Exception as e:  # noqa: BLE001 - any capture failure is the model's: say so and how to see all of it
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise BadArguments(
+            f"torch.export cannot capture {graph_name}: {type(e).__name__}: {first[:300]}\n"
+            "The model must run under torch.export.export(model, example_inputs) and return tensors or "
+            "containers of them; a Hugging Face model with use_cache=True returns a DynamicCache: return "
+            "`.logits` from a wrapper, or pass use_cache=False. Run torch.export.export yourself for the "
+            "whole error") from e
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                       example_inputs=list(inputs))
