@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from ringcc import _compat
-from ringcc.config import Config
+from ringcc.config import Config, timeout_delta
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
+from ringcc.runtime.comm import set_timeout
 from ringcc.runtime.ops import schedule_settings
 
 _graph_ids = itertools.count()
@@ -84,6 +85,8 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
         nonlocal done
         if not done:
             check_rank_consistency(decisions, config.group, graph)
+            if config.timeout is not None:  # from here on: every rank has compiled (compiles differ in time)
+                set_timeout(config.group, timeout_delta(config.timeout))
             done = True
         return compiled(*args)
 

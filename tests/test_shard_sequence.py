@@ -187,3 +187,14 @@ def test_a_dtype_cast_of_a_float_input_is_sliced_before_the_cast():
     ring = next(n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default)
     assert all(t.requires_grad for t in ring.meta["example_value"][:1])
     assert ring.args[0].meta["example_value"].requires_grad
+
+
+def test_padding_a_symbolic_length_is_an_error_that_names_static_shapes():
+    """Config(pad=True) under dynamic shapes: an error at compile time naming dynamic=False,
+    not a SequenceLengthError at run time for every length the layout does not divide."""
+    torch._dynamo.reset()
+    compiled = torch.compile(Pooled("mean"), backend=ringcc.backend(world_size=2, inner="eager", pad=True), dynamic=True)
+    with pytest.raises(Exception, match=r"Config\(pad=True\) pads lengths known at compile time; this graph was traced "
+                                        r"with a symbolic sequence length .*torch.compile\(\.\.\., dynamic=False\)"):
+        compiled(torch.randn(2, 7, 16))
+    torch._dynamo.reset()
