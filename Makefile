@@ -8,13 +8,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-zoo test-soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	# PYTHONWARNINGS: setuptools warns about editable installs of mapped packages on every install
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,7 +24,13 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not zoo and not soak" $(PYTEST_ARGS)
+
+test-zoo: $(STAMP)
+	$(PY) -m pytest -q -m "zoo" $(PYTEST_ARGS)
+
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m "soak and not gpu" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

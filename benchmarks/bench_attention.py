@@ -11,6 +11,12 @@ Report (table, JSON, plots, RESULTS.md section) from saved results:
     python benchmarks/bench_attention.py report OUT/results.json --out OUT --results-md benchmarks/RESULTS.md
 CPU smoke (gloo, fp32, tiny sizes; what CI runs):
     python benchmarks/bench_attention.py --smoke --out OUT
+A score-modified attention layer (--score-mod softcap: Gemma2's c * tanh(s / c), c = 50;
+alibi: ALiBi slopes 2^(-8 (i + 1) / h)): the ring against the single-GPU kernel of the same
+variant, flex_attention with the same score_mod (the baseline of its efficiency column); the
+other methods take no modifier and are skipped. 16K and 64K tokens per GPU on 4 GPUs:
+    python benchmarks/bench_attention.py --score-mod softcap --worlds 1,4 --lengths 65536,262144 \
+        --methods flex,ring-zigzag,ring-contiguous --out OUT_SOFTCAP
 
 Legend: tensors are [b, heads, n_local, d]; n is the total (global) length, p the world size,
 n_local = n / p. "mha" is h = h_kv = 16; "gqa" is h = 32, h_kv = 8; d = 128, b = 1, bf16.
@@ -21,7 +27,7 @@ Note [Benchmark metrics]
   first warm-up, cheap cells get one more. Two timings per cell:
   - "from idle" (ms, TF/s, eff): each iteration starts after a barrier and a wait for the GPU,
     so it pays the host's latency to its first kernel and the GPU's start from idle (on 1 x
-    H200, 11% of a 28 ms single-GPU step, benchmarks/RESULTS.md session 11): a fixed cost that
+    H200, 11% of a 28 ms single-GPU step): a fixed cost that
     weighs more on short per-GPU steps. About --target-seconds of iterations, at most --reps, at
     least 3 in cells of up to MEDIAN_OF_3_MAX_S seconds.
   - "back to back" (b2b ms, b2b eff): after one barrier and an untimed lead iteration, the
@@ -103,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "probe under torchrun (--method, --probe-n); report: from saved JSON")
     ap.add_argument("inputs", nargs="*", help="report: results.json or part files")
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, fp32, tiny sizes (CI)")
+    ap.add_argument("--score-mod", default="none", choices=list(SCORE_MODS),
+                    help="score modifier of every cell: none, softcap (c = 50) or alibi (see the docstring)")
     ap.add_argument("--worlds", default=None, help="world sizes to launch, in order (default 1,4,2; smoke 1,2)")
     ap.add_argument("--lengths", default=None, help="total lengths of the dense cells (default 65536,262144,1048576)")
     ap.add_argument("--dilated-lengths", default=None, help="total lengths of the dilated cells (default 262144,1048576,4194304)")
@@ -253,6 +261,7 @@ class Env:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "smoke": self.smoke, "dtype": str(self.dtype).replace("torch.", ""), "d": self.d, "b": B,
             "heads": self.heads, "argv": sys.argv[1:], "host": socket.gethostname(),
+            "score_mod": self.args.score_mod,
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "RINGCC_CUDA_KERNEL", "RINGCC_RING_WORKSPACE_MIB",
                                                    "NCCL_CTA_POLICY", "NCCL_MIN_CTAS", "NCCL_MAX_CTAS")},
         }
@@ -262,6 +271,7 @@ class Env:
             m["ringcc"] = ringcc.__version__
         except Exception as e:  # noqa: BLE001 - recorded, the phase still runs its other methods
             m["ringcc"] = f"not importable: {e}"
+        m["commit"] = source_commit()
         if self.cuda:
             props = torch.cuda.get_device_properties(self.device)
             m.update(device=torch.cuda.get_device_name(self.device), device_total_memory=props.total_memory,
@@ -394,6 +404,36 @@ def _causal_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+# --score-mod: what ringcc.ring_attention takes, and flex_attention's score_mod of the same
+# modifier (runtime/kernels.py, Note [Score modifiers]).
+SOFTCAP = 50.0  # Gemma2's attention-logit cap
+SCORE_MODS = ("none", "softcap", "alibi")
+
+
+def alibi_slopes(h: int, device) -> torch.Tensor:
+    """ALiBi's slopes for h heads (a power of two): 2^(-8 (i + 1) / h)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], device=device)
+
+
+def ring_mod_args(env: Env, h: int) -> dict:
+    kind = env.args.score_mod
+    if kind == "softcap":
+        return {"softcap": SOFTCAP}
+    if kind == "alibi":
+        return {"alibi_slopes": alibi_slopes(h, env.device)}
+    return {}
+
+
+def flex_score_mod(env: Env, h: int):
+    kind = env.args.score_mod
+    if kind == "softcap":
+        return lambda s, b, hh, i, j: torch.tanh(s / SOFTCAP) * SOFTCAP
+    if kind == "alibi":
+        slopes = alibi_slopes(h, env.device)
+        return lambda s, b, hh, i, j: s + slopes[hh] * (j - i).to(torch.float32)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -411,8 +451,10 @@ def flex_method(cell: Cell, env: Env):
     q, k, v, dout = make_inputs(env, cell, cell.n)
     mask = block_mask_fn(_causal_mod, None, None, cell.n, cell.n, device=env.device) if cell.causal else None
     gqa = q.shape[1] != k.shape[1]
-    yield Bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa), q, k, v, dout,
-                {"kernel": "flex_attention (torch.compile)", "gqa": "native enable_gqa" if gqa else "mha"})
+    mod = flex_score_mod(env, q.shape[1])
+    yield Bench(lambda: flex(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=gqa), q, k, v, dout,
+                {"kernel": "flex_attention (torch.compile)", "gqa": "native enable_gqa" if gqa else "mha",
+                 "score_mod": env.args.score_mod})
 
 
 def cp_comm_bytes(cell: Cell, h_kv: int, d: int, elt: int, backward: bool) -> int:
@@ -480,8 +522,11 @@ def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transpo
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
                      "workspace_mib": budget, "transport": transport_,
                      "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, zz) or k.shape[1],
-                     "kv_heads_per_chunk_fwd": workspace.ring_kv_chunk(q, k, None, cell.p, zz, forward=True) or k.shape[1]}
-            yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout), q, k, v, dout, notes)
+                     "kv_heads_per_chunk_fwd": workspace.ring_kv_chunk(q, k, None, cell.p, zz, forward=True) or k.shape[1],
+                     "score_mod": env.args.score_mod}
+            mods = ring_mod_args(env, q.shape[1])
+            yield Bench(lambda: ringcc.ring_attention(q, k, v, is_causal=cell.causal, layout=layout, **mods), q, k, v,
+                        dout, notes)
 
     return make
 
@@ -573,6 +618,8 @@ def skip_reason(cell: Cell, env: Env) -> str | None:
         return "CPU smoke only"
     if cell.n % (2 * cell.p):
         return f"n={cell.n} not divisible by 2p={2 * cell.p}"
+    if env.args.score_mod != "none" and m.family not in ("ring", "ring-nocomm") and cell.method != "flex":
+        return f"takes no score modifier (--score-mod {env.args.score_mod})"
     if m.family == "dilated":
         return dilated_available()
     return None
@@ -708,7 +755,7 @@ def plan_iters(t_iter: float, args) -> tuple[int, int]:
     transport and the allocator's pool. Timed: about --target-seconds of iterations, at most
     --reps, and at least 3 (a median) for cells of up to MEDIAN_OF_3_MAX_S: one iteration of a
     1 s cell differed from the back-to-back median by more than the methods compared differ
-    (session 13: 912.09 vs 924.44 ms, where context parallel took 916.41)."""
+    (912.09 vs 924.44 ms, where context parallel took 916.41)."""
     warm = 0 if t_iter >= 1.0 else min(10, max(1, int(0.25 / max(t_iter, 1e-9))))
     iters = int(args.target_seconds / max(t_iter, 1e-9))
     if t_iter <= MEDIAN_OF_3_MAX_S:
@@ -830,7 +877,7 @@ def base_record(cell: Cell, env: Env, mode: str | None) -> dict:
 # A multi-rank cell runs only where the peaks measured at shorter lengths predict at most this
 # share of the device: the allocated peak leaves out the CUDA context, NCCL's buffers and the
 # allocator's fragmentation. At 92% a GQA dilated cell predicted at 89% (125 of 140 GiB, 4 x
-# H200, session 6) ran out of memory on some ranks, and the others waited in NCCL until its
+# H200) ran out of memory on some ranks, and the others waited in NCCL until its
 # timeout ended the phase.
 MULTI_RANK_PEAK_LIMIT = 0.80
 
@@ -961,7 +1008,7 @@ def _maxlen_capacity(env: Env) -> float | None:
 # Note [Max-length probes]
 # Each probe is its own torchrun job: one MHA causal fwd+bwd at one length. A rank that runs out
 # of memory writes a marker and exits at once; torchrun then stops its peers, which may be
-# waiting in NCCL for it (in one process that wait is a hang: run 5 of RESULTS.md). So every
+# waiting in NCCL for it (in one process that wait is a hang). So every
 # length is really run, at p > 1 too, and the answer is the largest that ran. Subprocesses also
 # let each probe start with the allocator configuration under test (PYTORCH_CUDA_ALLOC_CONF is
 # read once, at the first CUDA allocation). ringcc's ring probes run at its leanest setting (one
@@ -1140,7 +1187,7 @@ def run_maxlen(args, parts: list[Path], work: Path, deadline: float) -> list[dic
                           + (f" (reserved {probe['peak_reserved'] / GiB:.2f} GiB)" if "peak_reserved" in probe else "")
                           + (f" ({probe['detail']})" if probe["outcome"] in ("error", "timeout") else ""), flush=True)
                     # expandable segments map 2 MiB pages: a few MiB past the cap is the cap (the
-                    # 4-GPU run of session 6 saw +10 MiB at 8 GiB)
+                    # 4-GPU run saw +10 MiB at 8 GiB)
                     if probe["outcome"] == "fits" and probe["peak_reserved"] > capacity + CAP_SLACK:
                         why["stop"] = why["invalid"] = (f"the cap was not enforced (n={n} reserved "
                                                         f"{probe['peak_reserved']} bytes > {capacity:.0f})")
@@ -1197,10 +1244,19 @@ def load_results(paths: list[Path]) -> dict:
     return res
 
 
+def baseline_method(res: dict) -> str:
+    """The single-device method efficiencies are relative to: cuDNN SDPA (the CPU smoke: math
+    SDPA); with a score modifier, the single-GPU kernel of the same variant, flex_attention
+    with the same score_mod (the CPU smoke: the ring at p = 1), since SDPA takes none."""
+    smoke = any(ph.get("smoke") for ph in res["phases"])
+    if any(ph.get("score_mod", "none") != "none" for ph in res["phases"]):
+        return "ring-contiguous" if smoke else "flex"
+    return "sdpa-math" if smoke else BASELINE
+
+
 def derive(res: dict) -> None:
     """Efficiency and memory vs the single-GPU baseline, and model max lengths, in place."""
-    smoke = any(ph.get("smoke") for ph in res["phases"])
-    baseline = "sdpa-math" if smoke else BASELINE
+    baseline = baseline_method(res)
     ok = [r for r in res["records"] if r["status"] == "ok"]
     base = {(r["attn"], r["causal"], r["n"], r["mode"]): r for r in ok if r["method"] == baseline and r["p"] == 1}
     for r in ok:
@@ -1430,15 +1486,30 @@ def format_table(res: dict) -> str:
     return "\n".join(out)
 
 
+def source_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when files differ from it), or None outside git."""
+    try:
+        git = ["git", "-C", str(HERE)]
+        sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode:
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def header(res: dict) -> str:
     ph = res["phases"]
     if not ph:
         return "no phases"
     dev = {(x.get("device"), x.get("gpus_visible")) for x in ph}
     return (f"device: {', '.join(f'{d} (x{g} visible)' if g else str(d) for d, g in dev)}; torch {ph[0]['torch']}; "
-            f"ringcc {ph[0].get('ringcc')}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
+            f"ringcc {ph[0].get('ringcc')}, commit {ph[0].get('commit') or '?'}; {ph[0]['dtype']}, b={ph[0]['b']}, d={ph[0]['d']}, heads {ph[0]['heads']}; "
             f"date {max(x['date'] for x in ph)}; worlds {sorted(x['world'] for x in ph)}; "
-            f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}" + _runs_note(ph))
+            f"NCCL_NVLS_ENABLE={ph[0]['env'].get('NCCL_NVLS_ENABLE')}; score modifier {ph[0].get('score_mod', 'none')}"
+            + _runs_note(ph))
 
 
 def _runs_note(ph: list[dict]) -> str:
@@ -1462,8 +1533,7 @@ def plot(res: dict, out: Path) -> list[str]:
         return ["matplotlib not available: no plots"]
     ok = [r for r in res["records"] if r["status"] == "ok" and r["attn"] == "mha" and r["mode"] == "fwdbwd"]
     ps = sorted({r["p"] for r in ok}) or [1]
-    smoke = any(ph.get("smoke") for ph in res["phases"])
-    baseline = "sdpa-math" if smoke else BASELINE
+    baseline = baseline_method(res)
     for key, ylabel, fname in (("tflops_per_gpu", "TFLOP/s per GPU", "tflops.png"),
                                ("peak_bytes", "peak GiB per rank", "memory.png")):
         fig, axes = plt.subplots(2, len(ps), figsize=(5 * len(ps), 8), squeeze=False)
@@ -1554,7 +1624,7 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 # launcher: one torchrun per world size, budget shared, report after each
 
 
-PHASE_FLAGS = ["lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
+PHASE_FLAGS = ["score_mod", "lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
                "max_iter_seconds", "nccl_timeout", "profile"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 

@@ -2,7 +2,7 @@
 program, then load it in P fresh processes and check it against the eager model.
 
 The same as the command line (this file's `make_model` is a factory the CLI can load):
-    ringcc rewrite examples/offline_rewrite.py:make_model --world-size 2 --dynamic-seq -o rewritten/
+    ringcc rewrite examples/offline_rewrite.py:make_model --world-size 2 --dynamic-seq -o out/rewritten/
 
 The saved program.pt2 is the whole model: every rank loads it (after `import ringcc`, which
 registers the ops it calls), calls it with the same full inputs, and gets the full outputs;
@@ -10,13 +10,13 @@ it runs on exactly P ranks of the default process group (Note [Offline program c
 in ringcc/rewrite.py). With --dynamic-seq one program serves every length the layout divides.
 
 CPU, self-spawned gloo processes:
-    python examples/offline_rewrite.py --world-size 2 --out rewritten/
+    python examples/offline_rewrite.py --world-size 2 --out out/rewritten/
 CPU under torchrun (gloo), after rewriting once (the CLI line above, or --rewrite-only):
-    torchrun --nproc-per-node 2 examples/offline_rewrite.py --out rewritten/ --load-only
+    torchrun --nproc-per-node 2 examples/offline_rewrite.py --out out/rewritten/ --load-only
 GPUs (NCCL; `run` moves the loaded module and the inputs to the rank's GPU), after rewriting
 for 8 ranks once (the program is built for one P):
-    python examples/offline_rewrite.py --world-size 8 --out rewritten/ --rewrite-only
-    torchrun --nproc-per-node 8 examples/offline_rewrite.py --world-size 8 --out rewritten/ --load-only
+    python examples/offline_rewrite.py --world-size 8 --out out/rewritten/ --rewrite-only
+    torchrun --nproc-per-node 8 examples/offline_rewrite.py --world-size 8 --out out/rewritten/ --load-only
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringcc  # noqa: F401 - registers the ringcc ops that a loaded program calls
-from ringcc.launch import launch
+from ringcc.launch import launch, reports
 from ringcc.rewrite import rewrite, save
 
 
@@ -83,7 +83,7 @@ def run(rank: int, world: int, path: str, lengths=(256,)) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks P to rewrite for (and to spawn without torchrun)")
-    parser.add_argument("--out", default="rewritten", help="folder for program.pt2, program.py, report, plan")
+    parser.add_argument("--out", default="out/rewritten", help="folder for program.pt2, program.py, report, plan")
     parser.add_argument("--seq-len", type=int, default=256, help="example length for the export")
     parser.add_argument("--load-only", action="store_true", help="load an existing OUT/program.pt2")
     parser.add_argument("--rewrite-only", action="store_true", help="write OUT/program.pt2 and stop")
@@ -102,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     lengths = (args.seq_len, args.seq_len + 4 * args.world_size)  # one dynamic program, two lengths
     results = launch(run, args.world_size, os.path.join(args.out, "program.pt2"), lengths)
+    ok = all(r["ok"] for r in results)
+    if not reports():  # under torchrun, rank 0 prints for every rank
+        return 0 if ok else 1
     for r in results:
         print(f"rank {r['rank']}/{r['world']}: lengths {r['lengths']}, max |loss - eager loss| {r['max_err']:.1e}")
-    ok = all(r["ok"] for r in results)
     print("parity check:", "passed" if ok else "FAILED")
     return 0 if ok else 1
 

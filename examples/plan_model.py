@@ -2,7 +2,7 @@
 
     ringcc plan examples/plan_model.py:exact_ring --seq-len 131072 --world-size 8 --budget 80GiB
     ringcc plan examples/plan_model.py:dilated --seq-len 1048576 --world-size 8
-    ringcc plan examples/plan_model.py:full_logits --seq-len 131072 --world-size 8 --json plan.json
+    ringcc plan examples/plan_model.py:full_logits --seq-len 131072 --world-size 8 --json out/plan.json
 
 exact_ring: a small causal LM trained on its loss: every activation is sharded and attention
 is exact ring attention, so the peak per rank is O(n/p).

@@ -228,6 +228,25 @@ def static_float(x: Any) -> Optional[float]:
 SITE_META = "ringcc_site"  # report.Site of a canonical node
 SKIP_META = "ringcc_skip"  # (SkipReason, detail) decided by an earlier pass
 MASK_META = "ringcc_mask"  # LiftedMask: the attn_mask understood as a structured spec
+MODS_META = "ringcc_score_mods"  # ScoreMods of a canonical node whose scores are modified
+# A site with score modifiers: SDPA cannot say them, so its canonical node is a shadow that
+# computes nothing anyone uses, and the user's nodes stay until the rewrite replaces this
+# node's output (the user's P @ v) by the ring op's; a skipped site keeps the user's nodes
+# and loses the shadow (rewrite_attention).
+REPLACES_META = "ringcc_replaces"
+
+
+@dataclass
+class ScoreMods:
+    """Score modifiers lifted from a site (runtime/kernels.py, Note [Score modifiers]):
+    softcap c: s -> c * tanh(s / c) of the scaled scores; alibi_slopes: a graph value of one
+    slope per query head, [h] (bias slope[h] * (j - i) in global positions)."""
+
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[torch.fx.Node] = None
+
+    def spec(self) -> dict:
+        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name}
 
 
 @dataclass

@@ -27,6 +27,9 @@ class PassContext:
     world_size: int  # p the graph is rewritten for
     group_name: str  # "" when p = 1 without a process group
     example_inputs: list = field(default_factory=list)
+    # Graph inputs (by position) whose gradients a data-parallel engine outside the graph
+    # averages over the whole sequence group (Note [Gradients under data parallelism]).
+    outer_reduced: frozenset = frozenset()
     scratch: dict[str, Any] = field(default_factory=dict)  # facts passes hand to later passes
 
 

@@ -20,11 +20,20 @@ A @ B with A = q (optionally scaled) and B = k^T (optionally scaled). k is B's t
 source when B transposes the last two dims, else a new transpose of B. Every intermediate
 must have no other user: a probability or score tensor used elsewhere is not replaced
 (WEIGHTS_USED). Training dropout is left as the user wrote it (reason DROPOUT) so that the
-random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1.
+random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1, unless the
+scores are viewed as [b, h, n, n] around the softmax and the probabilities back as [b * h, n, n]
+(Bloom): then q / k / v are viewed as [b, h, n, d] the same way.
+Score modifiers SDPA cannot say are read too and kept in the site's ScoreMods (attention_form):
+a soft-cap c * tanh(s / c) of the scaled scores, with the mask after it (a mask inside the cap
+is a recorded skip), and an ALiBi bias (Note [ALiBi bias]). Such a site's canonical node is a
+shadow of the user's nodes (attention_form.REPLACES_META).
+A softmax that weights values with q.k scores in a form not read here is still recorded, as a
+skipped site with where the scores came from (`_scores_of_q_k`): no attention goes unreported.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -36,8 +45,9 @@ import torch.nn.functional as F
 from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
-from .attention_form import (FORM_META, SITE_META, Builder, SdpaCall, erase_dead, fake, is_aten_graph,
-                             is_sdpa, real_users, same_shape, same_size, static_float)
+from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, ScoreMods, SdpaCall,
+                             erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape, same_size,
+                             static_float, static_int)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -101,6 +111,9 @@ ADD_FUNCS = (operator.add, torch.add, aten.add.Tensor)
 MASKED_FILL_FUNCS = (torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
 DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
+TANH_FUNCS = (torch.tanh, F.tanh, aten.tanh.default)
+EINSUM_FUNCS = (torch.einsum, aten.einsum.default)
+LINEAR_FUNCS = (F.linear, aten.linear.default, aten.addmm.default, aten.mm.default)  # contract the last dim
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
@@ -243,11 +256,18 @@ class _Manual:
     dropout: Optional[tuple[float, bool]] = None
     reused: list[str] = field(default_factory=list)
     dead: list[torch.fx.Node] = field(default_factory=list)
+    mods: ScoreMods = field(default_factory=ScoreMods)
+    # (b, h) when q / k / v / P @ v are [b * h, n, d] and the scores are viewed as [b, h, n, n]
+    # around the softmax (Bloom): the site is canonicalised in 4-D
+    split: Optional[tuple[int, int]] = None
 
 
 def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: PassContext) -> bool:
     m = _match_manual(softmax)
     if m is None:
+        why = _scores_of_q_k(softmax)
+        if why:  # attention in a form the matcher does not read: found, and kept as written
+            _skip_site(ctx, softmax, "manual", SkipReason.OTHER, why)
         return False
     if isinstance(m, str):
         _skip_site(ctx, softmax, "manual", SkipReason.OTHER, m)
@@ -271,6 +291,11 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             if m.mask_scale.syms:
                 raise ValueError("an additive mask under a symbolic scale")
             mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale.const)
+        if m.split is not None:  # [b * h, n, d] -> [b, h, n, d], as the scores' view splits them
+            bsz, heads = m.split
+            four = (lambda x: b.call(torch.reshape, x, (bsz, heads) + tuple(fake(x).shape[1:]))) if not is_aten_graph(gm) \
+                else (lambda x: b.call(aten.reshape.default, x, [bsz, heads] + list(fake(x).shape[1:])))
+            q, k, v = four(q), four(k), four(v)
         three_d = fake(q).dim() == 3
         if three_d:
             unsq = (lambda x: b.call(torch.unsqueeze, x, 0)) if not is_aten_graph(gm) else (lambda x: b.call(aten.unsqueeze.default, x, 0))
@@ -282,12 +307,28 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         out = b.sdpa(call, "manual")
         if three_d:
             out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
+        if m.split is not None:  # back to the user's [b * h, n, d]
+            out = b.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, out,
+                         tuple(fake(m.out).shape) if not is_aten_graph(gm) else list(fake(m.out).shape))
         if not same_shape(fake(out).shape, fake(m.out).shape) or fake(out).dtype != fake(m.out).dtype:
             raise ValueError("canonical attention does not reproduce the site's output")
     except Exception as e:  # noqa: BLE001 - what SDPA does not take stays the user's code, recorded
         _erase_new(gm, PASS, m.out)
         _skip_site(ctx, m.out, "manual", SkipReason.SHAPE, f"not expressible as one SDPA call: {e}"[:300])
         return False
+    sdpa = out if not (three_d or m.split) else out.args[0]
+    if isinstance(m.mods.alibi_slopes, _SlopesPlan):
+        plan = m.mods.alibi_slopes
+        bb = Builder(gm, sdpa, PASS)
+        slopes = bb.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, plan.node, [-1])
+        if plan.coef != 1.0:
+            slopes = bb.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, slopes, plan.coef)
+        m.mods.alibi_slopes = slopes
+    if m.mods.softcap is not None or m.mods.alibi_slopes is not None:
+        # the shadow of the user's nodes (attention_form.REPLACES_META): they stay for now
+        sdpa.meta[MODS_META] = m.mods
+        sdpa.meta[REPLACES_META] = (m.out, out)
+        return True
     m.out.replace_all_uses_with(out)
     erase_dead(gm, [m.out])
     return True
@@ -314,12 +355,12 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
     if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
         return None
     reused: list[str] = []
-    # forward: softmax -> casts / dropout -> P @ v
-    p, dropout = softmax, None
+    # forward: softmax -> casts / dropout (/ a view merging batch and heads) -> P @ v
+    p, dropout, merged, split = softmax, None, False, None
     while True:
         users = real_users(p)
         nxt = [u for u in users if _is_cast(u) or _is(u, DROPOUT_FUNCS, ("dropout",))
-               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p)]
+               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p) or (not merged and _merges_heads(p, u))]
         if len(nxt) != 1:
             return None
         if len(users) > 1:
@@ -333,9 +374,12 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         elif _is(u, MATMUL_FUNCS, MATMUL_METHODS):
             out, v = u, u.args[1]
             break
+        elif _merges_heads(p, u):
+            merged = True
         p = u
-    # backward: scores -> casts / scales / one mask -> A @ B
+    # backward: scores -> casts / scales / one mask / one soft-cap -> A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
+    mods, mask_before_cap = ScoreMods(), False
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
@@ -344,18 +388,44 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         if _is_cast(s):
             s = s.args[0]
             continue
+        cap = _softcap_of(s)
+        if cap is not None:
+            if mods.softcap is not None or not scale.is_one:
+                return "attention scores go through a soft-cap c * tanh(s / c) with a second cap or a scale after it"
+            s, mods.softcap, mask_before_cap = cap[0], cap[1], mask is not None
+            continue
         inner, c = _scaled(s)
         if inner is not s:
             s, scale = inner, scale * c
             continue
+        bias = _alibi_of(s)
+        if bias is not None:
+            if mods.alibi_slopes is not None or not scale.is_one or mods.softcap is not None:
+                return "attention scores get an ALiBi bias under a scale, a soft-cap or a second bias"
+            s, mods.alibi_slopes = bias
+            continue
         if mask is None:
             found = _mask_of(s)
+            if found is not None and mods.softcap is not None and not mask_before_cap:
+                return "a mask applied inside the soft-cap tanh (the cap of a masked score is not masked)"
             if found is not None:
                 (s, mask), mask_scale = found, scale  # scales seen so far apply to the mask too
                 continue
         if _is(s, MATMUL_FUNCS, MATMUL_METHODS) and len(s.args) == 2:
             a, bt = s.args
             break
+        if split is None and merged and _merges_heads(s, None):
+            split = tuple(fake(s).shape[:2])
+            s = s.args[0]
+            continue
+        if _is(s, BADDBMM_FUNCS, ("baddbmm",)) and split is not None and mask is not None:
+            found = _merged_alibi_baddbmm(s, split)
+            if found is not None:
+                if not scale.is_one or mods.alibi_slopes is not None or mods.softcap is not None:
+                    return "attention scores get an ALiBi bias under a scale, a soft-cap or a second bias"
+                a, bt, alpha, mods.alibi_slopes = found
+                scale = _Scale(alpha)
+                break
         if _is(s, BADDBMM_FUNCS, ("baddbmm",)):
             found = _baddbmm(s, mask)
             if found is None:
@@ -376,12 +446,319 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         k_inner, ck2 = _scaled(k)
         k, ck = k_inner, ck * ck2
     qv, ktv, vv = fake(q), fake(kt), fake(v)
-    if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == xv.dim()):
+    if merged != (split is not None):
+        return "a view merging batch and heads on one side of the softmax only"
+    want = 3 if split is not None else xv.dim()
+    if not all(isinstance(t, torch.Tensor) for t in (qv, ktv, vv)) or not (qv.dim() == ktv.dim() == vv.dim() == want):
         return None
     if not same_size(qv.shape[-1], ktv.shape[-2]) or not same_size(ktv.shape[-1], vv.shape[-2]):
         return None
     return _Manual(out=out, q=q, k=k, kt=kt, v=v, scale=scale * cq * ck, mask=mask, mask_scale=mask_scale,
-                   dropout=dropout, reused=reused)
+                   dropout=dropout, reused=reused, mods=mods, split=split)
+
+
+def _merges_heads(x: torch.fx.Node, u: Optional[torch.fx.Node]) -> bool:
+    """u (or x itself, when u is None: x = view(its input)) views a [b, h, n, m] value as
+    [b * h, n, m] (u is None: a [b * h, n, m] one as [b, h, n, m]) with static b and h."""
+    if u is None:
+        u, x = x, x.args[0] if x.args else None
+        big, small = fake(u), fake(x)
+    else:
+        big, small = fake(x), fake(u)
+    if not _is(u, VIEW_FUNCS, ("view", "reshape")) or not isinstance(big, torch.Tensor) \
+            or not isinstance(small, torch.Tensor) or big.dim() != 4 or small.dim() != 3:
+        return False
+    b, h = static_int(big.shape[0]), static_int(big.shape[1])
+    return (b is not None and h is not None and static_int(small.shape[0]) == b * h
+            and same_shape(big.shape[2:], small.shape[1:]))
+
+
+def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
+    """(a, b, alpha, slopes) of baddbmm(bias, a, b, beta=1, alpha=alpha) whose bias is an ALiBi
+    bias [h, 1, n] repeated over the batch, [b * h, 1, n] (Bloom: Note [ALiBi bias])."""
+    args = list(node.args) + [None] * 2
+    inp = node.kwargs.get("input", args[0])
+    a, bt = node.kwargs.get("batch1", args[1]), node.kwargs.get("batch2", args[2])
+    beta, alpha = static_float(node.kwargs.get("beta", 1.0)), static_float(node.kwargs.get("alpha", 1.0))
+    if beta != 1 or alpha is None or alpha <= 0 or not isinstance(a, torch.fx.Node) or not isinstance(bt, torch.fx.Node):
+        return None
+    while _is_cast(inp):
+        inp = inp.args[0]
+    if not _is(inp, (), ("repeat",)) or [static_int(r) for r in inp.args[1:]] != [split[0], 1, 1]:
+        return None
+    x, xv = inp.args[0], fake(inp.args[0])
+    if not isinstance(xv, torch.Tensor) or xv.dim() != 3 or static_int(xv.shape[0]) != split[1] or not is_one(xv.shape[1]):
+        return None
+    try:
+        val = _eval_bias(x, 0)
+    except _NotAlibi:
+        return None
+    if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0):
+        return None
+    return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef)
+
+
+# Note [ALiBi bias]
+# ALiBi adds slope[h] * (j - i) to the scores of head h (query i, key j). Models write it as a
+# tensor built from constants: Bloom / MPT take slope[h] * j (MPT: slope[h] * (j - n + 1)),
+# which differs by a per-row constant that the softmax ignores. `_alibi_of` reads the added
+# tensor with a small abstract evaluation over its fake shapes (nothing runs): positions
+# (_Pos: c * index along one trailing dim + const, from an arange through casts, views and
+# slices), a per-head vector (_Head: a graph value with one non-1 dim, the slopes, kept as a
+# graph value), and their product. It must vary along the key dim (-1) and the head dim (-3)
+# only, and not along the query dim; the lifted slopes are the head vector times c.
+
+
+@dataclass(frozen=True)
+class _Pos:
+    dim: int  # the trailing dim it varies along
+    coef: float
+    const: float
+
+
+@dataclass(frozen=True)
+class _Head:
+    node: torch.fx.Node  # any graph value holding the h values, in head order
+    dim: int
+
+
+@dataclass(frozen=True)
+class _Bias:
+    head: _Head
+    pos: _Pos
+
+
+ARANGE_FUNCS = (torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
+VIEW_METHODS = ("view", "reshape", "unsqueeze", "squeeze")
+VIEW_FUNCS = (torch.reshape, torch.unsqueeze, torch.squeeze, aten.view.default, aten.reshape.default,
+              aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _alibi_of(s: torch.fx.Node) -> Optional[tuple[torch.fx.Node, "_SlopesPlan"]]:
+    """(scores, slopes) when s = scores + an ALiBi bias (Note [ALiBi bias])."""
+    if not _is(s, ADD_FUNCS, ("add", "__add__")) or len(s.args) != 2 or s.kwargs:
+        return None
+    sv = fake(s)
+    if not isinstance(sv, torch.Tensor) or sv.dim() < 3:
+        return None
+    for scores, bias in (s.args, s.args[::-1]):
+        bv = fake(bias)
+        if not isinstance(bias, torch.fx.Node) or not _reaches_matmul(scores) or not isinstance(bv, torch.Tensor) \
+                or not bv.is_floating_point() or bv.dim() < 3:
+            continue
+        try:
+            val = _eval_bias(bias, 0)
+        except _NotAlibi:
+            continue
+        shape = bv.shape
+        if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0
+                and same_size(shape[-1], sv.shape[-1]) and same_size(shape[-3], sv.shape[-3])
+                and is_one(shape[-2]) and all(is_one(x) for x in shape[:-3])):
+            continue
+        return scores, _SlopesPlan(val.head.node, val.pos.coef)
+    return None
+
+
+@dataclass(frozen=True)
+class _SlopesPlan:
+    """The lifted slopes: reshape(node, [-1]) * coef, built by the canonicalisation."""
+
+    node: torch.fx.Node
+    coef: float
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+class _NotAlibi(Exception):
+    pass
+
+
+def _eval_bias(node: Any, depth: int):
+    if depth > 24 or not isinstance(node, torch.fx.Node):
+        raise _NotAlibi
+    val = fake(node)
+    if not isinstance(val, torch.Tensor):
+        raise _NotAlibi
+    if _is(node, ARANGE_FUNCS):
+        args = [static_float(a) for a in node.args]
+        if not args or None in args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
+            raise _NotAlibi
+        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) == 3 else 1.0)
+        return _Pos(-1, step, start)
+    if _is_cast(node):
+        return _eval_bias(node.args[0], depth + 1)
+    if _is(node, VIEW_FUNCS, VIEW_METHODS) or (node.op == "call_function" and node.target is operator.getitem):
+        return _map_dims(node, _eval_bias(node.args[0], depth + 1))
+    if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
+        a, b = node.args
+        for x, y in ((a, b), (b, a)):
+            c = static_float(y)
+            if c is not None:
+                xv = _eval_bias(x, depth + 1)
+                if isinstance(xv, _Pos):
+                    return _Pos(xv.dim, xv.coef * c, xv.const * c)
+                raise _NotAlibi
+        va, vb = _eval_bias(a, depth + 1), _eval_bias(b, depth + 1)
+        for x, y in ((va, vb), (vb, va)):
+            if isinstance(x, _Head) and isinstance(y, _Pos) and x.dim != y.dim:
+                return _Bias(x, y)
+        raise _NotAlibi
+    # a per-head vector: a value with one dim of size > 1, computed from constants only
+    sizes = [static_int(x) for x in val.shape]
+    big = [i for i, x in enumerate(sizes) if x != 1]
+    if len(big) == 1 and sizes[big[0]] is not None and val.is_floating_point() and not _has_placeholder_input(node):
+        return _Head(node, big[0] - val.dim())
+    raise _NotAlibi
+
+
+def _has_placeholder_input(node: torch.fx.Node, depth: int = 32) -> bool:
+    """Whether node depends on a graph input (data, not constants)."""
+    seen, stack = set(), [(node, 0)]
+    while stack:
+        x, d = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op in ("placeholder", "get_attr") or d > depth:
+            return True
+        stack.extend((a, d + 1) for a in x.all_input_nodes)
+    return False
+
+
+def _map_dims(node: torch.fx.Node, x):
+    """x (a _Pos / _Head / _Bias of node's input) on node's trailing dims, for views and
+    getitems that insert / remove size-1 dims or slice a dim from a start."""
+    src, out = fake(node.args[0]).shape, fake(node).shape
+    if node.op == "call_function" and node.target is operator.getitem:
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(isinstance(i, torch.fx.Node) for i in idx) or sum(1 for i in idx if i is Ellipsis) > 1:
+            raise _NotAlibi
+        mapping, k = {}, 0
+        real = [i for i in idx if i is not None and i is not Ellipsis]
+        expanded = []
+        for i in idx:
+            if i is Ellipsis:
+                expanded.extend([slice(None)] * (len(src) - len(real)))
+            else:
+                expanded.append(i)
+        expanded.extend([slice(None)] * (len(src) - sum(1 for i in expanded if i is not None)))
+        o = 0
+        for i in expanded:
+            if i is None:
+                o += 1
+                continue
+            if not isinstance(i, slice) or i.step not in (None, 1):
+                raise _NotAlibi
+            start = i.start or 0
+            if start < 0:
+                start += static_int(src[k]) if static_int(src[k]) is not None else 0
+            mapping[k - len(src)] = (o - len(out), start)
+            k, o = k + 1, o + 1
+        dmap = {d: m for d, (m, _) in mapping.items()}
+        starts = {d: st for d, (_, st) in mapping.items()}
+    else:
+        dmap, starts, j = {}, {}, 0
+        s_in, s_out = list(src), list(out)
+        for k, size in enumerate(s_in):
+            while j < len(s_out) and is_one(s_out[j]) and not is_one(size):
+                j += 1
+            if is_one(size) and (j >= len(s_out) or not is_one(s_out[j])):
+                continue
+            if j >= len(s_out) or not same_size(s_out[j], size):
+                raise _NotAlibi
+            dmap[k - len(s_in)], starts[k - len(s_in)] = j - len(s_out), 0
+            j += 1
+
+    def move(v):
+        if isinstance(v, _Pos):
+            if v.dim not in dmap:
+                raise _NotAlibi
+            return _Pos(dmap[v.dim], v.coef, v.const + v.coef * starts[v.dim])
+        if isinstance(v, _Head):
+            if v.dim not in dmap or starts[v.dim]:
+                raise _NotAlibi
+            return _Head(v.node, dmap[v.dim])
+        return _Bias(move(v.head), move(v.pos))
+
+    return move(x)
+
+
+def _softcap_of(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """(z, c) when node = tanh(z / c) * c (or c * tanh(z * (1 / c))) with one constant c > 0:
+    attention-logit soft-capping (Gemma2's eager attention)."""
+    if not _is(node, MUL_FUNCS, ("mul", "__mul__")) or len(node.args) != 2:
+        return None
+    for t, c in (node.args, node.args[::-1]):
+        cv = static_float(c)
+        if cv is None or cv <= 0 or not _is(t, TANH_FUNCS, ("tanh",)) or not _single_user(t):
+            continue
+        inner, ci = _scaled(t.args[0])
+        if inner is not t.args[0] and not ci.syms and math.isclose(ci.const * cv, 1.0, rel_tol=1e-12):
+            return inner, cv
+    return None
+
+
+def _scores_of_q_k(softmax: torch.fx.Node, depth: int = 12) -> str:
+    """Why `softmax` is attention the matcher could not take, or "" when it is no attention:
+    a softmax over the last dim whose input comes, through ops that keep that dim's size, from
+    a product of two graph values (matmul, bmm, baddbmm, einsum) whose last dim it is: scores
+    q.k however modified (soft-caps, biases, views). A softmax over a linear layer's output
+    (a router's) or over anything else is not one."""
+    x, dim, _ = _softmax_parts(softmax)
+    xv = fake(x)
+    if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
+        return ""
+    if not _weights_values(softmax):
+        return ""
+    width = xv.shape[-1]
+    seen, frontier, path = set(), [x], []
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if not isinstance(node, torch.fx.Node) or node in seen:
+                continue
+            seen.add(node)
+            val = fake(node)
+            if not isinstance(val, torch.Tensor) or val.dim() < 2 or not same_size(val.shape[-1], width):
+                continue
+            if _is(node, MATMUL_FUNCS + BADDBMM_FUNCS + EINSUM_FUNCS, MATMUL_METHODS + ("baddbmm",)):
+                operands = [a for a in node.all_input_nodes if isinstance(fake(a), torch.Tensor) and fake(a).dim() >= 2]
+                if len(operands) >= 2:
+                    steps = " -> ".join(dict.fromkeys(path)) or "nothing"
+                    return (f"softmax over q.k scores (from {node.name}) in a form the matcher does not read "
+                            f"(the scores go through {steps}); kept as dense attention")
+                continue
+            if node.op in ("call_function", "call_method") and not _is(node, LINEAR_FUNCS):
+                path.append(_op_label(node))
+                nxt.extend(node.all_input_nodes)
+        frontier = nxt
+    return ""
+
+
+def _weights_values(p: torch.fx.Node, depth: int = 8) -> bool:
+    """The probabilities (through casts, dropout, views: ops of one tensor input) weight values:
+    they are the left operand of a product (P @ v, bmm(P, v)) or an einsum's operand."""
+    frontier = [p]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            for u in real_users(node):
+                if _is(u, EINSUM_FUNCS):
+                    return True
+                if _is(u, MATMUL_FUNCS, MATMUL_METHODS):
+                    if u.args and u.args[0] is node:
+                        return True
+                    continue
+                if u.op in ("call_function", "call_method") and len(u.all_input_nodes) == 1:
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+def _op_label(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _baddbmm(node: torch.fx.Node, mask: Any):
@@ -445,14 +822,19 @@ def _is_very_negative(value: Any) -> bool:
 
 
 def _reaches_matmul(node: Any, depth: int = 6) -> bool:
-    """node is (a cast / scale of) a matmul: tells the scores apart from the mask in s + m."""
+    """node is (a cast / scale / soft-cap of) a matmul: tells the scores apart from the mask in s + m."""
     for _ in range(depth):
         if not isinstance(node, torch.fx.Node):
             return False
-        if _is(node, MATMUL_FUNCS, MATMUL_METHODS):
+        if _is(node, MATMUL_FUNCS + BADDBMM_FUNCS, MATMUL_METHODS + ("baddbmm",)):
             return True
         inner, c = _scaled(node)
-        if inner is not node:
+        cap = _softcap_of(node)
+        if cap is not None:
+            node = cap[0]
+        elif _merges_heads(node, None):
+            node = node.args[0]
+        elif inner is not node:
             node = inner
         elif _is_cast(node):
             node = node.args[0]

@@ -22,6 +22,11 @@ Each node of the mask's expression tree is evaluated to an abstract value:
   atoms of pred are comparisons of Lin values and Key = f(node)[b, j] is truthy (or falsy),
   node a [b, n] graph value, f elementwise ops on it, its b / n on trailing dims (-4, -1);
 - Data: f(node) for a [b, n] non-constant graph value (a padding mask), not yet a predicate.
+A slice x[..., a:] of a Lin is a Lin again (const + coef * a); of anything else it is
+unliftable. Hugging Face without a KV cache ANDs "same packed sequence" into its mask, with
+sequence ids (diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1) of the position ids: for
+positions c + a * k, diff is the constant a only when the prepend is c - a on every row, so
+that is checked; the ids are then constant, and comparing two of them is a constant.
 The SDPA mask must end as Ind(pred, True, False) or Ind(pred, 0, <= -1e4) whose pred,
 negations pushed to the atoms, is a conjunction of: bounds on j - i, trivially true bounds
 on i or j alone, and Key atoms. Anything else is unliftable. Sizes are read from fake
@@ -39,7 +44,7 @@ import torch.fx
 
 from ringcc.report import SkipReason
 
-from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
+from .attention_form import (MASK_META, MODS_META, SITE_META, SKIP_META, Builder, LiftedMask, SdpaCall, erase_dead,
                              fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size, static_float,
                              static_int)
 from .base import PassContext, PassResult, written_between
@@ -70,6 +75,8 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             continue
         node.meta[MASK_META] = lifted
         site.mask = lifted.spec()
+        if MODS_META in node.meta:
+            site.mask.update(node.meta[MODS_META].spec())
     return PassResult(modified)
 
 
@@ -79,6 +86,12 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 
 def _undo_gqa_repeat(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     call = SdpaCall.of(node)
+    if _broadcast_heads(call):
+        # K/V with one head broadcast to the query heads by SDPA itself (Falcon's multi-query
+        # form): the same attention as enable_gqa=True, every query head on kv head 0.
+        call.enable_gqa = True
+        node.args, node.kwargs = call.args_kwargs(is_aten_graph(gm))
+        return True
     ks, vs = _repeat_source(call.k), _repeat_source(call.v)
     if ks is None or vs is None or ks[1] != vs[1]:
         return False
@@ -89,12 +102,29 @@ def _undo_gqa_repeat(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return True
 
 
+def _broadcast_heads(call: SdpaCall) -> bool:
+    """q with h > 1 heads, k and v with one head each and enable_gqa off: SDPA broadcasts them."""
+    qv, kv, vv = fake(call.q), fake(call.k), fake(call.v)
+    if call.enable_gqa is not False or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+        return False
+    return is_one(kv.shape[1]) and is_one(vv.shape[1]) and isinstance(qv.shape[1], int) and qv.shape[1] > 1
+
+
 def _repeat_source(x: Any) -> Optional[tuple[torch.fx.Node, int]]:
-    """(source [b, g, n, d], r) when x repeats each of its g heads r times consecutively."""
+    """(source [b, g, n, d], r) when x repeats each of its g heads r times consecutively
+    (repeat_interleave, HF's expand + reshape, or one head expanded: multi-query)."""
     if not isinstance(x, torch.fx.Node) or x.op not in ("call_function", "call_method"):
         return None
     xv = fake(x)
     if not isinstance(xv, torch.Tensor) or xv.dim() != 4:
+        return None
+    if x.target in ("expand", aten.expand.default):
+        src = x.args[0]
+        sv = fake(src)
+        if (isinstance(src, torch.fx.Node) and isinstance(sv, torch.Tensor) and sv.dim() == 4 and is_one(sv.shape[1])
+                and isinstance(xv.shape[1], int) and same_shape(sv.shape[2:], xv.shape[2:])
+                and same_size(sv.shape[0], xv.shape[0])):
+            return src, xv.shape[1]
         return None
     if x.target in (torch.repeat_interleave, "repeat_interleave", aten.repeat_interleave.self_int):
         src = x.args[0]
@@ -508,7 +538,7 @@ class _Interp:
         if t is aten.index.Tensor:  # export's spelling of x[i, j] with tensor indices
             return self._advanced_index(self.eval(args[0]), args[0], tuple(args[1]), node)
         if t is aten.slice.Tensor:
-            return self._full_slice(node)
+            return self._slice(node)
         if t in ("unsqueeze", torch.unsqueeze, aten.unsqueeze.default, "view", "reshape", torch.reshape,
                  aten.view.default, aten.reshape.default, "squeeze", aten.squeeze.dim):
             return self._reshape(node)
@@ -656,8 +686,10 @@ class _Interp:
             elif i is None:
                 out_pos += 1
             elif isinstance(i, slice):
-                if not (i.start in (None, 0) and i.step in (None, 1)):
-                    raise Unliftable("a slice that shifts or strides positions")
+                if i.step not in (None, 1):
+                    raise Unliftable("a slice that strides positions")
+                if i.start not in (None, 0):
+                    x = self._shift(x, len(mapping) - in_nd, i.start)
                 mapping.append(out_pos)
                 out_pos += 1
             else:
@@ -667,14 +699,27 @@ class _Interp:
             out_pos += 1
         return self._apply_map(x, self._dim_map(node, in_nd, mapping), node)
 
-    def _full_slice(self, node: torch.fx.Node) -> Any:
-        """aten.slice(x, dim, start, end) that keeps every element (export's x[:, :n])."""
+    def _shift(self, x: Any, dim: int, start: Any) -> Lin:
+        """x[..., start:] along trailing dim `dim`: element k is x's element start + k, which
+        only positions can say (c + a * k becomes c + a * start + a * k); the memo's _fit reads
+        the new length off the result."""
+        start = static_int(start)
+        if not isinstance(x, Lin) or start is None or start < 0:
+            raise Unliftable("a slice that drops or shifts mask positions")
+        return Lin(x.coefs, x.const + dict(x.coefs).get(dim, 0) * start, x.ndim, x.lengths)
+
+    def _slice(self, node: torch.fx.Node) -> Any:
+        """aten.slice(x, dim, start, end, step): one that keeps every element (export's
+        x[:, :n]) is x; of positions, x[..., start:end] is x shifted (_shift). Any other slice
+        of a mask is unliftable."""
         args = list(node.args) + [0, 0, None, None, 1][len(node.args):]
         x, dim, start, end, step = args[:5]
         size = fake(x).shape[dim]
         if start in (None, 0) and step == 1 and (end is None or same_size(fake(node).shape[dim], size)):
             return self.eval(x)
-        raise Unliftable("a slice that drops mask positions")
+        if step != 1:
+            raise Unliftable("a slice that strides positions")
+        return self._shift(self.eval(x), dim - fake(x).dim() if dim >= 0 else dim, start or 0)
 
     def _advanced_index(self, x: Any, base: torch.fx.Node, idx: tuple, node: torch.fx.Node) -> Any:
         """HF: t2d[batch_arange[:, None, None, None], kv_arange[None, None, None, :]] for a
@@ -836,11 +881,13 @@ class _Interp:
 
     def _diff(self, node: torch.fx.Node) -> Any:
         """diff(pos, dim=-1, prepend=pos[..., :1] - a) of positions c + a * k: a everywhere
-        (HF's packed-sequence detection on position ids that are a plain arange)."""
+        (HF's packed-sequence detection on position ids that are a plain arange). The first
+        element is pos[0] - (pos[0] - a) only when the prepend is that very value: a constant
+        along every dim (no batch term) equal to the first position minus the step."""
         x = self.eval(node.args[0])
-        dim = node.kwargs.get("dim", -1)
-        prepend = node.kwargs.get("prepend")
-        if node.kwargs.get("n", 1) != 1 or node.kwargs.get("append") is not None or len(node.args) > 1:
+        bound = dict(zip(("n", "dim", "prepend", "append"), node.args[1:]), **node.kwargs)
+        dim, prepend = bound.get("dim", -1), bound.get("prepend")
+        if bound.get("n", 1) != 1 or bound.get("append") is not None:
             raise Unliftable("diff with n / append")
         if not isinstance(x, Lin) or dim % self._ndim(node) != self._ndim(node) - 1 or prepend is None:
             raise Unliftable("diff of something other than positions")
@@ -850,7 +897,7 @@ class _Interp:
         a = coefs.get(-1, 0)
         p = self.eval(prepend)
         pv = fake(prepend)
-        if not isinstance(p, Lin) or not is_one(pv.shape[-1]) or p.const != x.const - a:
+        if not isinstance(p, Lin) or p.coefs or not is_one(pv.shape[-1]) or p.const != x.const - a:
             raise Unliftable("diff with a prepend that is not the first position minus the step")
         return Ind(TRUE, float(a), float(a), self._ndim(node))
 

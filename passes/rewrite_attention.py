@@ -6,7 +6,8 @@ An accepted site becomes
                                                  group_name, world_size, layout[, window])
     out = op[0]            # op[1] is the LSE
 
-(window, a lifted sliding window |i - j| < window, is passed only when there is one).
+(window, a lifted sliding window |i - j| < window, is passed only when there is one; so are
+the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py).
 
 with k/v carrying their own (GQA) heads. The layout is resolved once per graph from
 Config.layout ("auto": zigzag when p > 1 and every rewritten site is causal) and stored in
@@ -27,8 +28,9 @@ from ringcc.report import Decision, SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 from ringcc.runtime.dilated import DilatedSpec, dilated_plan
 
-from .attention_form import (MASK_META, SITE_META, SKIP_META, Builder, SdpaCall, erase_dead, fake,
-                             is_aten_graph, is_sdpa, same_shape, same_size, static_float, static_int)
+from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, SdpaCall,
+                             erase_dead, fake, is_aten_graph, is_sdpa, same_shape, same_size, static_float,
+                             static_int)
 from .base import PassContext, PassResult
 
 PASS = "rewrite_attention"
@@ -46,6 +48,10 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         skip = node.meta.get(SKIP_META) or _check(node, ctx)
         if skip is not None:
             site.decision, (site.reason, site.detail) = Decision.SKIPPED, skip
+            if REPLACES_META in node.meta:  # the user's nodes stay; their shadow goes
+                _, canonical_out = node.meta[REPLACES_META]
+                site.node = node.meta[REPLACES_META][0].name
+                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -97,6 +103,8 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
         return None
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
+    if MODS_META in node.meta:
+        return SkipReason.UNSUPPORTED_MASK, "score modifiers (soft-cap, ALiBi) with dilation: the dilated op takes none"
     if lifted.key_valid is not None or lifted.window is not None:
         what = "key padding" if lifted.key_valid is not None else "a sliding window"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
@@ -143,8 +151,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     spec = node.meta.get(DILATION_META)
     if spec is None:
         window = () if lifted.window is None else (lifted.window,)  # the op's 10th argument, default 0
+        mods = node.meta.get(MODS_META)
+        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap),
+                                                             ("alibi_slopes", mods.alibi_slopes)) if v is not None}
         op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
-                    ctx.group_name, ctx.world_size, layout, *window)
+                    ctx.group_name, ctx.world_size, layout, *window, **extra)
     else:
         op = b.call(DILATED_OP, call.q, call.k, call.v, list(spec.segment_lengths), list(spec.dilation_rates),
                     spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
@@ -154,6 +165,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     site.decision, site.reason, site.detail = Decision.REWRITTEN, None, ""
     site.node = op.name
     erase_dead(gm, [node])
+    if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
+        user_out, canonical_out = node.meta[REPLACES_META]
+        user_out.replace_all_uses_with(out if canonical_out is node else canonical_out)
+        erase_dead(gm, [user_out])
     return op
 
 

@@ -208,19 +208,24 @@ class Sharder:
         key = (src, st.dim, int(front), int(back), pad_value)
         if key in self._shards and not written_between(src, self._shards[key], self.cur):
             return self._shards[key]  # (a write to src in between needs a new shard)
+        # Every node made here gets its state: a shard without one would read as a replicated
+        # value consumed by sharded work, whose cotangent sync_param_grads all-reduces.
         x, d, ndim = src, st.dim, fake(src).dim()
         if not _eq(st.outer, 1):
             x, d, ndim = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1, ndim + 1
+            self.state[x] = Seq(d, st.length)
         if front or back:
             # cat with filled blocks, not F.pad: F.pad's fake guards on the (symbolic) length
             pieces = ([self._fill(x, d, ndim, int(front), pad_value)] if front else []) + [x] + \
                 ([self._fill(x, d, ndim, int(back), pad_value)] if back else [])
             x = self.new(torch.cat, pieces, d)
+            self.state[x] = Seq(d, self.N)
         x = self.new(SHARD, x, d, *self.comm)
+        self.state[x] = Seq(d, st.length, start=front, sharded=True)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
+            self.state[x] = Seq(st.dim, st.length, st.outer, start=front, sharded=True)
         self._shards[key] = x
-        self.state[x] = Seq(st.dim, st.length, st.outer, sharded=True)
         self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
         return x
 
@@ -237,9 +242,12 @@ class Sharder:
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
+            self.state[x] = Seq(d, st.length, start=st.start, sharded=True)
         x = self.new(GATHER, x, d, *self.comm)
+        self.state[x] = Seq(d, self.N)
         if not self.full(st):
             x = self.new("narrow", x, d, self.size(st.start), self.size(st.length), method=True)
+            self.state[x] = Seq(d, st.length)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
         self._gathers[src] = x
@@ -283,7 +291,7 @@ class Sharder:
         ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple))]
         name = op_name(node)
         rule = RULES.get(name)
-        if not ins:
+        if not ins and name not in _ATTENTION_ARGS:  # attention shards its q/k/v whatever their state
             if rule is not None and rule.creates and isinstance(fake(node), torch.Tensor):
                 return self.seq_of_size(fake(node))
             return None
@@ -882,7 +890,10 @@ def reduce_rule(w: Sharder, node):
         rows = w.new(torch.ones, (w.size(st.length),), dtype=fake(x).dtype)
         rows = w.shard(rows, Seq(0, st.length), st)  # 1 on the window's rows, 0 elsewhere
         shape = [-1 if d == st.dim else 1 for d in range(nd)]
-        node.replace_input_with(x, w.new(operator.mul, x, w.new("view", rows, *shape, method=True)))
+        rows = w.new("view", rows, *shape, method=True)
+        masked = w.new(operator.mul, x, rows)
+        w.state[rows], w.state[masked] = Seq(st.dim, st.length, start=st.start, sharded=True), st
+        node.replace_input_with(x, masked)
         if name == "mean":
             node.target = "sum" if node.op == "call_method" else torch.sum
         divisor = int(count)
@@ -1037,7 +1048,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1084,6 +1095,7 @@ RULES: dict[str, Rule] = {
     # reductions over the sequence: local reduction + all-reduce
     "sum": Rule(reduce_rule, unary=True),
     "mean": Rule(reduce_rule, unary=True),
+    "logsumexp": Rule(reduce_rule, unary=True),  # token-local over a feature dim (a chunked loss)
     "cross_entropy": Rule(cross_entropy_rule),
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
@@ -1104,6 +1116,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     if "seq" not in ctx.scratch or not ctx.config.shard or _already_sharded(gm):
         return PassResult(False)
     w = Sharder(gm, ctx)
+    _resolve_ambiguous(gm, ctx, w.layout)
     w.run()
     gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
     ctx.report.layout = w.layout
@@ -1114,11 +1127,118 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     # dynamic shapes) is gone with it: the report lists what the graph does
     alive = {node.name for node in gm.graph.nodes}
     ctx.report.gathers[:] = [g for g in ctx.report.gathers if g.node in alive]
-    ctx.report.notes.append(f"sequence of {w.n} tokens sharded over {w.p} ranks ({w.layout} layout): "
+    length = f"{w.n} tokens" if str(w.n).isdigit() else "a dynamic length"
+    ranks = "1 rank" if w.p == 1 else f"{w.p} ranks"
+    ctx.report.notes.append(f"sequence of {length} sharded over {ranks} ({w.layout} layout): "
                             f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
                             f"{len(ctx.report.gathers)} gathered")
     refresh_fakes(gm)
     return PassResult(True)
+
+
+# Note [Ambiguous inputs]
+# An input with several dims of length n (token ids [8, 8]; a feature dim equal to n) cannot be
+# read by size. Which of its dims carries the sequence is decided by the shape flow, as the walk
+# follows it: for each candidate dim, a dry run of the walk on a copy of the graph, with that
+# input as the only source and no state made from sizes (`_Probe`), records the dims at which
+# it reaches attention's q, k and v. A candidate that reaches them, and only at their sequence
+# dim (2), is confirmed. One confirmed dim is the input's sequence dim. An input that feeds q/k/v
+# with none or several confirmed is an error that asks for ringcc.mark_sequence /
+# Config(seq_dim=...): a guess could shard the batch. An input that does not feed q/k/v (labels,
+# a mask) stays a replicated value; the walk still slices it where it meets a shard (`_meet`).
+
+
+class _Probe(Sharder):
+    """The walk as a dry run (Note [Ambiguous inputs]): `arrivals` are the (dim, outer) states of
+    q/k/v at the attention sites."""
+
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
+        super().__init__(gm, ctx)
+        self.arrivals: set[tuple[int, bool]] = set()
+
+    def seq_of_size(self, val: torch.Tensor) -> State:
+        return None
+
+    def _visit(self, node: torch.fx.Node):
+        if op_name(node) not in _ATTENTION_ARGS:
+            return super()._visit(node)
+        states = [self.state.get(a) for a in node.args[:3]]
+        here = {(st.dim, _eq(st.outer, 1)) for st in states if isinstance(st, Seq)}
+        self.arrivals |= here
+        if here != {(2, True)}:
+            return None
+        seq = Seq(2, self.n, sharded=True)
+        return (seq, seq)
+
+
+def _feeds_attention(gm: torch.fx.GraphModule) -> set[str]:
+    """Names of the placeholders that q, k or v of some attention site is computed from (through
+    an earlier site's q/k/v only, not its mask)."""
+    sites = set(attention_nodes(gm))
+    seen: set[torch.fx.Node] = set()
+    stack = [a for s in sites for a in s.args[:3]]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.args[:3] if node in sites else node.all_input_nodes)
+    return {node.name for node in seen if node.op == "placeholder"}
+
+
+def _probe(gm: torch.fx.GraphModule, ctx: PassContext, layout: str, name: str, dim: int) -> set[tuple[int, bool]] | None:
+    """The arrivals of input `name`'s `dim` at the attention sites (None: the walk stopped)."""
+    from dataclasses import replace as copy_with
+
+    from ringcc.report import GraphReport
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    info = ctx.scratch["seq"]
+    scratch = {"seq": type(info)(n=info.n, sources={name: dim}), "layout": layout}
+    probe_ctx = copy_with(ctx, report=GraphReport(graph=ctx.report.graph, world_size=ctx.world_size), scratch=scratch)
+    probe = _Probe(torch.fx.GraphModule(gm, graph), probe_ctx)
+    try:
+        probe.run()
+    except (Fallback, ValueError, TypeError, AssertionError):  # the walk cannot follow this dim
+        return None
+    return probe.arrivals
+
+
+def _arrivals_text(got: set[tuple[int, bool]] | None) -> str:
+    if got is None:
+        return "a value the walk cannot follow"
+    if not got:
+        return "no attention input"
+    return ", ".join(f"q/k/v dim {d}" + ("" if whole else " merged with another dim") for d, whole in sorted(got))
+
+
+def _resolve_ambiguous(gm: torch.fx.GraphModule, ctx: PassContext, layout: str) -> None:
+    """Decides the sequence dim of each ambiguous input (Note [Ambiguous inputs])."""
+    info = ctx.scratch["seq"]
+    if not info.ambiguous:
+        return
+    feeding = _feeds_attention(gm)
+    shapes = {p.name: tuple(fake(p).shape) for p in gm.graph.nodes if p.op == "placeholder" and p.name in info.ambiguous}
+    for name, dims in info.ambiguous.items():
+        if name not in feeding:
+            ctx.report.notes.append(
+                f"input {name} {shapes[name]} has several dims of size n={info.n} and does not feed the attention "
+                "sites; it is not taken as a sequence input (ringcc.mark_sequence(x, dim) or Config(seq_dim=...) "
+                "says which)")
+            continue
+        arrivals = {d: _probe(gm, ctx, layout, name, d) for d in dims}
+        confirmed = [d for d, got in arrivals.items() if got == {(2, True)}]
+        if len(confirmed) != 1:
+            reached = "; ".join(f"its dim {d} reaches " + _arrivals_text(got) for d, got in arrivals.items())
+            raise ValueError(
+                f"input {name} {shapes[name]} has several dims of size n={info.n} ({dims}) and feeds the attention "
+                f"sites, and ringcc cannot tell which one is the sequence ({reached}; attention's sequence is dim 2 "
+                f"of q/k/v). Say which: ringcc.mark_sequence(x, dim) on the input before the call, or "
+                f"Config(seq_dim=...)")
+        info.sources[name] = confirmed[0]
+        ctx.report.notes.append(f"input {name} {shapes[name]}: dim {confirmed[0]} is the sequence (of its dims of "
+                                f"size n={info.n}, {dims}, the one that becomes attention's sequence dim)")
 
 
 def _already_sharded(gm: torch.fx.GraphModule) -> bool:

@@ -9,6 +9,22 @@ the op ringcc::sync_grads (copies) for attributes of an export graph (Note [Para
 the original value: their gradient is already complete on every rank (a weight sliced by
 ringcc::shard, like ViT's position table, gets the all-gathered gradient from the shard's
 backward, so it is not synced either).
+
+Note [Gradients under data parallelism]
+ringcc's loss is the sequence group's global mean and each rank seeds the same cotangent
+(Note [Replicated cotangents]), so a weight's gradient on rank c of the group is its share
+g_c, and the single-device gradient of the batch is sum_c g_c. A data-parallel engine outside
+the graph (FSDP2's reduce-scatter, DDP's all-reduce) then averages over its own ranks:
+- over ranks that hold other batches only (a mesh dimension other than the sequence's): the
+  group's sum must be complete before it, so ringcc all-reduces the shares (sync_grads_view);
+  the engine's mean over the data dimension makes the global batch's gradient;
+- over ranks that include the whole sequence group (FSDP2 or DDP on the flattened
+  data x sequence mesh, as torchtitan shards): its mean over the group is (1/p) sum_c of what
+  each rank holds, so ringcc multiplies each share by p (scale_grads_view) and communicates
+  nothing; every gradient is then reduced once, by the engine. An all-reduce here would also
+  be exact (the engine would average p equal copies) but would send every gradient twice.
+Config.grad_sync chooses; "auto" takes the second way for the graph inputs the backend found
+averaged so (ringcc/backend.py, _compat.data_parallel_means), the first for the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from .shard_sequence import STATE_META
 PASS = "sync_param_grads"
 SYNC = torch.ops.ringcc.sync_grads.default
 SYNC_VIEW = ringcc.runtime.seqops.sync_grads_view
+SCALE_VIEW = ringcc.runtime.seqops.scale_grads_view
 _COMM_OPS = ("shard", "gather", "all_reduce_sum", "seq_select", "sync_grads")
 
 
@@ -37,7 +54,7 @@ def _sharded(state) -> bool:
     return state is not None and state.sharded
 
 
-def _computes_on_shards(node: torch.fx.Node) -> bool:
+def computes_on_shards(node: torch.fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     t = node.target
@@ -53,31 +70,48 @@ def _needs_sync(value: torch.fx.Node) -> bool:
 
 
 def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    if not ctx.scratch.get("sharded") or ctx.world_size == 1 or any(n.target in (SYNC, SYNC_VIEW) for n in gm.graph.nodes):
+    if not ctx.scratch.get("sharded") or ctx.world_size == 1 or any(n.target in (SYNC, SYNC_VIEW, SCALE_VIEW) for n in gm.graph.nodes):
         return PassResult(False)
     uses: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        if not _computes_on_shards(node):
+        if not computes_on_shards(node):
             continue
         for a in node.all_input_nodes:
             if _needs_sync(a):
                 uses.setdefault(a, []).append(node)
     if not uses:
         return PassResult(False)
-    placeholders = [v for v in uses if v.op == "placeholder"]
-    others = [v for v in uses if v.op != "placeholder"]
+    index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+
+    def averaged(v):  # a graph input the engine averages, or a value made from one alone (w.chunk(k))
+        while v.op != "placeholder" and len(v.all_input_nodes) == 1:
+            v = v.all_input_nodes[0]
+        return v.op == "placeholder" and index[v] in ctx.outer_reduced
+
+    placeholders = [v for v in uses if v.op == "placeholder" and not averaged(v)]
+    others = [v for v in uses if v.op != "placeholder" and not averaged(v)]
+    scaled = [v for v in uses if averaged(v)]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for bucket in _buckets(placeholders, ctx.config.bucket_mb):
-        # Just before the bucket's first use: in backward its all-reduce then runs as soon as
-        # that use's backward has made the last of its cotangents (autograd runs the ready node
-        # made last in forward first), not after the whole backward, which would hold every
-        # weight's cotangent until then.
-        first = min((u for v in bucket for u in uses[v]), key=order.__getitem__)
-        _sync(gm, ctx, bucket, uses, first.prev)
+    for values, target in ((placeholders, SYNC_VIEW), ([v for v in scaled if v.op == "placeholder"], SCALE_VIEW)):
+        for bucket in _buckets(values, ctx.config.bucket_mb):
+            # Just before the bucket's first use: in backward its all-reduce then runs as soon as
+            # that use's backward has made the last of its cotangents (autograd runs the ready node
+            # made last in forward first), not after the whole backward, which would hold every
+            # weight's cotangent until then.
+            first = min((u for v in bucket for u in uses[v]), key=order.__getitem__)
+            _sync(gm, ctx, bucket, uses, first.prev, target)
     for v in others:
-        _sync(gm, ctx, [v], uses, v)
-    ctx.scratch.setdefault("shard_decisions", []).append(
-        f"sync {len(uses)} values in {len(_buckets(placeholders, ctx.config.bucket_mb))} buckets")
+        _sync(gm, ctx, [v], uses, v, SYNC)
+    for v in scaled:
+        if v.op != "placeholder":
+            _sync(gm, ctx, [v], uses, v, SCALE_VIEW)
+    decision = f"sync {len(placeholders) + len(others)} values in {len(_buckets(placeholders, ctx.config.bucket_mb))} buckets"
+    if scaled:
+        decision += f", scale {len(scaled)}"
+    ctx.scratch.setdefault("shard_decisions", []).append(decision)
+    ctx.report.notes.append(
+        f"parameter gradients: {len(placeholders) + len(others)} all-reduced over the sequence group, {len(scaled)} "
+        "scaled by p for the data-parallel engine's mean (Note [Gradients under data parallelism])")
     return PassResult(True)
 
 
@@ -96,9 +130,9 @@ def _buckets(values: list[torch.fx.Node], bucket_mb: float) -> list[list[torch.f
     return out
 
 
-def _sync(gm, ctx, bucket, uses, anchor) -> torch.fx.Node:
-    """One sync op for `bucket` after `anchor`; rewires the sharded uses. Returns the last node."""
-    target = SYNC_VIEW if all(v.op == "placeholder" for v in bucket) else SYNC
+def _sync(gm, ctx, bucket, uses, anchor, target) -> torch.fx.Node:
+    """One sync (or scale) op for `bucket` after `anchor`; rewires the sharded uses. Returns the
+    last node."""
     with gm.graph.inserting_after(anchor):
         op = tag(gm.graph.call_function(target, (list(bucket), ctx.group_name, ctx.world_size)), PASS, bucket[0])
     mode = fake(bucket[0]).fake_mode

@@ -11,6 +11,9 @@
 5. Every ringcc.ring_attention / dilated_attention node keeps the attention contract: 4-D
    q [b, h, n, d] and k / v [b, h_kv, n, d] with h % h_kv == 0, key_valid None or a bool
    [b, n] value, and only getitem users (0: output, 1: LSE).
+6. Every value shard_sequence made that requires grad and feeds work on shards carries its
+   sequence state (meta["ringcc_seq"]): sync_param_grads reads a stateless value there as a
+   replicated weight and all-reduces its cotangent, which for a shard is wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import operator
 
 import torch
 import torch.fx
+
+from .shard_sequence import PASS as SHARD_PASS, STATE_META
+from .sync_param_grads import computes_on_shards
 
 
 class GraphInvariantError(AssertionError):
@@ -42,6 +48,10 @@ def verify_graph(gm: torch.fx.GraphModule, *, after: str = "") -> None:
         target = str(node.target)
         if target.startswith("ringcc.") and node.op == "call_function" and "ringcc_pass" not in node.meta:
             raise GraphInvariantError(f"ringcc node {node.name} does not record the pass that made it{where}")
+        if node.meta.get("ringcc_pass") == SHARD_PASS and STATE_META not in node.meta and \
+                getattr(_fake(node), "requires_grad", False) and any(computes_on_shards(u) for u in node.users):
+            raise GraphInvariantError(f"node {node.name} made by {SHARD_PASS} feeds work on shards without a "
+                                      f"sequence state{where}")
         if target.startswith(("ringcc.ring_attention.", "ringcc.dilated_attention.")):
             problem = _attention_contract(node)
             if problem:

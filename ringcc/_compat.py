@@ -188,7 +188,7 @@ class CudaDriver:
     cuStreamWriteValue32 (a stream writes one, after a system-wide fence); and the few
     stream calls the ring issues per batch (async copy, event record, stream wait on an event),
     which through the driver cost the host a few microseconds each instead of torch's tens
-    (host time by call site: benchmarks/ring_timeline.py --host-breakdown).
+    (host time measured per call site).
     Streams are raw handles (`torch.cuda.Stream.cuda_stream`; 0 is the current device's
     default stream, so callers make their device current)."""
 
@@ -289,3 +289,84 @@ def boxed_graph(gm: torch.fx.GraphModule, _example_inputs=None):
 
     run._boxed_call = True
     return run
+
+
+def cpu_allocation_peak(step) -> int:
+    """The peak of the bytes a call of step() allocates beyond what exists before it, from the
+    CPU allocator's events as torch.profiler records them (compiled code included, unlike
+    dispatch modes); the events' list is the profiler's private kineto result."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    # kineto prints a "profiler_start" / "profiler_stop" line per profile below level 6; it
+    # reads the level when a process first profiles (a setting made earlier is kept)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for ev in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                     key=lambda e: e.start_ns()):
+        live += ev.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _dynamo_frame_module():
+    """The module whose method dynamo is compiling now (the frame's `self`), or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return None
+    module = getattr(tx, "f_locals", {}).get("self") if tx is not None else None
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def _fsdp_param_groups(module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # 2.13: a list (fully_shard([a, b]))
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)  # 2.11
+        groups = [] if group is None else [group]
+    return groups
+
+
+def data_parallel_means(tensors: list) -> dict[int, tuple[tuple[int, ...], bool]]:
+    """The gradients that a data-parallel engine outside the graph reduces: for each tensor of
+    `tensors` (a graph's example inputs) that is a parameter of DDP's module while its forward
+    runs, or an unsharded parameter of an FSDP2 module within the module being compiled, its
+    position -> (the global ranks the engine reduces that gradient over, whether it reduces by
+    the plain mean). FSDP2 on a full SPMD mesh (dp_mesh_dims) is not read (left out)."""
+    position = {id(t): i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)}
+    out: dict[int, tuple[tuple[int, ...], bool]] = {}
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None:
+        ranks = tuple(dist.get_process_group_ranks(ddp.process_group))
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        for name, p in ddp.module.named_parameters():
+            if name not in ignored and id(p) in position:
+                out[position[id(p)]] = (ranks, True)
+    module = _dynamo_frame_module()
+    if module is None:
+        return out
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in _fsdp_param_groups(m):
+            info = group.mesh_info
+            if getattr(info, "is_spmd_mesh", False):
+                continue
+            ranks = tuple(int(r) for r in info.mesh.mesh.flatten().tolist())
+            mean = getattr(group, "gradient_divide_factor", None) is None and not getattr(
+                group, "force_sum_reduction_for_comms", False)
+            for fp in group.fsdp_params:
+                t = getattr(fp, "_unsharded_param", None)
+                if t is not None and id(t) in position:
+                    out[position[id(t)]] = (ranks, mean)
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -21,22 +22,68 @@ from ringcc.config import Config, timeout_delta
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
-from ringcc.runtime.comm import set_timeout
-from ringcc.runtime.ops import schedule_settings
+from ringcc.runtime.comm import group_extremes, set_timeout
+from ringcc.runtime.ops import checks_every_call, schedule_settings
+from ringcc.runtime.ring import check_no_launcher
 
 _graph_ids = itertools.count()
+
+
+def sequence_group(config: Config):
+    """The process group the sequence is sharded over: Config.group, or the `axis` dimension of
+    Config.mesh (None: WORLD)."""
+    if config.mesh is None:
+        return config.group
+    return config.mesh.get_group(config.axis) if config.axis is not None else config.mesh.get_group()
 
 
 def _world(config: Config) -> tuple[int, str]:
     if config.world_size is not None:
         name = ""
         if dist.is_available() and dist.is_initialized():
-            name = _compat.group_name(config.group)
+            name = _compat.group_name(sequence_group(config))
         return config.world_size, name
-    if not config.shard or not (dist.is_available() and dist.is_initialized()):
+    if not config.shard:
         return 1, ""
-    group = config.group if config.group is not None else dist.group.WORLD
+    if not (dist.is_available() and dist.is_initialized()):
+        check_no_launcher("torch.compile(backend='ringcc')",
+                          remedy=", or pass Config(world_size=1) (options={'world_size': 1}) to compile for one rank")
+        return 1, ""
+    group = sequence_group(config)
+    group = group if group is not None else dist.group.WORLD
     return dist.get_world_size(group), _compat.group_name(group)
+
+
+def _outer_reduced(example_inputs, config: Config, world: int) -> frozenset:
+    """Graph inputs whose gradients a data-parallel engine averages over the whole sequence group
+    (Note [Gradients under data parallelism]); an engine that covers the group but does not
+    reduce by the plain mean leaves no way to know the divisor: an error asking for grad_sync."""
+    if config.grad_sync == "all_reduce" or world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return frozenset()
+    group = sequence_group(config)
+    mine = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    found = _compat.data_parallel_means(list(example_inputs))
+    covering = set()
+    for i, (ranks, mean) in found.items():
+        if mine <= set(ranks):
+            if not mean and config.grad_sync == "auto":
+                raise ValueError(
+                    f"a data-parallel engine reduces gradients over ranks {sorted(ranks)}, which include the "
+                    f"sequence group's ranks {sorted(mine)}, with a divisor other than its size (FSDP2's "
+                    "set_gradient_divide_factor or set_force_sum_reduction_for_comms): ringcc cannot tell which "
+                    "share to give it. Set Config.grad_sync='outer' (the engine divides the sum by the whole "
+                    "group's size, and ringcc scales each share by p) or 'all_reduce' (ringcc sums over the "
+                    "sequence group first)")
+            covering.add(i)
+        elif config.grad_sync == "outer" and len(mine & set(ranks)) == 1:
+            raise ValueError(
+                f"Config.grad_sync='outer', but a data-parallel engine reduces graph input {i}'s gradient over "
+                f"ranks {sorted(ranks)}, none of them in this rank's sequence group {sorted(mine)} but itself: "
+                "nothing would sum the sequence shards' gradients. Use grad_sync='auto' or 'all_reduce'")
+    if config.grad_sync == "outer":
+        params = {i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)}
+        return frozenset(params | covering)
+    return frozenset(covering)
 
 
 def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
@@ -58,7 +105,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     world, name = _world(config)
     report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
     ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
-                      example_inputs=list(example_inputs))
+                      example_inputs=list(example_inputs), outer_reduced=_outer_reduced(example_inputs, config, world))
     gm = run_pipeline(gm, ctx)
     _plan(gm, ctx)
     record(report)
@@ -77,16 +124,20 @@ def fingerprint(decisions: list[str]) -> str:
 
 def _checked_first_call(compiled, decisions: list[str], config: Config, graph: str):
     """Compare the rewrite decisions across ranks once, at the first call (passes make no
-    process-group calls; a mismatch must be an error, not a hang in the first collective)."""
+    process-group calls; a mismatch must be an error, not a hang in the first collective).
+    Before that, on every call, the ranks compare their inputs' shapes (`check_same_inputs`):
+    a rank called with another sequence length runs another graph, or this one with other
+    sizes, and its first collective would not match the others'."""
     done = False
 
     @functools.wraps(compiled)
     def run(*args):
         nonlocal done
+        check_same_inputs(args[0] if getattr(run, "_boxed_call", False) else args, config.group, graph)
         if not done:
-            check_rank_consistency(decisions, config.group, graph)
+            check_rank_consistency(decisions, sequence_group(config), graph)
             if config.timeout is not None:  # from here on: every rank has compiled (compiles differ in time)
-                set_timeout(config.group, timeout_delta(config.timeout))
+                set_timeout(sequence_group(config), timeout_delta(config.timeout))
             done = True
         return compiled(*args)
 
@@ -94,6 +145,27 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
+
+
+def check_same_inputs(inputs, group, graph: str = "graph") -> None:
+    """Every rank must call a compiled graph with inputs of the same shapes (the full inputs, as
+    eager code would). One all-reduce of two int64 per call where the functional API checks
+    every call too (CPU; CUDA at TORCH_DISTRIBUTED_DEBUG=DETAIL: `checks_every_call`)."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    cuda = any(t.is_cuda for t in tensors)
+    if not checks_every_call(cuda):
+        return
+    shapes = ";".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
+                      for x in inputs if isinstance(x, (torch.Tensor, int, torch.SymInt)))
+    code = zlib.crc32(shapes.encode()) & 0x7FFFFFFF
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    ((lo, hi),) = group_extremes([code], group, device)
+    if lo != code or hi != code:
+        mine = [tuple(t.shape) for t in tensors if t.dim() > 0 and not isinstance(t, torch.nn.Parameter)][:4]
+        raise ValueError(
+            f"ringcc ranks called {graph} with inputs of different shapes (this rank {dist.get_rank(group)}: "
+            f"{mine}...); every rank must pass the same full inputs (the same batch and sequence length), as "
+            "eager code would")
 
 
 def check_rank_consistency(decisions: list[str], group=None, graph: str = "graph") -> None:

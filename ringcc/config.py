@@ -20,12 +20,27 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 LAYOUTS = ("auto", "contiguous", "zigzag")
 DROPOUT_MODES = ("skip",)
 CHECKPOINT_MODES = ("recompute", "inline", "keep")
+GRAD_SYNC_MODES = ("auto", "all_reduce", "outer")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
     group: Any = None
     """Process group to shard over (None = WORLD; p = 1 when no group is initialised)."""
+    mesh: Any = None
+    """A DeviceMesh whose dimension `axis` the sequence is sharded over (instead of `group`); the
+    other dimensions are left to data parallelism (FSDP2, DDP). See docs/multinode.md."""
+    axis: Optional[str] = None
+    """The name of the `mesh` dimension that shards the sequence (may be left out for a 1-D mesh)."""
+    grad_sync: str = "auto"
+    """How parameter gradients become the single-device gradients over the sequence group:
+    "all_reduce" sums each rank's share over the group (alone, or under FSDP2 / DDP on another
+    mesh dimension); "outer" leaves the reduction to an engine that averages gradients over
+    ranks including the whole sequence group (FSDP2 or DDP over the flattened data x sequence
+    mesh): ringcc multiplies each rank's share by p instead, so that the engine's mean is the sum
+    (no communication). "auto": "outer" for the parameters such an engine is found to average
+    over the whole sequence group (an FSDP2 module compiled, or a DDP forward running), else
+    "all_reduce". See Note [Gradients under data parallelism] in passes/sync_param_grads.py."""
     world_size: Optional[int] = None
     """Plan/rewrite for this many ranks instead of the group's size (offline tools)."""
     inner: str = "inductor"
@@ -76,6 +91,7 @@ class Config:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             _validate(f.name, getattr(self, f.name))
+        _check_mesh(self)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -104,7 +120,8 @@ def _check_choice(name: str, value, allowed) -> None:
 
 
 BOOL_FIELDS = ("gather_outputs", "pad", "shard", "strict", "require_linear_memory", "verify")
-CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES, "checkpoints": CHECKPOINT_MODES}
+CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES, "checkpoints": CHECKPOINT_MODES,
+           "grad_sync": GRAD_SYNC_MODES}
 
 
 def _received(value) -> str:
@@ -163,6 +180,30 @@ def timeout_delta(value) -> "datetime.timedelta | None":
     return datetime.timedelta(seconds=float(value))
 
 
+def _check_mesh(config: Config) -> None:
+    """`mesh` and `axis` name one dimension of a DeviceMesh; `group` is the other way to say it."""
+    mesh, axis = config.mesh, config.axis
+    if mesh is None:
+        if axis is not None:
+            raise ValueError(f"Config.axis={axis!r} needs Config.mesh (the DeviceMesh it names a dimension of)")
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"Config.mesh must be a torch.distributed.device_mesh.DeviceMesh; got {type(mesh).__name__}")
+    if config.group is not None:
+        raise ValueError("Config.mesh and Config.group both name the sequence group; pass one of them "
+                         "(mesh=..., axis=... or group=mesh.get_group(axis))")
+    names = list(mesh.mesh_dim_names or ())
+    if axis is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"Config.mesh has {mesh.ndim} dimensions {names}; set Config.axis to the one "
+                             "that shards the sequence")
+        return
+    if axis not in names:
+        raise ValueError(f"Config.axis={axis!r} is not a dimension of Config.mesh; its dimensions are {names}")
+
+
 def _parse_env(f: dataclasses.Field, raw: str):
     kind = str(f.type)
     if "bool" in kind:
@@ -182,7 +223,8 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
-               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "timeout")
+               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync",
+               "timeout")
 
 
 def _from_env(cls) -> dict:

@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import os
-import resource
 import sys
 import time
 
@@ -79,25 +78,15 @@ def run(args) -> int:
 
 
 def _init(rank, world, port):
-    import threading
-
     import torch
     import torch.distributed as dist
 
-    try:  # tqdm's default lock is a multiprocessing one, whose semaphore each worker would leak
-        from tqdm import tqdm
+    from ringcc.launch import thread_lock_for_tqdm
 
-        tqdm.set_lock(threading.RLock())
-    except ImportError:
-        pass
-
+    thread_lock_for_tqdm()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=5))
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def text_tokens(n: int):
@@ -116,7 +105,7 @@ def _ring_worker(rank, world, port, args, results):
     import torch.distributed as dist
 
     import ringcc
-    from ringcc import reference
+    from ringcc import _compat, reference
     from ringcc.launch import exit_worker
     from ringcc.runtime import layout as L
 
@@ -127,14 +116,24 @@ def _ring_worker(rank, world, port, args, results):
     lay = L.Layout.ZIGZAG
     sh = lambda t: L.shard(t, 2, rank, world, lay)  # noqa: E731
     ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
-    rss0 = _peak_rss_mib()
+    dout_l = sh(dout)
+
+    def step():
+        out = ringcc.ring_attention(ql, kl, vl, is_causal=True, layout="zigzag")
+        out.backward(dout_l)
+        return out
+
     dist.barrier()
     t0 = time.perf_counter()
-    out = ringcc.ring_attention(ql, kl, vl, is_causal=True, layout="zigzag")
-    out.backward(sh(dout))
+    out = step()
     dist.barrier()
     dt = time.perf_counter() - t0
-    rss = _peak_rss_mib() - rss0
+    grads = [t.grad for t in (ql, kl, vl)]
+    for t in (ql, kl, vl):
+        t.grad = None
+    peak = _compat.cpu_allocation_peak(step)  # a second step, profiled: the tensors it allocates at its peak
+    for t, grad in zip((ql, kl, vl), grads):
+        t.grad = grad
     if rank == 0:
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref, _ = reference.attention(qr, kr, vr, is_causal=True)
@@ -147,7 +146,8 @@ def _ring_worker(rank, world, port, args, results):
     for i, (got, want) in enumerate(zip((out, ql.grad, kl.grad, vl.grad), ref_parts)):
         errs[i] = (got.detach() - sh(want)).abs().max()
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    results.put((rank, {"seconds": dt, "peak_rss_mib": rss, "max_abs_err": dict(zip(["out", "dq", "dk", "dv"], errs.tolist()))}))
+    results.put((rank, {"seconds": dt, "step_peak_mib": peak / 2**20,
+                        "max_abs_err": dict(zip(["out", "dq", "dk", "dv"], errs.tolist()))}))
     exit_worker(results)
 
 
@@ -155,9 +155,9 @@ def _summarise(args, per_rank) -> int:
     if args.mode == "ring":
         r0 = per_rank[0]
         print(f"ring attention, causal zigzag, n={args.seq_len}, h=8 (GQA h_kv=2), d=64, fp32, forward+backward")
-        print(f"{'rank':>4} {'seconds':>8} {'peak RSS growth MiB':>20}")
+        print(f"{'rank':>4} {'seconds':>8} {'tensors allocated at the peak, MiB':>35}")
         for r in sorted(per_rank):
-            print(f"{r:>4} {per_rank[r]['seconds']:>8.2f} {per_rank[r]['peak_rss_mib']:>20.1f}")
+            print(f"{r:>4} {per_rank[r]['seconds']:>8.2f} {per_rank[r]['step_peak_mib']:>35.1f}")
         errs = r0["max_abs_err"]
         print("max |ring - dense reference|: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
         ok = max(errs.values()) < 1e-4
@@ -231,14 +231,13 @@ def _train_worker(rank, world, port, args, results):
     gen = torch.Generator().manual_seed(1234)  # same batches on every rank
     losses, parity = [], None
     bar = None
-    if rank == 0:
+    if rank == 0 and sys.stderr.isatty():  # in a log, plain lines below instead of a redrawn bar
         try:
             from tqdm import tqdm
 
             bar = tqdm(total=steps, desc="training", unit="step")
         except ImportError:
             bar = None
-    rss0 = _peak_rss_mib()
     t0 = time.perf_counter()
     for step in range(steps):
         off = int(torch.randint(0, len(tokens) - n - 1, (1,), generator=gen))
@@ -258,21 +257,38 @@ def _train_worker(rank, world, port, args, results):
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        elif rank == 0 and (step + 1) % 10 == 0:
+            print(f"step {step + 1}/{steps}: loss {losses[-1]:.3f}", flush=True)
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
-    rep = ringcc.last_report()
     reps = ringcc.reports()
-    out = {"losses": losses, "seconds": seconds, "peak_rss_mib": _peak_rss_mib() - rss0}
+    plan = next((r.plan for r in reps if r.plan is not None), None)
+    out = {"losses": losses, "seconds": seconds, "measured_peak_mib": _measured_peak(compiled, model, ids, labels) / 2**20}
+    if plan is not None:
+        out["planned_peak_mib"] = plan.peak_bytes(seq_len=n, world_size=world) / 2**20
     if rank == 0:
         out["parity"] = parity
         out["report"] = "\n".join(r.format() for r in reps) if reps else "(no report)"
-        plan = next((r.plan for r in reps if r.plan is not None), None)
         out["plan"] = None if plan is None else plan.summary()
         out["plan_points"] = _plan_points(plan, n)
-        _ = rep
+        out["resident_mib"] = None if plan is None else plan.to_dict()["static_bytes"] / 2**20
+        # what every rank holds however many ranks share the sequence (one token each)
+        out["floor_mib"] = None if plan is None else plan.peak_bytes(seq_len=n, world_size=n) / 2**20
     results.put((rank, out))
     exit_worker(results)
+
+
+def _measured_peak(compiled, model, ids, labels) -> int:
+    """Bytes of tensors alive at the peak of one training step (forward and backward), as the
+    plan counts them: the inputs, the parameters and their gradients alive before it, plus the
+    peak of what the step allocates (the CPU allocator's events, torch.profiler). The AdamW
+    state is left out, as in the plan: it lives outside the compiled graph."""
+    from ringcc import _compat
+
+    params = list(model.parameters())
+    before = sum(t.numel() * t.element_size() for t in [ids, labels, *params, *(q.grad for q in params if q.grad is not None)])
+    return before + _compat.cpu_allocation_peak(lambda: compiled(ids, labels).backward())
 
 
 def _plan_points(plan, n):
@@ -294,13 +310,18 @@ def _summarise_train(args, per_rank) -> int:
     print("parity:", "OK" if ok else "FAILED")
     if r0.get("plan"):
         print("memory plan:", r0["plan"])
-    print(f"{'rank':>4} {'train s':>8} {'peak RSS growth MiB':>20}")
+    print("tensor memory per rank at the peak of a training step (the plan's, and measured with torch.profiler):")
+    print(f"{'rank':>4} {'train s':>8} {'planned MiB':>12} {'measured MiB':>13}")
     for r in sorted(per_rank):
-        print(f"{r:>4} {per_rank[r]['seconds']:>8.1f} {per_rank[r]['peak_rss_mib']:>20.1f}")
+        pr = per_rank[r]
+        print(f"{r:>4} {pr['seconds']:>8.1f} {pr.get('planned_peak_mib', float('nan')):>12.1f} {pr['measured_peak_mib']:>13.1f}")
     losses = r0["losses"]
     print(f"loss: first {losses[0]:.3f}, last {losses[-1]:.3f} over {len(losses)} steps")
-    with open(os.path.join(args.out, "demo.json"), "w") as f:
-        json.dump({"args": vars(args), "per_rank": per_rank}, f, indent=1, default=str)
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
+    path = os.path.join(args.out, "demo.json")
+    with open(path, "w") as f:
+        json.dump({"args": options, "per_rank": per_rank}, f, indent=1)
+    print("results:", path)
     png = _plot(args, per_rank)
     if png:
         print("plot:", png)
@@ -317,20 +338,33 @@ def _plot(args, per_rank):
         print("(matplotlib not installed: no plot)")
         return None
     r0 = per_rank[0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     axes[0].plot(range(len(r0["losses"])), r0["losses"], marker=".")
-    axes[0].set(xlabel="step", ylabel="loss", title=f"GPT on {args.seq_len} tokens, p={args.world_size} (gloo)")
-    ranks = sorted(per_rank)
-    measured = [per_rank[r]["peak_rss_mib"] for r in ranks]
+    axes[0].set(xlabel="step", ylabel="loss", title=f"GPT on {args.seq_len} tokens, p = {args.world_size} (gloo)")
+    ax = axes[1]
     pts = r0.get("plan_points")
     if pts:
         ps = sorted(pts, key=int)
-        axes[1].plot(ps, [pts[p] / 2**20 for p in ps], marker="o", label="planned peak per rank (planner)")
-    axes[1].scatter([args.world_size] * len(ranks), measured, color="C3", zorder=3,
-                    label="measured peak RSS growth per rank (CPU proxy; rank 0 also runs eager)")
-    axes[1].set_xscale("log", base=2)
-    axes[1].set(xlabel="p (ranks)", ylabel="MiB", title=f"per-rank memory vs p at n={args.seq_len}")
-    axes[1].legend(loc="upper right", fontsize=8)
+        ax.plot(ps, [pts[p] / 2**20 for p in ps], marker="o", label="planned peak per rank (memory planner)")
+    if r0.get("floor_mib"):
+        ax.axhline(r0["floor_mib"], color="C0", linestyle=":",
+                   label="planned peak with one token per rank: the gradient all-reduce's")
+    if r0.get("resident_mib"):
+        ax.axhline(r0["resident_mib"], color="gray", linestyle="--",
+                   label="parameters and gradients: replicated on every rank")
+    measured = [per_rank[r]["measured_peak_mib"] for r in sorted(per_rank)]
+    ax.plot([args.world_size], [max(measured)], linestyle="none", marker="x", markersize=10, color="C3", zorder=3,
+            label=f"measured at p = {args.world_size} (largest rank; torch.profiler's tensor allocations)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="p (ranks)", ylabel="MiB per rank",
+           title=f"tensor memory at the peak of a training step, n = {args.seq_len}")
+    ax.text(0.02, 0.02, "Activations shrink as n/p. Once they are small, the peak is the gradient all-reduce's:\n"
+            "parameters, gradients and the all-reduce's buffers, the same on every rank whatever p.\n"
+            "(AdamW's state, outside the compiled graph, comes on top, also replicated.)",
+            transform=ax.transAxes, fontsize=7.5, va="bottom")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
     fig.tight_layout()
     path = os.path.join(args.out, "demo.png")
     fig.savefig(path, dpi=110)

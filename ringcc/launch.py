@@ -2,9 +2,10 @@
 processes. For examples and quick experiments (production jobs use torchrun).
 
 `launch(fn, world, *args, **kwargs)` calls fn(rank, world, *args, **kwargs) with a process group initialised
-(NCCL on the rank's GPU under torchrun when CUDA is there, gloo otherwise) and returns the
-per-rank results: this rank's alone under torchrun, every rank's (in rank order) when spawned.
-fn must be a module-level function (spawned processes import it).
+(NCCL on the rank's GPU under torchrun when CUDA is there, gloo otherwise) and returns every
+rank's result, in rank order (under torchrun, gathered to every rank). fn must be a module-level
+function (spawned processes import it). `reports()`: whether this process prints a summary
+(rank 0 under torchrun, the launching process otherwise), so that one summary is printed.
 """
 
 from __future__ import annotations
@@ -54,7 +55,22 @@ def exit_worker(results=None) -> None:
 # beside the backend's threads.
 
 
+def thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock in a spawned worker. Its default is a multiprocessing lock, a
+    semaphore that a worker leaving through os._exit (exit_worker) never releases: Python's
+    resource tracker then warns about leaked semaphores at shutdown. Libraries create bars
+    (transformers' weight loading), so every worker sets this before its work."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _spawned(rank: int, world: int, port: int, fn, args: tuple, kwargs: dict, results) -> None:
+    thread_lock_for_tqdm()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -66,6 +82,11 @@ def _spawned(rank: int, world: int, port: int, fn, args: tuple, kwargs: dict, re
     exit_worker(results)
 
 
+def reports() -> bool:
+    """Whether this process prints the summary: rank 0 under torchrun, else the launcher."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def launch(fn, world: int, *args, **kwargs) -> list:
     if "RANK" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -73,7 +94,10 @@ def launch(fn, world: int, *args, **kwargs) -> list:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
         try:
-            return [fn(dist.get_rank(), dist.get_world_size(), *args, **kwargs)]
+            out = fn(dist.get_rank(), dist.get_world_size(), *args, **kwargs)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, out)
+            return every
         finally:
             dist.destroy_process_group()
     if world < 1:

@@ -64,6 +64,7 @@ Note [Memory plan]
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Optional
@@ -226,20 +227,19 @@ class MemoryPlan:
     def readable_peak(self, limit: int = 160) -> str:
         """'= formula' when it is short; else, for a linear plan, its straight line for long
         sequences at the plan's p (exact there: once p is fixed every term is piecewise linear in
-        n), or the growth of the culprits; with where to find the exact formula."""
+        n), or the growth of the culprits (the exact formula: `peak`, and `ringcc plan --json`)."""
         text = str(self.peak)
         if len(text) <= limit:
             return f"= {text}"
-        where = f"exact formula: {len(text)} characters, peak_formula in to_dict() / `ringcc plan --json`"
         world = self.hints.get(p)
         if not self.verdict:
             growth = ", ".join(sorted({c.growth for c in self.culprits})) or "faster than n/p"
-            return f"grows as {growth} ({where})"
+            return f"grows as {growth}"
         n1, n2 = 2**30, 2**31
         f1, f2 = self.peak_bytes(n1, world), self.peak_bytes(n2, world)
         slope = (f2 - f1) / (n2 - n1)
         intercept = f1 - slope * n1
-        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world} ({where})"
+        return f"~ {slope:.6g}*n + {_fmt_bytes(int(intercept))} for long sequences at p = {world}"
 
     def summary(self) -> str:
         verdict = "O(n/p) holds" if self.verdict else "O(n/p) FAILS (" + ", ".join(c.name for c in self.culprits[:3]) + ")"
@@ -282,14 +282,15 @@ class MemoryPlan:
 
     def format(self, budget_bytes: int | None = None) -> str:
         subs = self._subs()
-        name_w = min(36, max([len(x.name) for x in self.nodes] + [4]))
+        names = {x.name: readable_name(x.name) for x in self.nodes}
+        name_w = min(40, max([len(x) for x in names.values()] + [4]))
         op_w = min(32, max([len(x.op) for x in self.nodes] + [2]))
         lines = [f"memory plan of {self.graph} for p = {self.world_size} "
                  f"(n = {subs.get(n)}, {'training' if self.training else 'inference'})",
                  f"  {'node':{name_w}}  {'op':{op_w}}  {'bytes':>10}  {'live':>9}  size"]
         for nd in self.nodes:
             if nd.alias_of:
-                size = f"= {nd.alias_of}"
+                size = f"= {readable_name(nd.alias_of)}"
             elif nd.static:
                 size = "static"
             else:
@@ -299,8 +300,10 @@ class MemoryPlan:
                 extra = f"  [+ workspace fwd {_fmt_bytes(_evaluate(nd.workspace.forward, subs))}, " \
                         f"bwd {_fmt_bytes(_evaluate(nd.workspace.backward, subs))}]"
             saved = " saved" if nd.saved else ""
-            lines.append(f"  {nd.name[:name_w]:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
-                         f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}")
+            name = names[nd.name] if len(names[nd.name]) <= name_w else "..." + names[nd.name][3 - name_w:]
+            lines.append(f"  {name:{name_w}}  {nd.op[:op_w]:{op_w}}  {_fmt_bytes(nd.bytes_at(subs)):>10}  "
+                         f"{nd.start:>4}-{nd.end:<4}  {size}{saved}{extra}"
+                         + ("" if nd.location.startswith("<") else f"  ({nd.location})"))
         lines.append(f"  static (parameters{', gradients' if self.training else ''}): {self.static} = "
                      f"{_fmt_bytes(_evaluate(self.static, subs))}")
         if self.area != 0:
@@ -313,11 +316,19 @@ class MemoryPlan:
         lines.extend(f"    - {r}" for r in self.reasons)
         lines.extend(f"    culprit: {c}" for c in self.culprits[:MAX_LISTED])
         if len(self.culprits) > MAX_LISTED:
-            lines.append(f"    ... and {len(self.culprits) - MAX_LISTED} more culprits (see to_dict())")
+            lines.append(f"    ... and {len(self.culprits) - MAX_LISTED} more culprits (`ringcc plan --json` lists every one)")
         if budget_bytes is not None:
             lines.append(f"  longest sequence within {_fmt_bytes(budget_bytes)} per rank at p = {subs.get(p)}: "
                          f"n = {self.max_sequence(budget_bytes)}")
         return "\n".join(lines)
+
+
+def readable_name(name: str) -> str:
+    """A graph node's name as the module path it came from: dynamo names parameters and inputs
+    like l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_ (self.blocks.0.qkv.weight)."""
+    text = re.sub(r"^[lL]_", "", name)
+    text = re.sub(r"_(modules|parameters|buffers)_", ".", text)
+    return text.rstrip("_") or name
 
 
 def _fmt_bytes(x: int) -> str:
@@ -1086,6 +1097,23 @@ def _verdict(candidates, plans: Iterable[NodePlan]):
 # the backend's entry
 
 
+def _skipped_sites_fail(plan: MemoryPlan, report) -> None:
+    """A skipped attention site runs dense attention as the user wrote it, on the full
+    sequence on every rank (its [b, h, n, n] scores, or a fused kernel over all n keys): the
+    plan names it a culprit and the verdict fails, whatever the rest of the graph holds. (The
+    graph's nodes alone may not show it: a fused SDPA kernel's workspace is not in its output.)"""
+    from ringcc.report import SkipReason
+
+    skipped = [s for s in report.skipped if s.reason is not SkipReason.NOT_SEQUENCE]
+    if not skipped:
+        return
+    plan.verdict = False
+    plan.culprits[:0] = [Culprit(s.node, s.location, "dense attention over the full sequence", "n**2",
+                                 f"skipped attention site ({s.reason.value})") for s in skipped]
+    plan.reasons.append(f"{len(skipped)} attention site(s) skipped: they run dense attention on the full sequence "
+                        "on every rank")
+
+
 def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
     """Plan a graph the pipeline rewrote (the backend calls this after the passes): the
     sequence length comes from discover_sequence (ctx.scratch["seq"]), the plan goes to
@@ -1107,6 +1135,7 @@ def plan_for_context(gm: torch.fx.GraphModule, ctx) -> MemoryPlan:
     except ValueError as e:  # no sequence found: sizes stay constants, say so
         plan = plan_graph(gm, world_size=ctx.world_size, symbols={}, graph_name=ctx.report.graph, compiled=compiled)
         plan.reasons.append(f"no sequence length identified ({e})")
+    _skipped_sites_fail(plan, ctx.report)
     ctx.report.plan = plan
     if ctx.config.require_linear_memory and not plan.verdict:
         names = "; ".join(str(c) for c in plan.culprits[:MAX_LISTED]) or "; ".join(plan.reasons)

@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the plan as JSON")
     parser.add_argument("--plot", type=writable_path, default=None, metavar="F.png",
                         help="plot peak bytes per rank vs n for p = 1, 2, 4, 8")
+    parser.add_argument("--all", dest="all_nodes", action="store_true",
+                        help=f"list every node of the plan (default: the {SHOWN_NODES} largest)")
     add_pad_argument(parser)
     parser.add_argument("--trace-len", type=positive_int, default=None,
                         help="sequence length used for tracing (default: N, capped at 2048 rounded to 4P)")
@@ -196,6 +198,9 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
                 raise
         finally:
             quiet.setLevel(level)
+
+
+TRACE_NOTES = ("every dim of length", "traced with static shapes")  # how trace_plans traced n
 
 
 def _specialised(e: BaseException) -> bool:
@@ -395,23 +400,70 @@ def _plan(args, static, model, inputs, options, trace_len) -> int:
         for report in reports:  # a symbolic trace plans any n: say when N cannot run as it is
             if report.layout is not None:
                 check_length(args.seq_len, args.world_size, report.layout, remedy=PAD_REMEDY)
-    for report, plan in zip(reports, plans):
-        at = dataclasses.replace(plan, hints={**plan.hints, planner.n: args.seq_len, planner.p: args.world_size})
-        rewritten = f"{len(report.rewritten)}/{len(report.sites)} attention sites rewritten"
-        print(f"== {report.graph}: {rewritten}, {len(report.gathers)} sequence gathers")
-        for site in report.skipped:
-            print(f"  skipped {site.node} at {site.location}: {site.reason.value} ({site.detail})")
-        for note in report.notes:
-            if note.startswith(("every dim of length", "traced with static shapes")):
-                print(f"  note: {note}")
-        print(at.format(budget_bytes=args.budget))
+    at = [dataclasses.replace(plan, hints={**plan.hints, planner.n: args.seq_len, planner.p: args.world_size})
+          for plan in plans]
     data = combined(plans, args.seq_len, args.world_size, args.budget)
-    print(f"verdict: {data['verdict']}  peak per rank at n={args.seq_len}, p={args.world_size}: "
-          f"{data['peak_bytes'] / 2**30:.3f} GiB" +
-          (f"  longest n within budget: {data['max_seq_len']}" if args.budget is not None else ""))
+    print(format_plan(args, at, reports, data))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(data, f, indent=2)
+        print(f"wrote {args.json_path}: the whole plan, with the exact peak formula (peak_formula)")
     if args.plot:
         plot(plans, args.plot, args.seq_len, args.budget)
+        print(f"wrote {args.plot}: peak memory per rank against n for p = 1, 2, 4, 8")
     return 0
+
+
+SHOWN_NODES = 10  # nodes listed by default, the largest at N
+
+
+def _ranks(p: int) -> str:
+    return "1 rank" if p == 1 else f"{p} ranks"
+
+
+def format_plan(args, plans, reports, data: dict) -> str:
+    """The answer first (verdict, peak at N, longest length for the budget), then what breaks
+    the verdict, then the largest nodes of the graph with the largest peak."""
+    from ringcc.planner import _fmt_bytes, readable_name
+
+    n_, p_ = args.seq_len, args.world_size
+    lead = max(range(len(plans)), key=lambda i: plans[i].peak_bytes())
+    plan = plans[lead]
+    culprits = data["culprits"]
+    verdict = ("peak memory per rank is O(n/p): it falls as ranks are added" if data["verdict"] else
+               "peak memory per rank is NOT O(n/p) (why: below)")
+    sites = sum(len(r.sites) for r in reports)
+    lines = [f"ringcc plan {args.target}: n = {n_} tokens on {_ranks(p_)}, "
+             f"{'inference' if args.inference else 'training'}",
+             f"verdict: {verdict}",
+             f"peak per rank: {_fmt_bytes(data['peak_bytes'])} at n = {n_} ({plan.readable_peak()})"]
+    if args.budget is not None:
+        lines.append(f"longest sequence within {_fmt_bytes(args.budget)} per rank on {_ranks(p_)}: "
+                     f"n = {data['max_seq_len']}")
+    lines.append(f"attention: {sum(len(r.rewritten) for r in reports)}/{sites} sites rewritten; "
+                 f"{sum(len(r.gathers) for r in reports)} sequence gathers; {len(plans)} graph(s)")
+    lines += [f"  skipped {s.node} at {s.location}: {s.reason.value} ({s.detail})" for r in reports for s in r.skipped]
+    lines += [f"  note: {note}" for note in reports[0].notes if note.startswith(TRACE_NOTES)]
+    if culprits or data["reasons"]:
+        lines += ["", "why not O(n/p):"]
+        lines += [f"  - {readable_name(c['name'])} at {c['location']}: {c['what']} {c['size']} grows like {c['growth']}"
+                  for c in culprits]
+        lines += [f"  - {reason}" for reason in data["reasons"]]
+    rows = plan.node_rows()
+    listed = rows if args.all_nodes else sorted(rows, key=lambda r: -r["bytes"])[:SHOWN_NODES]
+    if listed:
+        title = ("every node" if args.all_nodes or len(rows) <= SHOWN_NODES else
+                 f"the {len(listed)} largest of {len(rows)} nodes (--all lists every node)")
+        lines += ["", f"{title} of {plan.graph} at n = {n_}, p = {p_}:"]
+        name_w = min(40, max(len(readable_name(r["name"])) for r in listed))
+        op_w = min(28, max(len(r["op"]) for r in listed))
+        lines.append(f"  {'node':{name_w}}  {'op':{op_w}}  {'bytes':>10}  {'live':>9}  source")
+        for r in listed:
+            name = readable_name(r["name"])
+            name = name if len(name) <= name_w else "..." + name[-(name_w - 3):]
+            lines.append(f"  {name:{name_w}}  {r['op'][:op_w]:{op_w}}  {_fmt_bytes(r['bytes']):>10}  "
+                         f"{r['live'][0]:>4}-{r['live'][1]:<4}  {'' if r['location'].startswith('<') else r['location']}")
+    graph = data["graphs"][lead]
+    lines.append(f"  resident: parameters{' and gradients' if plan.training else ''} {_fmt_bytes(graph['static_bytes'])}"
+                 + (f", copy-engine receive area {_fmt_bytes(graph['area_bytes'])}" if graph["area_bytes"] else ""))
+    return "\n".join(lines)

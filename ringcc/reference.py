@@ -11,14 +11,21 @@ import math
 import torch
 
 
-def masked_attention(q, k, v, allowed, *, scale=None):
-    """q [b,h,n,d], k/v [b,g,n_k,d]; allowed: bool broadcastable to [b,h,n,n_k]."""
+def masked_attention(q, k, v, allowed, *, scale=None, softcap=None, alibi_slopes=None):
+    """q [b,h,n,d], k/v [b,g,n_k,d]; allowed: bool broadcastable to [b,h,n,n_k]. Scores modified
+    before the mask (runtime/kernels.py, Note [Score modifiers]): softcap c -> c * tanh(s / c);
+    alibi_slopes [h] -> + slope[h] * (j - i)."""
     h, g = q.shape[1], k.shape[1]
     if g != h:
         k = k.repeat_interleave(h // g, dim=1)
         v = v.repeat_interleave(h // g, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if alibi_slopes is not None:
+        i, j = torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device)
+        s = s + alibi_slopes.to(s.dtype)[:, None, None] * (j[None, :] - i[:, None]).to(s.dtype)
     s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
@@ -26,8 +33,10 @@ def masked_attention(q, k, v, allowed, *, scale=None):
     return torch.matmul(p, v), lse
 
 
-def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None, window=None):
-    """window: key j visible to query i iff |i - j| < window (i - j < window when causal)."""
+def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None, window=None, softcap=None,
+              alibi_slopes=None):
+    """window: key j visible to query i iff |i - j| < window (i - j < window when causal);
+    softcap, alibi_slopes: as in masked_attention."""
     n, n_k = q.shape[2], k.shape[2]
     allowed = torch.ones(n, n_k, dtype=torch.bool, device=q.device)
     if is_causal:
@@ -39,7 +48,7 @@ def attention(q, k, v, *, is_causal=False, scale=None, key_padding_mask=None, wi
     allowed = allowed[None, None]
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask[:, None, None, :]
-    return masked_attention(q, k, v, allowed, scale=scale)
+    return masked_attention(q, k, v, allowed, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def dilated_attention(q, k, v, spec, *, is_causal=False, scale=None):

@@ -28,13 +28,13 @@ before run_decompositions(), so SDPA is still one op; parameters are attributes,
 are the placeholders). The rewritten module is exported again: that retrace recomputes
 every meta["val"] and the graph signature, and turns the torch-level calls some passes
 insert into aten ops. Export spells a few ops differently from dynamo (aten.embedding's
-argument order, cross_entropy_loss's enum reduction); they are respelled first so that
-the sharding rules read them. Known gap: Hugging Face masks in their export form (aten
-diff / slice of position ids) are not lifted yet, so HF models end with exit code 3
-here while `torch.compile(model, backend="ringcc")` rewrites them.
+argument order, cross_entropy_loss's enum reduction, slices and selects as aten.slice /
+aten.select); they are respelled first so that the sharding rules read them. What the
+command takes and the contract, for users: docs/offline.md.
 
-Exit codes: 0 rewritten, 2 bad arguments (with what to change), 3 no attention site was
-rewritten (the report's reasons are printed and saved; no program is written).
+Exit codes: 0 rewritten, 2 bad arguments or a model torch.export cannot capture (with what
+to change), 3 no attention site was rewritten (the report's reasons are printed and saved;
+no program is written).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import operator
 import os
 import sys
 
@@ -158,7 +159,16 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     from ringcc.report import GraphReport
 
     config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
-    gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
+    try:
+        gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
+    except Exception as e:  # noqa: BLE001 - any capture failure is the model's: say so and how to see all of it
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise BadArguments(
+            f"torch.export cannot capture {graph_name}: {type(e).__name__}: {first[:300]}\n"
+            "The model must run under torch.export.export(model, example_inputs) and return tensors or "
+            "containers of them; a Hugging Face model with use_cache=True returns a DynamicCache: return "
+            "`.logits` from a wrapper, or pass use_cache=False. Run torch.export.export yourself for the "
+            "whole error") from e
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                       example_inputs=list(inputs))
@@ -188,19 +198,38 @@ def _torch_level_spellings(gm) -> None:
     """Respell the aten ops whose export form the sharding rules do not read as the torch
     calls dynamo records (the re-export lowers them back to the same aten ops):
     aten.embedding takes (weight, indices), F.embedding (indices, weight); aten's
-    cross_entropy_loss takes the reduction as an enum int. Without this both still run
-    correctly, but on full-length values (the memory plan names them)."""
+    cross_entropy_loss takes the reduction as an enum int; aten.slice and aten.select are
+    x[..., a:b] and x[..., i]. Without this both still run
+    correctly, but on full-length values (the memory plan names them). Export's
+    `_assert_tensor_metadata` checks (a dtype / device per `.to()`) are dropped: they have
+    no sharding rule, so each would gather its sequence-carrying input, and the re-export
+    records them again on the rewritten values."""
     import torch
     import torch.nn.functional as F
 
     aten = torch.ops.aten
     reductions = {0: "none", 1: "mean", 2: "sum"}
     for node in list(gm.graph.nodes):
-        if node.target is aten.embedding.default:
-            weight, indices, *options = node.args  # padding_idx, scale_grad_by_freq, sparse
-            if node.kwargs or any(a != default for a, default in zip(options, (-1, False, False))):
-                continue
-            new = (F.embedding, (indices, weight), {})
+        if node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
+        if node.target is aten.slice.Tensor and not node.kwargs:  # x[..., start:end:step]; end INT64_MAX: open
+            x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+            end = None if end == sys.maxsize else end
+            cut = slice(start, end, None if step == 1 else step)
+            index = (slice(None),) * dim + (cut,) if dim >= 0 else (Ellipsis, cut) + (slice(None),) * (-dim - 1)
+            new = (operator.getitem, (x, index), {})
+        elif node.target is aten.select.int and not node.kwargs:  # x[..., i]
+            x, dim, i = node.args
+            index = (slice(None),) * dim + (i,) if dim >= 0 else (Ellipsis, i) + (slice(None),) * (-dim - 1)
+            new = (operator.getitem, (x, index), {})
+        elif node.target is aten.embedding.default:
+            names = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
+            bound = dict(zip(names, node.args), **node.kwargs)
+            padding_idx = bound.get("padding_idx", -1)  # HF's word embeddings have one: no gradient for that row
+            new = (F.embedding, (bound["indices"], bound["weight"]),
+                   dict(padding_idx=None if padding_idx == -1 else padding_idx,
+                        scale_grad_by_freq=bound.get("scale_grad_by_freq", False), sparse=bound.get("sparse", False)))
         elif node.target is aten.cross_entropy_loss.default:
             names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
             bound = dict(zip(names, node.args), **node.kwargs)

@@ -15,11 +15,13 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ringcc import _compat
 
-from . import kernels
+from .dtypes import acc_dtype
 
 # Note [Flex blocks]
 # The fused cuDNN/flash kernels take no masks, so a masked bf16/fp16 block (key padding, a
-# sliding window) on CUDA runs flex_attention compiled by inductor. Every mask ringcc lifts is
+# sliding window) on CUDA runs flex_attention compiled by inductor, and so does a block whose
+# scores are modified (soft-capping, ALiBi: Note [Score modifiers] in kernels.py), with the
+# modifier as flex's score_mod. Every mask ringcc lifts is
 # "key j visible to row i iff lo <= pos_q[i] - pos_k[j] < hi, and key j is valid in its batch
 # row", where pos are the block's positions (global ones for windows; 0.. for the causal
 # diagonal, which is top-left aligned) and (lo, hi) come from the call's causal flag and the
@@ -207,9 +209,27 @@ def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backwa
                      mask_mod=_mask_mod(key_valid_bs, pos_q, pos_k, bound))
 
 
-def _call(q, k, v, mask: BlockMask, scale: float):
-    out, aux = _flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
-                       return_aux=AuxRequest(lse=True))
+def _score_mod(mod):
+    """flex_attention's score_mod of a kernels.ScoreMod (Note [Score modifiers]); None when the
+    block has none. flex hands it the scaled score; h is the query head, i / j the call's
+    rows / keys."""
+    if mod is None:
+        return None
+    cap, slopes, q_pos, k_pos = mod.softcap, mod.slopes, mod.q_pos, mod.k_pos
+
+    def modified(score, b, h, i, j):
+        if cap:
+            score = torch.tanh(score / cap) * cap
+        if slopes is not None:
+            score = score + slopes[h] * (k_pos[j] - q_pos[i]).to(torch.float32)
+        return score
+
+    return modified
+
+
+def _call(q, k, v, mask: BlockMask, scale: float, mod=None):
+    out, aux = _flex()(q, k, v, score_mod=_score_mod(mod), block_mask=mask, scale=scale,
+                       enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True))
     return out, aux.lse
 
 
@@ -217,14 +237,15 @@ def _row_chunks(lq: int) -> list[tuple[int, int]]:
     return [(r, min(lq, r + CALL_ROWS)) for r in range(0, lq, CALL_ROWS)]
 
 
-def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, window=None):
-    """(out, lse) of a masked block, one flex call per CALL_ROWS rows."""
+def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, window=None, mod=None):
+    """(out, lse) of a masked (or score-modified: kernels.ScoreMod) block, one flex call per
+    CALL_ROWS rows."""
     (b, h, lq, d), lk, dev = q_bhsd.shape, k_bgsd.shape[2], q_bhsd.device
     chunks = _row_chunks(lq)
     out = lse = None
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1), backward=False)
-        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale)
+        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale, None if mod is None else mod.sub(r0, r1))
         if len(chunks) == 1:
             return o, l_
         if out is None:
@@ -234,7 +255,8 @@ def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, w
     return out, lse
 
 
-def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_valid_bs=None, window=None):
+def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_valid_bs=None, window=None,
+        mod=None):
     """(dq, dk, dv) of a masked block under the rows' global (out, lse), lse as kernels.bwd_lse
     prepares it (+inf where a row saw no key anywhere); dk/dv with g heads."""
     lq, lk, dev = q_bhsd.shape[2], k_bgsd.shape[2], q_bhsd.device
@@ -243,13 +265,14 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1))
         rows = slice(r0, r1)
-        grads = grads_under_global_lse(lambda q, k, v, mask=mask: _call(q, k, v, mask, scale), dout[:, :, rows],
+        m = None if mod is None else mod.sub(r0, r1)
+        grads = grads_under_global_lse(lambda q, k, v, mask=mask, m=m: _call(q, k, v, mask, scale, m), dout[:, :, rows],
                                        q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows])
         if len(chunks) == 1:
             return grads
         if dq is None:
             dq = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
-            dk, dv = (t.to(kernels.acc_dtype(k_bgsd.dtype)) for t in grads[1:])
+            dk, dv = (t.to(acc_dtype(k_bgsd.dtype)) for t in grads[1:])
         else:
             dk.add_(grads[1])
             dv.add_(grads[2])
@@ -261,7 +284,7 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
 def _grad_inputs(dout, out, o_blk, l_blk, lse):
     """(grad_o, grad_l) for autograd through the block's own (o, l) (Note [Flex blocks]). On
     CUDA it runs compiled (one fused pass); eager (CPU tests) it makes fp32 copies of dO's size."""
-    acc = kernels.acc_dtype(dout.dtype)
+    acc = acc_dtype(dout.dtype)
     # c = exp(l - L): 0 where the block's row saw no key (l = -inf) or no row key at all (L = +inf)
     c = (l_blk.to(acc) - lse.to(acc)).exp()
     grad_o = (dout.to(acc) * c[..., None]).to(dout.dtype)

@@ -2,7 +2,7 @@
 add (Note [Fewer passes] in ring.py). Each is one pass over its operands, like the kernels
 inductor generates for the same code, but launched for a few µs of host time: a compiled torch
 function costs the host 190-350 µs per call on CUDA, and at 16K tokens per GPU the forward's
-host issues its steps barely ahead of the GPU (ring_timeline.py --host-breakdown).
+host issues its steps barely ahead of the GPU (host time measured per call site).
 
 Operands are [b, h, L, d] (out, and the add's tensors) or [b, h, L] (lse) views with any strides
 on b, h and L and a unit stride on the last dimension: head-chunk slices and row ranges of

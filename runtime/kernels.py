@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from ringcc import _compat
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .dtypes import acc_dtype
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
@@ -51,6 +50,62 @@ def _reduce_kv_grad(dk_bhsd: torch.Tensor, g: int) -> torch.Tensor:
 def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor:
     """Rows [r0, r1), keys [c0, lk) of the top-left causal mask (key j visible to row i iff j <= i)."""
     return torch.arange(c0, lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
+
+
+# Note [Score modifiers]
+# A site may modify its scaled scores s = scale * q.k before the mask and the softmax:
+#   soft-capping  t = softcap * tanh(s / softcap)              (Gemma2's attention logits)
+#   ALiBi         t = t + slope[h] * (pos_k[j] - pos_q[i])     (Bloom, MPT: a per-head bias
+#                 linear in the key-query distance, in global positions)
+# Both are functions of the score and of (head, query position, key position) alone, so each
+# block computes its own share exactly and the LSE merge stays exact: the block's lse is that
+# of the modified scores. ALiBi written as slope * j (Bloom) or slope * (j - n + 1) (MPT)
+# differs from slope * (j - i) by a per-row constant, which the softmax ignores (the row's lse
+# shifts by it; the op's lse is the one of slope * (j - i)). Blocks with a modifier run the exact math
+# path (Note [Masked rows]) on CPU and for fp32, and flex_attention with the same function
+# as its score_mod on CUDA for bf16/fp16 (flex.py); the fused cuDNN/flash kernels take none.
+# Backward: dS = P * (dP - D) is the gradient of the modified score t; through the cap,
+# ds/dt = 1 - tanh(s / softcap)^2 = 1 - (t_cap / softcap)^2; the bias adds nothing.
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """The score modifier of a block call (Note [Score modifiers]). slopes: fp32 [h] per query
+    head of the call (None: no ALiBi); q_pos / k_pos: global positions of the call's query
+    rows and keys (needed with slopes only)."""
+
+    softcap: float = 0.0
+    slopes: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    k_pos: torch.Tensor | None = None
+
+    def sub(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, heads: slice | None = None) -> "ScoreMod":
+        """The modifier of rows [r0, r1), keys [c0, c1) (and query heads `heads`)."""
+        if self.slopes is None:
+            return self
+        slopes = self.slopes if heads is None else self.slopes[heads]
+        return ScoreMod(self.softcap, slopes, self.q_pos[r0:r1], self.k_pos[c0:c1])
+
+    def bias(self, dtype) -> torch.Tensor:
+        """The ALiBi bias [h, rows, keys] in `dtype`."""
+        rel = (self.k_pos[None, :] - self.q_pos[:, None]).to(dtype)
+        return self.slopes.to(dtype)[:, None, None] * rel[None]
+
+    def apply_(self, s: torch.Tensor, keep_tanh: bool = False) -> torch.Tensor | None:
+        """s [b, h, rows, keys] (scaled scores) modified in place; with keep_tanh returns
+        tanh(s / softcap) (the backward's derivative) when capped, else None."""
+        th = None
+        if self.softcap:
+            s.div_(self.softcap).tanh_()
+            th = s.clone() if keep_tanh else None
+            s.mul_(self.softcap)
+        if self.slopes is not None:
+            s.add_(self.bias(s.dtype)[None])
+        return th
+
+
+def is_identity(mod: "ScoreMod | None") -> bool:
+    return mod is None or (not mod.softcap and mod.slopes is None)
 
 
 FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
@@ -178,11 +233,12 @@ def masked_kernel() -> str:
     return kind
 
 
-def _flex_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
-    """Whether a block runs flex_attention (flex.py): a masked bf16/fp16 block on CUDA whose
-    position mask, if any, is a window (ring.WindowMask), unless RINGCC_MASKED_KERNEL=math."""
+def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
+    """Whether a block runs flex_attention (flex.py): a masked or score-modified bf16/fp16 block
+    on CUDA whose position mask, if any, is a window (ring.WindowMask), unless
+    RINGCC_MASKED_KERNEL=math."""
     return (device.type == "cuda" and dtype in FUSED_CUDA_DTYPES
-            and (key_valid_bs is not None or allowed_qk is not None)
+            and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
             and not isinstance(allowed_qk, torch.Tensor) and masked_kernel() == "flex")
 
 
@@ -207,9 +263,12 @@ def _try_flex(call, q_bhsd):
         return None
 
 
-def _math_path(device, dtype, key_valid_bs, allowed_qk) -> bool:
-    """Whether a block runs the exact math path: on CUDA, a masked block (the fused kernels
-    take no masks) or a dtype they do not take."""
+def _math_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
+    """Whether a block runs the exact math path: a block with a score modifier (no fused kernel
+    takes one), and on CUDA a masked block (the fused kernels take no masks) or a dtype they
+    do not take."""
+    if not is_identity(mod):
+        return True
     return device.type == "cuda" and (key_valid_bs is not None or allowed_qk is not None or _math_only(device, dtype))
 
 
@@ -236,10 +295,13 @@ def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int
     return m
 
 
-def _scores_(q_rows, k, scale: float, mask):
-    """[b, h, rows, Lk] scaled scores in k's dtype, -inf where the mask hides the key."""
+def _scores_(q_rows, k, scale: float, mask, mod: ScoreMod | None = None, keep_tanh: bool = False):
+    """[b, h, rows, Lk] scaled (and modified: Note [Score modifiers]) scores in k's dtype, -inf
+    where the mask hides the key; with keep_tanh also the cap's tanh (or None)."""
     s = torch.matmul(q_rows.to(k.dtype), k.transpose(-1, -2)).mul_(scale)
-    return s if mask is None else s.masked_fill_(mask.logical_not(), float("-inf"))
+    th = None if mod is None else mod.apply_(s, keep_tanh)
+    s = s if mask is None else s.masked_fill_(mask.logical_not(), float("-inf"))
+    return (s, th) if keep_tanh else s
 
 
 def _add_matmul_(acc, a, b) -> None:
@@ -247,9 +309,11 @@ def _add_matmul_(acc, a, b) -> None:
     acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
-def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
-    """Exact (out, lse) of a block, computed in the accumulator dtype (Note [Masked rows]).
-    Rows with no visible key: out = 0, lse = -inf."""
+def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
+              mod: ScoreMod | None = None):
+    """Exact (out, lse) of a block, computed in the accumulator dtype (Note [Masked rows]), its
+    scores modified by `mod` (Note [Score modifiers]). Rows with no visible key: out = 0,
+    lse = -inf."""
     dt, h, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
     out = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
@@ -261,7 +325,8 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
             lse[:, :, r0:r1] = float("-inf")
             continue
         p = _scores_(q_bhsd[:, :, r0:r1], k[:, :, c0:c1], scale,
-                     _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device))
+                     _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
+                     None if mod is None else mod.sub(r0, r1, c0, c1))
         top = p.amax(-1, keepdim=True)
         top.masked_fill_(torch.isneginf(top), 0.0)  # a row with no key: exp(-inf - 0) = 0 everywhere
         total = p.sub_(top).exp_().sum(-1, keepdim=True)
@@ -272,7 +337,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
 
 
 def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_valid_bs=None,
-              allowed_qk=None):
+              allowed_qk=None, mod: ScoreMod | None = None):
     """Exact (dq, dk, dv) of a block given its rows' global out and lse (as `bwd_lse` prepares
     it: +inf where a row saw no key); dK/dV summed over the row chunks in the accumulator dtype,
     returned in K/V's dtype with g heads (Note [Masked rows])."""
@@ -288,11 +353,16 @@ def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool
         k_c, v_c = k[:, :, c0:c1], v[:, :, c0:c1]
         q_r, do_r = q_bhsd[:, :, r0:r1].to(dt), dout[:, :, r0:r1].to(dt)
         delta = (do_r * out[:, :, r0:r1].to(dt)).sum(-1, keepdim=True)
-        p = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device))
+        p, th = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
+                         None if mod is None else mod.sub(r0, r1, c0, c1), keep_tanh=True)
         p.sub_(lse[:, :, r0:r1, None].to(dt)).exp_()
         _add_matmul_(dv[:, :, c0:c1], p.transpose(-1, -2), do_r)
-        ds = torch.matmul(do_r, v_c.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)
+        ds = torch.matmul(do_r, v_c.transpose(-1, -2)).sub_(delta).mul_(p)
         del p
+        if th is not None:  # through the cap: d tanh(x) = 1 - tanh(x)^2 (Note [Score modifiers])
+            ds.mul_(th.square_().neg_().add_(1.0))
+            del th
+        ds.mul_(scale)
         dq[:, :, r0:r1] = torch.matmul(ds, k_c)
         _add_matmul_(dk[:, :, c0:c1], ds.transpose(-1, -2), q_r)
         del ds
@@ -312,19 +382,23 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     return None if len(chunks) == 1 else chunks
 
 
-def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None):
+def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
+              mod: ScoreMod | None = None):
     """allowed_qk: optional position mask (sliding windows), True = attend: bool [Lq, Lk], or
-    an object whose rows(r0, r1) builds some of its rows (ring.WindowMask)."""
+    an object whose rows(r0, r1) builds some of its rows (ring.WindowMask). mod: the block's
+    score modifier (Note [Score modifiers]), or None."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
-    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+    mod = None if is_identity(mod) else mod
+    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
-        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk), q_bhsd)
+        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk, mod),
+                        q_bhsd)
         if res is not None:
             return res
-    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
-        return _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk)
+    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk, mod)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":
         res = _cudnn_call(_compat.cuda_cudnn_fwd, q_bhsd, k_bgsd, v_bgsd, None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(res[1].shape[0], res[1].shape[1], -1).to(acc_dtype(q_bhsd.dtype))
@@ -343,6 +417,13 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
         attn_mask=None if mask is None else _additive(mask, q_bhsd.dtype), scale=scale,
     )
     lse = lse.to(acc_dtype(q_bhsd.dtype))
+    # A query row with a NaN has only NaN scores, which the CPU kernel may take for a row with
+    # no key (out = 0, lse = 0, depending on the sizes): NaN in, NaN out, as the math gives, and
+    # the merge carries it (a row that sees no key keeps out = 0, lse = -inf below).
+    nan_rows = q_bhsd.isnan().any(-1)
+    if nan_rows.any():
+        out = out.masked_fill(nan_rows[..., None], float("nan"))
+        lse = lse.masked_fill(nan_rows, float("nan"))
     if mask is not None:
         # Rows with no visible key: the kernel returns lse = 0 there; the contract is -inf.
         valid = mask.any(-1)  # [b or 1, 1, Lq]
@@ -372,21 +453,23 @@ def _zero_seed(device) -> torch.Tensor:
 
 
 def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool,
-              key_valid_bs=None, allowed_qk=None, lse_prepared: bool = False):
+              key_valid_bs=None, allowed_qk=None, lse_prepared: bool = False, mod: ScoreMod | None = None):
     """Gradients of this block given the row's global (out, lse); dk/dv with g heads.
-    lse_prepared: lse_bhs is already `bwd_lse(...)` (rows of it)."""
+    lse_prepared: lse_bhs is already `bwd_lse(...)` (rows of it). mod: as in block_fwd."""
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
-    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
+    mod = None if is_identity(mod) else mod
+    if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
         res = _try_flex(lambda: flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal,
-                                         key_valid_bs, allowed_qk), q_bhsd)
+                                         key_valid_bs, allowed_qk, mod), q_bhsd)
         if res is not None:
             return res
-    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk):
-        return _math_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk)
+    if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _math_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal, key_valid_bs, allowed_qk,
+                         mod)
     if dev.type == "cuda" and _cuda_kernel() == "cudnn":
         # Undefined (None) bias / cumulative lengths; 0-d seed and offset, unused at dropout 0.
         seed = _zero_seed(dev)

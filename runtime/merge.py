@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from . import fused
-from .kernels import acc_dtype
+from .dtypes import acc_dtype
 
 
 def _merge_to(dst_out, dst_lse, out_a, lse_a, out_b, lse_b) -> None:
@@ -43,7 +43,7 @@ def _merge_compiled(*args) -> None:
     if args[0].is_cuda and _compiled_merge is not False:
         if _compiled_merge is None:
             # Static shapes first (dynamic=True doubled the host's cost per call, 188 -> 354 µs,
-            # ring_timeline.py --host-breakdown on 2 x H200); torch makes a graph dynamic when
+            # host time per call on 2 x H200); torch makes a graph dynamic when
             # its shapes change.
             _compiled_merge = torch.compile(_merge_to, fullgraph=True)
         try:

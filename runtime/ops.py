@@ -59,21 +59,19 @@ def _group_from(group_name: str, world_size: int, group=None):
 
 # The RingSetup of each call signature, made once: the rank, the head-chunk rule and the
 # settings it reads took about 100 µs of host per call on the GPU machines, before an idle
-# GPU gets its first kernel (benchmarks/call_latency.py). Keyed by a weak reference to the
-# group object (a name can come back for a new group after destroy_process_group), every
-# input the rule reads, and the settings it reads; cleared when it grows past a few hundred
-# signatures. The cache holds no group: a strong reference would keep a destroyed group's
-# backend (gloo's worker threads) alive into interpreter shutdown, where a worker that drops
-# the last reference to a Python tensor aborts the process (`terminate called without an
-# active exception`); destroy_process_group must be where the backend ends.
+# GPU gets its first kernel. Keyed by a weak reference to the group object (a name can come
+# back for a new group after destroy_process_group), every input the rule reads, and the
+# settings it reads; cleared when it grows past a few hundred signatures. The cache holds no
+# group: a strong reference would keep a destroyed group's backend (gloo's worker threads)
+# alive into interpreter shutdown (Note [Ending a gloo process] in ringcc/launch.py).
 _SETUPS: dict = {}
 
 
 def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0, *,
-           forward: bool) -> RingSetup:
+           forward: bool, softcap: float = 0.0) -> RingSetup:
     group = _resolve_group(group_name, world_size)
-    key = (None if group is None else weakref.ref(group), world_size, layout, is_causal, scale, window, forward,
-           q.shape, q.dtype, k.shape, k.dtype, None if key_valid is None else (key_valid.shape, key_valid.dtype),
+    key = (None if group is None else weakref.ref(group), world_size, layout, is_causal, scale, window, softcap,
+           forward, q.shape, q.dtype, k.shape, k.dtype, None if key_valid is None else (key_valid.shape, key_valid.dtype),
            q.device.type, workspace.chunk_rule_settings())
     setup = _SETUPS.get(key)
     if setup is None:
@@ -82,7 +80,7 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
         # K/V heads per chunk: the planner's rule (workspace.py), per direction
         kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
                                            forward=forward)
-        setup = RingSetup(None, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
+        setup = RingSetup(None, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk, softcap=softcap)
         if len(_SETUPS) >= 256:
             _SETUPS.clear()
         _SETUPS[key] = setup
@@ -124,14 +122,28 @@ def ring_attention_op(
     layout: str,
     window: int = 0,
     key_runs: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True)
-    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
+                   softcap=softcap)
+    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, _slopes(alibi_slopes, q))
     return out.contiguous(), lse.contiguous()
 
 
+def _slopes(alibi_slopes, q):
+    """ALiBi slopes as the kernels take them: fp32 [h] on q's device (Note [Score modifiers])."""
+    if alibi_slopes is None:
+        return None
+    if alibi_slopes.shape != (q.shape[1],):
+        raise ValueError(f"alibi_slopes must be a [heads={q.shape[1]}] tensor (one slope per query head); got "
+                         f"{tuple(alibi_slopes.shape)}")
+    return alibi_slopes.to(device=q.device, dtype=torch.float32)
+
+
 @ring_attention_op.register_fake
-def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None):
+def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
+      alibi_slopes=None):
     adt = kernels.acc_dtype(q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -154,15 +166,18 @@ def ring_attention_backward_op(
     layout: str,
     window: int = 0,
     key_runs: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
+                   softcap=softcap)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, _slopes(alibi_slopes, q))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
-      key_runs=None):
+      key_runs=None, softcap=0.0, alibi_slopes=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -172,10 +187,14 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs = inputs
+    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes = inputs
+    if slopes is not None and slopes.requires_grad:
+        raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
+                         "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
     ctx.set_materialize_grads(False)
@@ -183,10 +202,11 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 11
-    q, k, v, key_valid, out, lse, key_runs = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs)
-    return (dq, dk, dv) + (None,) * 8
+        return (None,) * 13
+    q, k, v, key_valid, out, lse, key_runs, slopes = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
+                                            slopes)
+    return (dq, dk, dv) + (None,) * 10
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -249,8 +269,8 @@ gather_op.register_autograd(_gather_backward, setup_context=_seq_setup_context)
 # public functional API
 
 
-def _group_args(group) -> tuple[str, int, int]:
-    group, rank, world = resolve_world(group)
+def _group_args(group, what: str) -> tuple[str, int, int]:
+    group, rank, world = resolve_world(group, what)
     return ("" if group is None else _compat.group_name(group)), world, rank
 
 
@@ -344,7 +364,7 @@ def checks_every_call(cuda: bool) -> bool:
     return not torch.compiler.is_compiling() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
-def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
+def _check_same_call(n_local: int, group, call: str = "", device=None, error: Exception | None = None) -> None:
     """Every rank must hold a shard of the same length, make the same call (`call_signature`:
     shapes, dtype, mask, layout, ...) and run with the same schedule settings; else the ring
     would hang, or compute with what another rank sent in another format. Callers run it
@@ -358,17 +378,30 @@ def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
     watchdog's timeout (as a ring of mismatched calls would). Under PyTorch's own switch for
     such hangs, TORCH_DISTRIBUTED_DEBUG=DETAIL, it runs on every call there too
     (`checks_every_call`): the hang becomes this error, at a host sync per call.
+
+    `error`: this rank's inputs were rejected (the caller's own checks). The rank still takes
+    part, with a flag in the same collective, and every rank raises: the others must not wait
+    for a rank that left (a notebook or a retry loop keeps its process alive).
     """
     group, _, world = resolve_world(group)
     if world == 1:
+        if error is not None:
+            raise error
         return
     key = (_compat.group_name(group), n_local, call)
     cuda = device is not None and torch.device(device).type == "cuda"
-    if not checks_every_call(cuda) and key in _CHECKED_LENGTHS:
+    if error is None and not checks_every_call(cuda) and key in _CHECKED_LENGTHS:
         return
     code, call_code = _settings_code(), _crc(call)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    (n_lo, n_hi), codes, calls = group_extremes([n_local, code, call_code], group, device)
+    (n_lo, n_hi), codes, calls, (_, rejected) = group_extremes(
+        [n_local, code, call_code, int(error is not None)], group, device)
+    if error is not None:
+        raise error
+    if rejected:
+        raise ValueError(
+            f"another rank's inputs to this attention call were rejected (its error says why); this rank's "
+            f"call was {call or 'the same op'} with n_local={n_local}. Every rank raises instead of waiting for it")
     if n_lo != n_local or n_hi != n_local:
         raise ValueError(
             f"ring_attention needs equal shard lengths on every rank; this rank has {n_local}, "
@@ -392,6 +425,7 @@ def _check_same_call(n_local: int, group, call: str = "", device=None) -> None:
 def ring_attention(
     q, k, v, *, is_causal: bool = False, scale: float | None = None, key_padding_mask=None,
     group=None, layout: str = "contiguous", return_lse: bool = False, window: int | None = None,
+    softcap: float | None = None, alibi_slopes=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -404,17 +438,31 @@ def ring_attention(
     global positions. Returns this rank's shard of the output (and the fp32 natural-log
     LSE [b, h, n_local] when return_lse; the LSE carries no gradient: it is marked
     non-differentiable, so a loss that uses it gets no gradient through it).
+    Score modifiers (Note [Score modifiers] in kernels.py), applied to the scaled scores s
+    before the mask: softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a [h] tensor,
+    adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
     """
-    _check_inputs(q, k, v, key_padding_mask)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
-    lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "ring_attention")
+    try:  # every rank agrees on the call before any raises (_check_same_call)
+        _check_inputs(q, k, v, key_padding_mask)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (sliding window in tokens) or None; got {window!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+            raise ValueError(f"softcap must be a positive number (the soft-cap c of c * tanh(s / c)) or None; got {softcap!r}")
+        if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.shape != (q.shape[1],)
+                                         or not alibi_slopes.is_floating_point()):
+            got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be a float tensor [heads={q.shape[1]}] (one slope per query head) or "
+                             f"None; got {got}")
+        lay = L.parse_layout(layout)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    except (TypeError, ValueError) as e:
+        _check_same_call(-1, group, "", _device_of(q), error=e)
+        raise
     s = q.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0), q.device)
+        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
@@ -423,8 +471,12 @@ def ring_attention(
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs)
+                                 runs, float(softcap or 0.0), alibi_slopes)
     return (out, lse) if return_lse else out
+
+
+def _device_of(x):
+    return x.device if isinstance(x, torch.Tensor) else None
 
 
 def _seq_dim(x, dim: int) -> int:
@@ -438,7 +490,7 @@ def _seq_dim(x, dim: int) -> int:
 def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """This rank's shard of the full-length `x` along `dim` (differentiable)."""
     lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "shard_sequence")
     dim = _seq_dim(x, dim)
     L.check_length(x.shape[dim], world, lay)
     return shard_op(x, dim, name, world, lay.value)
@@ -447,7 +499,7 @@ def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
 def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
     """Full-length tensor from every rank's shard along `dim` (the inverse of shard_sequence)."""
     lay = L.parse_layout(layout)
-    name, world, _ = _group_args(group)
+    name, world, _ = _group_args(group, "gather_sequence")
     dim = _seq_dim(x, dim)
     if lay is L.Layout.ZIGZAG and x.shape[dim] % 2:
         raise ValueError(f"zigzag layout needs an even shard length; got {x.shape[dim]} along dim {dim}")

@@ -119,6 +119,8 @@ class RingSetup:
     # per chunk, so its transient buffers (received K/V, fp32 accumulators, dK/dV in flight)
     # are those of one chunk (Note [Head chunks]).
     kv_chunk: int = 0
+    # Soft-capping of the scaled scores (0: none; Note [Score modifiers] in kernels.py).
+    softcap: float = 0.0
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         per = chunks_per_rank(self.layout)
@@ -281,8 +283,8 @@ def _skip_comm() -> bool:
 def copy_by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src), as an elementwise kernel on CUDA. A same-dtype copy would be a memcpy,
     done by the copy engines that also carry the ring's peer copies (Note [Copy-engine ring]),
-    so it may wait behind them. A/B on one 4 x H200 machine (ring_timeline.py, copy-engine
-    ring, default chunks): 16K tokens per GPU causal 32.45 -> 31.58 ms, 64K per GPU
+    so it may wait behind them. A/B on one 4 x H200 machine (copy-engine ring, default
+    chunks): 16K tokens per GPU causal 32.45 -> 31.58 ms, 64K per GPU
     non-causal 924.93 -> 920.61 ms. x * 1 is exact for every number (-0.0 included); a NaN
     stays a NaN."""
     if dst.is_cuda and dst.dtype == src.dtype and dst.dtype.is_floating_point:
@@ -316,7 +318,7 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # Note [Fewer passes]
 # Between the kernel calls the ring runs memory-bound passes over each head chunk (dQ/dK/dV
 # sums, merges, casts): they took 1.0-1.15 ms of a 14 ms step at 16K tokens per GPU, p = 2
-# (ring_timeline.py, kernel families), 0.4-0.46 ms with the rules below and the merge and the
+# (profiled, by kernel family), 0.4-0.46 ms with the rules below and the merge and the
 # add of two bf16 operands as Triton kernels (fused.py). The rules, all exact:
 # - A partial result that holds one block only (the first block's out, or its dQ/dK/dV) stays
 #   in the kernel's output dtype: widening it would add no information. It is widened inside
@@ -361,17 +363,19 @@ def _copy_outside(dst, src, reg) -> None:
         copy_by_kernel(_at(dst, part), _at(src, part))
 
 
-def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None):
+def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s]).
-    key_runs: the mask's table (Note [Key runs per mask]; None: made here)."""
+    key_runs: the mask's table (Note [Key runs per mask]; None: made here). slopes: ALiBi
+    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py)."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
-        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs)
+        _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
+                            None if slopes is None else slopes[hq])
     return out, lse
 
 
@@ -461,9 +465,30 @@ def _ring_key_mask(key_valid, setup: RingSetup, table=None):
     return (None if len(runs) == setup.world else key_valid), runs
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None):
+class _Mods:
+    """The score modifier of each block call (Note [Score modifiers] in kernels.py): the
+    setup's soft-cap, and ALiBi `slopes` (fp32 [heads of the chunk], or None) at the global
+    positions of the call's rows and keys."""
+
+    def __init__(self, setup: RingSetup, slopes, s: int, device):
+        self.setup, self.slopes = setup, slopes
+        self.plain = None if not setup.softcap and slopes is None else kernels.ScoreMod(setup.softcap)
+        self.q_pos = None if slopes is None else global_positions(setup.rank, setup.world, setup.layout, s, device)
+        self.s, self.device, self.k_pos = s, device, {}
+
+    def of(self, src: int, c: BlockCall):
+        if self.slopes is None:
+            return self.plain
+        if src not in self.k_pos:
+            self.k_pos[src] = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
+        k_pos = self.k_pos[src]
+        return kernels.ScoreMod(self.setup.softcap, self.slopes, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1])
+
+
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None):
     """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
     b, h, s, d = q.shape
+    mods = _Mods(setup, slopes, s, q.device)
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
@@ -476,6 +501,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
                 q[bs, :, c.q0:c.q1], st.k[bs, :, c.k0:c.k1], st.v[bs, :, c.k0:c.k1],
                 scale=setup.scale, causal=c.causal,
                 key_valid_bs=None if st.key_valid is None else st.key_valid[bs, c.k0:c.k1], allowed_qk=allowed,
+                mod=mods.of(st.src, c),
             )
             done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
             if done and dst is None:
@@ -501,8 +527,9 @@ class RingStep:
     batch; `wait()` finishes this step's batch (the next block's K/V and what rank-1's caller
     set as its carry) and returns the carry received, or None."""
 
-    def __init__(self, index, k, v, key_valid, calls, comm, carry_in):
+    def __init__(self, index, k, v, key_valid, calls, comm, carry_in, src=0):
         self.index, self.k, self.v, self.key_valid, self.calls = index, k, v, key_valid, calls
+        self.src = src  # the ring rank whose block is held
         self.carry_out = None
         self._comm, self._carry_in = comm, carry_in
 
@@ -535,7 +562,7 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         src = (setup.rank - step) % setup.world
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
                       setup.masked_calls(s, src, device, runs.get(src)), comm if recv else None,
-                      recv[n_held:] if carried and recv else None)
+                      recv[n_held:] if carried and recv else None, src)
         yield st
         st.wait()
         carry = st.carry_out
@@ -582,13 +609,13 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     Later steps differ by rank (a block may get one call, several, or none and be forwarded as
     it came): the accumulator's dtype. Sending what happened to be at hand
     broke bf16 rings of p >= 3 (a size mismatch on gloo and NCCL, misread slots on the
-    copy-engine ring; benchmarks/RESULTS.md, session 12)."""
+    copy-engine ring)."""
     if (step == 0 and not wide_first) or acc.dtype == adt:
         return acc
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None):
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
     key_runs table: Note [Key runs per mask]).
 
@@ -640,6 +667,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
         k_c, v_c = k[:, hk], v[:, hk]
+        mods = _Mods(setup, None if slopes is None else slopes[hq], s, q.device)
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None
@@ -656,6 +684,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                     do_c[bs, :, qs], q_c[bs, :, qs], st.k[bs, :, ks], st.v[bs, :, ks], o_c[bs, :, qs], l_c[bs, :, qs],
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
                     key_valid_bs=None if st.key_valid is None else st.key_valid[bs, ks], allowed_qk=allowed,
+                    mod=mods.of(st.src, c),
                 )
                 last = last_step and i == len(st.calls) - 1 and dq is not None  # dQ complete: the output
                 dq = _accumulate(dq, dq_b, _region(c, b), q_c.shape, adt,
@@ -716,9 +745,31 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     return (done[0], done[1], done[2]) if whole else tuple(full_out)
 
 
-def resolve_world(group) -> tuple[object, int, int]:
-    """(group, rank, world) with p = 1 when no process group is initialised."""
+def resolve_world(group, what: str = "ringcc") -> tuple[object, int, int]:
+    """(group, rank, world) with p = 1 when no process group is initialised (and the launcher's
+    environment does not say otherwise: `check_no_launcher`)."""
     if not dist.is_available() or not dist.is_initialized():
+        check_no_launcher(what)
         return None, 0, 1
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_no_launcher(what: str, remedy: str = "") -> None:
+    """An error when the launcher's environment (torchrun's WORLD_SIZE) says this process is one
+    of p > 1 ranks but no process group is initialised: run as p = 1, every rank would compute a
+    different and wrong result without a sign."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    try:
+        world = int(raw)
+    except ValueError:
+        return
+    if world <= 1:
+        return
+    seen = ", ".join(f"{name}={os.environ[name]}" for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+                     if name in os.environ)
+    raise ValueError(
+        f"{what}: the environment says this process is one of {world} ranks ({seen}), but no process "
+        "group is initialised, so it would run alone (p = 1) and compute a wrong result. Call "
+        "torch.distributed.init_process_group() first (ringcc.launch.launch does it), or unset WORLD_SIZE "
+        f"to run on one process{remedy}")

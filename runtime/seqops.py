@@ -10,6 +10,9 @@ Backward of every op mirrors its forward (Note [Replicated cotangents]):
   backward puts the cotangent back at that row on the owner and zeros elsewhere.
 - sync_grads: forward is the identity on a bucket of replicated values (parameters) that
   sharded computation consumes; backward all-reduces their cotangents in one flat buffer.
+- scale_grads_view: the identity whose backward multiplies the cotangents by p instead, for
+  parameters whose gradients an engine outside the graph averages over the whole group
+  (Note [Gradients under data parallelism] in passes/sync_param_grads.py).
 
 Note [Parameter copies]
 A torch.library custom op may not return an alias of its input, so the op ringcc::sync_grads
@@ -208,3 +211,26 @@ def sync_grads_view(xs: list[torch.Tensor], group_name: str, world_size: int) ->
     """The identity on a bucket of parameters, as views (no copy), whose backward all-reduces
     their cotangents in one flat buffer: what sync_param_grads inserts in dynamo graphs."""
     return _SyncGradsView.apply(group_name, world_size, *xs)
+
+
+class _ScaleGradsView(torch.autograd.Function):
+    """Views of a bucket of parameters whose backward multiplies their cotangents by p: an outer
+    data-parallel engine's mean over the sequence group then sums the ranks' shares."""
+
+    @staticmethod
+    def forward(world_size, *xs):
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.world_size = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *(None if g is None else g * ctx.world_size for g in grads)
+
+
+def scale_grads_view(xs: list[torch.Tensor], group_name: str, world_size: int) -> tuple[torch.Tensor, ...]:
+    """The identity on a bucket of parameters, as views, whose backward scales their cotangents
+    by world_size (no communication; `group_name` keeps sync_grads_view's signature)."""
+    return _ScaleGradsView.apply(world_size, *xs)

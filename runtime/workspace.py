@@ -18,8 +18,8 @@ accumulate, send, end; see `_ring_chunk`) of what each holds: the fp32 dQ and dK
 accumulators, the dK/dV accumulator arriving from the previous rank and the one sent to the
 next (held by the transport until the batch is waited for), the held and next K/V, one block's
 gradients with the kernel's own fp32 dQ accumulator, plus dout made contiguous.
-Checked against the CUDA allocator (benchmarks/trace_ring_memory.py, memory_snapshot.py,
-bench_planner_gpu.py; results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
+Checked against the CUDA allocator (benchmarks/bench_planner_gpu.py, memory_snapshot.py;
+results in benchmarks/RESULTS.md). On CPU (gloo), checked against the CPU
 allocator's events seen by torch.profiler (tests/test_planner.py), three more terms: gloo's
 contiguous copy of a sent accumulator (the CPU kernel returns gradients in its own [b, s, h, d]
 layout) may outlive the wait, the kernel copies dout into that layout, and it holds per-thread
@@ -31,8 +31,7 @@ a receive area of a header and two slots of the largest batch, which stays alloc
 the op (outside torch's caching allocator on torch 2.11; comm.py measures which): the
 workspace then leaves the received blocks out, and `Workspace.area_*` gives the area, which
 the planner counts once per graph as resident. Counting received blocks per phase instead
-under-predicted a training step on 4 x H200 by 12-38% once the area was measured (RESULTS.md,
-session 9). The head-chunk rule decides on the per-phase numbers on every transport, so the
+under-predicted a training step on 4 x H200 by 12-38% once the area was measured. The head-chunk rule decides on the per-phase numbers on every transport, so the
 chunks (and the measured schedules) do not depend on the transport.
 
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
@@ -72,6 +71,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import sympy
+
+from .dilated_spec import DilatedSpec, chunk_pairs, dilated_comm_rows, dilated_kv_slots
 
 FP32 = 4
 
@@ -115,7 +116,7 @@ def _nbytes(t) -> sympy.Expr:
 
 
 def _acc_itemsize(itemsize: int) -> int:
-    """Bytes per element of the ring's accumulators (kernels.acc_dtype: fp64 for fp64, else fp32)."""
+    """Bytes per element of the ring's accumulators (dtypes.acc_dtype: fp64 for fp64, else fp32)."""
     return 8 if itemsize == 8 else FP32
 
 
@@ -150,9 +151,9 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     the outputs are allocated once up front; the chunk's K/V slice is made contiguous to be
     sent), and the bytes of one batch it sends per step. With `area` the received blocks land
     in the copy-engine receive area (`receive_area`), so the workspace leaves them out. With
-    `rule`, the numbers the head-chunk rule decides on, unchanged since it was tuned (on GPU,
-    sessions 2-13; the CPU terms, session 19): every arriving accumulator counted in fp32, none
-    in flight counted (the plan's own accounting of both is session 20's)."""
+    `rule`, the numbers the head-chunk rule decides on, as they were tuned on GPU (and the CPU
+    terms on CPU): every arriving accumulator counted in fp32, none in flight counted (the
+    plan's own accounting counts both as they are)."""
     b, h, s, d = q.shape
     acc = _acc_itemsize(q.itemsize)  # the accumulators' dtype (fp64 for fp64 inputs, else fp32)
     rows_f32 = sympy.Integer(acc) * b * h * s  # one [b, h, s] accumulator-dtype tensor
@@ -228,9 +229,8 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
     own = one * kv if chunked else 0
     # The accumulator sent after the step before, during this step's kernels: the copy-engine
     # ring holds its sources and gloo's work its contiguous copy until the batch is waited for,
-    # after the kernels (measured on CUDA, benchmarks/RESULTS.md session 20). NCCL's buffer may
-    # be booked free as soon as the ring lets go of it (its stream only keeps it from reuse): a
-    # bound there, not measured since the ring lets go (session 20).
+    # after the kernels (measured on CUDA). NCCL's buffer may be booked free as soon as the ring
+    # lets go of it (its stream only keeps it from reuse): a bound there, not measured.
     sent = 0 if rule else hop
     phases = [
         dq_acc + own + next_kv + block_first + (home if chunked else 0),
@@ -243,7 +243,7 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         # CPU kernel returns its gradients in its own [b, s, h, d] layout) some time after the
         # batch is waited for, so it may outlive its phase; the kernel also copies dout into
         # that layout. Measured with torch.profiler against the CPU allocator (tests/test_planner.py).
-        # (the rule's: the sent accumulator and gloo's copy in every phase, as tuned in session 19;
+        # (the rule's: the sent accumulator and gloo's copy in every phase, as tuned;
         # the plan's: the copy beside phase 1's `sent`, which it outlives)
         linger = [2 * one * dkv_acc] * 4 if rule else [hop, 0, hop, hop]
         phases = [ph + extra for ph, extra in zip(phases, linger)]
@@ -335,7 +335,7 @@ def default_dilated_budget(q: TensorSize, k: TensorSize):
     kernels, one hop after another), so chunks there cost time and save little memory. On
     4 x H200 at 256K tokens (p = 4, LongNet, bf16) whole heads instead of the ring budget's 4
     chunks made every cell faster, by 1.03-1.44x (MHA causal fwd+bwd 39.6-43.5 -> 32.3-32.5
-    ms), for 1.2 GiB (MHA) and 2.2 GiB (GQA) more per rank (RESULTS.md, session 13). From 1M tokens
+    ms), for 1.2 GiB (MHA) and 2.2 GiB (GQA) more per rank. From 1M tokens
     on 4 GPUs the ring's budget is about as large or larger, so the floor changes little there."""
     return sympy.Max(default_ring_budget(q, k), DILATED_BUDGET_FLOOR)
 
@@ -423,6 +423,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
       (kernels._row_chunks);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
+    Blocks with a score modifier (softcap, alibi_slopes: Note [Score modifiers] in kernels.py)
+    count as masked ones (flex_attention, or the math path, which they take on CPU too), with
+    one more scores-sized buffer per call (the ALiBi bias, or the cap's tanh kept for backward).
     Zero for unmasked half-precision blocks."""
     from .kernels import MASKED_CALL_BYTES, masked_kernel
 
@@ -430,10 +433,11 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     b, h, s, d = q.shape
     zero = sympy.Integer(0)
     acc = _acc_itemsize(q.itemsize)
-    if q.device_type == "cuda":
-        if kv_mask is None and not window and q.itemsize == 2:  # fp16/bf16: the fused kernels
+    modified = bool(a.get("softcap")) or a.get("alibi_slopes") is not None
+    if q.device_type == "cuda" or modified:
+        if kv_mask is None and not window and q.itemsize == 2 and not modified:  # fp16/bf16: the fused kernels
             return zero, zero
-        if q.itemsize == 2 and masked_kernel() == "flex":
+        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex":
             return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows
@@ -446,8 +450,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
         kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
         masks = 2 * b * plane
         build = lambda held: sympy.Max(0, 9 * plane - held) if window else zero  # noqa: E731
-        return (2 * kv32 + scores + masks + build(scores) + 2 * row_bytes,
-                4 * kv32 + 2 * scores + masks + build(2 * scores) + 4 * row_bytes)
+        mod = scores if modified else zero
+        return (2 * kv32 + scores + mod + masks + build(scores) + 2 * row_bytes,
+                4 * kv32 + 2 * scores + mod + masks + build(2 * scores) + 4 * row_bytes)
     if not (window or (kv_mask is not None and a.get("is_causal"))):
         return zero, zero
     mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)
@@ -567,16 +572,12 @@ def _ring_kv_chunks(q_shape, k_shape, q_item, k_item, mask, device_type, world, 
 
 
 def _dilated_spec(a: dict):
-    from .dilated import DilatedSpec
-
     return DilatedSpec(a["segment_lengths"], a["dilation_rates"], offsets=a["offsets"])
 
 
 def _dilated_branches(a: dict, p, kv_range: tuple[int, int] | None = None):
     """Per branch taking part (in the head chunk of K/V heads kv_range, else in all heads):
     (w, r, rows sent per slot, K/V slots, query heads)."""
-    from .dilated import chunk_pairs, dilated_comm_rows, dilated_kv_slots
-
     q, k = a["q"], a["k"]
     h, g = int(q.shape[1]), int(k.shape[1])
     spec = _dilated_spec(a)
@@ -719,6 +720,16 @@ def sync_grads(a: dict, p) -> Workspace:
     return Workspace(sympy.Integer(0), 3 * sum((x.nbytes for x in xs), sympy.Integer(0)))
 
 
+def scale_grads(a: dict, p) -> Workspace:
+    """A bucket's gradient scaling (runtime/seqops.py): its backward makes the scaled copies of
+    the bucket's cotangents at once: one bucket."""
+    xs = a.get("xs", next(iter(a.values()), None))
+    xs = [xs] if isinstance(xs, TensorSize) else list(xs or ())
+    if not all(isinstance(x, TensorSize) for x in xs):
+        return Workspace()
+    return Workspace(sympy.Integer(0), sum((x.nbytes for x in xs), sympy.Integer(0)))
+
+
 # Op name (as the planner normalises it) -> formula.
 FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "ringcc::ring_attention": ring_attention,
@@ -728,4 +739,5 @@ FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "pow": pow_,
     "ringcc::sync_grads": sync_grads,
     "sync_grads_view": sync_grads,
+    "scale_grads_view": scale_grads,
 }

@@ -40,7 +40,7 @@ def test_one_compiled_llama_serves_several_lengths(pools):
     dynamic at once when this process compiled the model at another length before), 40 with
     a symbolic n, and 56 reuses that graph. (No length equals a model dim: the static graph's
     checks read sizes equal to n as the sequence. With checkpointed layers, a review ran
-    24/40/56 and dynamic=True at p = 2: parity, each region recomputed; session 18.)"""
+    24/40/56 and dynamic=True at p = 2: parity, each region recomputed.)"""
     results = pools(2).run(shard_models.parity, "llama", (24, 40, 56), "aot_eager", None, None, timeout=300)
     for rank, (errors, facts) in enumerate(results):
         for errs in errors:

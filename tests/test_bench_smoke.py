@@ -140,8 +140,8 @@ def test_search_and_memory_model():
     assert bench.update_results_md(below, section) == "# R\n\n" + section + "\n\nafter the table\n"
     assert bench.update_results_md("# R\n", section) == "# R\n\n" + section + "\n"
     # hand-written sections between the markers, before the generated one, are kept
-    mixed = "# R\n\n" + bench.RESULTS_BEGIN + "\n## session 14 notes\nmeasured\n\n" + generated + "\n" + bench.RESULTS_END + "\n"
-    assert bench.update_results_md(mixed, section) == "# R\n\n## session 14 notes\nmeasured\n\n" + section + "\n"
+    mixed = "# R\n\n" + bench.RESULTS_BEGIN + "\n## hand-written notes\nmeasured\n\n" + generated + "\n" + bench.RESULTS_END + "\n"
+    assert bench.update_results_md(mixed, section) == "# R\n\n## hand-written notes\nmeasured\n\n" + section + "\n"
     assert bench.longnet_schedule(65536, 2048) == ([2048, 8192, 32768, 65536], [1, 2, 4, 8])
     # Cells the measured peaks predict not to fit are skipped before a multi-rank OOM can hang.
     rec = dict(status="ok", method="ring-zigzag", attn="mha", causal=True, mode="fwdbwd")
@@ -240,81 +240,6 @@ def test_targets_on_gpu_shaped_results():
     assert single["max_model"] == (int(0.95 * 80 * G / (16 * G / (256 * K))) // (2 * 8192)) * 2 * 8192
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_timeline_splits_gaps_by_cause():
-    """ring_timeline.analyze_trace on a hand-made trace: busy/idle/NCCL-only time, and a gap is
-    'host late' when the next kernel was launched after the gap began (with the host op named),
-    else 'waiting'."""
-    tl = _load("ring_timeline")
-    k = lambda name, ts, dur, stream, corr: dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur,  # noqa: E731
-                                                  args={"stream": stream, "correlation": corr})
-    launch = lambda ts, corr: dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5,  # noqa: E731
-                                   tid=1, args={"correlation": corr})
-    events = [
-        k("attn_fwd", 0, 100, 7, 1), k("ncclDevKernel_SendRecv", 50, 150, 9, 2),
-        k("merge", 300, 50, 7, 3), launch(20, 3),  # launched early: waited 200 us for the transfer
-        k("attn_bwd", 500, 100, 7, 4), launch(480, 4),  # launched late: the host was busy
-        dict(ph="X", cat="cpu_op", name="aten::empty", ts=360, dur=110, tid=1, args={}),
-    ]
-    r = tl.analyze_trace(events, gap_us=30)
-    assert r["span_us"] == 600 and r["compute_busy_us"] == 250
-    assert r["idle_us"] == 600 - 250 - 100  # the transfer alone covers 100..200
-    assert r["nccl_only_us"] == 100 and r["nccl_kernel_us"] == 150
-    assert r["gaps_waiting_us"] == 200 and r["gaps_cpu_late_us"] == 150
-    late = next(g for g in r["gaps"] if g["cause"] == "cpu late")
-    assert late["before"] == "attn_bwd" and late["host"][0].startswith("aten::empty")
-
-
-def test_timeline_copy_batches():
-    """ring_timeline: outgoing copies (memcpys off the compute stream) are grouped into batches,
-    summarised (bytes, busy time, rate, time beside kernels), and a waiting gap names the batch
-    that ended last before it."""
-    tl = _load("ring_timeline")
-    ev = lambda cat, name, ts, dur, stream, nbytes=0: dict(ph="X", cat=cat, name=name, ts=ts, dur=dur,  # noqa: E731
-                                                           args={"stream": stream, "bytes": nbytes})
-    events = [
-        ev("kernel", "spin_kernel", -500, 490, 7),  # the host-ahead spin: not part of the step
-        ev("kernel", "cudnn_sdpa_flash_fprop", 0, 400, 7),
-        ev("gpu_memcpy", "Memcpy PtoP", 10, 100, 9, 1000), ev("gpu_memcpy", "Memcpy PtoP", 115, 100, 9, 3000),
-        ev("kernel", "cudnn_sdpa_flash_fprop", 600, 400, 7),  # waited 200 us: for the batch ending at 590
-        ev("gpu_memcpy", "Memcpy PtoP", 450, 140, 9, 4000),
-        ev("gpu_memcpy", "Memcpy DtoD", 700, 10, 7, 64),  # on the compute stream (inside a kernel's time): not a ring copy
-    ]
-    r = tl.analyze_trace(events, gap_us=30)
-    assert r["span_us"] == 1000 and r["gaps_waiting_us"] == 200
-    c = r["copies"]
-    assert c["batches"] == 2 and c["mbytes"] == 8000 / 2**20
-    assert c["busy_us"] == 205 + 140 and c["beside_compute_us"] == 205
-    assert c["batch_us_median"] == 172.5 and c["batch_us_max"] == 205
-    assert r["families"] == {"attention fwd": {"us": 800.0, "count": 2}, "memcpy": {"us": 10.0, "count": 1}}
-    g = next(g for g in r["gaps"] if g["cause"] == "waiting")
-    assert g["own_batch"] == {"start_rel_gap_us": 50.0, "end_rel_gap_end_us": -10.0, "dur_us": 140.0,
-                              "mbytes": round(4000 / 2**20, 1)}
-
-
-def test_compare_variants_rows(tmp_path):
-    cv = _load("compare_variants")
-    rec = lambda method, p, ms, n=1024, peak=100: dict(  # noqa: E731
-        method=method, family="single" if p == 1 else "ring", attn="mha", h=16, h_kv=16, d=128, b=1, n=n, p=p,
-        causal=True, mode="fwdbwd", status="ok", ms=ms, flops=1e12, tflops_per_gpu=1e12 / p / (ms * 1e-3) / 1e12,
-        peak_bytes=peak)
-    base = {"phases": [{"world": 1}], "records": [rec("sdpa-cudnn", 1, 100.0, peak=400)]}
-    a = {"phases": [{"world": 4, "env": {}}], "records": [rec("ring-zigzag", 4, 30.0)]}
-    b = {"phases": [{"world": 4, "env": {"NCCL_CTA_POLICY": "1"}}], "records": [rec("ring-zigzag", 4, 27.0)]}
-    rows = cv.compare(base, [("default", a), ("cta", b)])
-    assert [r["variant"] for r in rows] == ["default", "cta"]
-    assert rows[0]["efficiency"] == pytest.approx(100 / 4 / 30) and rows[0]["peak_vs_ideal"] == pytest.approx(1.0)
-    assert rows[1]["vs_first"] == pytest.approx(0.9)
-    assert "cta" in cv.format_rows(rows)
-
-
 def test_max_length_search_runs_one_job_per_probe(tmp_path, monkeypatch):
     """The launcher's search (Note [Max-length probes]) on a fake probe job: guided by the
     probes' own peaks, down to the step; OOMs bound it; a probe whose reserved peak passes the
@@ -386,96 +311,10 @@ def test_max_length_probe_job_on_gloo(tmp_path):
     assert out["n"] == 256 and out["seconds"] > 0
 
 
-def test_ring_timeline_runs_on_gloo(tmp_path):
-    """The timeline tool end to end on CPU (gloo, p = 2): times and the forward fingerprint per
-    setting (no kernel timeline on CPU); chunks and whole heads give the same forward output."""
-    out = tmp_path / "tl.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "benchmarks" / "ring_timeline.py"), "--cpu", "--n-local", "32", "--heads", "4",
-           "--head-dim", "8", "--budgets", "0.0001,0", "--no-comm", "--warmup", "1", "--iters", "1", "--host-breakdown", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
-    settings = res["settings"]
-    assert [(s["budget"], s["skip_comm"]) for s in settings] == [("0.0001", False), ("0.0001", True), ("0", False), ("0", True)]
-    assert [s["kv_heads_per_chunk"] for s in settings] == [1, 1, 4, 4]
-    assert all(s["ms"] > 0 and "timeline" not in s for s in settings)
-    # each rank's own median; the slowest-rank median is at least every rank's (one iteration here)
-    assert all(len(s["ms_per_rank"]) == 2 and max(s["ms_per_rank"]) == pytest.approx(s["ms"]) for s in settings)
-    with_comm = [s["out_checksum_rank0"] for s in settings if not s["skip_comm"]]
-    assert with_comm[0] == pytest.approx(with_comm[1], rel=1e-5)
-    # Host time by call site: chunks make more kernel calls per step than whole heads, and
-    # the wrappers are gone afterwards (the next setting's breakdown starts from zero).
-    calls = [{r["site"]: r["calls_per_step"] for r in s["host_breakdown"]} for s in settings]
-    assert calls[0]["block_fwd"] == 4 * calls[2]["block_fwd"] > 0
-    assert "RingComm.commit" in calls[0] and "RingComm.commit" not in calls[1]
-    assert all(c["step (the whole fwd+bwd)"] == 1.0 for c in calls)
-
-
-def test_host_breakdown_times_every_kind_of_site_and_restores_them(monkeypatch):
-    """ring_timeline.host_breakdown on CPU: module functions, instance, static, class and
-    inherited methods are timed per call; a site named twice is timed once; every attribute is
-    exactly as before afterwards, also when a step fails."""
-    import types
-
-    import torch
-
-    tl = _load("ring_timeline")
-    mod = types.ModuleType("hb_probe")
-
-    class Base:
-        def inherited(self):
-            return "i"
-
-    class C(Base):
-        def method(self):
-            return "m"
-
-        @staticmethod
-        def static(x):
-            return x
-
-        @classmethod
-        def klass(cls):
-            return cls.__name__
-
-    mod.C, mod.func = C, lambda: "f"
-    monkeypatch.setitem(sys.modules, "hb_probe", mod)
-    before = {k: C.__dict__[k] for k in ("method", "static", "klass")}
-    func = mod.func
-    sites = ("hb_probe:func", "hb_probe:C.method", "hb_probe:C.static", "hb_probe:C.klass", "hb_probe:C.inherited",
-             "hb_probe:C.method", "hb_probe:missing")
-
-    def step():
-        c = C()
-        assert (mod.func(), c.method(), C.static(3), c.static(4), C.klass()) == ("f", "m", 3, 4, "C")
-        time.sleep(0.02)  # the last site is first reached at least 20 ms into the step
-        assert c.inherited() == "i"
-
-    env = tl.Ranks(torch.device("cpu"))
-    got = tl.host_breakdown(step, 2, None, env, sites=sites)
-    rows = {r["site"]: r["calls_per_step"] for r in got}
-    assert rows == {"step (the whole fwd+bwd)": 1.0, "func": 1.0, "C.method": 1.0, "C.static": 2.0, "C.klass": 1.0,
-                    "C.inherited": 1.0}
-    first = {r["site"]: r["first_call_us"] for r in got}
-    assert 0 <= first["func"] <= first["C.method"] <= first["C.static"] <= first["C.klass"] < 2e4 <= first["C.inherited"]
-    assert "first at" in tl.format_breakdown(got)
-
-    def check_restored():
-        assert mod.func is func and "inherited" not in C.__dict__
-        assert all(C.__dict__[k] is v for k, v in before.items())
-
-    check_restored()
-    with pytest.raises(ZeroDivisionError):
-        tl.host_breakdown(lambda: 1 / 0, 1, None, env, sites=sites)
-    check_restored()
-
-
 def test_short_cells_get_more_warm_up():
-    """Run 8 (RESULTS.md) timed the 16K/GPU cells after one warm-up (77.6% causal), run 9 after
-    about 0.25 s of them (86.3%): short iterations warm up longer, long ones not at all; cells of
-    up to 2 s are timed at least 3 times (session 13)."""
+    """The 16K/GPU cells read 77.6% causal after one warm-up and 86.3% after about 0.25 s of
+    them: short iterations warm up longer, long ones not at all; cells of up to 2 s are timed at
+    least 3 times."""
     bench = _load_bench()
     args = type("Args", (), {"reps": 20, "target_seconds": 1.0})()
     assert bench.plan_iters(0.035, args) == (7, 20)  # a 35 ms cell: 7 warm-ups, 20 timed
@@ -545,15 +384,20 @@ def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
     assert "plan/peak" in proc.stdout and all(r["ms"] > 0 for r in rec["rows"])
 
 
-def test_plot_masked_draws_recorded_runs(tmp_path):
-    """plot_masked.py on the session-15 records (math path and flex on one 2 x H200 machine):
-    the table lists every row of both records, and the PNG is written."""
-    results = ROOT / "benchmarks" / "results"
-    recs = [results / "2026-11-27_2xH200_s15_masked_math_p2.json", results / "2026-11-27_2xH200_s15_masked_flex_p2.json"]
-    out = tmp_path / "masked.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_masked.py"), *map(str, recs), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if "16384" in line]
-    assert len(rows) == 3 + 4 and any("571.50" in r for r in rows) and any("13.68" in r for r in rows)
-    assert out.stat().st_size > 10_000
+@pytest.mark.soak
+def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
+    """bench_fsdp.py end to end on CPU (gloo, p = 2, smoke sizes): FSDP2 + ringcc and the one-device
+    run train the same model on the same tokens (equal losses after the same steps); ringcc shards
+    the blocks and the head (no gather in the head) and scales every gradient share for FSDP2's
+    mean over both ranks; causal context parallel needs CUDA and is recorded as skipped."""
+    proc, rec = _torchrun_smoke("bench_fsdp.py", tmp_path)
+    assert rec["device"] == "cpu (smoke, gloo)"
+    rows = {r["method"]: r for r in rec["records"]}
+    assert rows["cp"]["status"].startswith("skipped")
+    ring, one = rows["ringcc"], rows["single"]
+    assert ring["status"] == one["status"] == "ok" and ring["tokens_per_s"] > 0 and one["tokens_per_s"] > 0
+    assert ring["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    blocks, head = ring["notes"]["reports"]
+    assert "parameter gradients: 0 all-reduced over the sequence group, 9 scaled by p" in " ".join(blocks["notes"])
+    assert "parameter gradients: 0 all-reduced over the sequence group, 4 scaled by p" in " ".join(head["notes"])
+    assert head["gathers"] == [] and "ringcc" in proc.stdout

@@ -105,3 +105,11 @@ def test_timeout_takes_seconds_or_a_timedelta():
     for bad in (0, -1, datetime.timedelta(0)):
         with pytest.raises(ValueError, match=r"Config.timeout must be more than 0 seconds"):
             Config(timeout=bad)
+
+
+def test_grad_sync_choices_and_environment(monkeypatch):
+    with pytest.raises(ValueError, match=r"Config.grad_sync='sum' is not allowed; choose one of \['auto', 'all_reduce', 'outer'\]"):
+        Config(grad_sync="sum")
+    monkeypatch.setenv("RINGCC_GRAD_SYNC", "outer")
+    assert Config.from_options().grad_sync == "outer"
+    assert Config.from_options({"grad_sync": "all_reduce"}).grad_sync == "all_reduce"

@@ -18,6 +18,12 @@ def test_train_demo_tiny(tmp_path, capsys):
     for r in ("1",):
         assert data["per_rank"][r]["losses"] == losses
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert all(not k.startswith("_") for k in data["args"]) and data["args"]["seq_len"] == 128
+    # like with like: the plan against the tensors a step holds at its peak (not the process's RSS,
+    # which counts the compiler and the interpreter too)
+    for r in ("0", "1"):
+        rank = data["per_rank"][r]
+        assert 0.5 < rank["measured_peak_mib"] / rank["planned_peak_mib"] < 1.5, rank
 
 
 def test_ring_demo_tiny(tmp_path, capsys):

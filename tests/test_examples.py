@@ -83,9 +83,42 @@ def test_plan_model_verdicts(tmp_path, capsys, factory, verdict):
     assert code == 0
     data = json.load(open(path))
     assert data["verdict"] is verdict
-    assert f"verdict: {verdict}" in capsys.readouterr().out
+    first = capsys.readouterr().out.splitlines()[1]
+    assert first.startswith("verdict: peak memory per rank is " + ("O(n/p)" if verdict else "NOT O(n/p)")), first
     if verdict:
         assert data["culprits"] == []
     else:  # every rank holds the gathered [b, n, vocab] logits
         assert [c["name"] for c in data["culprits"]] == ["gather_default"]
         assert data["culprits"][0]["growth"] == "n (not divided by p)"
+
+
+def _rank_square(rank, world):
+    return {"rank": rank, "square": rank * rank}
+
+
+def case_launch_as_torchrun(rank, world):
+    """launch() as torchrun runs it (RANK set; the pool's process group stands in for the one
+    torchrun's environment would start)."""
+    import torch.distributed as dist
+
+    from ringcc import launch as L
+
+    saved = os.environ.get("RANK"), dist.init_process_group, dist.destroy_process_group
+    os.environ["RANK"] = str(rank)
+    dist.init_process_group = lambda *a, **k: None
+    dist.destroy_process_group = lambda *a, **k: None
+    try:
+        return L.launch(_rank_square, world), L.reports()
+    finally:
+        dist.init_process_group, dist.destroy_process_group = saved[1], saved[2]
+        if saved[0] is None:
+            os.environ.pop("RANK")
+        else:
+            os.environ["RANK"] = saved[0]
+
+
+def test_launch_under_torchrun_gives_every_rank_all_results_and_one_reporter(pools):
+    results = pools(2).run(case_launch_as_torchrun)
+    every = [{"rank": 0, "square": 0}, {"rank": 1, "square": 1}]
+    assert [r[0] for r in results] == [every, every]
+    assert [r[1] for r in results] == [True, False]  # rank 0 prints the summary, rank 1 stays quiet

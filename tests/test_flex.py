@@ -174,8 +174,10 @@ def test_block_grads_run_inside_a_custom_op():
     assert bool(inside[1].abs().sum() > 0)
 
 
-def _dense_call(q, k, v, mask, scale):
-    """flex._call's contract, densely: the BlockMask's mask_mod over the call's rows and keys."""
+def _dense_call(q, k, v, mask, scale, mod=None):
+    """flex._call's contract, densely: the BlockMask's mask_mod over the call's rows and keys
+    (and the score modifier, as the reference applies it: the tests here pass none)."""
+    assert mod is None
     allowed = create_mask(mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
     return reference.masked_attention(q, k, v, allowed, scale=scale)
 

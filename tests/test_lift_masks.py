@@ -172,3 +172,79 @@ def test_head_tiling_repeat_is_not_gqa():
 
     gm, node = lifted(f, q=qkv(g=2))
     assert SdpaCall.of(node).enable_gqa is False and "repeat" in targets(gm)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face's mask without a cache: causal AND "same packed sequence", the packed-sequence
+# ids computed from the position ids (masking_utils.find_packed_sequence_indices). With plain
+# arange positions every id is equal, so the mask is causal; export spells diff's arguments
+# positionally and the prepend pos[:, :1] as aten.slice.
+
+
+class PackedSequenceMask(torch.nn.Module):
+    def __init__(self, pos_step: int = 1, batch_in_prepend: bool = False, compare_steps: bool = False):
+        super().__init__()
+        self.pos_step, self.batch_in_prepend, self.compare_steps = pos_step, batch_in_prepend, compare_steps
+
+    def mask(self, b: int, n: int) -> torch.Tensor:
+        pos = (torch.arange(n) * self.pos_step)[None].expand(b, -1)
+        first = pos[:, :1] - 1
+        if self.batch_in_prepend:
+            first = first + torch.arange(b)[:, None]
+        step = torch.diff(pos, dim=-1, prepend=first)
+        bi = torch.arange(b)[:, None, None, None]
+        qi, ki = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+        if self.compare_steps:  # keys whose step is 1
+            same = (step == 1)[bi, ki]
+        else:
+            ids = (step != 1).cumsum(-1)
+            same = ids[bi, qi] == ids[bi, ki]
+        return (ki <= qi) & same
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.shape[0], q.shape[2]))
+
+
+def _export_site(module):
+    from graphs import export_graph
+
+    gm = export_graph(module, *qkv())
+    run(gm, PASSES)
+    (node,) = [n for n in gm.graph.nodes if is_sdpa(n)]
+    return gm, node
+
+
+@pytest.mark.parametrize("capture", ["export", "dynamo"])
+def test_packed_sequence_ids_of_plain_positions_lift_as_causal(capture):
+    module = PackedSequenceMask()
+    if capture == "export":
+        gm, node = _export_site(module)
+        assert torch.ops.aten.diff.default in targets(gm)
+    else:
+        gm, node = lifted(module)
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    s = node.meta[MASK_META]
+    assert (s.causal, s.window, s.key_valid) == (True, None, None)
+    assert torch.equal(module.mask(2, N), torch.ones(N, N, dtype=torch.bool).tril().expand(2, 1, N, N))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(pos_step=2),  # positions 0, 2, 4, ...: every token starts a packed sequence (a diagonal mask)
+    dict(batch_in_prepend=True, compare_steps=True),  # row 1's first step is 0: its key 0 is masked
+])
+def test_packed_sequence_masks_that_are_not_causal_stay_unlifted(kwargs):
+    module = PackedSequenceMask(**kwargs)
+    assert not torch.equal(module.mask(2, N), torch.ones(N, N, dtype=torch.bool).tril().expand(2, 1, N, N))
+    _, node = _export_site(module)
+    assert MASK_META not in node.meta
+    assert node.meta[SKIP_META] == (SkipReason.UNLIFTABLE_MASK,
+                                    "diff with a prepend that is not the first position minus the step")
+
+
+def test_shifted_positions_lift_as_the_positions_they_are():
+    # arange(n + 1)[1:] is 1..n: comparing two shifted ranges is still causal; a shifted key
+    # range against plain queries (j + 1 <= i) is not, and is refused
+    s = spec(sdpa_mask(lambda q: torch.arange(N + 1)[1:][None, :] <= torch.arange(N + 1)[1:][:, None]))
+    assert (s.causal, s.window) == (True, None)
+    detail = skip(sdpa_mask(lambda q: torch.arange(N + 1)[1:][None, :] <= ar(q)[:, None]))
+    assert "<= j - i <= -1" in detail

@@ -1,17 +1,17 @@
 """The planner against the allocator, offline: GPU runs of bench_planner_gpu.py (one training
 step, `max_memory_allocated` minus what was allocated before) are re-planned here on CPU, as
 CUDA, at the same n and p; the plan must stay within 10% of what the GPU measured. This keeps
-formula changes honest between GPU sessions.
-- benchmarks/results/2026-11-26_4xH200_planner_vs_measured_final.json (4 x H200): run with
+formula changes honest between GPU runs.
+- benchmarks/results/2026-11-26_4xH200_planner_nccl.json (4 x H200): run with
   RINGCC_RING_WORKSPACE_MIB=512, its rings over NCCL (it predates the copy-engine transport, so
   it is re-planned with that);
-- benchmarks/results/2026-11-26_2xH100_s9_planner_vs_measured.json (2 x H100, session 9): the
+- benchmarks/results/2026-11-26_2xH100_planner_copy_engine.json (2 x H100): the
   default budget and the copy-engine transport, whose receive area is resident in the plan and
   in the measurement;
-- benchmarks/results/2026-11-27_4xH200_s14_planner_masked_p4.json (4 x H200, session 14): an
+- benchmarks/results/2026-11-27_4xH200_planner_masked_math_p4.json (4 x H200): an
   attention layer with a window and key padding (masked blocks on the math path), at p = 4:
   there the plan is a bound, not an estimate;
-- benchmarks/results/2026-11-27_4xH200_s20_planner_p2_after.json (p = 2 on 4 x H200, session 20,
+- benchmarks/results/2026-11-27_4xH200_planner_p2.json (p = 2 on 4 x H200,
   the runtime that lets go of a sent accumulator): the same layer with masked blocks on
   flex_attention (the default), and the plain attention layer, both on the copy-engine ring."""
 
@@ -25,11 +25,11 @@ from ringcc import planner
 from ringcc.planner_cli import trace_plans
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_vs_measured_final.json"
-COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_s9_planner_vs_measured.json"
-MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s14_planner_masked_p4.json"
-# p = 2 on a 4 x H200 machine, on the runtime that lets go of a sent accumulator (session 20)
-P2_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_s20_planner_p2_after.json"
+RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_4xH200_planner_nccl.json"
+COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_planner_copy_engine.json"
+MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_masked_math_p4.json"
+# p = 2 on a 4 x H200 machine, on the runtime that lets go of a sent accumulator
+P2_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_p2.json"
 
 
 def _replan(monkeypatch, record: Path, model: str, p: int, trace_len: int | None = None):
@@ -98,10 +98,10 @@ def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
 
 def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
     """Masked blocks on flex_attention (Note [Flex blocks]) at p = 2: the plan bounds what the GPU
-    allocated, by at most 1.3x. The 16K cell was 6.5% short through sessions 18-19: rank 1's peak
-    (memory_snapshot.py, benchmarks/RESULTS.md session 20) held the dK/dV accumulator it had sent
+    allocated, by at most 1.3x. At 16K, rank 1's peak
+    (memory_snapshot.py) holds the dK/dV accumulator it had sent
     after step 0 (the copy-engine ring keeps its sources until the batch is waited for) during
-    step 1's flex kernels, which the formula left out (workspace._ring_chunk, "later kernels")."""
+    step 1's flex kernels (workspace._ring_chunk, "later kernels")."""
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
     monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
     monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
@@ -111,9 +111,9 @@ def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
     assert all(1.0 <= x <= 1.3 for x in ratios.values()), ratios
 
 
-def test_copy_engine_plan_matches_the_session_20_runtime(monkeypatch):
+def test_copy_engine_plan_matches_the_allocator_at_p2(monkeypatch):
     """The attention layer at p = 2 on the copy-engine ring, measured on the runtime that lets go
-    of a sent accumulator once the transport holds it (session 20): the plan equals the
+    of a sent accumulator once the transport holds it: the plan equals the
     allocator's step bytes at 16K, 32K and 64K tokens to within a few hundred bytes (the
     accumulator in flight during the next step's kernels counted, workspace._ring_chunk)."""
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)

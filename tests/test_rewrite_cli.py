@@ -187,7 +187,7 @@ def test_plan_length_errors_exit_2_and_pad_plans_them(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "sequence length 42 is not divisible by 4" in err and "--pad" in err and "Traceback" not in err
     assert cli.main(["plan", target, "--seq-len", "42", "--world-size", "2", "--pad"]) == 0
-    assert "verdict: True" in capsys.readouterr().out
+    assert "verdict: peak memory per rank is O(n/p)" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", target, "--seq-len", "40", "--json", str(tmp_path / "missing" / "p.json")])
     assert e.value.code == 2 and "create it first" in capsys.readouterr().err

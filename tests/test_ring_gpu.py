@@ -399,8 +399,8 @@ def test_cuda_graph_replay_follows_the_key_mask():
     """ring_attention compiled with mode="reduce-overhead" (CUDA graphs) over batches padded to
     different lengths: traced, the ring op makes its own key-runs table, and a captured ring op
     keeps every key mask (ring._key_runs) instead of replaying the cuts of the recorded batch.
-    (Session 17's first run of this test, before the ring op made its own table when traced,
-    failed in inductor's CUDA-graph recording: a host output inside the captured part.)"""
+    (Without the traced op's own table, inductor's CUDA-graph recording fails: a host output
+    inside the captured part.)"""
     def f(q, k, v, kpm):
         return ringcc.ring_attention(q, k, v, key_padding_mask=kpm)
 

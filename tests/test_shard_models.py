@@ -164,8 +164,8 @@ def case_mask_written_between_layers(rank, world, how, kind):
 
 @pytest.mark.parametrize("how", ["setitem", "iand", "masked_fill_", "view_fill", "out"])
 def test_mask_written_in_place_between_layers(pools, how):
-    """Before session 17 the second layer reused the shard of the mask taken before the write,
-    and dead-code elimination dropped unused `x.op_()` writes (out off by 0.18-0.35 at p = 2).
+    """The second layer must not reuse the shard of the mask taken before the write, nor may
+    dead-code elimination drop unused `x.op_()` writes (either put out off by 0.18-0.35 at p = 2).
     (`keep &= ...` leaves a mask the second site does not lift: it runs dense, still right.)"""
     for kind in ("none", "tail"):
         for errs, rewritten in pools(2).run(case_mask_written_between_layers, how, kind):

@@ -20,7 +20,7 @@ SELECT = torch.ops.ringcc.seq_select.default
 from ringcc.runtime.seqops import sync_grads_view as SYNC  # dynamo graphs (Note [Parameter copies])
 
 
-def rewrite(model, *inputs, world=2, **options):
+def rewrite(model, *inputs, world=2, dynamic=False, **options):
     """The rewritten graph and its report (running it needs a process group: not done here)."""
     graphs = []
     inner = ringcc.backend(ringcc.Config(world_size=world, inner="eager", verify=True, **options))
@@ -33,7 +33,7 @@ def rewrite(model, *inputs, world=2, **options):
     ringcc.reset_reports()
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="no process group is initialised"):
-        torch.compile(model, backend=backend, dynamic=False)(*inputs)
+        torch.compile(model, backend=backend, dynamic=dynamic)(*inputs)
     return graphs[0], ringcc.reports()[0]
 
 
@@ -118,14 +118,18 @@ def test_sharded_values_have_n_over_p_rows():
     assert sum(1 for s in states if not isinstance(s, tuple) and s.sharded) > 20
 
 
-def test_batch_equal_to_length_needs_a_mark():
-    """With batch == n the ids' sequence dim is ambiguous: the note says so, and the
-    embedding output is sliced where it meets the positions (correct, but computed in
-    full); marking the dim slices the ids before the embedding."""
+def test_batch_equal_to_length_is_traced_to_the_attention_sites():
+    """With batch == n the ids' sequence dim is the one that becomes attention's sequence dim
+    (Note [Ambiguous inputs]): the ids are sliced before the embedding. The labels feed no
+    attention site: a note, and they are sliced where they meet the logits' shard. Marking
+    the dims gives the same graph."""
     model = shard_models.build("gpt")
     idx, labels = (torch.randint(0, shard_models.VOCAB, (8, 8)) for _ in range(2))
     gm, rep = rewrite(model, idx, labels)
-    assert any("several dims of size n=8" in note for note in rep.notes)
+    assert any("dim 1 is the sequence" in note and "l_idx_" in note for note in rep.notes), rep.notes
+    assert any("several dims of size n=8 and does not feed the attention sites" in note for note in rep.notes)
+    first_shard = next(n for n in gm.graph.nodes if n.target is SHARD)
+    assert first_shard.args[0].op == "placeholder" and first_shard.args[1] == 1
     ringcc.mark_sequence(idx, 1)
     ringcc.mark_sequence(labels, 1)
     gm, rep = rewrite(model, idx, labels)
@@ -198,3 +202,57 @@ def test_padding_a_symbolic_length_is_an_error_that_names_static_shapes():
                                         r"with a symbolic sequence length .*torch.compile\(\.\.\., dynamic=False\)"):
         compiled(torch.randn(2, 7, 16))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("world,dynamic,expected", [
+    (1, False, "sequence of 8 tokens sharded over 1 rank "),
+    (2, True, "sequence of a dynamic length sharded over 2 ranks "),
+])
+def test_sharding_note_reads_as_words(world, dynamic, expected):
+    """The report's sharding note names a symbolic length as such, not by its symbol (s27)."""
+    if world == 1:  # p = 1 runs without a process group
+        ringcc.reset_reports()
+        torch._dynamo.reset()
+        torch.compile(Pooled("mean"), backend=ringcc.backend(ringcc.Config(world_size=1, inner="eager")))(
+            torch.randn(2, 8, 16))
+        rep = ringcc.reports()[0]
+    else:
+        _, rep = rewrite(Pooled("mean"), torch.randn(2, 8, 16), world=world, dynamic=dynamic)
+    (note,) = [n for n in rep.notes if n.startswith("sequence of")]
+    assert note.startswith(expected), note
+
+
+class FlatResidual(nn.Module):
+    """Attention, then the tokens flattened to [b * n, d] (as MoE blocks do) and an op without a
+    sharding rule (cumsum over the tokens: gathered) added back to the sharded tokens."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(32, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.w = nn.Linear(d, d)
+        self.register_buffer("proj", torch.randn(d, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, ids):
+        b, n = ids.shape
+        q, k, v = self.qkv(self.emb(ids)).view(b, n, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1)
+        h = y.view(-1, y.shape[-1])
+        out = self.w(h).cumsum(0) + h
+        return (out.view(b, n, -1) * self.proj).sum()  # a fixed projection: no gradient is ~0
+
+
+def test_a_gathered_value_meets_flattened_shards_as_a_shard_not_a_weight():
+    """The gathered cumsum comes back to the flattened [b * n/p, d] shards through
+    unflatten / shard / flatten; each of those nodes carries its sequence state, so the shard
+    is not taken for a replicated weight whose cotangent sync_param_grads all-reduces (which
+    gave wrong gradients for every parameter before the add)."""
+    gm, rep = rewrite(FlatResidual(), torch.randint(0, 32, (2, 8)), world=2)
+    assert [g.why for g in rep.gathers] == ["no sharding rule for cumsum"]
+    shard = next(n for n in gm.graph.nodes if n.target is SHARD and n.args[0].target == "unflatten")
+    (flat,) = shard.users
+    assert flat.target == "flatten" and flat.meta[STATE_META].sharded and flat.meta[STATE_META].outer == 2
+    assert shard.meta[STATE_META].sharded and shard.args[0].meta[STATE_META] is not None
+    synced = {a for n in gm.graph.nodes if n.target in (SYNC, torch.ops.ringcc.sync_grads.default)
+              for a in n.args[0]}
+    assert all(a.op == "placeholder" for a in synced), synced

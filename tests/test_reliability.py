@@ -1,0 +1,207 @@
+"""Misuse and faults: never a silently wrong result, never one rank raising while the others
+wait (tier 3 where ranks are involved, on the shared gloo pools)."""
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringcc
+from ringcc import reference
+
+
+def _qkv(b=1, h=2, g=2, s=8, d=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, d, generator=gen)
+    k, v = (torch.randn(b, g, s, d, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+# -- launched with p > 1 but no process group -------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: ringcc.ring_attention(q, k, v),
+    lambda q, k, v: ringcc.dilated_attention(q, k, v, ringcc.DilatedSpec([4], [1])),
+    lambda q, k, v: ringcc.shard_sequence(q, 2),
+    lambda q, k, v: ringcc.gather_sequence(q, 2),
+])
+def test_launcher_world_without_process_group_is_an_error(monkeypatch, call):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"one of 2 ranks \(WORLD_SIZE=2, RANK=1\), but no process group is "
+                       r"initialised.*init_process_group\(\).*or unset WORLD_SIZE"):
+        call(*_qkv())
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a one-process launch is p = 1
+    call(*_qkv())
+
+
+def test_launcher_world_without_process_group_fails_the_compile(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch._dynamo.reset()
+    model = nn.Linear(4, 4)
+
+    def f(x):
+        q = model(x).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q)
+
+    compiled = torch.compile(f, backend=ringcc.backend(inner="eager"))
+    with pytest.raises(Exception, match=r"torch.compile\(backend='ringcc'\): the environment says this process is "
+                       r"one of 2 ranks.*Config\(world_size=1\)"):
+        compiled(torch.randn(2, 8, 4))
+    torch._dynamo.reset()
+
+
+# -- NaN propagation ----------------------------------------------------------------------------
+
+
+def case_nan_row(rank, world, is_causal, layout):
+    """A NaN in one query row: that row of the output is NaN, as eager SDPA and the dense
+    reference give; every other row is exact."""
+    q, k, v = _qkv(b=2, h=2, g=1, s=8, d=4)
+    q[1, 0, 3, 1] = float("nan")  # (the CPU kernel alone gives this row out = 0, lse = 0)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=is_causal)
+    eager = F.scaled_dot_product_attention(q, k.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1), is_causal=is_causal)
+    shard = lambda t: ringcc.shard_sequence(t, 2, layout=layout)  # noqa: E731
+    out, lse = ringcc.ring_attention(shard(q), shard(k), shard(v), is_causal=is_causal, layout=layout, return_lse=True)
+    out = ringcc.gather_sequence(out, 2, layout=layout)
+    lse = ringcc.gather_sequence(lse.unsqueeze(-1), 2, layout=layout)[..., 0]
+    return out, lse, ref, ref_lse, eager
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("is_causal,layout", [(False, "contiguous"), (True, "zigzag")])
+def test_nan_in_a_query_row_comes_out_as_nan(pools, world, is_causal, layout):
+    if world == 1:
+        out, lse, ref, ref_lse, eager = case_nan_row(0, 1, is_causal, layout)
+    else:
+        out, lse, ref, ref_lse, eager = pools(world).run(case_nan_row, is_causal, layout)[0]
+    assert eager.isnan().any()
+    assert torch.equal(out.isnan(), eager.isnan()) and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(lse.isnan(), ref_lse.isnan())
+    torch.testing.assert_close(out.nan_to_num(), ref.nan_to_num(), atol=1e-5, rtol=1e-5)
+
+
+# -- an input error on one rank only --------------------------------------------------------------
+
+
+def case_bad_inputs_on_one_rank(rank, world, op):
+    """Rank 1 passes a wrong key mask (or a non-tensor q): every rank raises, in bounded time,
+    and the group serves the next call."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=20), backend="gloo")
+    q, k, v = _qkv()
+    spec = ringcc.DilatedSpec([16], [1])
+    call = {"ring": lambda q, kpm: ringcc.ring_attention(q, k, v, key_padding_mask=kpm, group=group),
+            "dilated": lambda q, kpm: ringcc.dilated_attention(q, k, v, spec, group=group)}[op]
+    bad_q = q if op == "ring" else q.long()
+    bad_kpm = torch.zeros(1, 8) if op == "ring" else None  # a float mask where a bool one belongs
+    t0 = time.monotonic()
+    try:
+        call(bad_q if rank == 1 else q, bad_kpm if rank == 1 else None)
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    seconds = time.monotonic() - t0
+    out = call(q, None)  # the group still works
+    return outcome, seconds, tuple(out.shape)
+
+
+@pytest.mark.parametrize("op", ["ring", "dilated"])
+def test_bad_inputs_on_one_rank_raise_on_every_rank(pools, op):
+    (m0, t0, shape0), (m1, t1, shape1) = pools(2).run(case_bad_inputs_on_one_rank, op)
+    assert m0.startswith("another rank's inputs to this attention call were rejected"), m0
+    assert ("key_padding_mask must be a bool tensor" if op == "ring" else "takes float16, bfloat16") in m1, m1
+    assert t0 < 15 and t1 < 15, (t0, t1)  # the group timeout is 20 s
+    assert shape0 == shape1 == (1, 2, 8, 4)
+
+
+# -- a batch (or feature) dim equal to the sequence length ---------------------------------------
+
+
+class CausalLayer(nn.Module):
+    """(embedding +) one causal SDPA layer; no position input that would carry the sequence."""
+
+    def __init__(self, tokens: bool):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32) if tokens else None
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.emb(x) if self.emb is not None else x
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, 32))
+
+
+def case_ties(rank, world):
+    errors = []
+    for shape, pad in (((8, 8), False), ((2, 2), True), ((16, 16, 32), False)):
+        torch.manual_seed(0)
+        model = CausalLayer(tokens=len(shape) == 2)
+        x = torch.randint(0, 50, shape) if len(shape) == 2 else torch.randn(shape)
+        torch._dynamo.reset()
+        ringcc.reset_reports()
+        got = torch.compile(model, backend=ringcc.backend(inner="eager", pad=pad))(x)
+        notes = ringcc.reports()[0].notes
+        errors.append((shape, float((got - model(x)).abs().max()), any("dim 1 is the sequence" in m for m in notes)))
+    return errors
+
+
+def test_batch_equal_to_length_is_exact(pools):
+    for rank_errors in pools(2).run(case_ties, timeout=300):
+        for shape, err, traced in rank_errors:
+            assert err < 1e-5 and traced, (shape, err)
+
+
+class SymmetricMix(nn.Module):
+    """Mixes an [n, n, d] input with its transpose: no dim of it alone is the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        h = x + x.transpose(0, 1)
+        q, k, v = self.qkv(h).view(8, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_undecidable_tie_asks_for_a_mark():
+    torch._dynamo.reset()
+    compiled = torch.compile(SymmetricMix(), backend=ringcc.backend(ringcc.Config(world_size=2, inner="eager")))
+    with pytest.raises(Exception, match=r"input l_x_ \(8, 8, 32\) has several dims of size n=8 \(\[0, 1\]\) and feeds "
+                       r"the attention sites, and ringcc cannot tell which one is the sequence \(its dim 0 reaches "
+                       r".*\). Say which: ringcc.mark_sequence\(x, dim\) .* or Config\(seq_dim=...\)"):
+        compiled(torch.randn(8, 8, 32))
+    torch._dynamo.reset()
+
+
+# -- different sequence lengths on different ranks in a compiled model ----------------------------
+
+
+def case_compiled_lengths(rank, world, first_common):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(CausalLayer(tokens=True), backend=ringcc.backend(inner="eager"), dynamic=False)
+    if first_common:
+        compiled(torch.randint(0, 50, (3, 8)))  # a common first step
+    t0 = time.monotonic()
+    try:
+        compiled(torch.randint(0, 50, (3, 8 if rank == 0 else 12)))
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    seconds = time.monotonic() - t0
+    ok = compiled(torch.randint(0, 50, (3, 8))).shape  # the ranks go on together
+    return outcome, seconds, tuple(ok)
+
+
+@pytest.mark.parametrize("first_common", [False, True])
+def test_different_lengths_on_ranks_raise_on_every_rank(pools, first_common):
+    for outcome, seconds, shape in pools(2).run(case_compiled_lengths, first_common, timeout=300):
+        assert "ranks called" in outcome and "with inputs of different shapes" in outcome, outcome
+        assert seconds < 60 and shape == (3, 8, 32)

@@ -1,0 +1,215 @@
+"""The offline path over tiny Hugging Face models: `ringcc rewrite` rewrites every attention
+site of each factory below, and the saved program, loaded in fresh gloo processes after
+`import ringcc`, gives the eager model's logits (the valid rows of a padded batch) at p = 2
+and 4; `ringcc plan` on the same factory proves O(n/p) per rank.
+
+Each factory is what `ringcc rewrite FILE:FACTORY` takes: (model, example_inputs), the model
+returning one tensor (the logits, or BERT's last hidden state). The configurations cover the
+mask code paths of transformers 5.x: with and without a KV cache (use_cache; without one HF
+builds its mask from packed-sequence ids), a right-padded batch with an attention_mask,
+sliding windows (Mistral, Qwen2), GQA and MQA, learned positions (GPT-2), and an encoder
+with a padding mask (BERT). CHEAP runs in `make test`; the rest, and the plans, are marked
+`zoo` (`make test-zoo`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ringcc import cli
+from ringcc import rewrite as rw
+from ringcc.planner_cli import load_factory
+
+THIS = os.path.abspath(__file__)
+VOCAB, N = 64, 24  # N divides by 2p for p = 2 and 4 (zigzag); no model dim is 24
+TOL = 2e-5
+
+
+class Logits(nn.Module):
+    """An HF model called as users call it, returning one tensor."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask=None):
+        out = self.model(input_ids, attention_mask=attention_mask)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def _right_padded(n: int) -> torch.Tensor:
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, n - 5:] = 0
+    return mask
+
+
+def _decoder(config_cls: str, **extra):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                                            **{"num_key_value_heads": 2, **extra})
+    return Logits(transformers.AutoModelForCausalLM.from_config(cfg).eval())
+
+
+def llama(seq_len: int = N):  # use_cache=True (HF's default): each layer appends to an empty DynamicCache
+    return _decoder("LlamaConfig"), (_ids(seq_len),)
+
+
+def llama_no_cache(seq_len: int = N):  # the training configuration: packed-sequence ids in the mask
+    return _decoder("LlamaConfig", use_cache=False), (_ids(seq_len),)
+
+
+def llama_padded(seq_len: int = N):
+    return _decoder("LlamaConfig", use_cache=False), (_ids(seq_len), _right_padded(seq_len))
+
+
+def llama_left_padded(seq_len: int = N):  # the padded rows attend to nothing (their output is not compared)
+    return _decoder("LlamaConfig", use_cache=False), (_ids(seq_len), _right_padded(seq_len).flip(1))
+
+
+def llama_padded_cache(seq_len: int = N):
+    return _decoder("LlamaConfig"), (_ids(seq_len), _right_padded(seq_len))
+
+
+def mistral_window(seq_len: int = N):
+    return _decoder("MistralConfig", sliding_window=4, use_cache=False), (_ids(seq_len),)
+
+
+def mistral_window_padded(seq_len: int = N):
+    return _decoder("MistralConfig", sliding_window=4, use_cache=False), (_ids(seq_len), _right_padded(seq_len))
+
+
+def qwen2_mqa(seq_len: int = N):
+    return _decoder("Qwen2Config", num_key_value_heads=1, use_cache=False), (_ids(seq_len),)
+
+
+def qwen2_window(seq_len: int = N):
+    return _decoder("Qwen2Config", use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                    use_cache=False), (_ids(seq_len),)
+
+
+def gpt2(seq_len: int = N):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    return Logits(transformers.GPT2LMHeadModel(cfg).eval()), (_ids(seq_len),)
+
+
+def gpt2_padded(seq_len: int = N):
+    model, (ids,) = gpt2(seq_len)
+    return model, (ids, _right_padded(seq_len))
+
+
+def bert_padded(seq_len: int = N):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128)
+    return Logits(transformers.BertModel(cfg, add_pooling_layer=False).eval()), (_ids(seq_len), _right_padded(seq_len))
+
+
+# factory -> the lifted mask of each of its two sites (report.json's "mask")
+MASKS = {
+    "llama": {"causal": True},
+    "llama_no_cache": {"causal": True},
+    "llama_padded": {"causal": True, "key_padding": True},
+    "llama_left_padded": {"causal": True, "key_padding": True},
+    "llama_padded_cache": {"causal": True, "key_padding": True},
+    "mistral_window": {"causal": True, "window": 4},
+    "mistral_window_padded": {"causal": True, "window": 4, "key_padding": True},
+    "qwen2_mqa": {"causal": True},
+    "qwen2_window": {"causal": True, "window": 4},
+    "gpt2": {"causal": True},
+    "gpt2_padded": {"causal": True, "key_padding": True},
+    "bert_padded": {"key_padding": True},
+}
+CHEAP = ("llama_no_cache", "bert_padded")
+
+
+def _mask_facts(mask: dict) -> dict:
+    return {k: (True if k == "key_padding" else v) for k, v in mask.items() if v}
+
+
+def case_logits(rank, world, programs):
+    """Each (path, factory): the program's output against the eager model's, on the valid rows."""
+    import ringcc  # noqa: F401 - registers the ringcc ops the program calls
+
+    errs = []
+    for path, name in programs:
+        model, inputs = load_factory(f"{THIS}:{name}")()
+        program = torch.export.load(path).module()
+        with torch.no_grad():
+            got, ref = program(*inputs), model(*inputs)
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        valid = inputs[1].bool() if len(inputs) > 1 else torch.ones(ref.shape[:2], dtype=torch.bool)
+        errs.append(float((got - ref)[valid].abs().max()))
+    return errs
+
+
+def _rewrite(tmp_path, name: str, world: int) -> str:
+    out = str(tmp_path / f"{name}_p{world}")
+    assert cli.main(["rewrite", f"{THIS}:{name}", "--world-size", str(world), "-o", out]) == rw.EXIT_OK
+    report = json.load(open(os.path.join(out, "report.json")))
+    assert [s["decision"] for s in report["sites"]] == ["rewritten"] * 2, report["sites"]
+    assert [_mask_facts(s["mask"]) for s in report["sites"]] == [MASKS[name]] * 2
+    # nothing but the graph output is gathered: every op inside the program runs on n/p rows
+    assert [g["why"] for g in report["gathers"]] == ["graph output (Config(gather_outputs=True))"]
+    return os.path.join(out, "program.pt2")
+
+
+def _check(pools, tmp_path, names, world: int) -> None:
+    programs = [(_rewrite(tmp_path, name, world), name) for name in names]
+    for rank_errs in pools(world).run(case_logits, programs, timeout=900):
+        for name, err in zip(names, rank_errs):
+            assert err < TOL, (name, world, err)
+
+
+def _plan(tmp_path, name: str, world: int) -> dict:
+    path = str(tmp_path / f"{name}_plan.json")
+    assert cli.main(["plan", f"{THIS}:{name}", "--seq-len", str(N), "--world-size", str(world), "--json", path]) == 0
+    return json.load(open(path))
+
+
+def test_cheap_programs_match_eager_at_p2(pools, tmp_path):
+    _check(pools, tmp_path, CHEAP, 2)
+
+
+def test_a_model_export_cannot_capture_exits_2(tmp_path, capsys):
+    """An HF decoder returned as is, with its cache: torch.export cannot capture a DynamicCache
+    output. The user's error (exit 2, no traceback), saying what to change."""
+    code = cli.main(["rewrite", f"{THIS}:llama_with_cache_output", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == rw.EXIT_BAD_ARGS
+    assert "torch.export cannot capture llama_with_cache_output" in err and "DynamicCache" in err
+    assert "use_cache=False" in err and "Traceback" not in err
+
+
+def llama_with_cache_output(seq_len: int = N):
+    return _decoder("LlamaConfig").model, (_ids(seq_len),)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("world", [2, 4])
+def test_zoo_programs_match_eager(pools, tmp_path, world):
+    _check(pools, tmp_path, [name for name in MASKS if world == 4 or name not in CHEAP], world)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", list(MASKS))
+def test_zoo_plan_is_linear(tmp_path, name):
+    plan = _plan(tmp_path, name, 2)
+    assert plan["verdict"] is True, plan["culprits"]

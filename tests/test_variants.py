@@ -1,0 +1,346 @@
+"""Attention variants: score modifiers (soft-capping, ALiBi) in the ring against the dense
+reference, the lifted specs of the sites that carry them, Falcon's multi-query form, sites the
+matcher cannot take reported as skipped, and Hugging Face models that use them (the `zoo`
+tier) against eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringcc
+from graphs import dynamo_graph, run
+from parity import assert_shard_matches
+from ringcc import reference
+from ringcc.config import Config
+from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.passes.rewrite_attention import rewrite_attention
+from ringcc.runtime import layout as L
+
+ATTENTION_PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks),
+                    ("rewrite_attention", rewrite_attention)]
+
+TOL = dict(atol=3e-5, rtol=1e-5)  # inputs of a few units (scores up to ~10): fp32 rounding
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625, 2.0**-5, 2.0**-6, 2.0**-7, 2.0**-8])
+
+
+def case_ring_modified(rank, world, is_causal, layout, h, g, softcap, alibi, padded=False, window=None):
+    """A rank's shard of out, lse and every gradient of the ring with score modifiers equals the
+    same shard of the dense reference (fp32)."""
+    n = (4 if layout == "zigzag" else 5) * world
+    gen = torch.Generator().manual_seed(7)
+    # scores of a few units: the cap (softcap 2) and the bias (slopes up to 0.5) both matter
+    q, k, v = (torch.randn(2, x, n, 8, generator=gen) * 2 for x in (h, g, g))
+    dout = torch.randn(2, h, n, 8, generator=gen)
+    kpm = None
+    if padded:
+        kpm = torch.zeros(2, n, dtype=torch.bool)
+        kpm[1, n - 3:] = True
+    slopes = SLOPES[:h] if alibi else None
+    mods = dict(softcap=softcap, alibi_slopes=slopes)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window,
+                                           **mods)
+    ref_out.backward(dout)
+    lay = L.Layout(layout)
+    sh = lambda t: L.shard(t, 2, rank, world, lay)  # noqa: E731
+    ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+    kpm_l = None if kpm is None else L.shard(kpm, 1, rank, world, lay)
+    out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, key_padding_mask=kpm_l, layout=layout,
+                                     return_lse=True, window=window, **mods)
+    out.backward(sh(dout))
+    assert_shard_matches(sh, out, lse, ref_out, ref_lse,
+                         ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
+    # the modifier changes the result: the test would see a ring that ignored it
+    plain, _ = reference.attention(q, k, v, is_causal=is_causal, key_padding_mask=kpm, window=window)
+    return float((plain - ref_out.detach()).abs().max())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_with_score_modifiers_matches_reference(pools, world):
+    cases = [(True, "zigzag", 4, 2, 2.0, False), (False, "contiguous", 4, 1, None, True),
+             (True, "contiguous", 4, 4, 3.0, True)]
+    for case in cases:
+        for effect in pools(world).run(case_ring_modified, *case):
+            assert effect > 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_with_score_modifiers_padding_and_window(pools, world):
+    for effect in pools(world).run(case_ring_modified, True, "contiguous", 4, 2, 2.0, True, True, 3):
+        assert effect > 1e-2
+
+
+def test_score_modifier_arguments_are_checked():
+    q = torch.randn(1, 4, 8, 8)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        ringcc.ring_attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be a float tensor \[heads=4\]"):
+        ringcc.ring_attention(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="need no gradient"):
+        ringcc.ring_attention(q, q, q, alibi_slopes=torch.ones(4, requires_grad=True))
+
+
+def test_opcheck_with_score_modifiers():
+    from ringcc.runtime import ops
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 8, generator=gen, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(ops.ring_attention_op, (q, k, v, None, True, 0.35, "", 1, "contiguous", 0, None, 2.0,
+                                                  SLOPES[:4]))
+
+
+# ---------------------------------------------------------------------------------------
+# sites: lifted specs (structural)
+
+
+def _canonical(fn, *inputs, config=None):
+    """The attention passes on fn's dynamo graph: (graph, example inputs, report)."""
+    gm, example_inputs = dynamo_graph(fn, *inputs, with_inputs=True)
+    ctx = run(gm, ATTENTION_PASSES, config)
+    return gm, example_inputs, ctx.report
+
+
+def _ring_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.ring_attention.default]
+
+
+def _softcapped(q, k, v):  # Gemma2's eager attention: scale, cap, mask, softmax, P @ v
+    n = q.shape[2]
+    mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    s = torch.tanh(s / 5.0) * 5.0
+    return torch.matmul(F.softmax(s + mask, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _qkv(h=4, g=4, n=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, x, n, 16, generator=gen) * 3 for x in (h, g, g)]
+
+
+def test_softcap_site_is_lifted_and_rewritten():
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(_softcapped, q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "rewritten" and site.mask["causal"] and site.mask["softcap"] == 5.0
+    (op,) = _ring_nodes(gm)
+    assert op.kwargs["softcap"] == 5.0 and op.args[5] == 0.25
+    assert not [n for n in gm.graph.nodes if n.target in (torch.tanh, F.softmax)]  # the user's nodes are gone
+    torch.testing.assert_close(gm(*inputs)[0], _softcapped(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_mask_inside_the_cap_is_a_recorded_skip():
+    def capped_after_mask(q, k, v):
+        n = q.shape[2]
+        mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        s = torch.tanh((q @ k.mT + mask) / 5.0) * 5.0
+        return F.softmax(s, dim=-1) @ v
+
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(capped_after_mask, q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "skipped" and "inside the soft-cap" in site.detail
+    assert not _ring_nodes(gm)
+    torch.testing.assert_close(gm(*inputs)[0], capped_after_mask(q, k, v))
+
+
+def test_softcap_site_skipped_later_keeps_the_users_nodes():
+    """A shadow site the rewrite skips (a dilation it cannot take with a modifier) leaves the
+    user's soft-capped attention as written, and its shadow goes."""
+    from ringcc.runtime.dilated import DilatedSpec
+
+    q, k, v = _qkv()
+    cfg = Config(verify=True, dilation=DilatedSpec(segment_lengths=(4,), dilation_rates=(1,)))
+    gm, inputs, report = _canonical(_softcapped, q, k, v, config=cfg)
+    (site,) = report.sites
+    assert site.decision.value == "skipped" and "score modifiers" in site.detail
+    assert not [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+    torch.testing.assert_close(gm(*inputs)[0], _softcapped(q, k, v))
+
+
+def test_one_broadcast_kv_head_is_multi_query():
+    def mqa(q, k, v):  # Falcon(multi_query=True): one K/V head, broadcast by SDPA itself
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def expanded(q, k, v):
+        b, h, n, d = q.shape
+        return F.scaled_dot_product_attention(q, k.expand(b, h, n, d), v.expand(b, h, n, d), is_causal=True)
+
+    q, k, v = _qkv(g=1)
+    for fn in (mqa, expanded):
+        gm, inputs, report = _canonical(fn, q, k, v)
+        (site,) = report.sites
+        assert site.decision.value == "rewritten", site.detail
+        (op,) = _ring_nodes(gm)
+        assert op.args[1].meta["example_value"].shape[1] == 1  # K/V travel with their own head
+        torch.testing.assert_close(gm(*inputs)[0], fn(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def _alibi_mpt(q, k, v, query_too=False):
+    """MPT's ALiBi: slopes x a [1 - L, 0] table of a longer length L, sliced to the keys; with
+    query_too, a bias that also varies along the queries (not ALiBi)."""
+    n, h = q.shape[2], q.shape[1]
+    table = torch.arange(1 - 16, 1, dtype=torch.int32).view(1, 1, 1, 16)
+    slopes = (1.0 / torch.pow(2, torch.arange(1, h + 1).float() * (8 / h))).view(1, h, 1, 1)
+    bias = (table * slopes).squeeze(0)[:, 0:, 16 - n:]
+    if query_too:
+        bias = bias * torch.arange(n)[:, None]
+    s = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + bias
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return F.softmax(s.float(), dim=-1) @ v
+
+
+def test_alibi_site_is_lifted_and_rewritten():
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(_alibi_mpt, q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "rewritten" and site.mask["causal"] and site.mask["alibi"]
+    (op,) = _ring_nodes(gm)
+    slopes = op.kwargs["alibi_slopes"].meta["example_value"]
+    assert tuple(slopes.shape) == (4,) and "softcap" not in op.kwargs
+    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_bias_that_varies_along_queries_is_not_alibi():
+    q, k, v = _qkv()
+    gm, inputs, report = _canonical(lambda q, k, v: _alibi_mpt(q, k, v, query_too=True), q, k, v)
+    (site,) = report.sites
+    assert site.decision.value == "skipped" and not _ring_nodes(gm)
+    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v, query_too=True))
+
+
+UNREAD_FORMS = {
+    # a bias we do not lift (T5 / DeBERTa-like relative terms: data, not a slope times positions)
+    "learned_bias": lambda q, k, v, bias: F.softmax(q @ k.mT * 0.25 + bias, dim=-1) @ v,
+    # heads merged into the batch, a view between the scores and the softmax (Bloom's layout)
+    "bmm_with_views": lambda q, k, v, bias: torch.bmm(
+        F.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).mT).view(q.shape[0], q.shape[1], q.shape[2], -1)
+                  + bias, dim=-1).flatten(0, 1), v.flatten(0, 1)),
+    "einsum": lambda q, k, v, bias: torch.einsum("bhqk,bhkd->bhqd", F.softmax(
+        torch.einsum("bhqd,bhkd->bhqk", q, k) + bias, dim=-1), v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNREAD_FORMS))
+def test_attention_the_matcher_cannot_take_is_a_skipped_site(name):
+    q, k, v = _qkv()
+    bias = torch.randn(1, 4, 8, 8)
+    gm, _, report = _canonical(UNREAD_FORMS[name], q, k, v, bias)
+    (site,) = report.sites
+    assert site.decision.value == "skipped" and site.form == "manual" and site.detail
+    assert not _ring_nodes(gm)
+
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face models (zoo tier): loss and every gradient against eager
+
+
+def _hf_model(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    if name == "gemma2":  # soft-capped eager attention, alternating sliding-window layers
+        cfg = T.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                             attn_logit_softcapping=0.5, attn_implementation="eager", pad_token_id=0)
+        return T.Gemma2ForCausalLM(cfg)
+    if name == "falcon_mq":
+        cfg = T.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             multi_query=True, new_decoder_architecture=False, alibi=False, pad_token_id=0)
+        return T.FalconForCausalLM(cfg)
+    if name == "mpt":  # ALiBi from a max_seq_len table, sliced to the keys
+        cfg = T.MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, pad_token_id=0)
+        return T.MptForCausalLM(cfg)
+    if name == "bloom":  # ALiBi repeated over the batch, heads merged into it around baddbmm / bmm
+        cfg = T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0)
+        return T.BloomForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def _rel_floor(got, ref, floor):
+    return float((got - ref).abs().max() / max(float(ref.abs().max()), floor))
+
+
+def case_hf_parity(rank, world, name):
+    """Max relative error of the loss and of every gradient (near-zero gradients against 1e-3 of
+    the largest), and the report's sites."""
+    ref_model, model = _hf_model(name).train(), _hf_model(name).train()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref = ref_model(input_ids=ids, labels=ids, use_cache=False).loss
+    ref.backward()
+    ringcc.reset_reports()
+    compiled = torch.compile(model, backend="ringcc", options={"inner": "aot_eager", "verify": True})
+    loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
+    floor = 1e-3 * max(float(g.abs().max()) for g in grads.values())
+    errs = {"loss": _rel_floor(loss.detach(), ref.detach(), 1e-6)}
+    for n, p in model.named_parameters():
+        if n in grads:
+            errs[n] = _rel_floor(p.grad, grads[n], floor)
+    sites = [(s.decision.value, s.detail, s.mask) for r in ringcc.reports() for s in r.sites]
+    return errs, sites
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name,world", [("gemma2", 2), ("gemma2", 4), ("falcon_mq", 2), ("mpt", 2), ("bloom", 2)])
+def test_hf_model_matches_eager(pools, name, world):
+    for errs, sites in pools(world).run(case_hf_parity, name, timeout=1800):
+        assert sites and all(decision == "rewritten" for decision, _, _ in sites), sites
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < 1e-5, (worst, errs[worst])
+        if name == "gemma2":  # the cap on every layer, the window on the sliding ones
+            assert all(mask["softcap"] == 0.5 for _, _, mask in sites)
+            assert sorted(mask["window"] or 0 for _, _, mask in sites) == [0, 8]
+        if name in ("mpt", "bloom"):
+            assert all(mask["alibi"] for _, _, mask in sites)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU (NCCL): the modifiers on flex_attention (bf16) and the math path (fp32)
+
+N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPU_WORLDS = [w for w in (2, 4) if w <= N_GPU]
+
+
+def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap, alibi, padded, window):
+    """Errors (max-norm relative; LSE absolute) of a rank's shard of out, lse and gradients
+    against the fp32 dense reference, 256 tokens per rank, GQA 8 / 2, d = 128."""
+    from parity import lse_err, rel_err
+
+    dev, dtype = torch.device("cuda", rank), getattr(torch, dtype_name)
+    n, b, h, g, d = 256 * world, 2, 8, 2, 128
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(b, x, n, d, generator=gen).to(dev) for x in (h, g, g, h))
+    kpm = None
+    if padded:
+        kpm = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        kpm[1, n - n // 5:] = True
+    mods = dict(softcap=softcap, alibi_slopes=SLOPES[:h].to(dev) if alibi else None)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=is_causal, key_padding_mask=kpm, window=window, **mods)
+    ref.backward(dout)
+    lay = L.Layout(layout)
+    sh = lambda t, dim=2: L.shard(t, dim, rank, world, lay)  # noqa: E731
+    ql, kl, vl = (sh(t).to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window,
+                                     key_padding_mask=None if kpm is None else sh(kpm, 1), **mods)
+    out.backward(sh(dout).to(dtype))
+    return {"out": rel_err(out, sh(ref.detach())), "lse": lse_err(lse, sh(ref_lse.detach())),
+            "dq": rel_err(ql.grad, sh(qr.grad)), "dk": rel_err(kl.grad, sh(kr.grad)), "dv": rel_err(vl.grad, sh(vr.grad))}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", GPU_WORLDS)
+@pytest.mark.parametrize("dtype_name,tol", [("bfloat16", 2e-2), ("float32", 1e-4)])
+@pytest.mark.parametrize("is_causal,layout,softcap,alibi,padded,window", [
+    (True, "zigzag", 2.0, False, False, None), (False, "contiguous", None, True, False, None),
+    (True, "contiguous", 2.0, True, True, 100)])
+def test_ring_with_score_modifiers_on_cuda(pools, world, dtype_name, tol, is_causal, layout, softcap, alibi, padded,
+                                           window):
+    for errs in pools(world, "nccl").run(case_ring_modified_cuda, dtype_name, is_causal, layout, softcap, alibi,
+                                         padded, window):
+        for name, err in errs.items():
+            assert err < (0.05 if name == "lse" and dtype_name == "bfloat16" else tol), (name, err, errs)
