@@ -210,14 +210,14 @@ class Sharder:
             return self._shards[key]  # (a write to src in between needs a new shard)
         # Every node made here gets its state: a shard without one would read as a replicated
         # value consumed by sharded work, whose cotangent sync_param_grads all-reduces.
-        x, d, ndim = src, st.dim, fake(src).dim()
+        x, d = src, st.dim
         if not _eq(st.outer, 1):
-            x, d, ndim = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1, ndim + 1
+            x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
             self.state[x] = Seq(d, st.length)
         if front or back:
             # cat with filled blocks, not F.pad: F.pad's fake guards on the (symbolic) length
-            pieces = ([self._fill(x, d, ndim, int(front), pad_value)] if front else []) + [x] + \
-                ([self._fill(x, d, ndim, int(back), pad_value)] if back else [])
+            pieces = ([self._fill(x, d, int(front), pad_value)] if front else []) + [x] + \
+                ([self._fill(x, d, int(back), pad_value)] if back else [])
             x = self.new(torch.cat, pieces, d)
             self.state[x] = Seq(d, self.N)
         x = self.new(SHARD, x, d, *self.comm)
@@ -229,11 +229,11 @@ class Sharder:
         self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
         return x
 
-    def _fill(self, x: torch.fx.Node, d: int, ndim: int, k: int, value) -> torch.fx.Node:
-        """k rows of `value` shaped like the rows of x (ndim dims) along d; x may have fewer
-        than k rows (n = 1 padded to 2p: one filled row, expanded)."""
+    def _fill(self, x: torch.fx.Node, d: int, k: int, value) -> torch.fx.Node:
+        """k rows of `value` shaped like x's rows along d; x may have fewer than k rows (n = 1
+        padded to 2p: one filled row, repeated)."""
         row = self.new(torch.full_like, self.new("narrow", x, d, 0, 1, method=True), value)
-        return self.new("expand", row, *[k if i == d else -1 for i in range(ndim)], method=True)
+        return self.new(torch.repeat_interleave, row, k, dim=d)
 
     def gather(self, src: torch.fx.Node, st: Seq, why: str) -> torch.fx.Node:
         """The full value of sharded `src` on every rank (O(n): recorded)."""
