@@ -229,3 +229,22 @@ def test_stalled_rank_ends_every_rank_with_an_error_within_config_timeout(pools)
     for rank, res in enumerate(out):
         assert res != "no error", (rank, out)
         assert float(res.split()[-1].rstrip("s")) < 10, (rank, out)
+
+
+def case_pad_symbolic_length(rank, world):
+    compiled = torch.compile(_CausalIds(), backend=ringcc.backend(inner="eager", pad=True), dynamic=True)
+    try:
+        compiled(torch.randint(0, 50, (2, 7)))
+        out = "compiled"
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out = str(e)
+    torch._dynamo.reset()
+    return out
+
+
+def test_pad_under_dynamic_shapes_is_an_error_that_names_static_shapes(pools):
+    """Config(pad=True) with a symbolic length: an error at compile time on every rank, naming
+    dynamic=False, not a SequenceLengthError at run time for each length the layout does not divide."""
+    for msg in pools(2).run(case_pad_symbolic_length):
+        assert "Config(pad=True) pads lengths known at compile time; this graph was traced with a symbolic " \
+               "sequence length" in msg and "torch.compile(..., dynamic=False)" in msg, msg
