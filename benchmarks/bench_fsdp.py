@@ -272,9 +272,10 @@ def profile_step(step, device) -> dict:
         step()
         torch.cuda.synchronize()
     out = {"attention": 0.0, "collectives": 0.0, "other": 0.0}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[classify(e.name)] += e.device_time_total / 1e3  # us -> ms
+    for e in prof.key_averages():  # kernels and copies, by name (only CUDA activity is recorded)
+        us = getattr(e, "self_device_time_total", None)
+        us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+        out[classify(e.key)] += us / 1e3
     return out
 
 

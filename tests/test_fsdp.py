@@ -147,8 +147,10 @@ def _check(results, case):
     ringcc, or scaled for an engine that averages over the whole mesh."""
     shape, names, shard_over, compile_mode, checkpoint, engine, grad_sync = case
     covers = shard_over == "dp_cp"
-    # the blocks' graph (both blocks share it): FSDP2's units, found by grad_sync="auto"
-    blocks = (0, 9) if covers and grad_sync != "all_reduce" else (9, 0)
+    # the blocks' graph (both blocks share it): FSDP2's units, found by grad_sync="auto"; DDP
+    # breaks no graph, so its whole model is one graph of all 20 parameters
+    k = 20 if engine == "ddp" else 9
+    blocks = (0, k) if covers and grad_sync != "all_reduce" else (k, 0)
     # per-block compile also shards the head (its input marked): the norm's and the embedding's
     # weights and the embedding's two vocabulary chunks; its module is no FSDP2 unit, so only
     # grad_sync="outer" scales them
