@@ -1077,7 +1077,7 @@ def run_probe(args) -> None:
 
 def leave_group(cpu: bool) -> None:
     """End a torchrun worker's part: a barrier (rank 0 has written what it writes), then leave
-    the process group; on CPU the process exits without tearing gloo down (ringcc.launch.exit_worker)."""
+    the process group; on CPU the process ends there (ringcc.launch.exit_worker)."""
     if not dist.is_initialized():
         return
     if cpu:

@@ -56,10 +56,15 @@ def timed(step, device: torch.device) -> float:
 
 def finish(info: dict | None, path: str | None) -> None:
     """Rank 0 passes `info` (with "device" and "torch"): written to `path` (None: no record)
-    as JSON; then every rank leaves the group."""
+    as JSON; then every rank leaves the group. On gloo the process ends here
+    (ringcc.launch.exit_worker, Note [Ending a gloo process])."""
     if info is not None and path:
         with open(path, "w") as f:
             json.dump(info, f, indent=2)
         print(f"wrote {path} ({info['device']}, torch {info['torch']})")
+    if dist.get_backend() == "gloo":
+        from ringcc.launch import exit_worker
+
+        exit_worker()
     dist.barrier()
     dist.destroy_process_group()

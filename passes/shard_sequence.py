@@ -21,12 +21,13 @@ sequence dims are followed through the shape flow, never found by "a dim equal t
 the graph (only for values created from no sequence input: factories, buffer slices, cats).
 
 Note [Padding]
-With Config(pad=True) a static length n that the layout does not divide (p, or 2p for
-zigzag) is padded to N, the next multiple: shards hold N/p rows and every value's window is
-[0, n), so the padded rows are garbage rows as above. Attention masks the padded keys
-(causal attention never sees them from a real query; otherwise a key_valid mask is added
-or extended with False), reductions zero the rows outside the window, cross_entropy
-ignores them, and outputs are narrowed back to n after the gather.
+With Config(pad=True) a length n that the layout does not divide (p, or 2p for zigzag) is
+padded to N, the next multiple: shards hold N/p rows and every value's window is [0, n), so
+the padded rows are garbage rows as above. Attention masks the padded keys (causal
+attention never sees them from a real query; otherwise a key_valid mask is added or
+extended with False), reductions zero the rows outside the window, cross_entropy ignores
+them, and outputs are narrowed back to n after the gather. A symbolic n (dynamic shapes) is
+not padded: Config(pad=True) is an error there that names torch.compile(dynamic=False).
 
 Rules (RULES below) say for each op how states map from inputs to the output and what the
 op needs: token-local ops keep a shard; reductions over the sequence become a local
@@ -154,8 +155,18 @@ class Sharder:
     def _padded_length(self, ctx: PassContext) -> sympy.Expr:
         """n, or n rounded up to the layout's divisor under Config(pad=True) (Note [Padding])."""
         div = L.divisor(self.p, L.Layout(self.layout))
-        if not self.n.is_Integer or int(self.n) % div == 0:
-            return self.n  # a symbolic n is checked at run time by ringcc::shard
+        if not self.n.is_Integer:
+            if not ctx.config.pad or div == 1 or ctx.config.world_size is not None:
+                return self.n  # checked at run time by ringcc::shard (offline tools: when run)
+            # Padded to div * FloorDiv(n + div - 1, div), every size after the shard is an
+            # expression that aot_autograd's tracing of a small GPT did not finish in minutes.
+            raise ValueError(
+                f"Config(pad=True) pads lengths known at compile time; this graph was traced with a symbolic "
+                f"sequence length {self.n} (torch.compile(dynamic=True), or automatic dynamic shapes after a "
+                f"second length). Compile with torch.compile(..., dynamic=False) so that each length is padded "
+                f"to a multiple of {div}, or pass lengths that are multiples of {div} and drop pad=True")
+        if int(self.n) % div == 0:
+            return self.n
         if not ctx.config.pad:
             L.check_length(int(self.n), self.p, self.layout, remedy=PAD_REMEDY)
         padded = -(-int(self.n) // div) * div
@@ -223,9 +234,10 @@ class Sharder:
         return x
 
     def _fill(self, x: torch.fx.Node, d: int, k: int, value) -> torch.fx.Node:
-        """k rows of `value` shaped like x's rows along d."""
-        rows = self.new("narrow", x, d, 0, k, method=True)
-        return self.new(torch.full_like, rows, value)
+        """k rows of `value` shaped like x's rows along d; x may have fewer than k rows (n = 1
+        padded to 2p: one filled row, repeated)."""
+        row = self.new(torch.full_like, self.new("narrow", x, d, 0, 1, method=True), value)
+        return self.new(torch.repeat_interleave, row, k, dim=d)
 
     def gather(self, src: torch.fx.Node, st: Seq, why: str) -> torch.fx.Node:
         """The full value of sharded `src` on every rank (O(n): recorded)."""

@@ -24,6 +24,14 @@ def group_name(group) -> str:
     return group.group_name
 
 
+def set_group_timeout(group, timeout) -> None:
+    """Make `timeout` (a timedelta) the timeout of every later operation on `group` (None = WORLD):
+    torch's private `_set_pg_timeout` (gloo: its contexts' timeout; NCCL: the watchdog's)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
 def size_hint(sym) -> int:
     """Concrete hint for a SymInt (or int) without installing a guard."""
     if isinstance(sym, int):

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ringcc import _compat
-from ringcc.config import Config
+from ringcc.config import Config, timeout_delta
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
-from ringcc.runtime.comm import group_extremes
+from ringcc.runtime.comm import group_extremes, set_timeout
 from ringcc.runtime.ops import checks_every_call, schedule_settings
 from ringcc.runtime.ring import check_no_launcher
 from ringcc.sharded import wrap_outputs
@@ -153,6 +153,8 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
         check_same_inputs(args[0] if getattr(run, "_boxed_call", False) else args, config.group, graph)
         if not done:
             check_rank_consistency(decisions, sequence_group(config), graph)
+            if config.timeout is not None:  # from here on: every rank has compiled (compiles differ in time)
+                set_timeout(sequence_group(config), timeout_delta(config.timeout))
             done = True
         return compiled(*args)
 

@@ -9,9 +9,10 @@ and are read here only; explicit options win over the environment.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 ENV_PREFIX = "RINGCC_"
 
@@ -80,6 +81,16 @@ class Config:
     """Bucket size for the parameter-gradient all-reduce."""
     verify: bool = False
     """Run the graph verifier after every pass (tests turn it on)."""
+    timeout: Union[float, datetime.timedelta, None] = None
+    """Seconds (or a datetime.timedelta) after which a collective or ring transfer of the group
+    that waits for another rank fails with an error instead of waiting; None keeps the group's
+    own timeout (init_process_group's `timeout=`: 30 minutes for gloo, 10 for NCCL by default).
+    Set at a compiled graph's first call, once every rank has compiled it (compiles take
+    different times on different ranks): it becomes the process group's timeout for every
+    later operation on it (torch's `_set_pg_timeout`), so a rank that stalls ends the others
+    with an error in that time (gloo raises it; NCCL's watchdog ends the process). Same value
+    on every rank. The functional API (ringcc.ring_attention) uses the group's timeout:
+    init_process_group(timeout=...) or new_group(timeout=...)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -139,9 +150,38 @@ def _validate(name: str, value) -> None:
             raise TypeError(f"Config.bucket_mb must be a number of MB; got {_received(value)}")
         if not value > 0:
             raise ValueError(f"Config.bucket_mb must be > 0; got {value}")
+    elif name == "group":
+        _check_group(value)
+    elif name == "timeout":
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float, datetime.timedelta)):
+            raise TypeError(f"Config.timeout must be a number of seconds, a datetime.timedelta or None; "
+                            f"got {_received(value)}")
+        seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+        if not seconds > 0:
+            raise ValueError(f"Config.timeout must be more than 0 seconds; got {value!r}")
     elif name == "dump_dir":
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"Config.dump_dir must be a folder path (str or os.PathLike) or None; got {_received(value)}")
+
+
+def _check_group(value) -> None:
+    """None (WORLD) or a torch.distributed ProcessGroup (a group name or rank list is not one)."""
+    if value is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        raise TypeError(f"Config.group must be a torch.distributed ProcessGroup (e.g. dist.new_group(ranks)) or "
+                        f"None for the default group; got {_received(value)}")
+
+
+def timeout_delta(value) -> "datetime.timedelta | None":
+    """Config.timeout as a timedelta (None stays None)."""
+    if value is None or isinstance(value, datetime.timedelta):
+        return value
+    return datetime.timedelta(seconds=float(value))
 
 
 def _check_mesh(config: Config) -> None:
@@ -187,7 +227,8 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
-               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync")
+               "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync",
+               "timeout")
 
 
 def _from_env(cls) -> dict:

@@ -25,21 +25,34 @@ def _free_port() -> int:
 
 
 def exit_worker(results=None) -> None:
-    """End a CPU (gloo) worker whose work is done and whose results are sent: wait for every
-    rank, then leave the process without tearing the process group down. gloo's teardown
-    sometimes aborts a rank after everything is done ("terminate called without an active
-    exception", SIGABRT; seen in the demo's test in CI and in bench_attention's probes on a
-    2-core machine), which would make a finished job look failed. `results`: a
-    multiprocessing.Queue this worker put into (flushed first; a SimpleQueue needs nothing)."""
+    """End a CPU (gloo) worker whose work is done and whose results are sent (Note [Ending a
+    gloo process]): wait for every rank, leave the process group, flush, and exit without
+    interpreter finalization. `results`: a multiprocessing.Queue this worker put into
+    (flushed first; a SimpleQueue needs nothing)."""
     import sys
 
-    dist.barrier()
+    dist.barrier()  # every rank is done: no collective of this group is in flight anywhere
+    dist.destroy_process_group()
     if hasattr(results, "join_thread"):
         results.close()
         results.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# Note [Ending a gloo process]
+# gloo runs collectives on its own worker threads, and a worker drops its reference to a
+# finished work (and so to the work's tensors) some time after the caller's wait() returned.
+# When that is the last reference to a tensor made in Python, releasing it takes the GIL. If
+# the interpreter is finalizing by then, the thread is ended inside C++ and the process
+# aborts ("terminate called without an active exception", SIGABRT) after all its work is done.
+# destroy_process_group() would join those threads first, but torch keeps the group alive past
+# it once torch._dynamo is imported (every torch.compile user), so the threads outlive it (ringcc
+# itself holds groups only weakly: runtime/ops.py _SETUPS). A loaded machine delays a worker
+# long enough (1 run in 653 of the compiled-model benchmark's test). So a finished gloo worker
+# ends in one order: barrier, destroy_process_group, flush, os._exit(0): no finalization runs
+# beside the backend's threads.
 
 
 def thread_lock_for_tqdm() -> None:

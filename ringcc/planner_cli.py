@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import re
 import sys
@@ -106,19 +107,40 @@ def load_factory(target: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"{mod_name} has no callable {fn_name!r}")
+    if inspect.isclass(fn):
+        raise ValueError(f"{target} is a class, not a factory; give a function that builds the model and its "
+                         f"example inputs, e.g. `def make(seq_len=1024): return {fn_name}(...), (inputs,)`")
     return fn
 
 
-def build(factory, seq_len: int):
+def factory_result(made, target: str):
+    """(model, inputs, options) from what a factory returned, or a ValueError saying what is wrong."""
+    import torch
+
+    expected = "(model, example_inputs) or (model, example_inputs, options)"
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise ValueError(f"{target} must return {expected}; got {type(made).__name__}")
+    model, inputs = made[0], made[1]
+    if not callable(model):
+        raise ValueError(f"{target} returned {type(model).__name__} as the model; {expected} starts with an "
+                         "nn.Module or a callable")
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    wrong = [f"{i}: {type(x).__name__}" for i, x in enumerate(inputs)
+             if not isinstance(x, (torch.Tensor, bool, int, float, type(None)))]
+    if wrong or not any(isinstance(x, torch.Tensor) for x in inputs):
+        raise ValueError(f"{target} must return example_inputs of tensors (and plain numbers), the arguments of "
+                         f"model(*example_inputs); got {', '.join(wrong) or 'no tensor'} in "
+                         f"{type(made[1]).__name__} of {len(inputs)}")
+    options = made[2] if len(made) == 3 else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{target} returned {type(options).__name__} as options; expected a dict of ringcc Config fields")
+    return model, inputs, dict(options)
+
+
+def build(factory, seq_len: int, target: str = "the factory"):
     """(model, inputs, options) from a factory, passing seq_len when it takes one."""
     params = inspect.signature(factory).parameters
-    made = factory(seq_len=seq_len) if "seq_len" in params else factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise ValueError(f"factory must return (model, example_inputs) or (model, example_inputs, options); got {type(made).__name__}")
-    model, inputs = made[0], made[1]
-    options = made[2] if len(made) == 3 else {}
-    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-    return model, inputs, dict(options)
+    return factory_result(factory(seq_len=seq_len) if "seq_len" in params else factory(), target)
 
 
 def build_options(factory) -> dict:
@@ -141,18 +163,73 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
     from ringcc.report import GraphReport
 
     config = Config.from_options(dict(options or {}, world_size=world_size, inner="eager"))
-    marked = 0
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] == trace_len:
-            if dynamic:
-                torch._dynamo.mark_dynamic(x, seq_dim)
-            marked += 1
-    if not marked:
+    seq_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] == trace_len]
+    if not seq_inputs:
         raise ValueError(f"no tensor input has length {trace_len} at dim {seq_dim}; pass --seq-dim or check the factory's seq_len")
+    if not dynamic:
+        return _trace(model, inputs, config, world_size, trace_len, training, device_type, note=None)
+    # An input whose other dims are the sequence too (an [n, n] mask) specialises n when only
+    # dim seq_dim is marked: then every dim of length trace_len of those inputs is marked, and
+    # when that specialises too (a feature dim of that length), the trace is static.
+    every = {id(x): [d for d in range(x.dim()) if x.shape[d] == trace_len] for x in seq_inputs}
+    attempts = [(lambda x: [seq_dim], None)]  # (dims to mark of a sequence input, note)
+    if any(len(dims) > 1 for dims in every.values()):
+        attempts.append((lambda x: every[id(x)], f"every dim of length {trace_len} of the sequence inputs traced "
+                                                 f"as n (dim {seq_dim} alone was specialised by the model)"))
+    attempts.append((lambda x: [], f"traced with static shapes (n = {trace_len}): the model specialised a dynamic n"))
+    for i, (dims, note) in enumerate(attempts):
+        marked = []
+        for x in inputs:  # a new view per attempt: marks stay off the factory's tensors
+            if id(x) in every:
+                view = x.view(x.shape)
+                for d in dims(x):
+                    torch._dynamo.mark_dynamic(view, d)
+                x = view
+            marked.append(x)
+        last = i == len(attempts) - 1
+        # dynamo logs a failed guard as an error before raising it: quiet while a retry follows
+        quiet = logging.getLogger("torch._guards")
+        level = quiet.level
+        quiet.setLevel(level if last else logging.CRITICAL)
+        try:
+            return _trace(model, marked, config, world_size, trace_len, training, device_type, note=note)
+        except Exception as e:  # noqa: BLE001 - only a specialised dynamic dim is retried
+            if last or not _specialised(e):
+                raise
+        finally:
+            quiet.setLevel(level)
+
+
+TRACE_NOTES = ("every dim of length", "traced with static shapes")  # how trace_plans traced n
+
+
+def _specialised(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps) is dynamo's error for a dim marked dynamic that the model specialised."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ConstraintViolationError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _trace(model, inputs, config, world_size: int, trace_len: int, training, device_type, note: str | None):
+    import torch
+
+    from ringcc import planner
+    from ringcc.passes.base import PassContext
+    from ringcc.passes.pipeline import run_pipeline
+    from ringcc.report import GraphReport
+
     plans, reports = [], []
 
     def capture(gm, example_inputs):
         report = GraphReport(graph=f"graph{len(plans)}", world_size=world_size)
+        if note:
+            report.notes.append(note)
         ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                           example_inputs=list(example_inputs))
         gm = run_pipeline(gm, ctx)
@@ -297,7 +374,7 @@ def _load_target(args):
     if not static and "dilation" in build_options(factory):
         static = True  # the dilated rewrite plans its segments from a static length
     trace_len = args.trace_len or (args.seq_len if static else default_trace_len(args.seq_len, args.world_size))
-    model, inputs, options = build(factory, trace_len)
+    model, inputs, options = build(factory, trace_len, args.target)
     if "seq_len" not in inspect.signature(factory).parameters:
         # The factory fixes its own length: trace at that one (evaluate at --seq-len).
         lengths = [x.shape[args.seq_dim] for x in inputs if hasattr(x, "dim") and x.dim() > args.seq_dim]
@@ -365,6 +442,8 @@ def format_plan(args, plans, reports, data: dict) -> str:
                      f"n = {data['max_seq_len']}")
     lines.append(f"attention: {sum(len(r.rewritten) for r in reports)}/{sites} sites rewritten; "
                  f"{sum(len(r.gathers) for r in reports)} sequence gathers; {len(plans)} graph(s)")
+    lines += [f"  skipped {s.node} at {s.location}: {s.reason.value} ({s.detail})" for r in reports for s in r.skipped]
+    lines += [f"  note: {note}" for note in reports[0].notes if note.startswith(TRACE_NOTES)]
     if culprits or data["reasons"]:
         lines += ["", "why not O(n/p):"]
         lines += [f"  - {readable_name(c['name'])} at {c['location']}: {c['what']} {c['size']} grows like {c['growth']}"

@@ -57,7 +57,8 @@ class BadArguments(ValueError):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, inputs[, options])")
-    parser.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for program.pt2, program.py, report, plan")
+    parser.add_argument("-o", "--out", required=True, type=creatable_folder, metavar="OUT_DIR",
+                        help="folder for program.pt2, program.py, report, plan")
     parser.add_argument("--world-size", type=int, default=2, help="number of ranks P the program runs on (default 2)")
     parser.add_argument("--dilation", default=None, metavar="W1,W2:R1,R2",
                         help='LongNet dilated attention at every site: segment lengths and dilation rates, e.g. "16,64:1,4"')
@@ -66,6 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-dim", type=int, default=1, help="sequence dim of the tensor inputs (default 1)")
     parser.add_argument("--seq-len", type=positive_int, default=None, help="pass seq_len=N to a factory that takes it")
     add_pad_argument(parser)
+
+
+def creatable_folder(text: str) -> str:
+    """An output folder that exists or can be made (checked before the export, not after it)."""
+    path = os.path.abspath(text)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder; give a folder for the outputs")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"folder {text!r} is not writable; give another -o")
+        return text
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot create folder {text!r}: {parent!r} is a file; give another -o")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot create folder {text!r}: {parent!r} is not writable; give another -o")
+    return text
 
 
 def parse_dilation(text: str):
@@ -88,7 +108,7 @@ def parse_dilation(text: str):
 
 def load(target: str, seq_len: int | None):
     """(model, inputs, options) from MODULE:FACTORY."""
-    from ringcc.planner_cli import load_factory
+    from ringcc.planner_cli import factory_result, load_factory
 
     try:
         factory = load_factory(target)
@@ -98,11 +118,10 @@ def load(target: str, seq_len: int | None):
     if seq_len is not None and not takes_len:
         raise BadArguments(f"--seq-len {seq_len} given but {target} takes no seq_len argument; drop --seq-len")
     made = factory(seq_len=seq_len) if seq_len is not None else factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise BadArguments(f"{target} must return (model, example_inputs) or (model, example_inputs, options); "
-                           f"got {type(made).__name__}")
-    inputs = made[1] if isinstance(made[1], (list, tuple)) else (made[1],)
-    return made[0], tuple(inputs), dict(made[2]) if len(made) == 3 else {}
+    try:
+        return factory_result(made, target)
+    except ValueError as e:
+        raise BadArguments(str(e)) from None
 
 
 def dynamic_shapes(inputs, seq_dim: int, unit: int = 1):

@@ -18,11 +18,25 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from ringcc import _compat
+
+
+# Config(timeout=...) per group, for the ring's point-to-point waits: gloo's send/recv keep the
+# timeout the group was created with when `_set_pg_timeout` changes it for collectives.
+_WAIT_TIMEOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def set_timeout(group, timeout) -> None:
+    """Make `timeout` (a timedelta) the bound of every later wait on `group` (None = WORLD):
+    its collectives (the group's own timeout) and the rings' transfers (Config.timeout)."""
+    group = dist.group.WORLD if group is None else group
+    _compat.set_group_timeout(group, timeout)
+    _WAIT_TIMEOUTS[group] = timeout
 
 
 class RingComm:
@@ -75,8 +89,9 @@ class RingComm:
     def wait(self) -> None:
         if self._reqs is None:
             raise RuntimeError("RingComm.wait called without a committed batch")
+        timeout = _WAIT_TIMEOUTS.get(self.group)
         for req in self._reqs:
-            req.wait()
+            req.wait() if timeout is None else req.wait(timeout)
         self._reqs = None
         self._tag = 0
 
@@ -165,8 +180,10 @@ class _Mailbox:
 
 
 # Keyed by the group object, not its name: names come back after destroy_process_group.
+# _CE_USABLE and _WARNED hold their groups weakly (ops._SETUPS says why); a receive area
+# holds its group until release_comm_buffers().
 _MAILBOXES: dict[tuple[object, int], _Mailbox] = {}
-_CE_USABLE: dict[object, bool | str] = {}  # group -> True, or why not
+_CE_USABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> True, or why not
 
 
 def group_extremes(values: list[int], group, device) -> list[tuple[int, int]]:
@@ -390,4 +407,4 @@ def ring_comm(group, members, device: torch.device):
     return RingComm(group, members=members)
 
 
-_WARNED: set = set()
+_WARNED: weakref.WeakSet = weakref.WeakSet()

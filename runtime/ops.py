@@ -7,8 +7,10 @@ reuse an artifact compiled for one p at another). The rank is read at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -57,29 +59,32 @@ def _group_from(group_name: str, world_size: int, group=None):
 
 # The RingSetup of each call signature, made once: the rank, the head-chunk rule and the
 # settings it reads took about 100 µs of host per call on the GPU machines, before an idle
-# GPU gets its first kernel. Keyed by the group object (a name can
-# come back for a new group after destroy_process_group), every input the rule reads, and the
-# settings it reads; cleared when it grows past a few hundred signatures.
+# GPU gets its first kernel. Keyed by a weak reference to the group object (a name can come
+# back for a new group after destroy_process_group), every input the rule reads, and the
+# settings it reads; cleared when it grows past a few hundred signatures. The cache holds no
+# group: a strong reference would keep a destroyed group's backend (gloo's worker threads)
+# alive into interpreter shutdown (Note [Ending a gloo process] in ringcc/launch.py).
 _SETUPS: dict = {}
 
 
 def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0, *,
            forward: bool, softcap: float = 0.0) -> RingSetup:
     group = _resolve_group(group_name, world_size)
-    key = (group, world_size, layout, is_causal, scale, window, softcap, forward, q.shape, q.dtype, k.shape, k.dtype,
-           None if key_valid is None else (key_valid.shape, key_valid.dtype), q.device.type, workspace.chunk_rule_settings())
+    key = (None if group is None else weakref.ref(group), world_size, layout, is_causal, scale, window, softcap,
+           forward, q.shape, q.dtype, k.shape, k.dtype, None if key_valid is None else (key_valid.shape, key_valid.dtype),
+           q.device.type, workspace.chunk_rule_settings())
     setup = _SETUPS.get(key)
     if setup is None:
-        group, rank, world = _group_from(group_name, world_size, group)
+        _, rank, world = _group_from(group_name, world_size, group)
         lay = L.Layout(layout)
         # K/V heads per chunk: the planner's rule (workspace.py), per direction
         kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
                                            forward=forward)
-        setup = RingSetup(group, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk, softcap=softcap)
+        setup = RingSetup(None, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk, softcap=softcap)
         if len(_SETUPS) >= 256:
             _SETUPS.clear()
         _SETUPS[key] = setup
-    return setup
+    return setup if group is None else dataclasses.replace(setup, group=group)
 
 
 # ---------------------------------------------------------------------------------------
@@ -299,6 +304,9 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "r
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
     if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be a bool tensor [batch={b}, n_local={s}] (True = padding, "
+                            f"ignored) or None; got {type(key_padding_mask).__name__}; pass torch.tensor(...)")
         if key_padding_mask.shape != (b, s) or key_padding_mask.dtype != torch.bool:
             raise ValueError(
                 f"key_padding_mask must be a bool tensor [batch={b}, n_local={s}] (True = padding, "

@@ -211,3 +211,87 @@ def test_sharded_output_feeds_another_graph_as_a_shard(pools):
     for facts in pools(2).run(case_handoff, timeout=600):
         assert facts[0] == (True, False, []), facts  # the model's graph: logits returned as shards
         assert facts[1][1], facts  # the loss's graph takes them as its shard
+
+
+class _CausalIds(torch.nn.Module):
+    """One head (no view of [b, n, ...] that n = 1 would make ambiguous)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.k, self.v = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        q, k, v = x.unsqueeze(1), self.k(x).unsqueeze(1), self.v(x).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def case_pad_one_token(rank, world):
+    torch.manual_seed(0)
+    model = _CausalIds()
+    ids = torch.randint(0, 50, (2, 1))
+    compiled = torch.compile(model, backend=ringcc.backend(inner="eager", pad=True), dynamic=False)
+    got = compiled(ids)
+    notes = list(ringcc.last_report().notes)
+    torch._dynamo.reset()
+    return float((got - model(ids)).abs().max()), notes
+
+
+def test_pad_one_token_to_the_zigzag_unit(pools):
+    """n = 1 at p = 2 (zigzag): padded to 4, more rows than the value has (the fill is one
+    row, expanded)."""
+    for err, notes in pools(2).run(case_pad_one_token):
+        assert err < 1e-6
+        assert "sequence of 1 tokens padded to 4 (a multiple of 4)" in notes
+
+
+def case_stalled_rank(rank, world, stall):
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)), backend="gloo")  # the default timeout: 30 minutes
+    torch.manual_seed(0)
+    compiled = torch.compile(_CausalIds(), backend=ringcc.backend(inner="eager", group=group, timeout=2),
+                             dynamic=False)
+    ids = torch.randint(0, 50, (2, 8))
+    compiled(ids)  # a healthy first step
+    if rank == 1:
+        time.sleep(stall)  # alive, but not calling
+    t0 = time.monotonic()
+    try:
+        compiled(ids)
+        out = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads which error, and when
+        out = f"{type(e).__name__} after {time.monotonic() - t0:.1f}s"
+    torch._dynamo.reset()
+    return out
+
+
+def test_stalled_rank_ends_every_rank_with_an_error_within_config_timeout(pools):
+    """Config(timeout=2): rank 1 stalls 4 s; rank 0's step fails after about 2 s, and rank 1's
+    step, once it comes, fails too (its peer has left), instead of both waiting for the group's
+    30-minute timeout."""
+    out = pools(2).run(case_stalled_rank, 4, timeout=90)
+    for rank, res in enumerate(out):
+        assert res != "no error", (rank, out)
+        assert float(res.split()[-1].rstrip("s")) < 10, (rank, out)
+
+
+def case_pad_symbolic_length(rank, world):
+    compiled = torch.compile(_CausalIds(), backend=ringcc.backend(inner="eager", pad=True), dynamic=True)
+    try:
+        compiled(torch.randint(0, 50, (2, 7)))
+        out = "compiled"
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        out = str(e)
+    torch._dynamo.reset()
+    return out
+
+
+def test_pad_under_dynamic_shapes_is_an_error_that_names_static_shapes(pools):
+    """Config(pad=True) with a symbolic length: an error at compile time on every rank, naming
+    dynamic=False, not a SequenceLengthError at run time for each length the layout does not divide."""
+    for msg in pools(2).run(case_pad_symbolic_length):
+        assert "Config(pad=True) pads lengths known at compile time; this graph was traced with a symbolic " \
+               "sequence length" in msg and "torch.compile(..., dynamic=False)" in msg, msg

@@ -29,6 +29,8 @@ def test_bad_choice_says_what_is_allowed():
     ("seq_dim", "1", "an int or None"),
     ("bucket_mb", "big", "a number of MB"),
     ("dump_dir", 3, "a folder path"),
+    ("group", "notagroup", "a torch.distributed ProcessGroup"),
+    ("timeout", "10s", "a number of seconds, a datetime.timedelta or None"),
 ])
 def test_wrong_types_are_rejected_with_what_was_received(field, value, kind):
     with pytest.raises(TypeError, match=rf"Config.{field} must be {kind}.*; got {type(value).__name__} {value!r}"):
@@ -80,6 +82,29 @@ def test_compile_options_reach_the_backend():
     bad = torch.compile(lambda q: q + 1, backend="ringcc", options={"nope": 1})
     with pytest.raises(Exception, match=r"unknown ringcc option\(s\) \['nope'\]"):
         bad(q)
+
+
+def test_group_option_is_checked_before_torch_sees_it():
+    """options={"group": "notagroup"}: the ringcc error, not an AttributeError from inside torch."""
+    import torch
+
+    fn = torch.compile(lambda q: q * 2, backend="ringcc", options={"group": "notagroup"})
+    with pytest.raises(Exception, match=r"Config.group must be a torch.distributed ProcessGroup .* got str 'notagroup'"):
+        fn(torch.randn(2))
+    torch._dynamo.reset()
+
+
+def test_timeout_takes_seconds_or_a_timedelta():
+    import datetime
+
+    from ringcc.config import timeout_delta
+
+    assert timeout_delta(Config(timeout=2.5).timeout) == datetime.timedelta(seconds=2.5)
+    assert timeout_delta(Config(timeout=datetime.timedelta(minutes=1)).timeout) == datetime.timedelta(minutes=1)
+    assert Config().timeout is None
+    for bad in (0, -1, datetime.timedelta(0)):
+        with pytest.raises(ValueError, match=r"Config.timeout must be more than 0 seconds"):
+            Config(timeout=bad)
 
 
 def test_grad_sync_choices_and_environment(monkeypatch):

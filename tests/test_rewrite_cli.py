@@ -211,3 +211,84 @@ def case_empty_group(rank, world):
     shard = torch.ops.ringcc.shard(x, 1, "", world, "contiguous")
     assert shard.shape == (1, 8 // world)
     return torch.ops.ringcc.gather(shard, 1, "", world, "contiguous").view(-1).long().tolist()
+
+
+MISUSED_FACTORIES = textwrap.dedent("""
+    import torch
+    import torch.nn.functional as F
+
+
+    class MaskedAttention(torch.nn.Module):
+        def __init__(self, vocab=100, dim=16, heads=2):
+            super().__init__()
+            self.heads = heads
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+        def forward(self, ids, mask):
+            x = self.embed(ids)
+            b, s, d = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+            return a.pow(2).mean()
+
+
+    def float_mask(seq_len=32):
+        mask = torch.zeros(seq_len, seq_len).masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1),
+                                                         float("-inf"))
+        return MaskedAttention(), (torch.randint(0, 100, (2, seq_len)), mask)
+
+
+    def lists(seq_len=32):
+        return MaskedAttention(), ([[1] * seq_len], [[0.0] * seq_len] * seq_len)
+
+
+    def no_model(seq_len=32):
+        return "model", (torch.zeros(1, seq_len),)
+""")
+
+
+@pytest.fixture
+def misused(tmp_path):
+    path = tmp_path / "misused.py"
+    path.write_text(MISUSED_FACTORIES)
+    return str(path)
+
+
+def test_plan_of_a_float_n_by_n_mask_input_is_the_not_linear_plan(misused, capsys):
+    """An [n, n] float mask input: marking the ids' dim 1 alone would specialise n (the mask's
+    dims meet it); the plan is made with the mask's dims as n too: verdict False, the site
+    skipped for its mask, the n**2 attention named."""
+    assert cli.main(["plan", f"{misused}:float_mask", "--seq-len", "64", "--world-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "ConstraintViolation" not in err and "Traceback" not in err
+    assert "skipped a at" in out and "unliftable_mask" in out and "l_mask_" in out
+    assert "every dim of length 64 of the sequence inputs traced as n" in out
+    assert "grows like n**2" in out and "verdict: peak memory per rank is NOT O(n/p)" in out
+
+
+@pytest.mark.parametrize("command", ["plan", "rewrite"])
+@pytest.mark.parametrize("factory,message", [
+    ("lists", "must return example_inputs of tensors (and plain numbers), the arguments of model(*example_inputs); "
+              "got 0: list, 1: list in tuple of 2"),
+    ("no_model", "returned str as the model"),
+    ("MaskedAttention", "is a class, not a factory; give a function that builds the model and its example inputs"),
+])
+def test_factory_misuse_exits_2_with_the_reason(misused, tmp_path, capsys, command, factory, message):
+    argv = [command, f"{misused}:{factory}"] + (["-o", str(tmp_path / "o")] if command == "rewrite" else
+                                                ["--seq-len", "32"])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ringcc {command}: error:") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("out,message", [
+    ("file", "exists and is not a folder"),
+    ("file/sub", "is a file; give another -o"),
+])
+def test_rewrite_output_folder_is_checked_before_the_export(tmp_path, capsys, monkeypatch, out, message):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(rw, "rewrite", lambda *a, **k: pytest.fail("exported before checking -o"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rewrite", f"{PLAN_MODEL}:exact_ring", "-o", str(tmp_path / out)])
+    assert e.value.code == 2 and message in capsys.readouterr().err

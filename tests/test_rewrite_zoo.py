@@ -8,8 +8,8 @@ returning one tensor (the logits, or BERT's last hidden state). The configuratio
 mask code paths of transformers 5.x: with and without a KV cache (use_cache; without one HF
 builds its mask from packed-sequence ids), a right-padded batch with an attention_mask,
 sliding windows (Mistral, Qwen2), GQA and MQA, learned positions (GPT-2), and an encoder
-with a padding mask (BERT). CHEAP runs in `make test`; the rest, and the plans, are marked
-`zoo` (`make test-zoo`).
+with a padding mask (BERT). The program checks and the plans are marked `zoo`
+(`make test-zoo`); `make test` runs the capture-error check.
 """
 
 from __future__ import annotations
@@ -184,6 +184,7 @@ def _plan(tmp_path, name: str, world: int) -> dict:
     return json.load(open(path))
 
 
+@pytest.mark.zoo  # ~30 s on 2 cores (each rank imports transformers and builds the models): too long for `make test`
 def test_cheap_programs_match_eager_at_p2(pools, tmp_path):
     _check(pools, tmp_path, CHEAP, 2)
 

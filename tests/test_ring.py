@@ -416,6 +416,9 @@ def test_bad_padding_mask_and_layout():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor \[batch=1, n_local=8\]"):
         ringcc.ring_attention(q, k, v, key_padding_mask=torch.zeros(1, 8))
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a bool tensor \[batch=1, n_local=8\] \(True = "
+                                        r"padding, ignored\) or None; got list"):
+        ringcc.ring_attention(q, k, v, key_padding_mask=[[False] * 8])
     with pytest.raises(ValueError, match=r"layout='diagonal' is not supported; allowed: \['contiguous', 'zigzag'\]"):
         ringcc.ring_attention(q, k, v, layout="diagonal")
     for bad in (0, True):  # True is not a window of 1
@@ -907,3 +910,25 @@ def case_sub_ring_with_one_padded_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_sub_ring_keeps_key_masks(pools, world):
     assert max(pools(world).run(case_sub_ring_with_one_padded_rank)) < 1e-5
+
+
+def case_group_released(rank, world):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    sub = dist.new_group(list(range(world)), backend="gloo")
+    q, k, v = _qkv(s=8)
+    ringcc.ring_attention(q, k, v, is_causal=True, key_padding_mask=torch.zeros(1, 8, dtype=torch.bool), group=sub)
+    ref = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    return ref() is None
+
+
+def test_destroyed_group_is_not_kept_alive_by_ringcc(pools):
+    """ringcc's caches hold groups weakly: after destroy_process_group the group (and gloo's
+    worker threads) end there, not at interpreter shutdown (see ops._SETUPS)."""
+    assert pools(2).run(case_group_released) == [True, True]
