@@ -150,7 +150,9 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     @functools.wraps(compiled)
     def run(*args):
         nonlocal done
-        check_same_inputs(args[0] if getattr(run, "_boxed_call", False) else args, config.group, graph)
+        # a boxed call passes one list (graph inputs are never lists); dynamo may also call unboxed
+        boxed = len(args) == 1 and isinstance(args[0], list)
+        check_same_inputs(args[0] if boxed else args, config.group, graph)
         if not done:
             check_rank_consistency(decisions, sequence_group(config), graph)
             if config.timeout is not None:  # from here on: every rank has compiled (compiles differ in time)
