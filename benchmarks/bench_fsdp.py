@@ -300,7 +300,7 @@ def run_cell(method: str, args, env: Env, n: int) -> dict:
                 def logged():
                     losses.append(step())
 
-                ms = [time_step(logged, env.device, barrier=method != "single") for _ in range(args.reps)]
+                ms = [dist_setup.timed(logged, env.device, barrier=method != "single") for _ in range(args.reps)]
                 peak = torch.cuda.max_memory_allocated() if env.device.type == "cuda" else None
                 loss = float(losses[-1].detach())
                 kinds = {} if args.no_profile else profile_step(step, env.device)
@@ -328,24 +328,6 @@ def run_cell(method: str, args, env: Env, n: int) -> dict:
         rec["kinds_ms"] = kinds
         rec["shares"] = {k: v / ms for k, v in kinds.items()}
     return rec
-
-
-def time_step(step, device, barrier: bool) -> float:
-    if barrier:
-        return dist_setup.timed(step, device)
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t = time.perf_counter()
-    step()
-    return (time.perf_counter() - t) * 1e3
 
 
 def table(records: list[dict]) -> str:

@@ -38,9 +38,11 @@ def model_arguments(ap, lengths: list[int], layers: int, reps: int) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU / gloo")
 
 
-def timed(step, device: torch.device) -> float:
-    """Milliseconds of one call of step(), after a barrier: CUDA events on GPU, wall time on CPU."""
-    dist.barrier()
+def timed(step, device: torch.device, barrier: bool = True) -> float:
+    """Milliseconds of one call of step(), after a barrier (unless barrier=False): CUDA events on
+    GPU, wall time on CPU."""
+    if barrier:
+        dist.barrier()
     if device.type != "cuda":
         t = time.perf_counter()
         step()
