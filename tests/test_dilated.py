@@ -105,7 +105,7 @@ def test_head_chunks_are_exact(spec, offsets, h, g, dtype):
     for budget in ("0", "0.0001"):
         with workspace_mib(budget):
             setup = D._setup(q, k, list(spec.segment_lengths), list(spec.dilation_rates), spec.offsets, True, 0.5,
-                             ringcc.runtime.ops._group_args(None)[0], 1, "contiguous")
+                             ringcc.runtime.ops._group_args(None, "test")[0], 1, "contiguous")
             out, lse = D.dilated_forward(q, k, v, setup)
             results.append((setup, out, lse, *D.dilated_backward(dout, q, k, v, out, lse, setup)))
     (whole, *a), (chunked, *b) = results

@@ -311,7 +311,7 @@ def case_setup_cache(rank, world):
     workspace budget)."""
     from ringcc.runtime import ops
 
-    name = ops._group_args(None)[0]
+    name = ops._group_args(None, "test")[0]
     q, k = torch.empty(2, 8, 10, 8), torch.empty(2, 4, 10, 8)
     make = lambda q, k, forward=True: ops._setup(q, k, None, name, world, "zigzag", True, 0.5,  # noqa: E731
                                                   forward=forward)
