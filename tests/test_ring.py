@@ -316,13 +316,16 @@ def case_setup_cache(rank, world):
     make = lambda q, k, forward=True: ops._setup(q, k, None, name, world, "zigzag", True, 0.5,  # noqa: E731
                                                   forward=forward)
     first = make(q, k)
-    assert make(q, k) is first and (first.rank, first.world) == (rank, world)
-    assert make(q, k, forward=False) is not first
-    assert make(torch.empty(2, 8, 12, 8), torch.empty(2, 4, 12, 8)) is not first
+    made = len(ops._SETUPS)  # setups are cached without their group (held weakly): count the entries
+    assert make(q, k) == first and len(ops._SETUPS) == made and (first.rank, first.world) == (rank, world)
+    make(q, k, forward=False)
+    assert len(ops._SETUPS) == made + 1
+    make(torch.empty(2, 8, 12, 8), torch.empty(2, 4, 12, 8))
+    assert len(ops._SETUPS) == made + 2
     with workspace_mib("0.0001"):
         small = make(q, k)
-    assert small is not first and (first.kv_chunk, small.kv_chunk) == (0, 1)
-    assert make(q, k) is first
+    assert len(ops._SETUPS) == made + 3 and (first.kv_chunk, small.kv_chunk) == (0, 1)
+    assert make(q, k) == first and len(ops._SETUPS) == made + 3
     return True
 
 
@@ -331,12 +334,16 @@ def test_ring_setup_is_cached_per_signature(pools, world):
     assert all(pools(world).run(case_setup_cache))
 
 
+class _StandInGroup:
+    """A process-group stand-in: ringcc's caches hold groups weakly, as they hold real ones."""
+
+
 def test_transport_info_without_a_copy_engine_ring():
     """On CPU (and before any copy-engine ring ran) the rings use the process group and hold no
     receive area; measurements read this to know what the allocator saw."""
     from ringcc.runtime import comm
 
-    info = comm.transport_info(object(), torch.device("cpu"))
+    info = comm.transport_info(_StandInGroup(), torch.device("cpu"))
     assert info == {"transport": "process group", "copy_engine_unusable": None, "area_bytes": 0,
                     "area_counted_by_allocator": False}
 
@@ -347,7 +354,7 @@ def test_receive_areas_are_found_for_cuda_without_an_index(monkeypatch):
     an index means the current one."""
     from ringcc.runtime import comm
 
-    group = object()
+    group = _StandInGroup()
     box = type("Box", (), {"nbytes": 3 << 20, "outside_allocator": True})()
     monkeypatch.setitem(comm._MAILBOXES, (group, 1), box)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
