@@ -367,7 +367,7 @@ def test_report_lists_only_the_gathers_left_in_the_graph():
 
     torch._dynamo.reset()
     ringcc.reset_reports()
-    backend, graphs = shard_models.capturing(ringcc.Config(inner="eager", world_size=2))
+    backend, graphs = shard_models.capturing(ringcc.Config(inner="eager", world_size=2, gather_outputs=True))
     with pytest.raises(Exception, match="init_process_group"):  # rewritten, then run without a group
         torch.compile(shard_models.build("gpt_checkpoint"), backend=backend, dynamic=True)(
             *shard_models.batch("gpt_checkpoint", 24))
