@@ -207,13 +207,7 @@ def _specialised(e: BaseException) -> bool:
     """Whether `e` (or what it wraps) is dynamo's error for a dim marked dynamic that the model specialised."""
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, ConstraintViolationError):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    return _cause_of_type(e, ConstraintViolationError) is not None
 
 
 def _trace(model, inputs, config, world_size: int, trace_len: int, training, device_type, note: str | None):
@@ -355,9 +349,14 @@ def length_error(e: BaseException):
     """The SequenceLengthError behind `e` (torch.compile wraps a backend's errors), or None."""
     from ringcc.runtime.layout import SequenceLengthError
 
+    return _cause_of_type(e, SequenceLengthError)
+
+
+def _cause_of_type(e: BaseException, kind: type):
+    """The first exception of type `kind` in `e`'s chain of causes and contexts, or None."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, SequenceLengthError):
+        if isinstance(e, kind):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
