@@ -445,11 +445,10 @@ def test_ring_training_step_stays_within_its_plan_on_gloo(pools):
     of them are still held at the peak varies (at one intra-op thread part of the rest lies
     outside the ring, in the backward's sums of the CPU kernel's gradients: 0.8 MB over the plan).
     The ring drops its own reference to a sent accumulator once the transport has it (2 MiB of
-    the non-causal case's peak)."""
+    the non-causal case's peak). With the weights' gradient sync in the step, the causal case's
+    peak is the sync's backward (64 MiB measured, 65.2 planned: 1.02x)."""
     steady = pools(2).run(case_ring_step_within_plan, 8, 32, 1024, False)
-    # the plan bounds the step (>= 1.0); it is 1.1875x the peak on the current tree (1.097x before
-    # the gradient-scaling and score-modifier terms joined the workspace model: not yet explained)
-    assert all(1.0 <= r <= 1.2 for r in steady), steady
+    assert all(1.0 <= r <= 1.1 for r in steady), steady
     varying = pools(2).run(case_ring_step_within_plan, 16, 64, 512, True)
     assert all(0.79 <= r <= 1.1 for r in varying), varying
 
