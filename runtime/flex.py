@@ -209,27 +209,66 @@ def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backwa
                      mask_mod=_mask_mod(key_valid_bs, pos_q, pos_k, bound))
 
 
-def _score_mod(mod):
+@functools.lru_cache(maxsize=256)  # a ring's calls have a few dozen distinct offsets
+def _values(values: tuple, dtype, device) -> torch.Tensor:
+    """A score_mod's numbers as a tensor, made (a host-to-device copy) once per value."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _score_mod(mod, device):
     """flex_attention's score_mod of a kernels.ScoreMod (Note [Score modifiers]); None when the
-    block has none. flex hands it the scaled score; h is the query head, i / j the call's
-    rows / keys."""
+    block has none. flex hands it the scaled score; h is the call's query head, i / j its row
+    / key. It reads only tensors, of the same shapes at every call (the cap; seven int32
+    offsets; the slopes of every head of the site), never a Python number: dynamo compiles a
+    closure's float that differs between calls (another cap, or another flex_attention's
+    closure at the same place) as a symbolic one, which flex's backward cannot take, and an
+    int as one more recompile. So one compiled kernel serves every block."""
     if mod is None:
         return None
-    cap, slopes, q_pos, k_pos = mod.softcap, mod.slopes, mod.q_pos, mod.k_pos
+    dev = torch.device(device)
+    cap = _values((float(mod.softcap),), torch.float32, dev) if mod.softcap else None
+    if mod.slopes is None:
+        return _capped(cap)
+    q, k = mod.q, mod.k
+    for v in (q.a, q.cut, q.b, k.a, k.cut, k.b):
+        if not -2**31 <= v < 2**31:
+            raise ValueError(f"ALiBi positions must fit int32 on flex_attention; got a position offset of {v}")
+    offs = _values((q.a, q.cut, q.b, k.a, k.cut, k.b, mod.head0), torch.int32, dev)
+    slopes = mod.slopes.contiguous()
+    return _alibi(offs, slopes) if cap is None else _capped_alibi(cap, offs, slopes)
 
-    def modified(score, b, h, i, j):
-        if cap:
-            score = torch.tanh(score / cap) * cap
-        if slopes is not None:
-            score = score + slopes[h] * (k_pos[j] - q_pos[i]).to(torch.float32)
-        return score
 
-    return modified
+def _cap(score, cap):
+    return torch.tanh(score / cap[0]) * cap[0]
+
+
+def _bias(score, h, i, j, offs, slopes):
+    """score + slope[head] * (pos_k - pos_q), the positions from the offsets (kernels.Positions)."""
+    pos_q = i + torch.where(i < offs[1], offs[0], offs[2])
+    pos_k = j + torch.where(j < offs[4], offs[3], offs[5])
+    return score + slopes[h + offs[6]] * (pos_k - pos_q).to(torch.float32)
+
+
+def _capped(cap):
+    return lambda score, b, h, i, j: _cap(score, cap)
+
+
+def _alibi(offs, slopes):
+    return lambda score, b, h, i, j: _bias(score, h, i, j, offs, slopes)
+
+
+def _capped_alibi(cap, offs, slopes):
+    return lambda score, b, h, i, j: _bias(_cap(score, cap), h, i, j, offs, slopes)
 
 
 def _call(q, k, v, mask: BlockMask, scale: float, mod=None):
-    out, aux = _flex()(q, k, v, score_mod=_score_mod(mod), block_mask=mask, scale=scale,
-                       enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True))
+    # Lengths that are multiples of the tiles need no bounds checks; flex_attention decides it
+    # from the shapes only when they are static, and a ring's calls of several shapes are compiled
+    # with dynamic ones (_flex), so it is said here (a guard: one kernel each way).
+    divisible = q.shape[2] % TILE == 0 and k.shape[2] % TILE == 0
+    out, aux = _flex()(q, k, v, score_mod=_score_mod(mod, q.device), block_mask=mask, scale=scale,
+                       enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True),
+                       kernel_options={"IS_DIVISIBLE": divisible})
     return out, aux.lse
 
 

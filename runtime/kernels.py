@@ -66,30 +66,57 @@ def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor
 # as its score_mod on CUDA for bf16/fp16 (flex.py); the fused cuDNN/flash kernels take none.
 # Backward: dS = P * (dP - D) is the gradient of the modified score t; through the cap,
 # ds/dt = 1 - tanh(s / softcap)^2 = 1 - (t_cap / softcap)^2; the bias adds nothing.
+#
+# A call's positions are not a gathered tensor: a rank's local sequence is one or two runs of
+# consecutive global positions (contiguous: one chunk; zigzag: two), so the positions of a
+# call's rows (or keys) x = 0, 1, .. are x + (a if x < cut else b) (Positions). A call over
+# some of them shifts (a, cut, b) by its first row; heads likewise shift an offset into the
+# site's slopes. So flex's score_mod reads the same few tensors at every block (the slopes of
+# all heads and seven int32 offsets): their shapes never change, and one compiled kernel serves
+# every block call of every step, head chunk and row chunk (a gathered positions tensor would be
+# one more shape per call, and dynamo recompiles per shape).
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Global positions of a call's rows or keys x = 0, 1, ..: x + (a if x < cut else b)."""
+
+    a: int
+    cut: int
+    b: int
+
+    def shift(self, x0: int) -> "Positions":
+        """The positions of rows x0, x0 + 1, .."""
+        return Positions(self.a + x0, self.cut - x0, self.b + x0)
+
+    def at(self, n: int, device) -> torch.Tensor:
+        """int64 [n]: the first n positions."""
+        x = torch.arange(n, device=device)
+        return x + torch.where(x < self.cut, self.a, self.b)
 
 
 @dataclass(frozen=True)
 class ScoreMod:
-    """The score modifier of a block call (Note [Score modifiers]). slopes: fp32 [h] per query
-    head of the call (None: no ALiBi); q_pos / k_pos: global positions of the call's query
-    rows and keys (needed with slopes only)."""
+    """The score modifier of a block call (Note [Score modifiers]). slopes: fp32 [H], one per
+    query head of the site (None: no ALiBi); head0: the site head of the call's first head;
+    q / k: the global positions of the call's query rows and keys (needed with slopes only)."""
 
     softcap: float = 0.0
     slopes: torch.Tensor | None = None
-    q_pos: torch.Tensor | None = None
-    k_pos: torch.Tensor | None = None
+    head0: int = 0
+    q: Positions | None = None
+    k: Positions | None = None
 
-    def sub(self, r0: int, r1: int, c0: int = 0, c1: int | None = None, heads: slice | None = None) -> "ScoreMod":
-        """The modifier of rows [r0, r1), keys [c0, c1) (and query heads `heads`)."""
+    def sub(self, r0: int, r1: int | None = None, c0: int = 0, c1: int | None = None, h0: int = 0) -> "ScoreMod":
+        """The modifier of rows r0.., keys c0.. and query heads h0.. of the call."""
         if self.slopes is None:
             return self
-        slopes = self.slopes if heads is None else self.slopes[heads]
-        return ScoreMod(self.softcap, slopes, self.q_pos[r0:r1], self.k_pos[c0:c1])
+        return ScoreMod(self.softcap, self.slopes, self.head0 + h0, self.q.shift(r0), self.k.shift(c0))
 
-    def bias(self, dtype) -> torch.Tensor:
-        """The ALiBi bias [h, rows, keys] in `dtype`."""
-        rel = (self.k_pos[None, :] - self.q_pos[:, None]).to(dtype)
-        return self.slopes.to(dtype)[:, None, None] * rel[None]
+    def bias(self, heads: int, rows: int, keys: int, dtype, device) -> torch.Tensor:
+        """The ALiBi bias [heads, rows, keys] in `dtype`."""
+        rel = (self.k.at(keys, device)[None, :] - self.q.at(rows, device)[:, None]).to(dtype)
+        return self.slopes[self.head0:self.head0 + heads].to(dtype)[:, None, None] * rel[None]
 
     def apply_(self, s: torch.Tensor, keep_tanh: bool = False) -> torch.Tensor | None:
         """s [b, h, rows, keys] (scaled scores) modified in place; with keep_tanh returns
@@ -100,7 +127,7 @@ class ScoreMod:
             th = s.clone() if keep_tanh else None
             s.mul_(self.softcap)
         if self.slopes is not None:
-            s.add_(self.bias(s.dtype)[None])
+            s.add_(self.bias(s.shape[1], s.shape[2], s.shape[3], s.dtype, s.device)[None])
         return th
 
 

@@ -375,7 +375,7 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=Non
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
-                            None if slopes is None else slopes[hq])
+                            slopes, hq.start)
     return out, lse
 
 
@@ -467,28 +467,35 @@ def _ring_key_mask(key_valid, setup: RingSetup, table=None):
 
 class _Mods:
     """The score modifier of each block call (Note [Score modifiers] in kernels.py): the
-    setup's soft-cap, and ALiBi `slopes` (fp32 [heads of the chunk], or None) at the global
-    positions of the call's rows and keys."""
+    setup's soft-cap, and ALiBi `slopes` (fp32 [h], every query head of the site, or None)
+    from head `head0` on, at the global positions of the call's rows and keys."""
 
-    def __init__(self, setup: RingSetup, slopes, s: int, device):
-        self.setup, self.slopes = setup, slopes
+    def __init__(self, setup: RingSetup, slopes, s: int, head0: int = 0):
+        self.setup, self.slopes, self.s, self.head0 = setup, slopes, s, head0
         self.plain = None if not setup.softcap and slopes is None else kernels.ScoreMod(setup.softcap)
-        self.q_pos = None if slopes is None else global_positions(setup.rank, setup.world, setup.layout, s, device)
-        self.s, self.device, self.k_pos = s, device, {}
+        self.q = None if slopes is None else self.positions(setup.rank)
+
+    def positions(self, rank: int) -> kernels.Positions:
+        """Rank `rank`'s local positions: one run per chunk (layout.global_positions)."""
+        per = chunks_per_rank(self.setup.layout)
+        c_len = self.s // per
+        first, *rest = local_chunks(rank, self.setup.world, self.setup.layout)
+        last = rest[-1] if rest else first
+        return kernels.Positions(first * c_len, c_len, (last - per + 1) * c_len)
 
     def of(self, src: int, c: BlockCall):
         if self.slopes is None:
             return self.plain
-        if src not in self.k_pos:
-            self.k_pos[src] = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
-        k_pos = self.k_pos[src]
-        return kernels.ScoreMod(self.setup.softcap, self.slopes, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1])
+        return kernels.ScoreMod(self.setup.softcap, self.slopes, self.head0, self.q.shift(c.q0),
+                                self.positions(src).shift(c.k0))
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None):
-    """-> (out in q's dtype, lse) of these heads, written into `out`/`lse` where given."""
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None,
+                        head0: int = 0):
+    """-> (out in q's dtype, lse) of these heads (from head `head0` of `slopes` on), written
+    into `out`/`lse` where given."""
     b, h, s, d = q.shape
-    mods = _Mods(setup, slopes, s, q.device)
+    mods = _Mods(setup, slopes, s, head0)
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
@@ -667,7 +674,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
         k_c, v_c = k[:, hk], v[:, hk]
-        mods = _Mods(setup, None if slopes is None else slopes[hq], s, q.device)
+        mods = _Mods(setup, slopes, s, hq.start)
         if use_comm and not whole:
             k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
         dq = dk_acc = dv_acc = None

@@ -71,6 +71,99 @@ def test_ring_with_score_modifiers_padding_and_window(pools, world):
         assert effect > 1e-2
 
 
+def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
+    """The ring's flex_attention blocks (flex.py, as on CUDA for bf16/fp16) run here on CPU in
+    fp32: flex's own dense implementation, traced by dynamo as _flex compiles it, with every
+    size and float symbolic, as automatic dynamic shapes compile it once they change between
+    calls. Zigzag, causal, GQA, ALiBi, then another soft-cap: every block's score_mod reads the
+    same tensors (the cap, the slopes, the offsets) and no Python number, so one forward and
+    one backward kernel serve them all, none falls back to the math path, and out, lse and
+    gradients equal the dense reference."""
+    import functools
+
+    import torch.nn.attention.flex_attention as fa
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ringcc import _compat
+    from ringcc.runtime import flex, kernels
+
+    counter = CompileCounterWithBackend("eager")
+
+    @functools.cache
+    def compiled():
+        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
+        return torch.compile(fa.flex_attention, fullgraph=True, backend=counter, dynamic=True)
+
+    read, make = set(), flex._score_mod
+
+    def score_mod(mod, device):
+        fn = make(mod, device)
+        cells = [c.cell_contents for c in (fn.__closure__ or ())]
+        read.update((tuple(t.shape), t.stride(), t.storage_offset()) for t in cells if isinstance(t, torch.Tensor))
+        return fn
+
+    monkeypatch.setattr(flex, "_flex", compiled)
+    monkeypatch.setattr(flex, "_score_mod", score_mod)
+    monkeypatch.setattr(kernels, "_flex_path", lambda device, dtype, key_valid, allowed, mod=None: not kernels.is_identity(mod))
+    monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
+    monkeypatch.setattr(fa, "_validate_device", lambda q, k, v: None)  # flex refuses CPU backward; its math has it
+    n, h, g = 2 * flex.TILE, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    for softcap in (4.0, 3.0):
+        q, k, v = (torch.randn(1, x, n, 8, generator=gen) * 2 for x in (h, g, g))
+        dout = torch.randn(1, h, n, 8, generator=gen)
+        mods = dict(softcap=softcap, alibi_slopes=SLOPES[:h] * 4)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=True, **mods)
+        ref_out.backward(dout)
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=True, layout="zigzag", return_lse=True, **mods)
+        out.backward(dout)
+        assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED  # flex ran every block: no math-path fallback
+        assert_shard_matches(lambda t: t, out, lse, ref_out, ref_lse,
+                             ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
+    assert sorted(read) == [((1,), (1,), 0), ((4,), (1,), 0), ((7,), (1,), 0)], read  # cap, slopes, offsets
+    assert counter.frame_count == 2, counter.frame_count  # the forward, the backward's recompute
+
+
+@pytest.mark.parametrize("heads", [slice(0, 4), slice(2, 3)])
+def test_flex_score_mod_is_the_math_paths_modifier(heads):
+    """flex's score_mod (positions from offsets) gives the math path's modified scores
+    (ScoreMod.apply_) for calls across the zigzag jump, shifted rows and keys, and head chunks."""
+    from ringcc.runtime import flex, kernels
+
+    q_at, k_at = kernels.Positions(16, 5, 40), kernels.Positions(3, 9, 30)  # x + 16 for x < 5, else x + 40
+    mod = kernels.ScoreMod(2.5, SLOPES[:4] * 8, heads.start, q_at, k_at)
+    for r0, c0 in ((0, 0), (3, 7), (6, 2)):
+        m = mod.sub(r0, None, c0)
+        s = torch.randn(2, heads.stop - heads.start, 7, 11, generator=torch.Generator().manual_seed(r0))
+        want = s.clone()
+        m.apply_(want)
+        rel = torch.tensor([[j + (3 if j + c0 < 9 else 30) + c0 - i - (16 if i + r0 < 5 else 40) - r0
+                             for j in range(11)] for i in range(7)], dtype=torch.float32)
+        assert torch.equal(m.bias(s.shape[1], 7, 11, torch.float32, "cpu"), (SLOPES[:4] * 8)[heads][:, None, None] * rel)
+        b, hh, i, j = (torch.arange(x).view(*[-1 if d == a else 1 for d in range(4)]).int()
+                       for a, x in enumerate(s.shape))
+        got = flex._score_mod(m, "cpu")(s, b, hh, i, j)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_positions_of_score_modifiers_are_the_layouts(layout):
+    """The ring's ALiBi positions (offsets per run of a rank's chunks) are the layout's global
+    positions, for every rank and source rank, and for calls that start inside a block."""
+    from ringcc.runtime import ring
+
+    for world in (1, 2, 3):
+        for rank in range(world):
+            setup = ring.RingSetup(None, rank, world, L.Layout(layout), True, 1.0)
+            mods = ring._Mods(setup, SLOPES[:2], 12, 0)
+            for src in range(world):
+                want = L.global_positions(src, world, L.Layout(layout), 12)
+                for x0 in (0, 5, 6):
+                    assert torch.equal(mods.positions(src).shift(x0).at(12 - x0, "cpu"), want[x0:])
+
+
 def test_score_modifier_arguments_are_checked():
     q = torch.randn(1, 4, 8, 8)
     with pytest.raises(ValueError, match="softcap must be a positive number"):
@@ -327,6 +420,11 @@ def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap,
     out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout=layout, return_lse=True, window=window,
                                      key_padding_mask=None if kpm is None else sh(kpm, 1), **mods)
     out.backward(sh(dout).to(dtype))
+    from ringcc.runtime import kernels
+
+    # bf16 blocks run flex_attention (flex.py): a compile failure there would fall back to the
+    # math path, exact but many times slower
+    assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED
     return {"out": rel_err(out, sh(ref.detach())), "lse": lse_err(lse, sh(ref_lse.detach())),
             "dq": rel_err(ql.grad, sh(qr.grad)), "dk": rel_err(kl.grad, sh(kr.grad)), "dv": rel_err(vl.grad, sh(vr.grad))}
 
