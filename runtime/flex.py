@@ -209,7 +209,7 @@ def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backwa
                      mask_mod=_mask_mod(key_valid_bs, pos_q, pos_k, bound))
 
 
-@functools.lru_cache(maxsize=256)  # a ring's calls have a few dozen distinct offsets
+@functools.lru_cache(maxsize=4096)  # a few per block call of a ring (steps x calls x row and head chunks)
 def _values(values: tuple, dtype, device) -> torch.Tensor:
     """A score_mod's numbers as a tensor, made (a host-to-device copy) once per value."""
     return torch.tensor(values, dtype=dtype, device=device)
