@@ -90,6 +90,21 @@ def autograd_inside_op():
         yield
 
 
+@contextlib.contextmanager
+def flex_cpu_backward():
+    """flex_attention on CPU with inputs that need a gradient: its public entry refuses them
+    (only its CUDA kernels are meant for training), while its own dense implementation has the
+    backward. CPU tests run the CUDA path's flex blocks (runtime/flex.py) with it."""
+    import torch.nn.attention.flex_attention as fa
+
+    check = fa._validate_device
+    fa._validate_device = lambda q, k, v: None
+    try:
+        yield
+    finally:
+        fa._validate_device = check
+
+
 def compile_errors() -> tuple[type, ...]:
     """Exceptions meaning torch.compile could not build or launch a kernel here (dynamo and
     inductor failures, the recompile limit under fullgraph, Triton out of resources): a
