@@ -218,11 +218,8 @@ def _values(values: tuple, dtype, device) -> torch.Tensor:
 def _score_mod(mod, device):
     """flex_attention's score_mod of a kernels.ScoreMod (Note [Score modifiers]); None when the
     block has none. flex hands it the scaled score; h is the call's query head, i / j its row
-    / key. It reads only tensors, of the same shapes at every call (the cap; seven int32
-    offsets; the slopes of every head of the site), never a Python number: dynamo compiles a
-    closure's float that differs between calls (another cap, or another flex_attention's
-    closure at the same place) as a symbolic one, which flex's backward cannot take, and an
-    int as one more recompile. So one compiled kernel serves every block."""
+    / key. It reads tensors of the same shapes at every call and no Python number (why: Note
+    [Score modifiers])."""
     if mod is None:
         return None
     dev = torch.device(device)

@@ -70,11 +70,14 @@ def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor
 # A call's positions are not a gathered tensor: a rank's local sequence is one or two runs of
 # consecutive global positions (contiguous: one chunk; zigzag: two), so the positions of a
 # call's rows (or keys) x = 0, 1, .. are x + (a if x < cut else b) (Positions). A call over
-# some of them shifts (a, cut, b) by its first row; heads likewise shift an offset into the
-# site's slopes. So flex's score_mod reads the same few tensors at every block (the slopes of
-# all heads and seven int32 offsets): their shapes never change, and one compiled kernel serves
-# every block call of every step, head chunk and row chunk (a gathered positions tensor would be
-# one more shape per call, and dynamo recompiles per shape).
+# some of them shifts (a, cut, b) by its first row; a head chunk is an offset into the site's
+# slopes. So flex's score_mod (flex.py) reads the same tensors at every block: the cap, seven
+# int32 offsets, the slopes of all heads. Their shapes never change (gathered positions would
+# be one more shape per call, one more recompile), and it reads no Python number: dynamo
+# compiles a closure's float that differs from an earlier compile of flex_attention (another
+# cap; another flex_attention closure with something else in that cell) as a symbolic float,
+# which flex's backward cannot take ("RuntimeError when making fake tensor call"), and the
+# block would fall back to the math path.
 
 
 @dataclass(frozen=True)
@@ -107,11 +110,11 @@ class ScoreMod:
     q: Positions | None = None
     k: Positions | None = None
 
-    def sub(self, r0: int, r1: int | None = None, c0: int = 0, c1: int | None = None, h0: int = 0) -> "ScoreMod":
-        """The modifier of rows r0.., keys c0.. and query heads h0.. of the call."""
+    def sub(self, r0: int, r1: int | None = None, c0: int = 0, c1: int | None = None) -> "ScoreMod":
+        """The modifier of rows [r0, r1), keys [c0, c1) of the call (the ends do not change it)."""
         if self.slopes is None:
             return self
-        return ScoreMod(self.softcap, self.slopes, self.head0 + h0, self.q.shift(r0), self.k.shift(c0))
+        return ScoreMod(self.softcap, self.slopes, self.head0, self.q.shift(r0), self.k.shift(c0))
 
     def bias(self, heads: int, rows: int, keys: int, dtype, device) -> torch.Tensor:
         """The ALiBi bias [heads, rows, keys] in `dtype`."""
