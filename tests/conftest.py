@@ -15,6 +15,8 @@ def get_pool(world: int, backend: str = "gloo") -> DistPool:
 @pytest.fixture(scope="session")
 def pools():
     yield get_pool
+    for pool in _POOLS.values():  # every pool winds down at once
+        pool.stop()
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

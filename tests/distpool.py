@@ -48,6 +48,13 @@ def _worker(rank, world, port, backend, jobs, results):
         except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # The parent has read every result; an interpreter shutdown with torch loaded takes seconds
+    # per process, and gloo threads may outlive it (Note [Ending a gloo process]). The queues'
+    # finalizers still run (multiprocessing's own exit step), so no semaphore is reported leaked.
+    from multiprocessing import util
+
+    util._exit_function()
+    os._exit(0)
 
 
 class DistPool:
@@ -58,6 +65,7 @@ class DistPool:
     def _start(self):
         ctx = mp.get_context("spawn")
         port = _free_port()
+        self._stopping = False
         self.jobs = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.procs = [
@@ -90,10 +98,16 @@ class DistPool:
             raise RuntimeError("\n".join(errors))
         return [out[r] for r in range(self.world)]
 
-    def close(self, force: bool = False):
-        if not force:
+    def stop(self):
+        """Ask every rank to leave (they end together after the group's teardown)."""
+        if not self._stopping:
+            self._stopping = True
             for q in self.jobs:
                 q.put(None)
+
+    def close(self, force: bool = False):
+        if not force:
+            self.stop()
             for p in self.procs:
                 p.join(timeout=10)
         for p in self.procs:

@@ -290,8 +290,12 @@ class _Logits(nn.Module):
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+_SOAK = pytest.mark.soak
+
+
 @pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True),
-                                         ("llama_eager", True), ("gpt2_eager", False), ("mistral", True)])
+                                         ("llama_eager", True), pytest.param("gpt2_eager", False, marks=_SOAK),
+                                         pytest.param("mistral", True, marks=_SOAK)])
 def test_hugging_face_parity(name, padded):
     model = _Logits(_hf(name), padded)
     ids = torch.randint(0, 64, (2, 16))
@@ -309,6 +313,7 @@ def test_hugging_face_parity(name, padded):
         assert (s.mask["key_padding"] is not None) is padded
 
 
+@pytest.mark.soak  # dynamic lengths in make test: test_rewrite_cli.py's dynamic program
 @pytest.mark.parametrize("name", ["llama", "llama_eager"])
 def test_hugging_face_llama_dynamic_shapes(name):
     """Under dynamic=True HF's scale is a symbolic float and lengths are symbols: still rewritten."""

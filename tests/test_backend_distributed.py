@@ -29,6 +29,7 @@ def case_optimizer_steps(rank, world, steps):
     return curves
 
 
+@pytest.mark.soak  # training tracks eager in make test: test_demo.py
 def test_optimizer_steps_track_single_process(pools):
     results = pools(2).run(case_optimizer_steps, 5, timeout=300)
     for ref, got in results:
@@ -36,6 +37,7 @@ def test_optimizer_steps_track_single_process(pools):
         assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-4, (ref, got)
 
 
+@pytest.mark.soak
 def test_one_compiled_llama_serves_several_lengths(pools):
     """At most one recompilation after the first dynamic graph: 24 may compile static (or
     dynamic at once when this process compiled the model at another length before), 40 with
@@ -52,6 +54,7 @@ def test_one_compiled_llama_serves_several_lengths(pools):
             assert f["bad_rows"] == [] and f["nxn"] == [], rank
 
 
+@pytest.mark.soak
 def test_dynamic_true_shards_with_a_symbolic_batch_too(pools):
     """dynamic=True: batch and n are both symbols (logits.view(-1, V) merges them)."""
     errors, facts = pools(2).run(shard_models.parity, "gpt", (24, 32), "aot_eager", None, True, timeout=300)[0]
@@ -126,7 +129,7 @@ def test_fingerprint_is_stable(pools):
     assert ab0 == ab1 and ba0 == ba1 and ab0 != ba0
 
 
-@pytest.mark.parametrize("name,n", [("gpt", 26), ("bert", 25)])
+@pytest.mark.parametrize("name,n", [("gpt", 26), pytest.param("bert", 25, marks=pytest.mark.soak)])
 def test_pad_lengths_the_layout_does_not_divide(pools, name, n):
     """p = 2: 26 tokens pad to 28 (zigzag, causal GPT: shifted labels), 25 to 26 (contiguous,
     BERT: masked keys, a mean over tokens, the pooled first token)."""

@@ -1,6 +1,8 @@
 """The attention benchmark harness runs end to end in its CPU smoke mode (gloo, fp32, tiny sizes):
 the launcher starts torchrun for p = 1 and p = 2, every CPU method measures, and the report
-(JSON, table printed last, plots, RESULTS.md section) is consistent with the measurements."""
+(JSON, table printed last, plots, RESULTS.md section) is consistent with the measurements.
+The harnesses' end-to-end runs (torchrun, tens of seconds each) are the soak tier; make test
+checks their pure parts (schedules, searches, targets)."""
 
 import importlib.util
 import json
@@ -44,6 +46,7 @@ def _ok(res, **kw):
     return [r for r in res["records"] if r["status"] == "ok" and all(r[k] == v for k, v in kw.items())]
 
 
+@pytest.mark.soak
 def test_every_cpu_method_measures(smoke):
     _, res, _, _ = smoke
     assert sorted(ph["world"] for ph in res["phases"]) == [1, 2]
@@ -65,6 +68,7 @@ def test_every_cpu_method_measures(smoke):
     assert len(cp) == 4 * 2 * 2 and all(r["status"] == "skipped" and r["reason"] == "CPU" for r in cp)
 
 
+@pytest.mark.soak
 def test_ring_bytes_match_the_schedule(smoke):
     """Measured RingComm bytes per rank equal the ring schedule: K/V to p - 1 ranks in forward,
     again in backward plus dK/dV (fp32 accumulators) over p hops; none without transfers."""
@@ -80,6 +84,7 @@ def test_ring_bytes_match_the_schedule(smoke):
     assert any(line.startswith("PASS  GQA K/V bytes") for line in res["targets"])
 
 
+@pytest.mark.soak
 def test_dilated_cells(smoke):
     _, res, _, _ = smoke
     dil = [r for r in res["records"] if r["family"] == "dilated"]
@@ -95,6 +100,7 @@ def test_dilated_cells(smoke):
     assert any("dilated time(4n)" in line for line in res["targets"])
 
 
+@pytest.mark.soak
 def test_report_outputs(smoke):
     stdout, res, out, repo_md_untouched = smoke
     table = (out / "table.txt").read_text()
@@ -302,6 +308,7 @@ def test_max_length_probe_job_timeout_stops_the_job(tmp_path):
     assert bench.time.monotonic() - t < 60
 
 
+@pytest.mark.soak
 def test_max_length_probe_job_on_gloo(tmp_path):
     """One real probe job (torchrun, p = 2, gloo, the smoke sizes): it fits and reports."""
     bench = _load_bench()
@@ -326,6 +333,7 @@ def test_short_cells_get_more_warm_up():
     assert bench.plan_iters(1.8, args) == (0, 2)  # --reps still caps it
 
 
+@pytest.mark.soak
 def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     """bench_masked.py and bench_planner_gpu.py --models masked end to end on CPU (gloo, p = 2,
     smoke sizes): every masked case is timed and written to the JSON record, and the masked
@@ -362,6 +370,7 @@ def _torchrun_smoke(script: str, tmp_path):
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.soak
 def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
     with a padding mask all-gathers its key-runs table once per training step (not per layer:
@@ -373,6 +382,7 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     assert all(r["ms"] > 0 for r in rec["rows"])
 
 
+@pytest.mark.soak
 def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
     """bench_checkpoint.py end to end on CPU (gloo, p = 2, smoke sizes): in "recompute" mode the
     report says the regions were checkpointed again and the plan holds less than "inline"."""

@@ -71,8 +71,10 @@ def case_matrix(rank, world, offsets, budget_mib=None):
     return saw_empty_rows
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("offsets", ["per_head", "head_groups"])
+# head groups at every p in make test; per-head offsets at p = 3, 4 are the soak tier
+@pytest.mark.parametrize("offsets,world", [
+    *(("head_groups", p) for p in (1, 2, 3, 4)), ("per_head", 1), ("per_head", 2),
+    *(pytest.param("per_head", p, marks=pytest.mark.soak) for p in (3, 4))], ids=lambda v: str(v))
 def test_dilated_matches_reference(pools, world, offsets):
     saw_empty = pools(world).run(case_matrix, offsets)
     if offsets == "head_groups":

@@ -40,12 +40,14 @@ def _check(results, world, masks=True):
     assert all(r[0][0]["loss"] == results[0][0][0]["loss"] for r in results)
 
 
-# the longest cases beyond one per model and world-size class run under -m slow too
-SLOW = {("llama", 3), ("gpt2", 4)}
+# make test runs gpt at every p and each other model at its first world size; the other
+# cases are the soak tier (make test-soak)
+SLOW = {("llama", 1), ("llama", 3), ("llama", 4), ("gpt2", 4), ("bert", 3), ("encoder", 4), ("vit", 3),
+        ("gpt_checkpoint", 2)}  # checkpoint regions in make test: HF Llama's (llama_checkpoint)
 
 
 @pytest.mark.parametrize("name,world,n", [
-    pytest.param(m, p, n, marks=[pytest.mark.slow] if (m, p) in SLOW else [])
+    pytest.param(m, p, n, marks=[pytest.mark.soak] if (m, p) in SLOW else [])
     for m, ws, n in CASES for p in ws], ids=lambda v: str(v))
 def test_model_matches_eager(pools, name, world, n):
     _check(pools(world).run(shard_models.parity, name, (n,), timeout=300), world)
@@ -56,6 +58,7 @@ def test_head_dim_equal_to_length(pools):
     _check(pools(2).run(shard_models.parity, "gpt", (8,)), 2, masks=False)
 
 
+@pytest.mark.soak  # inductor under a ring: test_inductor_with_a_padding_mask in make test
 def test_inductor(pools):
     _check(pools(2).run(shard_models.parity, "gpt", (16,), "inductor", timeout=300), 2)
 
@@ -82,7 +85,7 @@ def case_key_runs_per_step(rank, world, name):
     return per_step, nodes, rings
 
 
-@pytest.mark.parametrize("name", ["encoder", "bert"])
+@pytest.mark.parametrize("name", [pytest.param("encoder", marks=pytest.mark.soak), "bert"])
 def test_one_key_runs_all_gather_per_step(pools, name):
     """Before, every layer's forward and backward all-gathered its own: 4 per step here."""
     for per_step, nodes, rings in pools(2).run(case_key_runs_per_step, name, timeout=300):
@@ -162,7 +165,8 @@ def case_mask_written_between_layers(rank, world, how, kind):
     return errs, [len(r.rewritten) for r in ringcc.reports()]
 
 
-@pytest.mark.parametrize("how", ["setitem", "iand", "masked_fill_", "view_fill", "out"])
+@pytest.mark.parametrize("how", ["setitem", "masked_fill_", *(pytest.param(h, marks=pytest.mark.soak)
+                                                            for h in ("iand", "view_fill", "out"))])
 def test_mask_written_in_place_between_layers(pools, how):
     """The second layer must not reuse the shard of the mask taken before the write, nor may
     dead-code elimination drop unused `x.op_()` writes (either put out off by 0.18-0.35 at p = 2).
@@ -286,6 +290,7 @@ def case_checkpoint_modes(rank, world, name):
     return out
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("name", ["gpt_checkpoint"])  # HF Llama's regions: parity in test_model_matches_eager
 def test_checkpoint_regions_recompute_their_ring_attention(pools, name):
     """Config(checkpoints="recompute") (the default): the regions are checkpoint ops again after
@@ -356,6 +361,7 @@ def test_checkpoint_nested_in_a_region_is_sharded_too(pools):
                    for n in notes), notes
 
 
+@pytest.mark.soak
 def test_report_lists_only_the_gathers_left_in_the_graph():
     """dynamic=True with checkpointed blocks: a region body's own `b, n, d = x.shape` made a
     gather for a size that turned out dead; the report listed it (found by review). The report

@@ -11,7 +11,7 @@ import ringcc
 from test_dilated import _check
 from test_ring import case_ring
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.soak
 
 WORLD = 8
 
