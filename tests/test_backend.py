@@ -81,6 +81,7 @@ def test_sdpa_parity(causal, scale, kv_heads):
     assert report.sites[0].location.startswith("test_backend.py:")
 
 
+@pytest.mark.soak  # inductor under a ring in make test: test_shard_models.py (padding mask)
 def test_sdpa_parity_inductor():
     torch.manual_seed(0)
     model = SdpaBlock(causal=True, kv_heads=2)
@@ -293,7 +294,8 @@ class _Logits(nn.Module):
 _SOAK = pytest.mark.soak
 
 
-@pytest.mark.parametrize("name,padded", [("llama", False), ("llama", True), ("gpt2", False), ("bert", True),
+@pytest.mark.parametrize("name,padded", [pytest.param("llama", False, marks=_SOAK), ("llama", True), ("gpt2", False),
+                                         ("bert", True),
                                          ("llama_eager", True), pytest.param("gpt2_eager", False, marks=_SOAK),
                                          pytest.param("mistral", True, marks=_SOAK)])
 def test_hugging_face_parity(name, padded):
