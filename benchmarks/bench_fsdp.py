@@ -124,10 +124,8 @@ def ringcc_method(args, env, n: int):
     model = build(args, "native", env.device, not args.no_checkpoint)
     # FSDP2 averages every gradient over all ranks, the sequence group included: ringcc scales
     # the shares instead of all-reducing them (Note [Gradients under data parallelism]). Each
-    # block's output is gathered to full length at its graph's end (FSDP2's hooks run between
-    # the blocks' graphs), and the next block's graph slices it again.
-    backend = ringcc.backend(ringcc.Config(mesh=env.mesh, axis="cp", inner=args.inner, grad_sync="outer",
-                                           gather_outputs=True))
+    # block hands its output to the next as this rank's rows (Note [Sharded outputs under FSDP2]).
+    backend = ringcc.backend(ringcc.Config(mesh=env.mesh, axis="cp", inner=args.inner, grad_sync="outer"))
     for layer in model.layers:
         layer.compile(backend=backend)
     compile_head(model.head, backend)

@@ -636,6 +636,19 @@ def matmul_rule(w: Sharder, node):
     return Seq(d, ref.length, ref.outer, ref.start, sharded=True)
 
 
+def outer_rule(w: Sharder, node):
+    """outer(a, b) of two vectors (RoPE's positions x frequencies): a's entries index the rows,
+    b's the columns."""
+    mapped = [(x, d) for x, d in zip(node.args[:2], (0, 1)) if isinstance(w.state.get(x), Seq)]
+    if len(mapped) != 1:
+        raise Fallback("sequence on both sides of an outer product")
+    ((x, d),) = mapped
+    st = w.state[x]
+    if not st.sharded:
+        w.localize(node, x, st, None)
+    return Seq(d, st.length, st.outer, st.start, sharded=True)
+
+
 def addmm_rule(w: Sharder, node):
     """addmm(bias, x, weight) (HF GPT-2's Conv1D): rows of x are tokens."""
     bias, x, weight = node.args[:3]
@@ -1209,6 +1222,7 @@ RULES: dict[str, Rule] = {
     "embedding": Rule(embedding_rule),
     "matmul": Rule(matmul_rule),
     "bmm": Rule(matmul_rule),
+    "outer": Rule(outer_rule),
     # layout: the sequence dim moves with the shape flow
     "view": Rule(view_rule, creates=True, unary=True),
     "reshape": Rule(view_rule, creates=True, unary=True),

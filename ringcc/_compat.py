@@ -351,7 +351,10 @@ def _dynamo_frame_module():
 
 
 def _fsdp_param_groups(module) -> list:
-    state = module._get_fsdp_state()
+    return _state_param_groups(module._get_fsdp_state())
+
+
+def _state_param_groups(state) -> list:
     groups = getattr(state, "_fsdp_param_groups", None)  # 2.13: a list (fully_shard([a, b]))
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)  # 2.11
@@ -396,3 +399,35 @@ def data_parallel_means(tensors: list) -> dict[int, tuple[tuple[int, ...], bool]
                 if t is not None and id(t) in position:
                     out[position[id(t)]] = (ranks, mean)
     return out
+
+
+def is_fsdp_pre_backward_hook(func, args) -> bool:
+    """Whether a torch-level call registers FSDP2's pre-backward hook on a module's output
+    (`Tensor.register_hook(state._pre_backward)`): a trigger that returns its gradient as is."""
+    if func is not torch.Tensor.register_hook or len(args) < 2:
+        return False
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return False
+    return isinstance(getattr(args[1], "__self__", None), FSDPState)
+
+
+def fsdp_param_groups_in_tree(module) -> list:
+    """Every FSDP2 parameter group of the fully_shard tree that `module` belongs to (once its
+    root has run a forward), or [] when it is no FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    states = getattr(module._get_fsdp_state()._state_ctx, "all_states", [])
+    return [g for state in states for g in _state_param_groups(state)]
+
+
+def wrap_fsdp_post_backward_registration(group, wrap) -> None:
+    """Replace FSDP2 parameter group's `_register_post_backward_hook(args, kwargs)` (which applies
+    its post-backward identity function to a module's inputs) by wrap(original), once."""
+    current = group._register_post_backward_hook
+    if not getattr(current, "_ringcc", False):
+        group._register_post_backward_hook = wrap(current)
+        group._register_post_backward_hook._ringcc = True

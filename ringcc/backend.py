@@ -25,7 +25,7 @@ from ringcc.report import GraphReport, record
 from ringcc.runtime.comm import group_extremes, set_timeout
 from ringcc.runtime.ops import checks_every_call, schedule_settings
 from ringcc.runtime.ring import check_no_launcher
-from ringcc.sharded import wrap_outputs
+from ringcc.sharded import fsdp_hooks_take_shards, wrap_outputs
 
 _graph_ids = itertools.count()
 
@@ -112,6 +112,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     record(report)
     compiled = _inner(gm, example_inputs, config)
     if ctx.scratch.get("sharded_outputs"):
+        fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards
         compiled = _sharded_outputs(compiled, ctx)
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):

@@ -18,6 +18,13 @@ def mark_sequence(x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError(f"mark_sequence expects a tensor; got {type(x).__name__}")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"mark_sequence: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    from ringcc.sharded import SequenceSharded
+
+    if isinstance(x, SequenceSharded):  # another graph's sharded output knows its sequence dim
+        if dim % x.dim() != x.seq_dim:
+            raise ValueError(f"mark_sequence: dim {dim} is not the sequence dim {x.seq_dim} of this "
+                             "SequenceSharded output (Note [Sharded outputs])")
+        return x
     setattr(x, _ATTR, dim % x.dim())
     return x
 

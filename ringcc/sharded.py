@@ -28,11 +28,27 @@ A shard holding rows outside the value's window (`logits[:, :-1]`, or padded row
 Config(pad=True)) carries the window (`front`, `back`: rows of the padded global order
 before and after it); the gather narrows to it. Outputs that merge the batch into the
 sequence dim (`logits.view(-1, V)`) are gathered inside the graph and named in the report.
+Read inside another graph that ringcc compiles (the next block of a model that dynamo breaks
+into graphs), the gather is traced into that graph, whose sharding pass takes the shard as is
+when the layouts and lengths agree (`handoff_gathers`): no rows move. Dynamo models the wrapper
+as a plain Python object and cannot call a C method on it (`x.float()`, `x.mean(-1)`), so every
+Tensor method is also a Python method of the class, which dynamo inlines.
+
+Note [Sharded outputs under FSDP2]
+FSDP2 touches each block's inputs and outputs outside the graphs, and each touch would gather:
+- its pre-backward hook, `output.register_hook(state._pre_backward)`, only needs to fire when
+  the output's gradient arrives; it is registered on `.local`, whose gradient arrives then;
+- its post-backward identity function, applied to a block's inputs, must see the tensors the
+  block reads; it is applied to the shards, which are wrapped again (`fsdp_hooks_take_shards`,
+  called by the backend when it compiles a graph of an FSDP2 module);
+- its input cast reads `torch.is_floating_point` and `.dtype`: metadata.
+So activations cross FSDP2's block boundaries as shards, in both directions.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree
 from torch.utils._pytree import tree_map
 
 from ringcc import _compat
@@ -88,6 +104,10 @@ class SequenceSharded(torch.Tensor):
             full = full.narrow(self.seq_dim, self.front, self.shape[self.seq_dim])
         return full
 
+    def with_local(self, local: torch.Tensor) -> "SequenceSharded":
+        """The same global value's wrapper around other rows of this rank (same layout)."""
+        return SequenceSharded(local, self.seq_dim, *self._comm, self.seq_layout, self.front, self.back)
+
     def positions(self) -> torch.Tensor:
         """The global token position of each of `.local`'s rows (padded rows and rows outside
         the window: positions outside [0, shape[seq_dim]))."""
@@ -103,8 +123,11 @@ class SequenceSharded(torch.Tensor):
         if func in _METADATA:
             with _compat.no_torch_function_subclass():
                 return func(*args, **kwargs)
-        args, kwargs = tree_map(_full, (args, kwargs))
-        return func(*args, **kwargs)
+        if _compat.is_fsdp_pre_backward_hook(func, args):
+            # a trigger that returns its gradient as is: on the shard, it fires when the
+            # output's gradient rows of this rank arrive (Note [Sharded outputs under FSDP2])
+            return args[0].local.register_hook(*args[1:], **kwargs)
+        return _on_full(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -120,13 +143,70 @@ def _full(x):
     return x.full_tensor() if isinstance(x, SequenceSharded) else x
 
 
+def _on_full(func, args, kwargs):
+    args, kwargs = tree_map(_full, (args, kwargs))
+    return func(*args, **kwargs)
+
+
+def _method(name: str):
+    """Tensor.<name> as a Python method of SequenceSharded: dynamo inlines it (it models the
+    wrapper as a plain object, whose C methods it cannot call), so a graph that reads another
+    graph's sharded output traces the gather of `.local` (Note [Sharded outputs])."""
+    func = getattr(torch.Tensor, name)
+
+    def method(self, *args, **kwargs):
+        return _on_full(func, (self, *args), kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _post_backward_on_shards(register):
+    """FSDP2's post-backward registration applied to the shards of sharded inputs: its identity
+    function's outputs are this rank's rows, wrapped again (Note [Sharded outputs under FSDP2])."""
+
+    def registration(args, kwargs):
+        flat, spec = _pytree.tree_flatten((args, kwargs))
+        sharded = {i: x for i, x in enumerate(flat) if isinstance(x, SequenceSharded)}
+        if not sharded:
+            return register(args, kwargs)
+        args, kwargs = _pytree.tree_unflatten([sharded[i].local if i in sharded else x for i, x in enumerate(flat)], spec)
+        args, kwargs = register(args, kwargs)
+        flat, spec = _pytree.tree_flatten((args, kwargs))
+        return _pytree.tree_unflatten([sharded[i].with_local(x) if i in sharded else x for i, x in enumerate(flat)], spec)
+
+    return registration
+
+
+def fsdp_hooks_take_shards(module) -> None:
+    """Let the FSDP2 modules of `module`'s tree pass sharded inputs to their post-backward hooks
+    as shards (no gather at block boundaries). Called when the backend compiles a graph of an
+    FSDP2 module."""
+    for group in _compat.fsdp_param_groups_in_tree(module):
+        _compat.wrap_fsdp_post_backward_registration(group, _post_backward_on_shards)
+
+
 _T = torch.Tensor
 _METADATA = {
     _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.ndim.__get__, _T.layout.__get__,
     _T.requires_grad.__get__, _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_quantized.__get__,
     _T.is_meta.__get__, _T.size, _T.dim, _T.ndimension, _T.numel, _T.nelement, _T.__len__,
-    _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device,
+    _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, torch.is_floating_point,
+    torch.is_complex, torch.numel,
+    _T._base.__get__,  # None: the wrapper is no view (FSDP2 checks module outputs for views)
 }
+
+
+_NOT_METHODS = {"__init__", "__new__", "__repr__", "__torch_function__", "__torch_dispatch__", "__getattribute__",
+                "__setattr__", "__delattr__", "__dir__", "__reduce_ex__", "__reduce__", "__deepcopy__", "__setstate__",
+                "__getstate__", "__init_subclass__", "__subclasshook__", "__class__", "__sizeof__", "__format__",
+                "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__", "__index__", "__int__",
+                "__float__", "__complex__", "__iter__", "__contains__", "__len__", "register_hook", "full_tensor",
+                "positions", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
+for _name, _attr in vars(torch._C.TensorBase).items():
+    if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(SequenceSharded)
+            and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "builtin_function_or_method")):
+        setattr(SequenceSharded, _name, _method(_name))
 
 
 def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str):

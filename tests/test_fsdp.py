@@ -6,6 +6,7 @@ on the global batch (Note [Gradients under data parallelism] in passes/sync_para
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import sys
@@ -79,8 +80,7 @@ def case_fsdp(rank, world, shape, names, shard_over, compile_mode, checkpoint, e
 
     torch.manual_seed(0)
     model = lm.Llama(cfg)
-    backend = ringcc.backend(ringcc.Config(mesh=device_mesh, axis="cp", inner="eager", grad_sync=grad_sync,
-                                           gather_outputs=True))
+    backend = ringcc.backend(ringcc.Config(mesh=device_mesh, axis="cp", inner="eager", grad_sync=grad_sync))
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -101,8 +101,9 @@ def case_fsdp(rank, world, shape, names, shard_over, compile_mode, checkpoint, e
     step = torch.compile(model, backend=backend) if compile_mode == "model" else model
     ringcc.reset_reports()
     mine = slice(dp_rank * B, (dp_rank + 1) * B)
-    loss = step(tokens[mine], labels[mine])
-    loss.backward()
+    with eager_gathers() as gathered:
+        loss = step(tokens[mine], labels[mine])
+        loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=device_mesh.get_group("dp"))
     loss_err = float((total / dp - ref_loss).abs())
@@ -114,7 +115,27 @@ def case_fsdp(rank, world, shape, names, shard_over, compile_mode, checkpoint, e
         r = ref_grads[name]
         grad_errs[name] = float((g - r).abs().max()) / max(float(r.abs().max()), 1e-3)
     decisions = [d for rep in ringcc.reports() for d in rep.notes if d.startswith("parameter gradients")]
-    return loss_err, grad_errs, decisions
+    gathers = gathered + [f"{g.node}: {g.why}" for rep in ringcc.reports() for g in rep.gathers]
+    return loss_err, grad_errs, decisions, gathers
+
+
+@contextlib.contextmanager
+def eager_gathers():
+    """The shapes of SequenceSharded values gathered outside any graph while it is open."""
+    import ringcc.sharded
+
+    shapes, gather = [], ringcc.sharded.gather_op
+
+    def counted(x, *args):
+        if not torch.compiler.is_compiling():
+            shapes.append(f"eager gather of {tuple(x.shape)}")
+        return gather(x, *args)
+
+    ringcc.sharded.gather_op = counted
+    try:
+        yield shapes
+    finally:
+        ringcc.sharded.gather_op = gather
 
 
 # name: (mesh shape, mesh dim names, what the engine averages over, compile, checkpoint, engine, grad_sync)
@@ -147,17 +168,24 @@ def _check(results, case):
     ringcc, or scaled for an engine that averages over the whole mesh."""
     shape, names, shard_over, compile_mode, checkpoint, engine, grad_sync = case
     covers = shard_over == "dp_cp"
-    # the blocks' graph (both blocks share it): FSDP2's units, found by grad_sync="auto"; DDP
-    # breaks no graph, so its whole model is one graph of all 20 parameters
+    # the blocks' graphs: FSDP2's units, found by grad_sync="auto". Block 0 reads the embedding's
+    # output and block 1 the SequenceSharded output of block 0, so FSDP2's blocks make two graphs
+    # of one code. DDP breaks no graph, so its whole model is one graph of all 20 parameters.
     k = 20 if engine == "ddp" else 9
-    blocks = (0, k) if covers and grad_sync != "all_reduce" else (k, 0)
+    blocks = [(0, k) if covers and grad_sync != "all_reduce" else (k, 0)] * (1 if engine == "ddp" else 2)
     # per-block compile also shards the head (its input marked): the norm's and the embedding's
     # weights and the embedding's two vocabulary chunks; its module is no FSDP2 unit, so only
     # grad_sync="outer" scales them
     head = (0, 4) if grad_sync == "outer" else (4, 0)
-    expected = [blocks, head] if compile_mode == "block" else [blocks]
-    for rank, (loss_err, grad_errs, notes) in enumerate(results):
+    # whole-model compile under FSDP2: the root's graph after the last block reads its shards too
+    # (the final norm's weight and the tied output projection); ringcc all-reduces them over cp,
+    # which is exact under either FSDP2 mesh (its mean over dp x cp counts each sum p times over
+    # p ranks)
+    root = (2, 0)
+    expected = blocks + [head] if compile_mode == "block" else blocks + ([root] if engine == "fsdp" else [])
+    for rank, (loss_err, grad_errs, notes, gathers) in enumerate(results):
         assert loss_err < 1e-5, (rank, loss_err)
+        assert gathers == [], (rank, gathers)  # activations cross every block boundary as shards
         bad = {n: e for n, e in grad_errs.items() if not e < 1e-5}
         assert not bad, (rank, bad)
         got = [n[:n.index(" scaled")] for n in notes]

@@ -135,6 +135,26 @@ def test_unknown_sequence_op_is_gathered_and_recorded():
     assert "cumsum" in g.why and "test_shard_sequence.py" in g.location
 
 
+class RopeFromPositions(nn.Module):
+    """RoPE tables from torch.outer(positions, frequencies), computed inside the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        angles = torch.outer(torch.arange(x.shape[1]).float(), torch.ones(8) / 3)
+        q, k = q * angles.cos() + q.neg() * angles.sin(), k * angles.cos() + k.neg() * angles.sin()
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_outer_product_of_positions_keeps_them_sharded():
+    gm, rep = rewrite(RopeFromPositions(), torch.randn(2, 12, 16))  # n = 12, 8 frequencies
+    assert count(gm, GATHER) == 0 and rep.gathers == []
+    assert shard_models.shard_row_violations(gm, 2) == []
+
+
 def test_sharded_values_have_n_over_p_rows():
     gm, _ = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), world=4)
     assert shard_models.shard_row_violations(gm, 4) == []
