@@ -63,6 +63,8 @@ KEY_RUNS = torch.ops.ringcc.key_runs.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
+SEQ_CUMSUM = torch.ops.ringcc.seq_cumsum.default
+_FILLS = (torch.ones, torch.zeros, torch.full)  # factories of one value: their shard is a local fill
 PAD_REMEDY = "Config(pad=True) to pad it with masked tokens"
 
 
@@ -249,6 +251,10 @@ class Sharder:
             return self._shards[key]  # (a write to src in between needs a new shard)
         # Every node made here gets its state: a shard without one would read as a replicated
         # value consumed by sharded work, whose cotangent sync_param_grads all-reduces.
+        local = self._local_fill(src, st) if not (front or back) else None
+        if local is not None:
+            self._shards[key] = local
+            return local
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
@@ -266,6 +272,24 @@ class Sharder:
             self.state[x] = Seq(st.dim, st.length, st.outer, start=front, sharded=True)
         self._shards[key] = x
         self.decisions.append(f"shard {src.name}@{st.dim}+{int(front)}-{int(back)}")
+        return x
+
+    def _local_fill(self, src: torch.fx.Node, st: Seq) -> torch.fx.Node | None:
+        """The shard of a constant fill (torch.ones(b, n): OPT's default mask) is the same fill
+        at this rank's size, made here instead of sliced from n rows (None: not such a fill)."""
+        if src.op != "call_function" or src.target not in _FILLS or not _eq(st.outer, 1) or not self.N.is_Integer:
+            return None
+        args = list(src.args)
+        sized = len(args) >= 1 and isinstance(args[0], (tuple, list, torch.Size))
+        sizes = list(args[0]) if sized else (args if src.target is not torch.full else [])
+        rest = args[1:] if sized else []
+        if len(sizes) != fake(src).dim() or not all(isinstance(v, int) for v in sizes) or \
+                any(isinstance(v, torch.fx.Node) for v in list(rest) + list(src.kwargs.values())):
+            return None
+        sizes[st.dim] = int(self.N) // self.p
+        x = self.new(src.target, tuple(sizes), *rest, **src.kwargs)
+        self.state[x] = Seq(st.dim, st.length, sharded=True)
+        self.decisions.append(f"fill {src.name}@{st.dim} locally")
         return x
 
     def _fill(self, x: torch.fx.Node, d: int, k: int, value) -> torch.fx.Node:
@@ -767,6 +791,53 @@ def repeat_rule(w: Sharder, node):
     return st.at(d)
 
 
+def repeat_interleave_rule(w: Sharder, node):
+    """repeat_interleave along a dim other than the sequence repeats features within each
+    token (Cohere's and GPT-J's RoPE interleave their frequencies): token-local."""
+    x = node.args[0]
+    st = w.state[x]
+    dim, repeats = _arg(node, 2, "dim"), _arg(node, 1, "repeats")
+    if dim is None:
+        raise Fallback("repeats the flattened value")
+    if isinstance(repeats, torch.fx.Node) and isinstance(w.state.get(repeats), Seq):
+        raise Fallback("sequence in the repeats")
+    if _norm_dim(dim, fake(x).dim()) == st.dim:
+        raise Fallback("repeats along the sequence")
+    if not st.sharded and fake(node).is_floating_point():  # per-token work: sliced here
+        w.localize(node, x, st, None)
+        st = replace(st, sharded=True)
+    return st
+
+
+def cumsum_rule(w: Sharder, node):
+    """cumsum along a feature dim is token-local; along the sequence of a shard it is
+    ringcc::seq_cumsum (Note [Cumulative sums] in runtime/seqops.py). A replicated integer
+    value stays replicated (positions from a padding mask); a replicated float one is sliced
+    first (OPT's positions from a mask of ones)."""
+    x = node.args[0]
+    st = w.state[x]
+    d = _norm_dim(_arg(node, 1, "dim"), fake(x).dim())
+    if d != st.dim:
+        return pointwise(cheap=False)(w, node)
+    if _arg(node, 2, "dtype") is not None:
+        raise Fallback("cumsum with a dtype")
+    if not st.sharded and not fake(node).is_floating_point():
+        return st
+    if not _eq(st.outer, 1):
+        raise Fallback("cumsum over merged batch and sequence")
+    if not st.sharded:
+        w.localize(node, x, st, None)
+        st = replace(st, sharded=True)
+    elif not w.full(st):
+        raise Fallback("cumsum over a narrowed or padded shard")
+    out = w.new(SEQ_CUMSUM, _arg(node, 0, "input"), d, False, *w.comm)
+    out.meta["example_value"] = fake(node)  # the rules downstream read global shapes
+    w.state[out] = st
+    node.replace_all_uses_with(out)
+    w.decisions.append(f"{node.name}: seq_cumsum")
+    return st
+
+
 def transpose_rule(w: Sharder, node):
     x = node.args[0]
     st = w.state[x]
@@ -833,6 +904,8 @@ def getitem_rule(w: Sharder, node):
     st = w.state[x]
     if isinstance(st, tuple):
         return st[index]
+    if st is None:
+        return _lookup(w, node, index)
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(i, torch.fx.Node) or isinstance(i, (list, torch.Tensor)) for i in items):
         raise Fallback("advanced indexing")
@@ -856,6 +929,22 @@ def getitem_rule(w: Sharder, node):
         if not isinstance(i, int):
             out_d += 1
     raise AssertionError("sequence dim not reached by the index")
+
+
+def _lookup(w: Sharder, node, index):
+    """table[index]: rows of a value without a sequence (a buffer) picked by an integer index
+    that carries one (GPT-J's sin/cos table read at the position ids). Each output row depends
+    on its own index row only, as in an embedding: the index is sliced and the rows stay
+    sharded."""
+    st = w.state.get(index) if isinstance(index, torch.fx.Node) else None
+    val = fake(index)
+    if not isinstance(st, Seq) or not isinstance(val, torch.Tensor) or val.is_floating_point() or \
+            val.dtype == torch.bool:
+        raise Fallback("advanced indexing")
+    if not st.sharded:
+        w.localize(node, index, st, None)
+        st = replace(st, sharded=True)
+    return st  # the output's leading dims are the index's
 
 
 def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: list):
@@ -1230,6 +1319,8 @@ RULES: dict[str, Rule] = {
     "expand": Rule(expand_rule, creates=True, unary=True),
     "unflatten": Rule(unflatten_rule, unary=True),
     "repeat": Rule(repeat_rule, unary=True),
+    "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
+    "cumsum": Rule(cumsum_rule, unary=True),
     "transpose": Rule(transpose_rule, unary=True),
     "swapaxes": Rule(transpose_rule, unary=True),
     "t": Rule(t_rule, unary=True),
@@ -1237,7 +1328,7 @@ RULES: dict[str, Rule] = {
     "unsqueeze": Rule(unsqueeze_rule, unary=True),
     "squeeze": Rule(squeeze_rule, unary=True),
     "movedim": Rule(movedim_rule, unary=True),
-    "getitem": Rule(getitem_rule, creates=True, unary=True),
+    "getitem": Rule(getitem_rule, creates=True),  # unary but for a table read at sequence indices
     "narrow": Rule(narrow_rule, unary=True),
     "split": Rule(split_rule, unary=True),
     "chunk": Rule(split_rule, unary=True),

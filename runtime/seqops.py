@@ -8,6 +8,8 @@ Backward of every op mirrors its forward (Note [Replicated cotangents]):
   backward is the identity.
 - seq_select: forward picks global token `index` (its owner contributes, the others add 0);
   backward puts the cotangent back at that row on the owner and zeros elsewhere.
+- seq_cumsum: a cumulative sum along the sharded sequence (Note [Cumulative sums]); backward
+  is the same op summing from the end.
 - sync_grads: forward is the identity on a bucket of replicated values (parameters) that
   sharded computation consumes; backward all-reduces their cotangents in one flat buffer.
 - scale_grads_view: the identity whose backward multiplies the cotangents by p instead, for
@@ -234,3 +236,63 @@ def scale_grads_view(xs: list[torch.Tensor], group_name: str, world_size: int) -
     """The identity on a bucket of parameters, as views, whose backward scales their cotangents
     by world_size (no communication; `group_name` keeps sync_grads_view's signature)."""
     return _ScaleGradsView.apply(world_size, *xs)
+
+
+# ---------------------------------------------------------------------------------------
+# seq_cumsum
+
+# Note [Cumulative sums]
+# cumsum along a sharded sequence dim (OPT's position ids: a cumsum of the attention mask). A
+# rank holds chunks of the global order (contiguous: chunk r of p; zigzag: chunks r and
+# 2p-1-r of 2p, runtime/layout.py), so each chunk's prefix sum is its own cumsum plus the sum
+# of every chunk before it in global order. Every rank takes the cumsum of each of its chunks,
+# all-gathers the chunks' totals (one row per chunk: 2p rows in all, whatever n), and adds the
+# totals of the chunks before each of its own. reverse=True sums from the end instead (the
+# chunks after), which is the gradient: d(cumsum x)/dx applied to g is the suffix sum of g.
+
+
+def _cumsum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """torch.cumsum's result dtype: integral and bool inputs sum in int64."""
+    return dtype if dtype.is_floating_point or dtype.is_complex else torch.int64
+
+
+@torch.library.custom_op("ringcc::seq_cumsum", mutates_args=())
+def seq_cumsum(x: torch.Tensor, dim: int, reverse: bool, group_name: str, world_size: int,
+               layout: str) -> torch.Tensor:
+    group, rank, world = _group_from(group_name, world_size)
+    lay = L.Layout(layout)
+    per = L.chunks_per_rank(lay)
+    pieces = [c.flip(dim).cumsum(dim).flip(dim) if reverse else c.cumsum(dim) for c in x.chunk(per, dim)]
+    # each chunk's total: its first row summing from the end, its last from the start
+    totals = torch.cat([c.narrow(dim, 0 if reverse else c.shape[dim] - 1, 1) for c in pieces], dim).contiguous()
+    parts = [torch.empty_like(totals) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(parts, totals, group=group)
+    else:
+        parts = [totals]
+    by_chunk = {}  # global chunk -> its total
+    for r, part in enumerate(parts):
+        for slot, c in enumerate(L.local_chunks(r, world, lay)):
+            by_chunk[c] = part.narrow(dim, slot, 1)
+    out = []
+    for slot, c in enumerate(L.local_chunks(rank, world, lay)):
+        others = [by_chunk[k] for k in sorted(by_chunk) if (k > c if reverse else k < c)]
+        out.append(pieces[slot] + sum(others[1:], others[0]) if others else pieces[slot])
+    return torch.cat(out, dim).contiguous()
+
+
+@seq_cumsum.register_fake
+def _(x, dim, reverse, group_name, world_size, layout):
+    return x.new_empty(x.shape, dtype=_cumsum_dtype(x.dtype))
+
+
+def _cumsum_setup(ctx, inputs, output):
+    x, dim, reverse, group_name, world_size, layout = inputs
+    ctx.args = (dim, not reverse, group_name, world_size, layout)
+
+
+def _cumsum_backward(ctx, grad):
+    return seq_cumsum(grad.contiguous(), *ctx.args), None, None, None, None, None
+
+
+seq_cumsum.register_autograd(_cumsum_backward, setup_context=_cumsum_setup)

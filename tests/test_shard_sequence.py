@@ -17,6 +17,7 @@ SHARD = torch.ops.ringcc.shard.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
+SEQ_CUMSUM = torch.ops.ringcc.seq_cumsum.default
 from ringcc.runtime.seqops import sync_grads_view as SYNC  # dynamo graphs (Note [Parameter copies])
 
 
@@ -42,7 +43,8 @@ def count(gm, target) -> int:
 
 
 class Pooled(nn.Module):
-    """Non-causal attention, then a mean over tokens, the first token, and a cumsum."""
+    """Non-causal attention, then a mean over tokens, the first token, a cumsum, or a cumprod
+    (an op without a sharding rule)."""
 
     def __init__(self, what):
         super().__init__()
@@ -56,7 +58,9 @@ class Pooled(nn.Module):
             return y.mean()
         if self.what == "first":
             return y[:, 0].sum()
-        return y.cumsum(1).sum()
+        if self.what == "cumsum":
+            return y.cumsum(1).sum()
+        return y.cumprod(1).sum()
 
 
 def test_gpt_graph_shards_inputs_and_keeps_the_label_shift():
@@ -129,10 +133,54 @@ def test_selecting_a_token_reads_it_from_its_owner():
 
 
 def test_unknown_sequence_op_is_gathered_and_recorded():
-    gm, rep = rewrite(Pooled("cumsum"), torch.randn(2, 8, 16))
+    gm, rep = rewrite(Pooled("cumprod"), torch.randn(2, 8, 16))
     assert count(gm, GATHER) == 1
     (g,) = rep.gathers
-    assert "cumsum" in g.why and "test_shard_sequence.py" in g.location
+    assert "cumprod" in g.why and "test_shard_sequence.py" in g.location
+
+
+def test_cumsum_over_tokens_is_a_local_cumsum_plus_the_chunks_before():
+    gm, rep = rewrite(Pooled("cumsum"), torch.randn(2, 8, 16))
+    assert count(gm, SEQ_CUMSUM) == 1 and count(gm, GATHER) == 0 and rep.gathers == []
+
+
+class Positions(nn.Module):
+    """Attention whose input gets position features as Hugging Face models make them: OPT's
+    positions from a cumsum of a mask of ones, Cohere's RoPE frequencies interleaved with
+    repeat_interleave, GPT-J's sin/cos table read at the position ids; then a running mean
+    over the tokens (a float cumsum along the sequence)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.pos = nn.Embedding(64, d)
+        self.register_buffer("table", torch.randn(64, d, generator=torch.Generator().manual_seed(0)))
+        self.register_buffer("inv_freq", torch.rand(d // 2, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        mask = torch.ones(b, n)
+        x = x + self.pos((mask.cumsum(1) * mask - 1).long())  # OPT
+        freqs = torch.arange(n)[None, :, None].float() * self.inv_freq
+        x = x * torch.repeat_interleave(freqs, 2, dim=-1).cos()  # Cohere
+        x = x * self.table[torch.arange(n)[None]]  # GPT-J
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return y.cumsum(1) / torch.arange(1, n + 1)[:, None]
+
+
+def test_position_features_are_computed_on_the_shards():
+    """No O(n) float on any rank: OPT's mask of ones is made at n/p rows and summed with
+    ringcc::seq_cumsum, as is the running sum; Cohere's repeat_interleave of the frequencies
+    and GPT-J's table lookup run on this rank's positions. (Numbers: test_shard_seqops.py.)"""
+    gm, rep = rewrite(Positions(), torch.randn(2, 8, 16))
+    assert rep.gathers == [] and rep.plan.verdict, (rep.gathers, rep.plan.culprits)
+    (ones,) = [n for n in gm.graph.nodes if n.target is torch.ones]
+    assert tuple(ones.meta["example_value"].shape) == (2, 4) and count(gm, SEQ_CUMSUM) == 2
+    (interleaved,) = [n for n in gm.graph.nodes if n.target is torch.repeat_interleave]
+    assert interleaved.meta[STATE_META].sharded and interleaved.meta["example_value"].shape[1] == 4
+    (lookup,) = [n for n in gm.graph.nodes if n.target is operator.getitem and "table" in n.args[0].name]
+    assert lookup.args[1].target is SHARD and lookup.meta["example_value"].shape[1] == 4
 
 
 class RopeFromPositions(nn.Module):
@@ -257,7 +305,7 @@ def test_sharding_note_reads_as_words(world, dynamic, expected):
 
 class FlatResidual(nn.Module):
     """Attention, then the tokens flattened to [b * n, d] (as MoE blocks do) and an op without a
-    sharding rule (cumsum over the tokens: gathered) added back to the sharded tokens."""
+    sharding rule (cumprod over the tokens: gathered) added back to the sharded tokens."""
 
     def __init__(self, d=16):
         super().__init__()
@@ -271,17 +319,17 @@ class FlatResidual(nn.Module):
         q, k, v = self.qkv(self.emb(ids)).view(b, n, 3, 2, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, -1)
         h = y.view(-1, y.shape[-1])
-        out = self.w(h).cumsum(0) + h
+        out = self.w(h).cumprod(0) + h
         return (out.view(b, n, -1) * self.proj).sum()  # a fixed projection: no gradient is ~0
 
 
 def test_a_gathered_value_meets_flattened_shards_as_a_shard_not_a_weight():
-    """The gathered cumsum comes back to the flattened [b * n/p, d] shards through
+    """The gathered cumprod comes back to the flattened [b * n/p, d] shards through
     unflatten / shard / flatten; each of those nodes carries its sequence state, so the shard
     is not taken for a replicated weight whose cotangent sync_param_grads all-reduces (which
     gave wrong gradients for every parameter before the add)."""
     gm, rep = rewrite(FlatResidual(), torch.randint(0, 32, (2, 8)), world=2)
-    assert [g.why for g in rep.gathers] == ["no sharding rule for cumsum"]
+    assert [g.why for g in rep.gathers] == ["no sharding rule for cumprod"]
     shard = next(n for n in gm.graph.nodes if n.target is SHARD and n.args[0].target == "unflatten")
     (flat,) = shard.users
     assert flat.target == "flatten" and flat.meta[STATE_META].sharded and flat.meta[STATE_META].outer == 2

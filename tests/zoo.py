@@ -23,6 +23,7 @@ own rounding noise (PITFALLS.md).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -83,6 +84,17 @@ def _config(config_cls: str, auto: str, **kwargs):
 _BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
              max_position_embeddings=128)
 
+# GPT2LMHeadModel's class name matches no loss in transformers' LOSS_MAPPING, so its
+# `loss_function` property logs a warning (logger.warning_once, modeling_utils.py) on every
+# call: dynamo cannot trace a logger call and breaks the graph there. The loss then runs in
+# later graphs that read the sharded logits; one of them ends in logits.view(-1, V), an output
+# that merges the batch into the sequence dim, which leaves the graph gathered. Setting
+# `model.loss_type = "ForCausalLM"` (or adding logging.Logger.warning_once to
+# torch._dynamo.config.ignore_logging_functions) removes the break: one graph, O(n/p).
+_GPT2_WHY = ("a graph break at transformers' logger.warning_once in GPT2LMHeadModel.loss_function (loss_type None); "
+             "the loss graph after it returns logits.view(-1, V), batch merged into the sequence: gathered. "
+             "model.loss_type = \"ForCausalLM\" avoids the break")
+
 ZOO: list[Arch] = [
     Arch("llama", _llama_like("LlamaConfig"), worlds=(2, 4)),
     Arch("mistral", _llama_like("MistralConfig", sliding_window=None)),
@@ -96,13 +108,11 @@ ZOO: list[Arch] = [
                              max_position_embeddings=128)),
     Arch("opt", _config("OPTConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
-                        word_embed_proj_dim=32), linear=False,
-         why="position ids from a cumsum of the mask (modeling_opt.py:354-358) are replicated floats"),
+                        word_embed_proj_dim=32)),
     Arch("gpt2", _config("GPT2Config", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                         n_positions=128), worlds=(2, 4)),
+                         n_positions=128), worlds=(2, 4), linear=False, why=_GPT2_WHY),
     Arch("gptj", _config("GPTJConfig", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                         n_positions=128, rotary_dim=4), linear=False,
-         why="RoPE's sin/cos (modeling_gptj.py:75-76) are computed on all n positions on every rank"),
+                         n_positions=128, rotary_dim=4)),
     Arch("stablelm", _llama_like("StableLmConfig")),
     Arch("cohere", _llama_like("CohereConfig")),
     Arch("granite", _llama_like("GraniteConfig")),
@@ -268,7 +278,8 @@ first three). Outputs are returned sharded (docs/outputs.md).
 - O(n/p): the memory planner's verdict for every graph of every pattern;
 - exact: every parameter's gradient and the loss within {tol:g} of eager (relative to the
   parameter's largest gradient, floored at 1e-3 of the model's largest);
-- not O(n/p) because: the ops the planner names and the gathers the report records.
+- not O(n/p) because: the zoo's note on the cause, then the ops the planner names and the
+  gathers the report records.
 
 """
 
@@ -288,7 +299,8 @@ def matrix(rows: dict[str, dict], world: int) -> str:
         sites = sorted({f"{sum(r['rewritten'])}/{sum(r['rewritten']) + sum(r['skipped'])}" for r in res.values()})
         linear = all(r["linear"] for r in res.values())
         exact = all(r["loss"] < TOL and r["grad"] < TOL for r in res.values())
-        why = sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
+        why = ([arch.why] if arch.why and not linear else []) + \
+            sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
         worst = max(r["grad"] for r in res.values())
         lines.append(f"| {arch.name} | {arch.kind} | {', '.join(sites)} | {'yes' if linear else 'no'} | "
                      f"{'yes' if exact else 'no'} | {worst:.1e} | {'; '.join(why) or '-'} |")
@@ -301,12 +313,20 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="architectures to run (default: all)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "compatibility.md"))
+    parser.add_argument("--rows", default=os.path.join(os.path.dirname(__file__), "..", "out", "zoo_rows.json"),
+                        help="each architecture's results, kept between runs: a run with --only rewrites the "
+                             "matrix with the other rows of the last runs (same world size)")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(__file__))
     from distpool import DistPool
 
-    pool = DistPool(args.world_size)
     rows: dict[str, dict] = {}
+    if args.only and os.path.exists(args.rows):
+        with open(args.rows) as f:
+            kept = json.load(f)
+        rows = kept["rows"] if kept.get("world_size") == args.world_size else {}
+    pool = DistPool(args.world_size)
+    start = time.perf_counter()
     try:
         for arch in ZOO:
             if args.only and arch.name not in args.only:
@@ -319,11 +339,15 @@ def main(argv=None) -> int:
             print(f"{arch.name}: {time.perf_counter() - t0:.0f} s "
                   f"{check(arch, rows[arch.name]) if isinstance(rows[arch.name], dict) else rows[arch.name]}",
                   flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.rows)), exist_ok=True)
+            with open(args.rows, "w") as f:
+                json.dump({"world_size": args.world_size, "rows": rows}, f)
             if args.matrix:  # after every architecture: an interrupted run keeps what it measured
                 with open(args.out, "w") as f:
                     f.write(matrix(rows, args.world_size))
     finally:
         pool.close()
+    print(f"zoo: {time.perf_counter() - start:.0f} s", flush=True)
     return 0
 
 
