@@ -950,6 +950,8 @@ def _lookup(w: Sharder, node, index):
 def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: list):
     x = node.args[0]
     if not _eq(st.outer, 1):
+        if i == slice(None):  # the whole dim (routing's top_i[:, 0]): its rows stay
+            return st.at(out_d)
         raise Fallback("indexes a dim that merges batch and sequence")
     if isinstance(i, int):
         if not st.sharded:

@@ -85,12 +85,13 @@ class TinyMoE(nn.Module):
     """Attention, then a mixture of experts over the flattened [b * n, d] tokens as
     transformers 5.x dispatches it (top-k routing, the slots sorted by expert, grouped matmul
     with offsets from a histogram, the inverse permutation), and a load-balancing loss (a
-    histogram and a sum over all tokens of the batch). `escape`: the sorted expert ids are also
-    returned, so the rank-local order would leave the graph."""
+    histogram and a sum over all tokens of the batch; a one-hot mean too). `escape`: the sorted
+    expert ids are also returned, so the rank-local order would leave the graph; `argsort`: the
+    slots are ordered by argsort and read through its indices."""
 
-    def __init__(self, d=16, experts=4, k=2, escape=False):
+    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False):
         super().__init__()
-        self.k, self.experts, self.escape = k, experts, escape
+        self.k, self.experts, self.escape, self.argsort = k, experts, escape, argsort
         self.emb = nn.Embedding(32, d)
         self.qkv = nn.Linear(d, 3 * d)
         self.router = nn.Linear(d, experts, bias=False)
@@ -106,7 +107,11 @@ class TinyMoE(nn.Module):
         probs = self.router(h).softmax(-1)
         top_w, top_i = torch.topk(probs, self.k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        expert_ids, perm = torch.sort(top_i.reshape(-1))
+        if self.argsort:
+            perm = top_i.reshape(-1).argsort()
+            expert_ids = top_i.reshape(-1)[perm]
+        else:
+            expert_ids, perm = torch.sort(top_i.reshape(-1))
         counts = torch.histc(expert_ids.float(), bins=self.experts, min=0, max=self.experts - 1)
         rows = grouped_mm(h[perm // self.k], self.w, torch.cumsum(counts, 0, dtype=torch.int32))
         rows = rows * top_w.reshape(-1)[perm].unsqueeze(-1)
@@ -116,19 +121,23 @@ class TinyMoE(nn.Module):
         loss = F.cross_entropy(self.head(x)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         share = torch.histc(top_i.reshape(-1).float(), bins=self.experts, min=0, max=self.experts) / (b * n)
         loss = loss + (share * probs.sum(0) / (b * n)).sum()
+        loss = loss + (F.one_hot(top_i[:, 0], self.experts).float().mean(0) * probs.mean(0)).sum()
         return (loss, expert_ids) if self.escape else loss
 
 
-def test_moe_dispatch_stays_on_each_ranks_own_tokens():
+@pytest.mark.parametrize("argsort", [False, True], ids=["sort", "argsort"])
+def test_moe_dispatch_stays_on_each_ranks_own_tokens(argsort):
     """Routing, the rank's own sort, the tokens read in its order, grouped matmul with the
-    rank's offsets and the inverse permutation run on shards; the load-balancing histogram and
-    the probability sum are all-reduced; the inverse's arange counts the rank's rows."""
-    gm, rep = rewrite(TinyMoE(), torch.randint(0, 32, (2, 8)), world=2)
+    rank's offsets and the inverse permutation run on shards; the load-balancing histogram,
+    the probability sum and the one-hot and probability means are all-reduced; the inverse's
+    arange counts the rank's rows."""
+    gm, rep = rewrite(TinyMoE(argsort=argsort), torch.randint(0, 32, (2, 8)), world=2)
     assert rep.gathers == [] and count(gm, GATHER) == 0
-    sort = next(n for n in gm.graph.nodes if n.target is torch.sort)
-    assert sort.meta[STATE_META][0].order is sort and sort.meta[STATE_META][1].index == ("pairs", None)
-    # cross-entropy (sum and count), the histogram, the probability sum
-    assert count(gm, ALL_REDUCE) == 3
+    sort = next(n for n in gm.graph.nodes if n.target in (torch.sort, "argsort"))
+    perm = sort.meta[STATE_META] if argsort else sort.meta[STATE_META][1]
+    assert perm.order is sort and perm.index == ("pairs", None)
+    # cross-entropy (sum and count), the histogram, the probability sum, the two means
+    assert count(gm, ALL_REDUCE) == 5
     histc = [n for n in gm.graph.nodes if n.target is torch.histc]
     assert [[u.target for u in h.users] for h in histc][1] == [ALL_REDUCE]  # the loss's, not the offsets'
     (arange,) = [n for n in gm.graph.nodes if n.target is torch.arange and n.args and isinstance(n.args[0], torch.fx.Node)]
@@ -162,7 +171,8 @@ def case_tiny_moe(rank, world, escape):
     return _errors(ref, model, out.detach(), ref_out.detach())
 
 
-@pytest.mark.parametrize("escape", [False, True], ids=["own_tokens", "gathered"])
+@pytest.mark.parametrize("escape", [False, pytest.param(True, marks=pytest.mark.soak)],
+                         ids=["own_tokens", "gathered"])
 def test_moe_dispatch_matches_eager(pools, escape):
     for rank, errs in enumerate(pools(2).run(case_tiny_moe, escape)):
         worst = max(errs.items(), key=lambda kv: kv[1])
