@@ -79,7 +79,7 @@ class Seq:
     sharded: bool = False
     # Note [Rank-local rows]: rows per token merged after the sequence inside dim (a token's
     # top-k routing slots), the rank-local sort the rows are ordered by (None: token order),
-    # and what an integer value's entries index ("pairs", "tokens", "inverse"; None: data)
+    # and what an integer value's entries are ((kind, sort); None: data)
     inner: sympy.Expr = sympy.Integer(1)
     order: Optional[torch.fx.Node] = None
     index: Optional[str] = None
@@ -100,6 +100,7 @@ class Partial:
     describes the rank's own rows `rows` (grouped_mm's group offsets)."""
 
     rows: Seq
+    keys: Optional[torch.fx.Node] = None  # the sort whose sorted values it counts
     sharded: bool = True  # rank-local: what computes on it computes on shards
 
 
@@ -1369,8 +1370,8 @@ RULES: dict[str, Rule] = {
 # permutation. On a shard each step is done on the rank's own rows: the sort is the rank's
 # own (Seq.order = the sort node), indices index the rank's own rows (Seq.index says which:
 # ("pairs", None) slot rows in token order, ("tokens", None) token rows, ("positions", P)
-# rows in P's order), the histogram counts the rank's rows (a Partial), and grouped_mm
-# reads those local offsets. A value in a rank-local order has no global counterpart, so
+# rows in P's order; ("keys", P) marks P's sorted values), the histogram of the sorted keys
+# counts the rank's rows per group (a Partial), and grouped_mm reads those local offsets. A value in a rank-local order has no global counterpart, so
 # only rules that know these states (ROWS_RULES) take one, and they keep the order until
 # the inverse permutation brings the rows back to token order and a view splits the slots
 # off again. Where a rule cannot follow, gathering such a value would be wrong: the walk is
@@ -1418,7 +1419,7 @@ def sort_rule(w: Sharder, node):
     if val.dim() != 1 or st.order is not None:
         raise Fallback("sorts rows of several dims, or rows already in a rank-local order")
     _full_rows(w, st)
-    values = replace(st, order=node, index=None)
+    values = replace(st, order=node, index=("keys", node))
     indices = replace(values, index=("pairs", None))
     return indices if op_name(node) == "argsort" else (values, indices)
 
@@ -1438,7 +1439,8 @@ def histc_rule(w: Sharder, node):
     if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi):
         raise Fallback("a histogram over the data's own range")
     _full_rows(w, st)
-    return Partial(replace(st, dim=0, index=None))
+    keys = st.index[1] if st.index is not None and st.index[0] == "keys" else None
+    return Partial(replace(st, dim=0, index=None), keys)
 
 
 def rows_pointwise(w: Sharder, node):
@@ -1470,14 +1472,19 @@ def rows_pointwise(w: Sharder, node):
                 raise Fallback("a value without rows varies along rows of a rank")
     index = None
     name = op_name(node)
-    if len(tensors) == 1 and first.index is not None and not fake(node).is_floating_point():
+    if len(tensors) == 1 and first.index is not None and first.index[0] == "keys" and name in _CASTS:
+        index = first.index  # the sorted keys, cast for histc
+    elif len(tensors) == 1 and first.index is not None and not fake(node).is_floating_point():
         k = node.args[1] if len(node.args) > 1 else None
-        if name in ("contiguous", "clone", "detach", "to", "long", "int", "alias"):
+        if name in _CASTS:
             index = first.index
         elif name == "floordiv" and first.index == ("pairs", None) and node.args[0] is tensors[0] and \
                 isinstance(k, int) and _eq(first.inner, k):
             index = ("tokens", None)  # slot row // k: the slot's token
     return replace(first, dim=d, index=index)
+
+
+_CASTS = ("contiguous", "clone", "detach", "to", "long", "int", "float", "double", "alias")
 
 
 def rows_view(w: Sharder, node):
@@ -1560,7 +1567,8 @@ def rows_getitem(w: Sharder, node):
     if kind == "tokens" and _eq(sx.inner, 1) and sx.order is None and sx.index is None:
         return rows
     if kind == "pairs" and _eq(sx.inner, si.inner) and sx.order is None:
-        return rows
+        # the argsorted value read in its own order: the sorted keys
+        return replace(rows, index=("keys", si.order)) if x is si.order.args[0] else rows
     if kind == "positions" and sx.order is of and _eq(sx.inner, si.inner):
         return rows
     raise Fallback(f"advanced indexing by {kind} indices of rows in another order")
@@ -1606,8 +1614,8 @@ def grouped_mm_rule(w: Sharder, node):
     offs = _arg(node, 2, "offs")
     sx, so = w.state.get(x), w.state.get(offs) if isinstance(offs, torch.fx.Node) else None
     if not (isinstance(sx, Seq) and sx.sharded and sx.dim == 0 and fake(x).dim() == 2 and w.state.get(weight) is None
-            and isinstance(so, Partial) and _row_key(so.rows) == _row_key(sx)):
-        raise Fallback("grouped matmul without the offsets of the rank's rows")
+            and isinstance(so, Partial) and _row_key(so.rows) == _row_key(sx) and so.keys is sx.order):
+        raise Fallback("grouped matmul without offsets counted from the sorted keys of the rank's rows")
     return replace(sx, index=None)
 
 

@@ -87,11 +87,13 @@ class TinyMoE(nn.Module):
     with offsets from a histogram, the inverse permutation), and a load-balancing loss (a
     histogram and a sum over all tokens of the batch; a one-hot mean too). `escape`: the sorted
     expert ids are also returned, so the rank-local order would leave the graph; `argsort`: the
-    slots are ordered by argsort and read through its indices."""
+    slots are ordered by argsort and read through its indices; `unsorted_counts`: the group
+    offsets count other ids than the sorted ones, in the sort's order (not its row groups)."""
 
-    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False):
+    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False, unsorted_counts=False):
         super().__init__()
         self.k, self.experts, self.escape, self.argsort = k, experts, escape, argsort
+        self.unsorted_counts = unsorted_counts
         self.emb = nn.Embedding(32, d)
         self.qkv = nn.Linear(d, 3 * d)
         self.router = nn.Linear(d, experts, bias=False)
@@ -108,11 +110,13 @@ class TinyMoE(nn.Module):
         top_w, top_i = torch.topk(probs, self.k, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         if self.argsort:
-            perm = top_i.reshape(-1).argsort()
-            expert_ids = top_i.reshape(-1)[perm]
+            slots = top_i.reshape(-1)
+            perm = slots.argsort()
+            expert_ids = slots[perm]
         else:
             expert_ids, perm = torch.sort(top_i.reshape(-1))
-        counts = torch.histc(expert_ids.float(), bins=self.experts, min=0, max=self.experts - 1)
+        keys = ((top_i.reshape(-1) + 1) % self.experts)[perm] if self.unsorted_counts else expert_ids
+        counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
         rows = grouped_mm(h[perm // self.k], self.w, torch.cumsum(counts, 0, dtype=torch.int32))
         rows = rows * top_w.reshape(-1)[perm].unsqueeze(-1)
         inv = torch.empty_like(perm)
@@ -147,10 +151,12 @@ def test_moe_dispatch_stays_on_each_ranks_own_tokens(argsort):
     assert str(plan[sort.name].shape[0][0]) == "4*n/p" and rep.plan.verdict
 
 
-def test_a_rank_local_order_that_would_leave_the_graph_is_gathered():
-    """The sorted expert ids are a graph output: in a rank-local order they have no global
-    value, so the sort runs on gathered slots (recorded) rather than the rank's own."""
-    gm, rep = rewrite(TinyMoE(escape=True), torch.randint(0, 32, (2, 8)), world=2)
+@pytest.mark.parametrize("variant", ["escape", "unsorted_counts"])
+def test_a_rank_local_order_that_cannot_be_followed_is_gathered(variant):
+    """The sorted expert ids are a graph output (in a rank-local order they have no global
+    value), or grouped_mm's offsets do not count the sorted keys (its row groups would not be
+    the rank's sorted rows): the sort runs on gathered slots (recorded), not the rank's own."""
+    gm, rep = rewrite(TinyMoE(**{variant: True}), torch.randint(0, 32, (2, 8)), world=2)
     assert "sort: sorts the sequence" in [g.why for g in rep.gathers]
     assert not any(isinstance(s, tuple) and s[0].order is not None
                    for s in (n.meta.get(STATE_META) for n in gm.graph.nodes))
