@@ -32,10 +32,11 @@ not padded: Config(pad=True) is an error there that names torch.compile(dynamic=
 Rules (RULES below) say for each op how states map from inputs to the output and what the
 op needs: token-local ops keep a shard; reductions over the sequence become a local
 reduction + ringcc::all_reduce_sum (mean = global sum / global count, cross_entropy with
-ignore_index); selecting one token becomes ringcc::seq_select; anything else that mixes
-tokens gets an all-gather (recorded in the report as O(n)). Sharded graph outputs leave the
-graph as shards (Note [Sharded outputs] in ringcc/sharded.py), or gathered under
-Config(gather_outputs=True).
+ignore_index); selecting one token becomes ringcc::seq_select; a mixture of experts' routing
+and dispatch (sorts, grouped matmuls) run on each rank's own rows (Note [Rank-local rows]);
+anything else that mixes tokens gets an all-gather (recorded in the report as O(n)). Sharded
+graph outputs leave the graph as shards (Note [Sharded outputs] in ringcc/sharded.py), or
+gathered under Config(gather_outputs=True).
 """
 
 from __future__ import annotations
@@ -1545,15 +1546,27 @@ def merge_rows(rule):
 
 
 def rows_getitem(w: Sharder, node):
-    """x[index] with one integer tensor index over x's rows (Note [Rank-local rows]): a table
-    without rows read per row; token rows read in a sort's order by ("tokens") indices; slot
-    rows by ("pairs") indices; rows in a sort's order put back by ("positions") indices."""
+    """x[index] with one integer tensor index over x's rows (Note [Rank-local rows])."""
     x, index = node.args[0], node.args[1]
-    sx = w.state.get(x)
-    if isinstance(sx, tuple):
-        return sx[index]
+    if isinstance(w.state.get(x), tuple):
+        return w.state[x][index]
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
+    return _take_rows(w, x, index)
+
+
+def rows_index_select(w: Sharder, node):
+    x, dim, index = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    if _norm_dim(dim, fake(x).dim()) != 0:
+        raise Fallback("index_select along a dim other than the rows")
+    return _take_rows(w, x, index)
+
+
+def _take_rows(w: Sharder, x: torch.fx.Node, index) -> State:
+    """The rows of x that `index` names: a table without rows read per row; token rows read in
+    a sort's order by ("tokens") indices; slot rows by ("pairs") indices; rows in a sort's
+    order put back by ("positions") indices."""
+    sx = w.state.get(x)
     si = w.state.get(index) if isinstance(index, torch.fx.Node) else None
     if not (isinstance(si, Seq) and si.sharded and fake(index).dim() == 1 and si.index is not None):
         raise Fallback("indexes rows of a rank other than by one tensor of row indices")
@@ -1572,6 +1585,20 @@ def rows_getitem(w: Sharder, node):
     if kind == "positions" and sx.order is of and _eq(sx.inner, si.inner):
         return rows
     raise Fallback(f"advanced indexing by {kind} indices of rows in another order")
+
+
+def rows_index_add(w: Sharder, node):
+    """out.index_add_(0, tokens, rows): rows in a sort's order added to the token rows that
+    ("tokens") indices name, all of them the rank's own (the experts' outputs combined)."""
+    x, dim, index, src = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index"), _arg(node, 3, "source")
+    sx, si = w.state.get(x), w.state.get(index) if isinstance(index, torch.fx.Node) else None
+    ss = w.state.get(src) if isinstance(src, torch.fx.Node) else None
+    if not (isinstance(sx, Seq) and sx.sharded and sx.dim == 0 and _norm_dim(dim, fake(x).dim()) == 0
+            and not sx.local_rows and isinstance(si, Seq) and si.index == ("tokens", None) and si.sharded
+            and (sx.length, sx.outer, sx.start) == (si.length, si.outer, si.start)
+            and isinstance(ss, Seq) and ss.sharded and ss.dim == 0 and _row_key(ss) == _row_key(si)):
+        raise Fallback("index_add other than rows of a rank into its own token rows")
+    return sx
 
 
 def rows_setitem(w: Sharder, node):
@@ -1633,6 +1660,9 @@ ROWS_RULES: dict[str, Rule] = {
         ("squeeze", squeeze_rule), ("movedim", movedim_rule), ("expand", expand_rule), ("split", split_rule),
         ("chunk", split_rule), ("unbind", split_rule))},
     "getitem": Rule(rows_getitem),
+    "index_select": Rule(rows_index_select),
+    "index_add": Rule(rows_index_add),
+    "index_add_": Rule(rows_index_add),
     "setitem": Rule(rows_setitem),
     "sum": Rule(rows_reduce, unary=True),
     "mean": Rule(rows_reduce, unary=True),

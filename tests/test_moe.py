@@ -87,13 +87,14 @@ class TinyMoE(nn.Module):
     with offsets from a histogram, the inverse permutation), and a load-balancing loss (a
     histogram and a sum over all tokens of the batch; a one-hot mean too). `escape`: the sorted
     expert ids are also returned, so the rank-local order would leave the graph; `argsort`: the
-    slots are ordered by argsort and read through its indices; `unsorted_counts`: the group
+    slots are ordered by argsort and read through its indices; `index_ops`: the tokens are read
+    by index_select and the experts' outputs added to them by index_add_; `unsorted_counts`: the group
     offsets count other ids than the sorted ones, in the sort's order (not its row groups)."""
 
-    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False, unsorted_counts=False):
+    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False, index_ops=False, unsorted_counts=False):
         super().__init__()
         self.k, self.experts, self.escape, self.argsort = k, experts, escape, argsort
-        self.unsorted_counts = unsorted_counts
+        self.index_ops, self.unsorted_counts = index_ops, unsorted_counts
         self.emb = nn.Embedding(32, d)
         self.qkv = nn.Linear(d, 3 * d)
         self.router = nn.Linear(d, experts, bias=False)
@@ -117,11 +118,17 @@ class TinyMoE(nn.Module):
             expert_ids, perm = torch.sort(top_i.reshape(-1))
         keys = ((top_i.reshape(-1) + 1) % self.experts)[perm] if self.unsorted_counts else expert_ids
         counts = torch.histc(keys.float(), bins=self.experts, min=0, max=self.experts - 1)
-        rows = grouped_mm(h[perm // self.k], self.w, torch.cumsum(counts, 0, dtype=torch.int32))
+        tokens = perm // self.k
+        picked = h.index_select(0, tokens) if self.index_ops else h[tokens]
+        rows = grouped_mm(picked, self.w, torch.cumsum(counts, 0, dtype=torch.int32))
         rows = rows * top_w.reshape(-1)[perm].unsqueeze(-1)
-        inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.size(0))
-        x = x + rows[inv].view(b * n, self.k, -1).sum(1).view(b, n, -1)
+        if self.index_ops:
+            y = torch.zeros_like(h).index_add_(0, tokens, rows)
+        else:
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(perm.size(0))
+            y = rows[inv].view(b * n, self.k, -1).sum(1)
+        x = x + y.view(b, n, -1)
         loss = F.cross_entropy(self.head(x)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         share = torch.histc(top_i.reshape(-1).float(), bins=self.experts, min=0, max=self.experts) / (b * n)
         loss = loss + (share * probs.sum(0) / (b * n)).sum()
@@ -129,13 +136,14 @@ class TinyMoE(nn.Module):
         return (loss, expert_ids) if self.escape else loss
 
 
-@pytest.mark.parametrize("argsort", [False, True], ids=["sort", "argsort"])
-def test_moe_dispatch_stays_on_each_ranks_own_tokens(argsort):
+@pytest.mark.parametrize("variant", ["sort", "argsort", "index_ops"])
+def test_moe_dispatch_stays_on_each_ranks_own_tokens(variant):
     """Routing, the rank's own sort, the tokens read in its order, grouped matmul with the
     rank's offsets and the inverse permutation run on shards; the load-balancing histogram,
     the probability sum and the one-hot and probability means are all-reduced; the inverse's
     arange counts the rank's rows."""
-    gm, rep = rewrite(TinyMoE(argsort=argsort), torch.randint(0, 32, (2, 8)), world=2)
+    argsort = variant == "argsort"
+    gm, rep = rewrite(TinyMoE(**({variant: True} if variant != "sort" else {})), torch.randint(0, 32, (2, 8)), world=2)
     assert rep.gathers == [] and count(gm, GATHER) == 0
     sort = next(n for n in gm.graph.nodes if n.target in (torch.sort, "argsort"))
     perm = sort.meta[STATE_META] if argsort else sort.meta[STATE_META][1]
@@ -144,8 +152,9 @@ def test_moe_dispatch_stays_on_each_ranks_own_tokens(argsort):
     assert count(gm, ALL_REDUCE) == 5
     histc = [n for n in gm.graph.nodes if n.target is torch.histc]
     assert [[u.target for u in h.users] for h in histc][1] == [ALL_REDUCE]  # the loss's, not the offsets'
-    (arange,) = [n for n in gm.graph.nodes if n.target is torch.arange and n.args and isinstance(n.args[0], torch.fx.Node)]
-    assert arange.args[0].target == "size" and arange.meta["example_value"].shape == (2 * 8 * 2 // 2,)
+    if variant != "index_ops":
+        (arange,) = [n for n in gm.graph.nodes if n.target is torch.arange and n.args and isinstance(n.args[0], torch.fx.Node)]
+        assert arange.args[0].target == "size" and arange.meta["example_value"].shape == (2 * 8 * 2 // 2,)
     # the planner counts the slot rows as b * k * n/p (k = 2 slots per token), and O(n/p) holds
     plan = {node.name: node for node in rep.plan.nodes}
     assert str(plan[sort.name].shape[0][0]) == "4*n/p" and rep.plan.verdict
@@ -162,9 +171,10 @@ def test_a_rank_local_order_that_cannot_be_followed_is_gathered(variant):
                    for s in (n.meta.get(STATE_META) for n in gm.graph.nodes))
 
 
-def case_tiny_moe(rank, world, escape):
+def case_tiny_moe(rank, world, variant):
     torch.manual_seed(0)
-    ref, model = TinyMoE(escape=escape), TinyMoE(escape=escape)
+    ref, model = TinyMoE(**variant), TinyMoE(**variant)
+    escape = variant.get("escape", False)
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend="ringcc", options={"inner": "aot_eager", "verify": True})
@@ -177,10 +187,11 @@ def case_tiny_moe(rank, world, escape):
     return _errors(ref, model, out.detach(), ref_out.detach())
 
 
-@pytest.mark.parametrize("escape", [False, pytest.param(True, marks=pytest.mark.soak)],
-                         ids=["own_tokens", "gathered"])
-def test_moe_dispatch_matches_eager(pools, escape):
-    for rank, errs in enumerate(pools(2).run(case_tiny_moe, escape)):
+@pytest.mark.parametrize("variant", [{}, pytest.param({"index_ops": True}, marks=pytest.mark.soak),
+                                     pytest.param({"escape": True}, marks=pytest.mark.soak)],
+                         ids=["own_tokens", "index_ops", "gathered"])
+def test_moe_dispatch_matches_eager(pools, variant):
+    for rank, errs in enumerate(pools(2).run(case_tiny_moe, variant)):
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, f"rank {rank}: {worst[0]} differs from eager by {worst[1]:.2e}"
 
