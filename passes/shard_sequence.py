@@ -1608,7 +1608,8 @@ def rows_setitem(w: Sharder, node):
     si, sv = w.state.get(index), w.state.get(inv)
     if not (isinstance(si, Seq) and si.index == ("pairs", None) and si.order is not None and isinstance(sv, Seq)
             and _row_key(sv) == _row_key(si) and isinstance(src, torch.fx.Node) and src.target is torch.arange
-            and len(src.args) == 1 and not (set(src.kwargs) - {"device", "dtype"}) and _eq(src.args[0], fake(inv).shape[0])):
+            and len(src.args) == 1 and not (set(src.kwargs) - {"device", "dtype"})
+            and _eq(fake(src.args[0]) if isinstance(src.args[0], torch.fx.Node) else src.args[0], fake(inv).shape[0])):
         raise Fallback("a write into rows of a rank other than a sort's inverse")
     local = w.new(torch.arange, w.new("size", index, 0, method=True), **src.kwargs)
     w.state[local] = None
