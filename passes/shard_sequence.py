@@ -83,7 +83,7 @@ class Seq:
     # and what an integer value's entries are ((kind, sort); None: data)
     inner: sympy.Expr = sympy.Integer(1)
     order: Optional[torch.fx.Node] = None
-    index: Optional[str] = None
+    index: Optional[tuple] = None
 
     def at(self, dim: int) -> "Seq":
         return replace(self, dim=dim)
@@ -113,8 +113,8 @@ class Fallback(Exception):
 
 
 class _Unclosed(Exception):
-    """A value in a rank-local order would need a gather (Note [Rank-local rows]): the walk
-    runs again with local sorts off."""
+    """A value in a rank-local order would need a gather (Note [Rank-local rows]): raised in the
+    dry run, after which the walk runs with local sorts off."""
 
 
 def _local_rows(st) -> bool:
