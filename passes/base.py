@@ -107,6 +107,8 @@ def writes_in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
         return False
     if t in _WRITING_OPERATORS:
         return True
+    if getattr(t, "__module__", None) == "_operator":
+        return False  # operator.and_ / or_: the trailing _ only avoids a keyword
     schema = getattr(t, "_schema", None)
     if schema is not None:
         first = schema.arguments[0] if schema.arguments else None

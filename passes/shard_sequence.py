@@ -32,10 +32,11 @@ not padded: Config(pad=True) is an error there that names torch.compile(dynamic=
 Rules (RULES below) say for each op how states map from inputs to the output and what the
 op needs: token-local ops keep a shard; reductions over the sequence become a local
 reduction + ringcc::all_reduce_sum (mean = global sum / global count, cross_entropy with
-ignore_index); selecting one token becomes ringcc::seq_select; anything else that mixes
-tokens gets an all-gather (recorded in the report as O(n)). Sharded graph outputs leave the
-graph as shards (Note [Sharded outputs] in ringcc/sharded.py), or gathered under
-Config(gather_outputs=True).
+ignore_index); selecting one token becomes ringcc::seq_select; a mixture of experts' routing
+and dispatch (sorts, grouped matmuls) run on each rank's own rows (Note [Rank-local rows]);
+anything else that mixes tokens gets an all-gather (recorded in the report as O(n)). Sharded
+graph outputs leave the graph as shards (Note [Sharded outputs] in ringcc/sharded.py), or
+gathered under Config(gather_outputs=True).
 """
 
 from __future__ import annotations
@@ -77,9 +78,31 @@ class Seq:
     outer: sympy.Expr = sympy.Integer(1)
     start: sympy.Expr = sympy.Integer(0)
     sharded: bool = False
+    # Note [Rank-local rows]: rows per token merged after the sequence inside dim (a token's
+    # top-k routing slots), the rank-local sort the rows are ordered by (None: token order),
+    # and what an integer value's entries are ((kind, sort); None: data)
+    inner: sympy.Expr = sympy.Integer(1)
+    order: Optional[torch.fx.Node] = None
+    index: Optional[tuple] = None
 
     def at(self, dim: int) -> "Seq":
         return replace(self, dim=dim)
+
+    @property
+    def local_rows(self) -> bool:
+        """Rows that only this rank's own computation can read (Note [Rank-local rows])."""
+        return not _eq(self.inner, 1) or self.order is not None or self.index is not None
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A sum over this rank's tokens only (Note [Rank-local rows]): summed over the ranks
+    (ringcc::all_reduce_sum) where it is read as a global value, kept as it is where it
+    describes the rank's own rows `rows` (grouped_mm's group offsets)."""
+
+    rows: Seq
+    keys: Optional[torch.fx.Node] = None  # the sort whose sorted values it counts
+    sharded: bool = True  # rank-local: what computes on it computes on shards
 
 
 State = Optional[Seq]
@@ -87,6 +110,17 @@ State = Optional[Seq]
 
 class Fallback(Exception):
     """A rule cannot keep its sharded inputs sharded: gather them (O(n), recorded)."""
+
+
+class _Unclosed(Exception):
+    """A value in a rank-local order would need a gather (Note [Rank-local rows]): raised in the
+    dry run, after which the walk runs with local sorts off."""
+
+
+def _local_rows(st) -> bool:
+    if isinstance(st, tuple):
+        return any(_local_rows(s) for s in st)
+    return isinstance(st, Partial) or (isinstance(st, Seq) and st.local_rows)
 
 
 def _zero(e) -> bool:
@@ -129,8 +163,11 @@ def _is_tensor_node(a) -> bool:
 
 
 class Sharder:
-    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext):
+    def __init__(self, gm: torch.fx.GraphModule, ctx: PassContext, local_order: bool = False):
         info = ctx.scratch["seq"]
+        # sorts of a rank's own rows stay local (Note [Rank-local rows]); off, they gather
+        self.local_order = local_order
+        self._partials: dict[torch.fx.Node, torch.fx.Node] = {}
         self.gm, self.ctx, self.graph = gm, ctx, gm.graph
         self.n: sympy.Expr = info.n  # the sequence length
         self.sources = info.sources
@@ -267,6 +304,8 @@ class Sharder:
         """The full value of sharded `src` on every rank (O(n): recorded)."""
         if src in self._gathers:
             return self._gathers[src]
+        if st.order is not None:
+            raise _Unclosed(f"{src.name} is in a rank-local order ({why})")
         x, d = src, st.dim
         if not _eq(st.outer, 1):
             x, d = self.new("unflatten", x, d, (self.size(st.outer), -1), method=True), d + 1
@@ -317,7 +356,7 @@ class Sharder:
             node.replace_all_uses_with(node.args[0])
             self.state[node.args[0]] = self.state.pop(node)
         for node, st in self.state.items():
-            if isinstance(st, (Seq, tuple)) and node.graph is self.graph:
+            if isinstance(st, (Seq, tuple, Partial)) and node.graph is self.graph:
                 node.meta[STATE_META] = st
 
     def _handoff(self, node: torch.fx.Node) -> State:
@@ -336,9 +375,16 @@ class Sharder:
         return Seq(dim, self.N, sharded=True)
 
     def _visit(self, node: torch.fx.Node):
-        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple))]
         name = op_name(node)
+        for a in node.all_input_nodes:
+            if isinstance(self.state.get(a), Partial) and name not in _PARTIAL_OPS:
+                node.replace_input_with(a, self.materialize(a))
+        ins = [a for a in node.all_input_nodes if isinstance(self.state.get(a), (Seq, tuple, Partial))]
         rule = RULES.get(name)
+        if any(_local_rows(self.state.get(a)) for a in ins):
+            rule = ROWS_RULES.get(name)
+            if rule is None:
+                return self._fallback(node, f"no rule for {name} on rows in a rank-local order")
         if not ins and name not in _ATTENTION_ARGS:  # attention shards its q/k/v whatever their state
             if rule is not None and rule.creates and isinstance(fake(node), torch.Tensor):
                 return self.seq_of_size(fake(node))
@@ -355,13 +401,27 @@ class Sharder:
             self.decisions.append(f"{node.name}:S{st.dim}")
         return st
 
+    def materialize(self, src: torch.fx.Node) -> torch.fx.Node:
+        """The global value of a Partial (Note [Rank-local rows]): its sum over the ranks."""
+        if src not in self._partials:
+            with self.graph.inserting_after(src):
+                red = tag(self.graph.call_function(ALL_REDUCE, (src, *self.comm[:2])), PASS, src)
+            self.state[red] = None
+            self._partials[src] = red
+            self.decisions.append(f"{src.name}: all_reduce rank-local sum")
+        return self._partials[src]
+
     def _fallback(self, node: torch.fx.Node, why: str):
         """Run `node` on full values: gather its sharded inputs."""
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
-            if isinstance(st, Seq) and st.sharded:
+            if isinstance(st, Partial):
+                node.replace_input_with(a, self.materialize(a))
+            elif isinstance(st, Seq) and st.sharded:
                 node.replace_input_with(a, self.gather(a, st, why))
             elif isinstance(st, tuple) and any(s is not None and s.sharded for s in st):
+                if any(s is not None and s.order is not None for s in st):
+                    raise _Unclosed(f"{a.name} is in a rank-local order ({why})")
                 raise ValueError(f"ringcc cannot run {node.format_node()} on a sharded tuple ({why})")
         val = fake(node)
         return self.seq_of_size(val) if isinstance(val, torch.Tensor) else None
@@ -378,8 +438,12 @@ class Sharder:
             if not isinstance(a, torch.fx.Node):
                 return a
             st = self.state.get(a)
+            if isinstance(st, Partial):
+                return self.materialize(a)
             if not (isinstance(st, Seq) and st.sharded):
                 return a
+            if st.local_rows:
+                return self.gather(a, st, "graph output with several rows per token")
             if self.ctx.config.gather_outputs:
                 return self.gather(a, st, "graph output (Config(gather_outputs=True))")
             front, back = st.start, self.N - st.start - st.length
@@ -888,6 +952,8 @@ def _lookup(w: Sharder, node, index):
 def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: list):
     x = node.args[0]
     if not _eq(st.outer, 1):
+        if i == slice(None):  # the whole dim (routing's top_i[:, 0]): its rows stay
+            return st.at(out_d)
         raise Fallback("indexes a dim that merges batch and sequence")
     if isinstance(i, int):
         if not st.sharded:
@@ -1294,6 +1360,353 @@ RULES: dict[str, Rule] = {
 
 
 # ---------------------------------------------------------------------------------------
+# rows in a rank-local order (mixture-of-experts routing and dispatch)
+
+# Note [Rank-local rows]
+# A mixture-of-experts layer is token-local as a function (token t's output reads token t's
+# hidden state only), but its dispatch is not written token by token: the [T, k] routing
+# slots of the T = b*n tokens are flattened to T*k rows (Seq.inner = k), sorted by expert,
+# the tokens gathered in that order, the experts run as grouped matmuls over runs of equal
+# expert (offsets from a histogram of the sorted ids), and the rows put back by the inverse
+# permutation. On a shard each step is done on the rank's own rows: the sort is the rank's
+# own (Seq.order = the sort node), indices index the rank's own rows (Seq.index says which:
+# ("pairs", None) slot rows in token order, ("tokens", None) token rows, ("positions", P)
+# rows in P's order; ("keys", P) marks P's sorted values), the histogram of the sorted keys
+# counts the rank's rows per group (a Partial), and grouped_mm reads those local offsets. A value in a rank-local order has no global counterpart, so
+# only rules that know these states (ROWS_RULES) take one, and they keep the order until
+# the inverse permutation brings the rows back to token order and a view splits the slots
+# off again. Where a rule cannot follow, gathering such a value would be wrong: the walk is
+# first run dry on a copy of the graph (`_local_order_closes`), and if some value in a local
+# order would need a gather, sorts of shards gather instead (O(n), recorded).
+# A Partial (a sum over the rank's rows: histc) is summed over the ranks where it is read as a
+# global value (the load-balancing loss's token counts); cumsum and casts keep it partial,
+# and grouped_mm's offsets read it as it is: the counts of the rows the rank holds. Every
+# Partial is made from a shard with no garbage rows (full window): padded rows would be
+# counted.
+
+
+def _row_key(st: Seq) -> tuple:
+    """What two row-aligned values share: the window, the rows per token and the order."""
+    return (st.length, st.outer, st.start, st.inner, st.order)
+
+
+def _full_rows(w: Sharder, st: Seq) -> None:
+    if not (st.sharded and w.full(st)):
+        raise Fallback("rows of a shard with garbage rows (a narrowed or padded window)")
+
+
+def topk_rule(w: Sharder, node):
+    """Top-k along a feature dim (routing: the experts of each token)."""
+    x = node.args[0]
+    st = w.state[x]
+    d = _norm_dim(_arg(node, 2, "dim", -1), fake(x).dim())
+    if d == st.dim:
+        raise Fallback("top-k over the sequence")
+    return (replace(st, index=None),) * 2
+
+
+def sort_rule(w: Sharder, node):
+    """A sort along a feature dim is per token; along the rows of a rank (1-D), the rank's own
+    order (Note [Rank-local rows]): the values in that order, the indices their rows."""
+    x = node.args[0]
+    st = w.state[x]
+    val = fake(x)
+    d = _norm_dim(_arg(node, 1, "dim", -1), val.dim())
+    ranked = replace(st, index=None)
+    if d != st.dim:
+        return ranked if op_name(node) == "argsort" else (ranked, ranked)
+    if not w.local_order:
+        raise Fallback("sorts the sequence")
+    if val.dim() != 1 or st.order is not None:
+        raise Fallback("sorts rows of several dims, or rows already in a rank-local order")
+    _full_rows(w, st)
+    values = replace(st, order=node, index=("keys", node))
+    indices = replace(values, index=("pairs", None))
+    return indices if op_name(node) == "argsort" else (values, indices)
+
+
+def one_hot_rule(w: Sharder, node):
+    """one_hot appends a class dim: per token."""
+    return replace(w.state[node.args[0]], index=None)
+
+
+def histc_rule(w: Sharder, node):
+    """A histogram of shard rows counts the rank's rows: a Partial (Note [Rank-local rows])."""
+    x = node.args[0]
+    st = w.state[x]
+    if not st.sharded:
+        return None  # the same global histogram on every rank
+    lo, hi = _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
+    if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi):
+        raise Fallback("a histogram over the data's own range")
+    _full_rows(w, st)
+    keys = st.index[1] if st.index is not None and st.index[0] == "keys" else None
+    return Partial(replace(st, dim=0, index=None), keys)
+
+
+def rows_pointwise(w: Sharder, node):
+    """Elementwise on rows of one window and order; values without rows must not vary
+    along them. A Partial passes casts unchanged (integer counts)."""
+    tensors = [a for a in node.all_input_nodes if _is_tensor_node(a)]
+    partial = [a for a in tensors if isinstance(w.state.get(a), Partial)]
+    if partial:
+        if len(tensors) != 1:
+            raise Fallback("a rank-local sum meets another value")
+        return w.state[partial[0]]
+    out_nd = fake(node).dim()
+    first, d = None, None
+    for a in tensors:
+        st = w.state.get(a)
+        if not isinstance(st, Seq):
+            continue
+        if not st.sharded:
+            raise Fallback("rows of a rank meet a replicated sequence value")
+        ad = _broadcast_dim(st, fake(a).dim(), out_nd)
+        if first is None:
+            first, d = st, ad
+        elif (ad, *_row_key(st)) != (d, *_row_key(first)):
+            raise Fallback("rows of different windows or orders meet")
+    for a in tensors:
+        if not isinstance(w.state.get(a), Seq):
+            ad = d - (out_nd - fake(a).dim())
+            if ad >= 0 and expr(fake(a).shape[ad]) != 1:
+                raise Fallback("a value without rows varies along rows of a rank")
+    index = None
+    name = op_name(node)
+    if len(tensors) == 1 and first.index is not None and first.index[0] == "keys" and name in _CASTS:
+        index = first.index  # the sorted keys, cast for histc
+    elif len(tensors) == 1 and first.index is not None and not fake(node).is_floating_point():
+        k = node.args[1] if len(node.args) > 1 else None
+        if name in _CASTS:
+            index = first.index
+        elif name == "floordiv" and first.index == ("pairs", None) and node.args[0] is tensors[0] and \
+                isinstance(k, int) and _eq(first.inner, k):
+            index = ("tokens", None)  # slot row // k: the slot's token
+    return replace(first, dim=d, index=index)
+
+
+_CASTS = ("contiguous", "clone", "detach", "to", "long", "int", "float", "double", "alias")
+
+
+def rows_view(w: Sharder, node):
+    """A view that keeps the rows dim whole, merges the dims after it into the rows (the
+    slots of a token, Seq.inner), or, in token order, splits the slots off again."""
+    x = node.args[0]
+    st = w.state[x]
+    if not (isinstance(st, Seq) and st.sharded):
+        raise Fallback("a view of a replicated value with several rows per token")
+    new = _rows_view_map(st, fake(x).shape, fake(node).shape)
+    if new is None:
+        raise Fallback(f"a view splits rows of a rank ({tuple(fake(x).shape)} -> {tuple(fake(node).shape)})")
+    if op_name(node) in ("view", "reshape"):
+        sizes, set_sizes = _sizes_arg(node)
+        if len(sizes) != fake(node).dim():
+            raise Fallback("unexpected size list")
+        set_sizes([-1 if i == new.dim else (w.size(fake(node).shape[i]) if isinstance(s, int) and s == -1 else s)
+                   for i, s in enumerate(sizes)])
+    return new
+
+
+def _rows_view_map(st: Seq, in_shape, out_shape) -> Optional[Seq]:
+    d = st.dim
+    before, rows = _prod(in_shape[:d]), expr(in_shape[d])
+    for j in range(len(out_shape)):
+        if not _zero(_prod(out_shape[:j]) - before):
+            continue
+        for e in range(d, len(in_shape)):  # out dim j = rows x in dims d+1..e
+            merged = _prod(in_shape[d + 1:e + 1])
+            if _zero(expr(out_shape[j]) - rows * merged) and _zero(_prod(out_shape[j + 1:]) - _prod(in_shape[e + 1:])):
+                if _eq(merged, 1):
+                    return st.at(j)
+                if st.order is None:
+                    return replace(st, dim=j, inner=st.inner * merged, index=None)
+        if st.order is None and not _eq(st.inner, 1):  # out dims j, j+1..e = tokens, slots
+            for e in range(j + 1, len(out_shape)):
+                if _zero(_prod(out_shape[j + 1:e + 1]) - st.inner) and _zero(expr(out_shape[j]) * st.inner - rows) \
+                        and _zero(_prod(out_shape[e + 1:]) - _prod(in_shape[d + 1:])):
+                    return replace(st, dim=j, inner=sympy.Integer(1), index=None)
+    return None
+
+
+def merge_rows(rule):
+    """A view of a shard that merges the dims after the sequence into it (a token's top-k
+    slots flattened): rows per token (Note [Rank-local rows]); any other view: `rule`."""
+    def fn(w: Sharder, node):
+        try:
+            return rule(w, node)
+        except Fallback:
+            st = w.state[node.args[0]]
+            if not (st.sharded and w.full(st)):
+                raise
+            new = _rows_view_map(st, fake(node.args[0]).shape, fake(node).shape)
+            if new is None or _eq(new.inner, st.inner):
+                raise
+            return rows_view(w, node)
+    return fn
+
+
+def rows_getitem(w: Sharder, node):
+    """x[index] with one integer tensor index over x's rows (Note [Rank-local rows])."""
+    x, index = node.args[0], node.args[1]
+    if isinstance(w.state.get(x), tuple):
+        return w.state[x][index]
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    return _take_rows(w, x, index)
+
+
+def rows_index_select(w: Sharder, node):
+    x, dim, index = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    if _norm_dim(dim, fake(x).dim()) != 0:
+        raise Fallback("index_select along a dim other than the rows")
+    return _take_rows(w, x, index)
+
+
+def _take_rows(w: Sharder, x: torch.fx.Node, index) -> State:
+    """The rows of x that `index` names: a table without rows read per row; token rows read in
+    a sort's order by ("tokens") indices; slot rows by ("pairs") indices; rows in a sort's
+    order put back by ("positions") indices."""
+    sx = w.state.get(x)
+    si = w.state.get(index) if isinstance(index, torch.fx.Node) else None
+    if not (isinstance(si, Seq) and si.sharded and fake(index).dim() == 1 and si.index is not None):
+        raise Fallback("indexes rows of a rank other than by one tensor of row indices")
+    rows = replace(si, index=None)
+    if sx is None:
+        return rows if si.dim == 0 else None  # a weight table: one row per index
+    if not (isinstance(sx, Seq) and sx.sharded and sx.dim == 0 and (sx.length, sx.outer, sx.start) ==
+            (si.length, si.outer, si.start)):
+        raise Fallback("advanced indexing of rows of another window")
+    kind, of = si.index
+    if kind == "tokens" and _eq(sx.inner, 1) and sx.order is None and sx.index is None:
+        return rows
+    if kind == "pairs" and _eq(sx.inner, si.inner) and sx.order is None:
+        # the argsorted value read in its own order: the sorted keys
+        return replace(rows, index=("keys", si.order)) if x is si.order.args[0] else rows
+    if kind == "positions" and sx.order is of and _eq(sx.inner, si.inner):
+        return rows
+    raise Fallback(f"advanced indexing by {kind} indices of rows in another order")
+
+
+def rows_index_add(w: Sharder, node):
+    """out.index_add_(0, tokens, rows): rows in a sort's order added to the token rows that
+    ("tokens") indices name, all of them the rank's own (the experts' outputs combined)."""
+    x, dim, index, src = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index"), _arg(node, 3, "source")
+    sx, si = w.state.get(x), w.state.get(index) if isinstance(index, torch.fx.Node) else None
+    ss = w.state.get(src) if isinstance(src, torch.fx.Node) else None
+    if not (isinstance(sx, Seq) and sx.sharded and sx.dim == 0 and _norm_dim(dim, fake(x).dim()) == 0
+            and not sx.local_rows and isinstance(si, Seq) and si.index == ("tokens", None) and si.sharded
+            and (sx.length, sx.outer, sx.start) == (si.length, si.outer, si.start)
+            and isinstance(ss, Seq) and ss.sharded and ss.dim == 0 and _row_key(ss) == _row_key(si)):
+        raise Fallback("index_add other than rows of a rank into its own token rows")
+    return sx
+
+
+def rows_setitem(w: Sharder, node):
+    """inv[perm] = arange(len(perm)), inv = empty_like(perm): the inverse of the rank's sort
+    (Note [Rank-local rows]); the arange counts the rank's rows."""
+    inv, index, src = node.args[:3]
+    si, sv = w.state.get(index), w.state.get(inv)
+    if not (isinstance(si, Seq) and si.index == ("pairs", None) and si.order is not None and isinstance(sv, Seq)
+            and _row_key(sv) == _row_key(si) and isinstance(src, torch.fx.Node) and src.target is torch.arange
+            and len(src.args) == 1 and not (set(src.kwargs) - {"device", "dtype"})
+            and _eq(fake(src.args[0]) if isinstance(src.args[0], torch.fx.Node) else src.args[0], fake(inv).shape[0])):
+        raise Fallback("a write into rows of a rank other than a sort's inverse")
+    local = w.new(torch.arange, w.new("size", index, 0, method=True), **src.kwargs)
+    w.state[local] = None
+    node.replace_input_with(src, local)
+    w.state[inv] = replace(si, order=None, index=("positions", si.order))
+    return None
+
+
+def rows_reduce(w: Sharder, node):
+    """Sums and means: over a feature dim per row; over the rows, as over tokens (every rank
+    holds as many rows: the order does not matter to a sum)."""
+    _full_rows(w, w.state[node.args[0]])
+    return reduce_rule(w, node)
+
+
+def rows_cumsum(w: Sharder, node):
+    x = node.args[0]
+    st = w.state[x]
+    if isinstance(st, Partial):
+        return st  # a cumsum of counts is the cumsum of each rank's counts, summed
+    if _norm_dim(_arg(node, 1, "dim"), fake(x).dim()) == st.dim:
+        raise Fallback("cumsum along rows of a rank")
+    return replace(st, index=None)
+
+
+def grouped_mm_rule(w: Sharder, node):
+    """Grouped matmul of rows sorted by group (experts) with the offsets of those rows: the
+    rank's own rows with its own offsets (Note [Rank-local rows])."""
+    x, weight = node.args[:2]
+    offs = _arg(node, 2, "offs")
+    sx, so = w.state.get(x), w.state.get(offs) if isinstance(offs, torch.fx.Node) else None
+    if not (isinstance(sx, Seq) and sx.sharded and sx.dim == 0 and fake(x).dim() == 2 and w.state.get(weight) is None
+            and isinstance(so, Partial) and _row_key(so.rows) == _row_key(sx) and so.keys is sx.order):
+        raise Fallback("grouped matmul without offsets counted from the sorted keys of the rank's rows")
+    return replace(sx, index=None)
+
+
+# Ops with a Partial input that keep it partial (the rest read the sum over the ranks).
+_PARTIAL_OPS = ("cumsum", "to", "int", "long", "float", "double", "type", "contiguous", "clone", "detach",
+                "grouped_mm_fallback", "_grouped_mm", "grouped_mm")
+
+# The rules for rows of a rank (Seq.local_rows, Partial); any other op with such an input runs
+# on gathered values, which for rows in a rank-local order turns local sorts off (Note [Rank-local rows]).
+ROWS_RULES: dict[str, Rule] = {
+    **{name: Rule(rows_pointwise) for name in _PW_CHEAP + _PW},
+    **{name: Rule(rows_view, unary=True) for name in ("view", "reshape", "flatten")},
+    **{name: Rule(rule, unary=True) for name, rule in (
+        ("transpose", transpose_rule), ("t", t_rule), ("permute", permute_rule), ("unsqueeze", unsqueeze_rule),
+        ("squeeze", squeeze_rule), ("movedim", movedim_rule), ("expand", expand_rule), ("split", split_rule),
+        ("chunk", split_rule), ("unbind", split_rule))},
+    "getitem": Rule(rows_getitem),
+    "index_select": Rule(rows_index_select),
+    "index_add": Rule(rows_index_add),
+    "index_add_": Rule(rows_index_add),
+    "setitem": Rule(rows_setitem),
+    "sum": Rule(rows_reduce, unary=True),
+    "mean": Rule(rows_reduce, unary=True),
+    "cumsum": Rule(rows_cumsum, unary=True),
+    "topk": Rule(topk_rule, unary=True),
+    "sort": Rule(sort_rule, unary=True),
+    "argsort": Rule(sort_rule, unary=True),
+    "one_hot": Rule(one_hot_rule, unary=True),
+    "histc": Rule(histc_rule, unary=True),
+    **{name: Rule(grouped_mm_rule) for name in ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")},
+}
+RULES.update({
+    **{name: Rule(merge_rows(RULES[name].fn), creates=RULES[name].creates, unary=True)
+       for name in ("view", "reshape", "flatten")},
+    "topk": Rule(topk_rule, unary=True),
+    "sort": Rule(sort_rule, unary=True),
+    "argsort": Rule(sort_rule, unary=True),
+    "one_hot": Rule(one_hot_rule, unary=True),
+    "histc": Rule(histc_rule, unary=True),
+})
+
+
+def _local_order_closes(gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether the walk with rank-local sorts never needs to gather a value in a rank-local
+    order (Note [Rank-local rows]): a dry run on a copy of the graph."""
+    from dataclasses import replace as copy_with
+
+    from ringcc.report import GraphReport
+
+    if not any(op_name(n) in ("sort", "argsort") for n in gm.graph.nodes):
+        return False
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    dry_ctx = copy_with(ctx, report=GraphReport(graph=ctx.report.graph, world_size=ctx.world_size),
+                        scratch=dict(ctx.scratch))
+    try:
+        Sharder(torch.fx.GraphModule(gm, graph), dry_ctx, local_order=True).run()
+    except _Unclosed:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
 # the pass
 
 
@@ -1302,6 +1715,7 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(False)
     w = Sharder(gm, ctx)
     _resolve_ambiguous(gm, ctx, w.layout)
+    w.local_order = _local_order_closes(gm, ctx)
     w.run()
     gm.meta["ringcc_seq_len"] = w.N  # rows of all shards together (n, or n padded)
     ctx.report.layout = w.layout

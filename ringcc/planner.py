@@ -508,8 +508,10 @@ class _SizeMapper:
 
     def _tracked(self, d: int, seq) -> sympy.Expr:
         """A constant sequence dim with its state (shard_sequence's Seq): a shard holds
-        outer * n/p rows; a replicated value outer * length, length = n + (L - N)."""
-        outer = int(seq.outer) if sympy.sympify(seq.outer).is_Integer else None
+        outer * n/p rows; a replicated value outer * length, length = n + (L - N). Rows per
+        token (a token's top-k slots, Seq.inner) count as outer batch elements do."""
+        rows = sympy.sympify(seq.outer) * sympy.sympify(getattr(seq, "inner", 1))
+        outer = int(rows) if rows.is_Integer else None
         if outer is None:
             return sympy.Integer(d)
         if seq.sharded and d == outer * (self.seq_len // self.world):
