@@ -852,11 +852,15 @@ class _Builder:
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
-        inputs and factories (arange, ones, full): replicated by the execution model."""
+        inputs, integer buffers (HF's position_ids and token_type_ids tables: attributes in the
+        graph `ringcc rewrite` plans) and factories (arange, ones, full): replicated by the
+        execution model."""
         like: set = set()
         for node in self.nodes:
-            if node.op == "placeholder":
-                if not plans[node].static:
+            if node.op in ("placeholder", "get_attr"):
+                ts = _tensors(_meta(node))
+                if (node.op == "placeholder" and not plans[node].static) or (
+                        ts and not any(t.is_floating_point() or t.is_complex() for t in ts)):
                     like.add(node)
                 continue
             if node.op != "call_function" and node.op != "call_method":

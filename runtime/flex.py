@@ -281,7 +281,7 @@ def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, w
     out = lse = None
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1), backward=False)
-        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale, None if mod is None else mod.sub(r0, r1))
+        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale, None if mod is None else mod.sub(r0))
         if len(chunks) == 1:
             return o, l_
         if out is None:
@@ -301,7 +301,7 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1))
         rows = slice(r0, r1)
-        m = None if mod is None else mod.sub(r0, r1)
+        m = None if mod is None else mod.sub(r0)
         grads = grads_under_global_lse(lambda q, k, v, mask=mask, m=m: _call(q, k, v, mask, scale, m), dout[:, :, rows],
                                        q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows])
         if len(chunks) == 1:

@@ -110,8 +110,9 @@ class ScoreMod:
     q: Positions | None = None
     k: Positions | None = None
 
-    def sub(self, r0: int, r1: int | None = None, c0: int = 0, c1: int | None = None) -> "ScoreMod":
-        """The modifier of rows [r0, r1), keys [c0, c1) of the call (the ends do not change it)."""
+    def sub(self, r0: int, c0: int = 0) -> "ScoreMod":
+        """The modifier of the call's rows from r0 and keys from c0 (where they end does not
+        change it)."""
         if self.slopes is None:
             return self
         return ScoreMod(self.softcap, self.slopes, self.head0, self.q.shift(r0), self.k.shift(c0))
@@ -356,7 +357,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
             continue
         p = _scores_(q_bhsd[:, :, r0:r1], k[:, :, c0:c1], scale,
                      _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
-                     None if mod is None else mod.sub(r0, r1, c0, c1))
+                     None if mod is None else mod.sub(r0, c0))
         top = p.amax(-1, keepdim=True)
         top.masked_fill_(torch.isneginf(top), 0.0)  # a row with no key: exp(-inf - 0) = 0 everywhere
         total = p.sub_(top).exp_().sum(-1, keepdim=True)
@@ -384,7 +385,7 @@ def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool
         q_r, do_r = q_bhsd[:, :, r0:r1].to(dt), dout[:, :, r0:r1].to(dt)
         delta = (do_r * out[:, :, r0:r1].to(dt)).sum(-1, keepdim=True)
         p, th = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
-                         None if mod is None else mod.sub(r0, r1, c0, c1), keep_tanh=True)
+                         None if mod is None else mod.sub(r0, c0), keep_tanh=True)
         p.sub_(lse[:, :, r0:r1, None].to(dt)).exp_()
         _add_matmul_(dv[:, :, c0:c1], p.transpose(-1, -2), do_r)
         ds = torch.matmul(do_r, v_c.transpose(-1, -2)).sub_(delta).mul_(p)

@@ -132,6 +132,28 @@ def test_replicated_index_data_is_left_out_of_the_verdict():
     assert not plan.culprits
 
 
+class _TokenTypes(nn.Module):
+    """BERT's default token types: an integer buffer gathered at the position ids, themselves a
+    slice of a buffer; in the graph `ringcc rewrite` plans, buffers are attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(128)[None])
+        self.register_buffer("token_type_ids", torch.zeros(1, 128, dtype=torch.long))
+
+    def forward(self, x, w):
+        types = torch.gather(self.token_type_ids.expand(1, -1), 1, self.position_ids[:, : x.shape[1]])
+        return _sharded_layer(x, w).sum() + (types == 1).sum()
+
+
+def test_integer_buffers_read_at_positions_are_index_data_in_an_export_graph():
+    x, w = torch.randn(2, 96, 16), torch.randn(16, 48)  # n/p = 24: no model dim
+    gm = torch.export.export(_TokenTypes(), (x, w)).module()  # as `ringcc rewrite` plans it: buffers are get_attr
+    plan = planner.plan_graph(gm, world_size=4, seq_len=96, training=False)
+    assert plan.verdict and not plan.culprits, (plan.culprits, plan.reasons)
+    assert any("replicated index data" in r and "gather" in r for r in plan.reasons)
+
+
 def test_gathered_output_is_flagged_and_max_sequence_solves_the_formula():
     x, w = torch.randn(2, 32, 16), torch.randn(16, 48)
     gm = symbolic_graph(lambda x, w: torch.ops.ringcc.gather(_sharded_layer(x, w), 1, "", 4, "contiguous"), x, w)

@@ -168,6 +168,10 @@ def _rewrite(tmp_path, name: str, world: int) -> str:
     assert [_mask_facts(s["mask"]) for s in report["sites"]] == [MASKS[name]] * 2
     # nothing but the graph output is gathered: every op inside the program runs on n/p rows
     assert [g["why"] for g in report["gathers"]] == ["graph output (Config(gather_outputs=True))"]
+    # and the program's plan names that gather alone (BERT's token types read from a buffer
+    # are replicated index data, not a culprit)
+    plan = json.load(open(os.path.join(out, "plan.json")))
+    assert {c["name"] for c in plan["culprits"]} <= {g["node"] for g in report["gathers"]}, plan["culprits"]
     return os.path.join(out, "program.pt2")
 
 

@@ -139,7 +139,7 @@ def test_flex_score_mod_is_the_math_paths_modifier(heads):
     q_at, k_at = kernels.Positions(16, 5, 40), kernels.Positions(3, 9, 30)  # x + 16 for x < 5, else x + 40
     mod = kernels.ScoreMod(2.5, SLOPES[:4] * 8, heads.start, q_at, k_at)
     for r0, c0 in ((0, 0), (3, 7), (6, 2)):
-        m = mod.sub(r0, None, c0)
+        m = mod.sub(r0, c0)
         s = torch.randn(2, heads.stop - heads.start, 7, 11, generator=torch.Generator().manual_seed(r0))
         want = s.clone()
         m.apply_(want)

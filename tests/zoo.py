@@ -85,15 +85,12 @@ _BERT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attentio
              max_position_embeddings=128)
 
 # GPT2LMHeadModel's class name matches no loss in transformers' LOSS_MAPPING, so its
-# `loss_function` property logs a warning (logger.warning_once, modeling_utils.py) on every
-# call: dynamo cannot trace a logger call and breaks the graph there. The loss then runs in
-# later graphs that read the sharded logits; one of them ends in logits.view(-1, V), an output
-# that merges the batch into the sequence dim, which leaves the graph gathered. Setting
-# `model.loss_type = "ForCausalLM"` (or adding logging.Logger.warning_once to
-# torch._dynamo.config.ignore_logging_functions) removes the break: one graph, O(n/p).
-_GPT2_WHY = ("a graph break at transformers' logger.warning_once in GPT2LMHeadModel.loss_function (loss_type None); "
-             "the loss graph after it returns logits.view(-1, V), batch merged into the sequence: gathered. "
-             "model.loss_type = \"ForCausalLM\" avoids the break")
+# `loss_function` property calls logger.warning_once, which dynamo does not trace: the graph
+# breaks there, and the loss runs in later graphs that take the logits as shards (Note
+# [Sharded outputs]). Its patterns count sites over those graphs.
+_VISION_WHY = ("the sequence starts at the cat of the [CLS] token onto the patch embeddings, which every rank "
+               "computes from the whole image: that cat holds all n tokens (floats) until the first per-token op "
+               "slices it")
 
 ZOO: list[Arch] = [
     Arch("llama", _llama_like("LlamaConfig"), worlds=(2, 4)),
@@ -110,7 +107,7 @@ ZOO: list[Arch] = [
                         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
                         word_embed_proj_dim=32)),
     Arch("gpt2", _config("GPT2Config", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                         n_positions=128), worlds=(2, 4), linear=False, why=_GPT2_WHY),
+                         n_positions=128), worlds=(2, 4)),
     Arch("gptj", _config("GPTJConfig", "AutoModelForCausalLM", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                          n_positions=128, rotary_dim=4)),
     Arch("stablelm", _llama_like("StableLmConfig")),
@@ -128,10 +125,15 @@ ZOO: list[Arch] = [
     Arch("albert", _config("AlbertConfig", "AutoModelForMaskedLM", embedding_size=32, **_BERT), kind="encoder"),
     Arch("vit", _config("ViTConfig", "AutoModelForImageClassification", image_size=(20, 28), patch_size=4,
                         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                        num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection")),
-    Arch("deit", _config("DeiTConfig", "AutoModelForImageClassification", image_size=(20, 24), patch_size=4,
+                        num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection"),
+         linear=False, why=_VISION_WHY),
+    # architectures: AutoModelForImageClassification maps DeiT to two classes and reads the
+    # config's list to choose (None is a TypeError in transformers 5.x)
+    Arch("deit", _config("DeiTConfig", "AutoModelForImageClassification", architectures=["DeiTForImageClassification"],
+                         image_size=(20, 24), patch_size=4,
                          hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                         num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection")),
+                         num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection"),
+         linear=False, why=_VISION_WHY),
 ]
 BY_NAME = {a.name: a for a in ZOO}
 CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
