@@ -1601,6 +1601,39 @@ def rows_index_add(w: Sharder, node):
     return sx
 
 
+def repeat_rows(rule):
+    """x.repeat_interleave(k) of a 1-D shard along its tokens (a padding mask per routing slot):
+    each token's k slot rows, in token order (Seq.inner); other cases: `rule`."""
+    def fn(w: Sharder, node):
+        x, repeats = node.args[0], _arg(node, 1, "repeats")
+        st = w.state[x]
+        dim = _arg(node, 2, "dim")
+        along = fake(x).dim() == 1 and (dim is None or _norm_dim(dim, 1) == st.dim)
+        if not (along and isinstance(repeats, int) and _arg(node, 3, "output_size") is None and w.full(st)):
+            return rule(w, node)
+        if not st.sharded:
+            w.localize(node, x, st, None)
+            st = replace(st, sharded=True)
+        return replace(st, inner=st.inner * repeats, index=None)
+    return fn
+
+
+def rows_scatter_add(w: Sharder, node):
+    """torch.zeros(E).scatter_add_(0, ids, src) with ids and src rows of a rank: the rank's
+    share of a sum over all rows (a Partial: the load-balancing loss's masked counts)."""
+    x, dim, index, src = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index"), _arg(node, 3, "src")
+    si = w.state.get(index) if isinstance(index, torch.fx.Node) else None
+    ss = w.state.get(src) if isinstance(src, torch.fx.Node) else None
+    fresh = x.op == "call_function" and x.target in (torch.zeros, torch.zeros_like) and len(x.users) == 1
+    if not (fresh and w.state.get(x) is None and _norm_dim(dim, fake(x).dim()) == 0 and fake(index).dim() == 1
+            and isinstance(si, Seq) and si.sharded and isinstance(ss, Seq) and ss.sharded
+            and _row_key(si) == _row_key(ss) and si.dim == ss.dim == 0):
+        raise Fallback("scatter_add other than rows of a rank into fresh zeros")
+    _full_rows(w, si)
+    w.state[x] = Partial(replace(si, index=None))
+    return w.state[x]
+
+
 def rows_setitem(w: Sharder, node):
     """inv[perm] = arange(len(perm)), inv = empty_like(perm): the inverse of the rank's sort
     (Note [Rank-local rows]); the arange counts the rank's rows."""
@@ -1664,6 +1697,8 @@ ROWS_RULES: dict[str, Rule] = {
     "index_select": Rule(rows_index_select),
     "index_add": Rule(rows_index_add),
     "index_add_": Rule(rows_index_add),
+    "scatter_add": Rule(rows_scatter_add),
+    "scatter_add_": Rule(rows_scatter_add),
     "setitem": Rule(rows_setitem),
     "sum": Rule(rows_reduce, unary=True),
     "mean": Rule(rows_reduce, unary=True),
@@ -1678,6 +1713,7 @@ ROWS_RULES: dict[str, Rule] = {
 RULES.update({
     **{name: Rule(merge_rows(RULES[name].fn), creates=RULES[name].creates, unary=True)
        for name in ("view", "reshape", "flatten")},
+    "repeat_interleave": Rule(repeat_rows(RULES["repeat_interleave"].fn), unary=True),
     "topk": Rule(topk_rule, unary=True),
     "sort": Rule(sort_rule, unary=True),
     "argsort": Rule(sort_rule, unary=True),

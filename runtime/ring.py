@@ -150,7 +150,7 @@ class RingSetup:
         if groups == [(0, None, (0, n_local))]:
             return calls
         return [(replace(part, b0=b0, b1=b1),
-                 None if m is None else m.sub(part.q0 - c.q0, part.k0 - c.k0))
+                 None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
                 for b0, b1, (lo, hi) in groups for c, m in calls for part in clip_calls([c], lo, hi)]
 
     # Cached on the method: setups are frozen, few, and shared by every call. Entries hold O(n)

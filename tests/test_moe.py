@@ -89,13 +89,16 @@ class TinyMoE(nn.Module):
     histogram and a sum over all tokens of the batch; a one-hot mean too). `escape`: the sorted
     expert ids are also returned, so the rank-local order would leave the graph; `argsort`: the
     slots are ordered by argsort and read through its indices; `index_ops`: the tokens are read
-    by index_select and the experts' outputs added to them by index_add_; `unsorted_counts`: the group
+    by index_select and the experts' outputs added to them by index_add_; `masked`: the
+    load-balancing counts are weighted by a per-token mask (scatter_add_ of the mask repeated
+    per slot, as Hugging Face does with an attention mask); `unsorted_counts`: the group
     offsets count other ids than the sorted ones, in the sort's order (not its row groups)."""
 
-    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False, index_ops=False, unsorted_counts=False):
+    def __init__(self, d=16, experts=4, k=2, escape=False, argsort=False, index_ops=False, masked=False,
+                 unsorted_counts=False):
         super().__init__()
         self.k, self.experts, self.escape, self.argsort = k, experts, escape, argsort
-        self.index_ops, self.unsorted_counts = index_ops, unsorted_counts
+        self.index_ops, self.masked, self.unsorted_counts = index_ops, masked, unsorted_counts
         self.emb = nn.Embedding(32, d)
         self.qkv = nn.Linear(d, 3 * d)
         self.router = nn.Linear(d, experts, bias=False)
@@ -131,13 +134,19 @@ class TinyMoE(nn.Module):
             y = rows[inv].view(b * n, self.k, -1).sum(1)
         x = x + y.view(b, n, -1)
         loss = F.cross_entropy(self.head(x)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        share = torch.histc(top_i.reshape(-1).float(), bins=self.experts, min=0, max=self.experts) / (b * n)
+        if self.masked:
+            flat = (ids % 3 != 0).reshape(-1).float()
+            share = torch.zeros(self.experts).scatter_add_(0, top_i.reshape(-1), flat.repeat_interleave(self.k))
+            share = share / flat.sum()
+        else:
+            share = torch.histc(top_i.reshape(-1).float(), bins=self.experts, min=0, max=self.experts) / (b * n)
         loss = loss + (share * probs.sum(0) / (b * n)).sum()
         loss = loss + (F.one_hot(top_i[:, 0], self.experts).float().mean(0) * probs.mean(0)).sum()
         return (loss, expert_ids) if self.escape else loss
 
 
-@pytest.mark.parametrize("variant,dynamic", [("sort", False), ("argsort", False), ("index_ops", False), ("sort", True)])
+@pytest.mark.parametrize("variant,dynamic", [("sort", False), ("argsort", False), ("index_ops", False), ("masked", False),
+                                             ("sort", True)])
 def test_moe_dispatch_stays_on_each_ranks_own_tokens(variant, dynamic):
     """Routing, the rank's own sort, the tokens read in its order, grouped matmul with the
     rank's offsets and the inverse permutation run on shards; the load-balancing histogram,
@@ -150,10 +159,12 @@ def test_moe_dispatch_stays_on_each_ranks_own_tokens(variant, dynamic):
     sort = next(n for n in gm.graph.nodes if n.target in (torch.sort, "argsort"))
     perm = sort.meta[STATE_META] if argsort else sort.meta[STATE_META][1]
     assert perm.order is sort and perm.index == ("pairs", None)
-    # cross-entropy (sum and count), the histogram, the probability sum, the two means
-    assert count(gm, ALL_REDUCE) == 5
+    # cross-entropy (sum and count), the histogram (or the masked counts and the mask's sum),
+    # the probability sum, the two means
+    assert count(gm, ALL_REDUCE) == 5 + (variant == "masked")
     histc = [n for n in gm.graph.nodes if n.target is torch.histc]
-    assert [[u.target for u in h.users] for h in histc][1] == [ALL_REDUCE]  # the loss's, not the offsets'
+    counts = next(n for n in gm.graph.nodes if n.target == "scatter_add_") if variant == "masked" else histc[1]
+    assert [u.target for u in counts.users] == [ALL_REDUCE]  # the loss's counts; the offsets' stay local
     if variant != "index_ops":
         (arange,) = [n for n in gm.graph.nodes if n.target is torch.arange and n.args and isinstance(n.args[0], torch.fx.Node)]
         assert arange.args[0].target == "size"
@@ -192,8 +203,9 @@ def case_tiny_moe(rank, world, variant):
 
 
 @pytest.mark.parametrize("variant", [{}, pytest.param({"index_ops": True}, marks=pytest.mark.soak),
+                                     pytest.param({"masked": True}, marks=pytest.mark.soak),
                                      pytest.param({"escape": True}, marks=pytest.mark.soak)],
-                         ids=["own_tokens", "index_ops", "gathered"])
+                         ids=["own_tokens", "index_ops", "masked", "gathered"])
 def test_moe_dispatch_matches_eager(pools, variant):
     for rank, errs in enumerate(pools(2).run(case_tiny_moe, variant)):
         worst = max(errs.items(), key=lambda kv: kv[1])
@@ -226,10 +238,11 @@ def build(name: str):
     return model.train()
 
 
-def case_model(rank, world, name, outside):
+def case_model(rank, world, name, outside, padded=False):
     """(errors against eager, per graph: sites, rewritten sites, gathers as (location, why), the
     planner's O(n/p) verdict). The loss includes the load-balancing loss (router_aux_loss_coef):
-    inside (`labels=`), or outside: cross-entropy on the (sharded) logits plus `out.aux_loss`."""
+    inside (`labels=`), or outside: cross-entropy on the (sharded) logits plus `out.aux_loss`;
+    padded: the second sequence right-padded (attention mask; its counts weighted by it)."""
     from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
     ref, model = build(name), build(name)
@@ -241,10 +254,15 @@ def case_model(rank, world, name, outside):
     # as the sequence, a weight's included)
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend="ringcc", options={"inner": "aot_eager"})
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, -5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    extra = {"attention_mask": mask} if padded else {}
 
     def loss_of(m):
         if not outside:
-            return m(input_ids=ids, labels=ids, output_router_logits=True).loss
+            return m(input_ids=ids, labels=labels, output_router_logits=True, **extra).loss
         out = m(input_ids=ids, output_router_logits=True)
         ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         return ce + m.config.router_aux_loss_coef * out.aux_loss
@@ -281,3 +299,11 @@ def _check_model(results, world):
 def test_moe_model_matches_eager(pools, name, world, outside):
     """Loss (with the load-balancing loss) and every gradient equal eager."""
     _check_model(pools(world).run(case_model, name, outside, timeout=900), world)
+
+
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_padded_moe_model_matches_eager(pools, name):
+    """Right padding: the load-balancing loss weights its counts by the attention mask
+    (scatter_add of the mask repeated per slot), summed over the ranks."""
+    _check_model(pools(2).run(case_model, name, False, True, timeout=900), 2)

@@ -395,6 +395,28 @@ def test_hf_model_matches_eager(pools, name, world):
             assert all(mask["alibi"] for _, _, mask in sites)
 
 
+@pytest.mark.zoo
+def test_deberta_relative_position_attention_is_found_and_skipped():
+    """DeBERTa-v2 adds disentangled relative-position terms (content-to-position and back, data
+    gathered from a relative-position table) to its scores: every site is found and reported
+    skipped with the reason, and the plan does not claim O(n/p) while they run dense."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.DebertaV2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=64, relative_attention=True,
+                            pos_att_type=["p2c", "c2p"], position_buckets=16, pad_token_id=0)
+    model = T.DebertaV2ForMaskedLM(cfg).train()
+    ids = torch.randint(1, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    ringcc.reset_reports()
+    torch._dynamo.reset()
+    torch.compile(model, backend=ringcc.backend(ringcc.Config(world_size=2, inner="eager")))(input_ids=ids, labels=ids)
+    (report,) = ringcc.reports()
+    assert len(report.sites) == 2 and report.rewritten == []
+    assert all("attention scores go through add" in s.detail for s in report.skipped), report.skipped
+    assert report.plan is not None and not report.plan.verdict
+
+
 # ---------------------------------------------------------------------------------------
 # GPU (NCCL): the modifiers on flex_attention (bf16) and the math path (fp32)
 
