@@ -93,9 +93,14 @@ def load_factory(target: str):
         if not os.path.exists(mod_name):
             raise ValueError(f"no file {mod_name!r} (target {target!r})")
         spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(mod_name))[0], mod_name)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        module = sys.modules.get(spec.name)
+        loaded = getattr(module, "__file__", None)
+        if not (loaded and os.path.exists(loaded) and os.path.samefile(loaded, mod_name)):
+            # a file not imported yet (one that is keeps its module: its functions stay the
+            # ones its importer holds, which pickle finds by name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(mod_name)

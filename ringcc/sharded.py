@@ -203,9 +203,10 @@ _NOT_METHODS = {"__init__", "__new__", "__repr__", "__torch_function__", "__torc
                 "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__", "__index__", "__int__",
                 "__float__", "__complex__", "__iter__", "__contains__", "__len__", "register_hook", "full_tensor",
                 "positions", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
-for _name, _attr in vars(torch._C.TensorBase).items():
+for _name, _attr in {**vars(torch._C.TensorBase), **vars(torch.Tensor)}.items():  # public methods, operators
     if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(SequenceSharded)
-            and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "builtin_function_or_method")):
+            and (not _name.startswith("_") or _name.startswith("__"))
+            and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "function")):
         setattr(SequenceSharded, _name, _method(_name))
 
 

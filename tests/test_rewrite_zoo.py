@@ -188,6 +188,13 @@ def _plan(tmp_path, name: str, world: int) -> dict:
     return json.load(open(path))
 
 
+def test_a_factory_file_already_imported_keeps_its_module():
+    """`ringcc rewrite THIS_FILE:llama` run in this process: the factory is this module's own, so
+    the module's functions still pickle by name for the gloo workers (case_logits)."""
+    assert load_factory(f"{THIS}:llama") is llama
+    assert load_factory(f"{THIS}:case_logits") is case_logits
+
+
 @pytest.mark.zoo  # ~30 s on 2 cores (each rank imports transformers and builds the models): too long for `make test`
 def test_cheap_programs_match_eager_at_p2(pools, tmp_path):
     _check(pools, tmp_path, CHEAP, 2)
