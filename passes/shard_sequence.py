@@ -1372,17 +1372,21 @@ RULES: dict[str, Rule] = {
 # own (Seq.order = the sort node), indices index the rank's own rows (Seq.index says which:
 # ("pairs", None) slot rows in token order, ("tokens", None) token rows, ("positions", P)
 # rows in P's order; ("keys", P) marks P's sorted values), the histogram of the sorted keys
-# counts the rank's rows per group (a Partial), and grouped_mm reads those local offsets. A value in a rank-local order has no global counterpart, so
-# only rules that know these states (ROWS_RULES) take one, and they keep the order until
-# the inverse permutation brings the rows back to token order and a view splits the slots
-# off again. Where a rule cannot follow, gathering such a value would be wrong: the walk is
-# first run dry on a copy of the graph (`_local_order_closes`), and if some value in a local
-# order would need a gather, sorts of shards gather instead (O(n), recorded).
-# A Partial (a sum over the rank's rows: histc) is summed over the ranks where it is read as a
-# global value (the load-balancing loss's token counts); cumsum and casts keep it partial,
-# and grouped_mm's offsets read it as it is: the counts of the rows the rank holds. Every
-# Partial is made from a shard with no garbage rows (full window): padded rows would be
-# counted.
+# counts the rank's rows per group (a Partial), and grouped_mm reads those local offsets.
+# Other forms of the same steps: index_select reads token rows as indexing does, index_add_
+# adds rows in a sort's order back into the rank's own token rows, and repeat_interleave of a
+# 1-D token value gives one row per slot (a padding mask per slot).
+# A value in a rank-local order has no global counterpart, so only rules that know these
+# states (ROWS_RULES) take one, and they keep the order until the inverse permutation brings
+# the rows back to token order and a view splits the slots off again. Where a rule cannot
+# follow, gathering such a value would be wrong: the walk is first run dry on a copy of the
+# graph (`_local_order_closes`), and if some value in a local order would need a gather,
+# sorts of shards gather instead (O(n), recorded).
+# A Partial (a sum over the rank's rows: histc, scatter_add_ into fresh zeros) is summed over
+# the ranks where it is read as a global value (the load-balancing loss's counts); cumsum and
+# casts keep it partial, and grouped_mm's offsets read it as it is: the counts of the rows
+# the rank holds. Every Partial is made from a shard with no garbage rows (full window):
+# padded rows would be counted.
 
 
 def _row_key(st: Seq) -> tuple:

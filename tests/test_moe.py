@@ -267,6 +267,7 @@ def case_model(rank, world, name, outside, padded=False):
         ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         return ce + m.config.router_aux_loss_coef * out.aux_loss
 
+    torch._dynamo.reset()  # a graph compiled by an earlier case in this worker would be reused
     ringcc.reset_reports()
     ref_loss = loss_of(ref)
     ref_loss.backward()
