@@ -909,7 +909,11 @@ def getitem_rule(w: Sharder, node):
     if st is None:
         return _lookup(w, node, index)
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(isinstance(i, torch.fx.Node) or isinstance(i, (list, torch.Tensor)) for i in items):
+    lists = [i for i in items if isinstance(i, list)]
+    # one constant list of positions keeps its dim where it is (Falcon's K/V head, [-2]); tensor
+    # indices and several lists move or merge dims
+    if any(isinstance(i, (torch.fx.Node, torch.Tensor)) for i in items) or len(lists) > 1 or \
+            (lists and not all(isinstance(v, int) for v in lists[0])):
         raise Fallback("advanced indexing")
     nd = fake(x).dim()
     n_consumed = sum(1 for i in items if i is not None and i is not Ellipsis and not isinstance(i, bool))

@@ -203,6 +203,25 @@ def test_outer_product_of_positions_keeps_them_sharded():
     assert shard_models.shard_row_violations(gm, 2) == []
 
 
+class MultiQueryFused(nn.Module):
+    """Falcon's multi-query split: the fused heads, K and V picked with a list of one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, x):
+        fused = self.proj(x).view(2, x.shape[1], 4, 8)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1), is_causal=True).sum()
+
+
+def test_a_list_index_off_the_sequence_dim_keeps_the_shard():
+    gm, rep = rewrite(MultiQueryFused(), torch.randn(2, 12, 16))
+    assert count(gm, GATHER) == 0 and rep.gathers == []
+
+
 def test_sharded_values_have_n_over_p_rows():
     gm, _ = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), world=4)
     assert shard_models.shard_row_violations(gm, 4) == []
