@@ -67,6 +67,7 @@ def test_offline_rewrite_parity_at_p2(pools, tmp_path):
         assert r["ok"] and r["lengths"] == [32, 40], r
 
 
+@pytest.mark.soak
 def test_offline_rewrite_main_single_process(tmp_path, capsys):
     code = example("offline_rewrite").main(["--world-size", "1", "--seq-len", "16", "--out", str(tmp_path)])
     out = capsys.readouterr().out

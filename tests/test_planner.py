@@ -528,6 +528,7 @@ def test_cli_exact_ring_example_is_linear_and_json_round_trips(tmp_path, capsys)
     assert f"wrote {tmp_path / 'peak.png'}" in out and "the 10 largest of" in out
 
 
+@pytest.mark.soak
 def test_cli_device_cuda_plans_the_gpu_kernels_from_a_cpu_trace(tmp_path, monkeypatch):
     # Traced on CPU, planned as CUDA: CUDA's workspaces (the example is fp32, which the CUDA
     # flash/cuDNN kernels do not take: its blocks run the math path, whose bounded per-call

@@ -85,6 +85,7 @@ def test_contiguous_view_after_attention_matches_eager_at_p2(pools, tmp_path):
     assert max(max(e) for e in errs) < 1e-4
 
 
+@pytest.mark.soak
 def test_dynamic_program_serves_several_lengths(pools, tmp_path):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:exact_ring", "--seq-len", "32", "--dynamic-seq")
     assert code == rw.EXIT_OK
@@ -97,6 +98,7 @@ def test_dynamic_program_serves_several_lengths(pools, tmp_path):
     assert len(errs[0]) == 3
 
 
+@pytest.mark.soak
 def test_dilated_program_at_p2_matches_p1(pools, tmp_path):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:full_logits", "--seq-len", "64", "--dilation", "16,32:1,2")
     assert code == rw.EXIT_OK
