@@ -704,6 +704,11 @@ def _sizes_arg(node) -> tuple[list, Callable[[list], None]]:
         return sizes, lambda s: setattr(node, "kwargs", {**node.kwargs, key: tuple(s)})
     if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
         return list(rest[0]), lambda s: setattr(node, "args", (node.args[0], tuple(s)))
+    if len(rest) == 1 and isinstance(rest[0], torch.fx.Node) and rest[0].target is torch.Size \
+            and len(rest[0].args) == 1 and isinstance(rest[0].args[0], (tuple, list)):
+        # x.view(torch.Size([b, s, d])): dynamo's record of a size built from x.size() under a
+        # symbolic length (HF Conv1D's `x.size()[:-1] + (nf,)`); the view takes its elements
+        return list(rest[0].args[0]), lambda s: setattr(node, "args", (node.args[0], tuple(s)))
     return rest, lambda s: setattr(node, "args", (node.args[0], *s))
 
 

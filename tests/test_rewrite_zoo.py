@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -122,6 +123,31 @@ def bert_padded(seq_len: int = N):
     return Logits(transformers.BertModel(cfg, add_pooling_layer=False).eval()), (_ids(seq_len), _right_padded(seq_len))
 
 
+# The model zoo (tests/zoo.py) through the offline path: `zoo_<name>` and `zoo_<name>_padded`
+# are factories of each decoder and encoder of the zoo in its default config (decoders with
+# use_cache=True), in eval mode, returning the logits.
+if os.path.dirname(THIS) not in sys.path:
+    sys.path.insert(0, os.path.dirname(THIS))
+import zoo  # noqa: E402 - tests/zoo.py, from this file's folder
+
+ZOO_OFFLINE = [arch.name for arch in zoo.ZOO if arch.kind in ("decoder", "encoder")]
+
+
+def _zoo_factory(name: str, padded: bool):
+    def factory(seq_len: int = N):
+        torch.manual_seed(0)
+        model = Logits(zoo.BY_NAME[name].factory().eval())
+        return model, (_ids(seq_len), _right_padded(seq_len)) if padded else (_ids(seq_len),)
+    factory.__name__ = factory.__qualname__ = f"zoo_{name}{'_padded' if padded else ''}"
+    return factory
+
+
+for _name in ZOO_OFFLINE:
+    for _padded in (False, True):
+        _f = _zoo_factory(_name, _padded)
+        globals()[_f.__name__] = _f
+
+
 # factory -> the lifted mask of each of its two sites (report.json's "mask")
 MASKS = {
     "llama": {"causal": True},
@@ -225,9 +251,6 @@ def test_zoo_programs_match_eager(pools, tmp_path, world):
 PLAN_NOT_LINEAR = {
     "llama_padded_cache": "the padding mask read through the cache's positions is not lifted under a symbolic "
                           "length (unliftable_mask: padding lookup over part of the mask): both sites stay dense",
-    "gpt2": "HF Conv1D reads x.size() of a shard whole (size_out = x.size()[:-1] + (nf,)), a size with a symbolic "
-            "length that the sharding rules gather x for",
-    "gpt2_padded": "as gpt2",
 }
 
 
@@ -238,3 +261,45 @@ PLAN_NOT_LINEAR = {
 def test_zoo_plan_is_linear(tmp_path, name):
     plan = _plan(tmp_path, name, 2)
     assert plan["verdict"] is True, plan["culprits"]
+
+
+# ---------------------------------------------------------------------------------------
+# the model zoo through the offline path
+
+
+def _rewrite_zoo(tmp_path, factory: str, world: int) -> tuple[str, dict]:
+    """`ringcc rewrite` of one zoo factory: every site rewritten with its mask lifted (causal for
+    decoders, key padding when padded). Returns the program's path and the report."""
+    out = str(tmp_path / f"{factory}_p{world}")
+    assert cli.main(["rewrite", f"{THIS}:{factory}", "--world-size", str(world), "-o", out]) == rw.EXIT_OK, factory
+    report = json.load(open(os.path.join(out, "report.json")))
+    name = factory.removeprefix("zoo_").removesuffix("_padded")
+    decoder, padded = zoo.BY_NAME[name].kind == "decoder", factory.endswith("_padded")
+    assert [s["decision"] for s in report["sites"]] == ["rewritten"] * zoo.BY_NAME[name].sites, (factory, report["sites"])
+    for site in report["sites"]:
+        assert bool(site["mask"].get("causal")) == decoder and bool(site["mask"].get("key_padding")) == padded, \
+            (factory, site["mask"])
+    return os.path.join(out, "program.pt2"), report
+
+
+def _check_zoo(pools, tmp_path, factories, world: int) -> dict:
+    """Rewrite every factory for `world` ranks, run all programs in one pool call; the reports."""
+    rewritten = {f: _rewrite_zoo(tmp_path, f, world) for f in factories}
+    programs = [(path, f) for f, (path, _) in rewritten.items()]
+    for rank_errs in pools(world).run(case_logits, programs, timeout=1200):
+        bad = {f: err for f, err in zip(factories, rank_errs) if not err < TOL}
+        assert not bad, (world, bad)
+    return {f: report for f, (_, report) in rewritten.items()}
+
+
+ZOO_NOT_REWRITTEN = {"bloom": "", "mpt": ""}
+ZOO_PADDED = ()
+
+
+@pytest.mark.zoo
+def test_zoo_programs_match_eager_at_p2(pools, tmp_path):
+    factories = [f"zoo_{n}" for n in ZOO_OFFLINE if n not in ZOO_NOT_REWRITTEN] + [f"zoo_{n}_padded" for n in ZOO_PADDED]
+    reports = _check_zoo(pools, tmp_path, factories, 2)
+    inside = {f: sorted({g["why"] for g in r["gathers"]} - {"graph output (Config(gather_outputs=True))"})
+              for f, r in reports.items()}
+    print(json.dumps({f: w for f, w in inside.items() if w}, indent=1))

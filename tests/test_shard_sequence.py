@@ -222,6 +222,27 @@ def test_a_list_index_off_the_sequence_dim_keeps_the_shard():
     assert count(gm, GATHER) == 0 and rep.gathers == []
 
 
+class Conv1DView(nn.Module):
+    """HF GPT-2's Conv1D: `size_out = x.size()[:-1] + (nf,)`, then `x.view(size_out)`; under a
+    symbolic length dynamo records the size as torch.Size([2, s, 48])."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(16, 48)), nn.Parameter(torch.randn(48))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (48,)
+        h = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+        q, k, v = h.view(*h.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_a_view_to_a_size_built_from_x_size_keeps_the_shard():
+    gm, rep = rewrite(Conv1DView(), torch.randn(2, 12, 16), dynamic=True)
+    assert len(rep.rewritten) == 1 and count(gm, GATHER) == 0 and rep.gathers == []
+    assert shard_models.shard_row_violations(gm, 2) == []
+
+
 def test_sharded_values_have_n_over_p_rows():
     gm, _ = rewrite(shard_models.build("gpt"), *shard_models.batch("gpt", 24), world=4)
     assert shard_models.shard_row_violations(gm, 4) == []
