@@ -182,13 +182,17 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
         attempts.append((lambda x: every[id(x)], f"every dim of length {trace_len} of the sequence inputs traced "
                                                  f"as n (dim {seq_dim} alone was specialised by the model)"))
     attempts.append((lambda x: [], f"traced with static shapes (n = {trace_len}): the model specialised a dynamic n"))
+    first = next(i for i, x in enumerate(inputs) if id(x) in every)
+    traced = _one_length(model, inputs, [i for i, x in enumerate(inputs) if id(x) in every], seq_dim)
     for i, (dims, note) in enumerate(attempts):
         marked = []
-        for x in inputs:  # a new view per attempt: marks stay off the factory's tensors
+        for j, x in enumerate(inputs):  # a new view per attempt: marks stay off the factory's tensors
             if id(x) in every:
                 view = x.view(x.shape)
                 for d in dims(x):
-                    torch._dynamo.mark_dynamic(view, d)
+                    # the first sequence input holds n; the others' lengths are n through
+                    # _one_length, which a mark_dynamic would report as a specialisation
+                    (torch._dynamo.mark_dynamic if j == first else torch._dynamo.maybe_mark_dynamic)(view, d)
                 x = view
             marked.append(x)
         last = i == len(attempts) - 1
@@ -197,12 +201,41 @@ def trace_plans(model, inputs, *, world_size: int, trace_len: int, seq_dim: int 
         level = quiet.level
         quiet.setLevel(level if last else logging.CRITICAL)
         try:
-            return _trace(model, marked, config, world_size, trace_len, training, device_type, note=note)
+            return _trace(traced, marked, config, world_size, trace_len, training, device_type, note=note)
         except Exception as e:  # noqa: BLE001 - only a specialised dynamic dim is retried
             if last or not _specialised(e):
                 raise
         finally:
             quiet.setLevel(level)
+
+
+def _one_length(model, inputs, positions: list[int], seq_dim: int):
+    """`model` called with its sequence inputs (at `positions`) checked to be of one length: the
+    trace then has one symbol n for all of them. Marked dynamic one by one, each input would
+    have its own length symbol, and a value read from one input at the positions of another
+    (HF's padding mask looked up at the cache's key positions) would cover only part of it.
+    The wrapper takes the forward's own argument names and calls the model `self`, so that
+    dynamo names the graph's inputs and parameters as for the model itself."""
+    import keyword
+
+    import torch
+
+    if len(positions) < 2:
+        return model
+    try:
+        params = list(inspect.signature(getattr(model, "forward", model)).parameters.values())[:len(inputs)]
+    except (TypeError, ValueError):
+        params = []
+    names = [q.name for q in params if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(names) != len(inputs) or {"self", "torch"} & set(names) or any(keyword.iskeyword(x) for x in names):
+        names = [f"input_{i}" for i in range(len(inputs))]
+    args = ", ".join(names)
+    checks = "".join(f"    torch._check({names[i]}.size({seq_dim}) == {names[positions[0]]}.size({seq_dim}))\n"
+                     for i in positions[1:])
+    scope: dict = {"torch": torch}
+    exec(f"def make(self):\n  def one_length({args}):\n{checks}    return self({args})\n  return one_length\n".replace(
+        "\n    ", "\n      "), scope)
+    return scope["make"](model)
 
 
 TRACE_NOTES = ("every dim of length", "traced with static shapes")  # how trace_plans traced n

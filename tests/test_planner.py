@@ -841,3 +841,34 @@ def test_cli_node_names_read_as_module_paths():
 
     assert readable_name("l_self_modules_blocks_modules_0_modules_qkv_parameters_weight_") == "self.blocks.0.qkv.weight"
     assert readable_name("L_x_") == "x" and readable_name("linear_3") == "linear_3"
+
+
+class _PaddingAtKeyPositions(nn.Module):
+    """HF's mask with a cache: the [b, n] padding mask looked up at key positions built from
+    the ids' length (arange(ids.shape[1])), not from the mask's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = nn.Embedding(16, 16), nn.Linear(16, 48)
+
+    def forward(self, ids, mask):
+        b, length = ids.shape
+        q, k, v = self.proj(self.embed(ids)).view(b, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        kv = torch.arange(length)
+        causal = kv[None, None, None, :] <= kv[None, None, :, None]
+        keep = mask.bool()[torch.arange(b)[:, None, None, None], kv[None, None, None, :]]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & keep)
+
+
+def test_sequence_inputs_are_traced_with_one_length():
+    """Each marked dynamic alone, the ids and the mask would have lengths of their own, and the
+    mask read at the ids' positions covers only part of it: not liftable (dense attention).
+    Traced with one length, the mask is lifted and the plan is O(n/p)."""
+    from ringcc.planner_cli import trace_plans
+
+    ids = torch.randint(0, 16, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, -5:] = 0
+    plans, reports = trace_plans(_PaddingAtKeyPositions(), (ids, mask), world_size=2, trace_len=24, training=False)
+    assert [len(r.rewritten) for r in reports] == [1] and all(p.verdict for p in plans), reports[0].format()
+    assert reports[0].rewritten[0].mask["key_padding"] is not None

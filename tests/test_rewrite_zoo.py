@@ -246,18 +246,8 @@ def test_zoo_programs_match_eager(pools, tmp_path, world):
     _check(pools, tmp_path, [name for name in MASKS if world == 4 or name not in CHEAP], world)
 
 
-# `ringcc plan` traces the compiled model with a symbolic length, where these are not O(n/p)
-# yet (their programs above are exact, and the zoo's compiled runs at fixed lengths are O(n/p)):
-PLAN_NOT_LINEAR = {
-    "llama_padded_cache": "the padding mask read through the cache's positions is not lifted under a symbolic "
-                          "length (unliftable_mask: padding lookup over part of the mask): both sites stay dense",
-}
-
-
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=PLAN_NOT_LINEAR[name])] if name in PLAN_NOT_LINEAR
-                 else []) for name in MASKS])
+@pytest.mark.parametrize("name", list(MASKS))
 def test_zoo_plan_is_linear(tmp_path, name):
     plan = _plan(tmp_path, name, 2)
     assert plan["verdict"] is True, plan["culprits"]
