@@ -482,6 +482,28 @@ def _broadcast_dim(st: Seq, in_nd: int, out_nd: int) -> int:
     return st.dim + out_nd - in_nd
 
 
+_GRAD_MODE = ("_set_grad_enabled",)
+
+
+def autograd_function_rule(w: Sharder, node):
+    """A custom autograd.Function (dynamo's autograd_function_apply) whose forward and
+    backward bodies are elementwise code over same-shape tensors (Bloom's GELU): token-local,
+    so its outputs keep the input's shard and its backward runs on the shard too."""
+    for body in node.args[:2]:
+        for n in attr_value(w.gm, body.target).graph.nodes:
+            if n.op in ("placeholder", "output") or op_name(n) in _GRAD_MODE:
+                continue
+            if n.op not in ("call_function", "call_method") or op_name(n) not in _PW + _PW_CHEAP:
+                raise Fallback(f"its {body.target} calls {op_name(n)}, which is not elementwise")
+    tensors = [a for a in node.args[2:] if _is_tensor_node(a)]
+    outs = [v for v in fake(node) if isinstance(v, torch.Tensor)]
+    shapes = {tuple(fake(a).shape) for a in tensors} | {tuple(v.shape) for v in outs}
+    if len(shapes) != 1:
+        raise Fallback(f"its tensors have different shapes {sorted(shapes)}")
+    st = _elementwise(w, node, tensors, cheap=False, out_nd=len(shapes.pop()))
+    return tuple(st if isinstance(v, torch.Tensor) else None for v in fake(node))
+
+
 def _elementwise(w: Sharder, node: torch.fx.Node, tensors: list[torch.fx.Node], cheap: bool,
                  pad_value=0, out_nd: int | None = None) -> State:
     """Broadcasting token-local op over `tensors`; cheap ops keep replicated values replicated."""
@@ -1322,6 +1344,7 @@ RULES: dict[str, Rule] = {
     "softmax": Rule(feature_local(_softmax_dims)),
     "log_softmax": Rule(feature_local(_softmax_dims)),
     "embedding": Rule(embedding_rule),
+    "autograd_function_apply": Rule(autograd_function_rule),
     "matmul": Rule(matmul_rule),
     "bmm": Rule(matmul_rule),
     "outer": Rule(outer_rule),

@@ -71,14 +71,15 @@ def test_sequence_cumsum_matches_torch(pools, world):
     assert all(pools(world).run(case_cumsum))
 
 
-def case_positions(rank, world):
-    """A model whose position features need the rules above (test_shard_sequence.Positions),
-    compiled with ringcc: its output and every gradient equal eager's."""
+def case_positions(rank, world, name="Positions"):
+    """A model of test_shard_sequence that needs the rules above (Positions: position features;
+    CustomFunction: Bloom's GELU as an autograd.Function), compiled with ringcc: its output and
+    every gradient equal eager's, with no gather."""
     import ringcc
-    from test_shard_sequence import Positions
+    import test_shard_sequence
 
     torch.manual_seed(0)
-    ref, model = Positions(), Positions()
+    ref, model = getattr(test_shard_sequence, name)(), getattr(test_shard_sequence, name)()
     model.load_state_dict(ref.state_dict())
     x = torch.randn(2, 4 * world, 16, generator=torch.Generator().manual_seed(2))
     r = torch.randn(2, 4 * world, 16, generator=torch.Generator().manual_seed(3))
@@ -95,5 +96,6 @@ def case_positions(rank, world):
     return True
 
 
-def test_position_features_on_shards_match_eager(pools):
-    assert all(pools(2).run(case_positions, timeout=300))
+@pytest.mark.parametrize("name", ["Positions", "CustomFunction"])
+def test_token_local_models_on_shards_match_eager(pools, name):
+    assert all(pools(2).run(case_positions, name, timeout=300))

@@ -377,3 +377,55 @@ def test_a_gathered_value_meets_flattened_shards_as_a_shard_not_a_weight():
     synced = {a for n in gm.graph.nodes if n.target in (SYNC, torch.ops.ringcc.sync_grads.default)
               for a in n.args[0]}
     assert all(a.op == "placeholder" for a in synced), synced
+
+
+class _Gelu(torch.autograd.Function):
+    """Bloom's training GELU: a custom autograd.Function with an elementwise forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _RunningSum(torch.autograd.Function):
+    """Not token-local: a running sum over the tokens."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.cumsum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(1).cumsum(1).flip(1)
+
+
+class CustomFunction(nn.Module):
+    def __init__(self, fn=_Gelu):
+        super().__init__()
+        self.fn = fn
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        return self.fn.apply(y)
+
+
+def test_elementwise_autograd_function_runs_on_the_shard():
+    gm, rep = rewrite(CustomFunction(_Gelu), torch.randn(2, 8, 16))
+    assert count(gm, GATHER) == 0 and rep.gathers == [] and rep.plan.verdict, rep.gathers
+    (apply,) = [n for n in gm.graph.nodes if n.name.startswith("autograd_function_apply")]
+    assert apply.meta[STATE_META][0].sharded
+
+
+def test_autograd_function_that_mixes_tokens_is_gathered_with_its_reason():
+    gm, rep = rewrite(CustomFunction(_RunningSum), torch.randn(2, 8, 16))
+    (g,) = rep.gathers
+    assert "autograd_function_apply: its fwd_body_0 calls cumsum, which is not elementwise" in g.why
