@@ -1123,8 +1123,23 @@ def size_rule(w: Sharder, node):
     st = w.state[x]
     d = _arg(node, 1, "dim")
     if d is None:
-        if st.sharded:
-            raise Fallback("the whole size of a shard")
+        if not st.sharded:
+            return None
+        if not (w.full(st) and _eq(st.outer, 1)):
+            raise Fallback("the whole size of a narrowed shard")
+        # x.size() whole (HF OPT's `shape = h.shape ... .view(shape)`): the global size,
+        # torch.Size([x.size(0), ..., x.size(d) * p, ...]), which view_rule reads element-wise
+        made = []
+        with w.graph.inserting_before(node.next):
+            for i in range(fake(x).dim()):
+                made.append(tag(w.graph.call_function(operator.getitem, (node, i)), PASS, node))
+                if i == st.dim:
+                    made.append(tag(w.graph.call_function(operator.mul, (made[-1], w.p)), PASS, node))
+            sizes = [m for m in made if not (m.target is operator.getitem and m.args[1] == st.dim)]
+            whole = tag(w.graph.call_function(torch.Size, (sizes,)), PASS, node)
+        node.replace_all_uses_with(whole, delete_user_cb=lambda u: u not in made)
+        for m in made + [whole]:
+            w.state[m] = None
         return None
     if not st.sharded or _norm_dim(d, fake(x).dim()) != st.dim:
         return None

@@ -237,8 +237,24 @@ class Conv1DView(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
-def test_a_view_to_a_size_built_from_x_size_keeps_the_shard():
-    gm, rep = rewrite(Conv1DView(), torch.randn(2, 12, 16), dynamic=True)
+class SizeView(nn.Module):
+    """HF OPT's MLP: `shape = h.shape`, a reshape to rows, then `.view(shape)` (dynamo: h.size())."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.fc = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        shape = h.shape
+        rows = h.reshape(-1, h.size(-1))
+        return (rows + self.fc(rows)).view(shape).sum()
+
+
+@pytest.mark.parametrize("model", [Conv1DView, SizeView])
+def test_a_view_to_a_size_built_from_x_size_keeps_the_shard(model):
+    gm, rep = rewrite(model(), torch.randn(2, 12, 16), dynamic=True)
     assert len(rep.rewritten) == 1 and count(gm, GATHER) == 0 and rep.gathers == []
     assert shard_models.shard_row_violations(gm, 2) == []
 
