@@ -197,12 +197,12 @@ _METADATA = {
 }
 
 
-_NOT_METHODS = {"__init__", "__new__", "__repr__", "__torch_function__", "__torch_dispatch__", "__getattribute__",
-                "__setattr__", "__delattr__", "__dir__", "__reduce_ex__", "__reduce__", "__deepcopy__", "__setstate__",
-                "__getstate__", "__init_subclass__", "__subclasshook__", "__class__", "__sizeof__", "__format__",
-                "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__", "__index__", "__int__",
-                "__float__", "__complex__", "__iter__", "__contains__", "__len__", "register_hook", "full_tensor",
-                "positions", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
+# the class's own methods are skipped by name below; these are Tensor's that must not be generated
+_NOT_METHODS = {"__getattribute__", "__setattr__", "__delattr__", "__dir__", "__reduce_ex__", "__reduce__",
+                "__deepcopy__", "__setstate__", "__getstate__", "__init_subclass__", "__subclasshook__", "__class__",
+                "__sizeof__", "__format__", "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__",
+                "__index__", "__int__", "__float__", "__complex__", "__iter__", "__contains__", "__len__",
+                "register_hook", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
 for _name, _attr in {**vars(torch._C.TensorBase), **vars(torch.Tensor)}.items():  # public methods, operators
     if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(SequenceSharded)
             and (not _name.startswith("_") or _name.startswith("__"))

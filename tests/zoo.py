@@ -50,6 +50,7 @@ class Arch:
     skipped: int = 0  # attention sites skipped, likewise
     linear: bool = True  # the planner's verdict: O(n/p) holds
     worlds: tuple[int, ...] = (2,)
+    patterns_p4: tuple[str, ...] = ("loss_inside", "ce_outside")  # the patterns run at p > 2
     why: str = ""  # where not O(n/p) or not exact: the op and why (the matrix shows it)
     padded_skipped: int | None = None  # sites skipped in the padded pattern, where it differs (then not O(n/p))
 
@@ -133,17 +134,17 @@ ZOO: list[Arch] = [
     # score modifiers, multi-query K/V, mixtures of experts (Note [Rank-local rows])
     Arch("gemma2", _hf_default_attention("Gemma2Config", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=8, sliding_window=8, max_position_embeddings=128)),
+                                         head_dim=8, sliding_window=8, max_position_embeddings=128), worlds=(2, 4)),
     Arch("bloom", _hf_default_attention("BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
-         padded_skipped=2,
+         padded_skipped=2, worlds=(2, 4),
          why="with a padding mask, Bloom's ALiBi positions are the running count of the mask's valid tokens "
              "(modeling_bloom.py:88), not an arange: ALiBi only for masks whose valid tokens are one run, which "
              "the graph does not show, so both sites stay dense attention (exact, O(n))"),
     Arch("mpt", _hf_default_attention("MptConfig", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
-                                      max_seq_len=64)),
+                                      max_seq_len=64), worlds=(2, 4)),
     Arch("falcon_mq", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
                               num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-                              new_decoder_architecture=False, alibi=False)),
+                              new_decoder_architecture=False, alibi=False), worlds=(2, 4)),
     Arch("mixtral", _llama_like("MixtralConfig", num_local_experts=4, **_MOE)),
     Arch("qwen2_moe", _llama_like("Qwen2MoeConfig", num_experts=4, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=64, **_MOE)),
