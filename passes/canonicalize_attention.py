@@ -652,7 +652,9 @@ def _map_dims(node: torch.fx.Node, x):
             if not isinstance(i, slice) or i.step not in (None, 1):
                 raise _NotAlibi
             start = i.start or 0
-            if start < 0:
+            if not isinstance(start, int):  # a start computed from sizes (MPT's max(0, size - n))
+                start = None  # unknown: positions along it shift by a constant (_Pos), heads do not map (_Head)
+            elif start < 0:
                 start += static_int(src[k]) if static_int(src[k]) is not None else 0
             mapping[k - len(src)] = (o - len(out), start)
             k, o = k + 1, o + 1
@@ -675,9 +677,10 @@ def _map_dims(node: torch.fx.Node, x):
         if isinstance(v, _Pos):
             if v.dim not in dmap:
                 raise _NotAlibi
-            return _Pos(dmap[v.dim], v.coef, v.const + v.coef * starts[v.dim])
+            # an unknown start shifts every position by one constant: only the slope (coef) is lifted
+            return _Pos(dmap[v.dim], v.coef, v.const + v.coef * (starts[v.dim] or 0))
         if isinstance(v, _Head):
-            if v.dim not in dmap or starts[v.dim]:
+            if v.dim not in dmap or starts[v.dim] != 0:
                 raise _NotAlibi
             return _Head(v.node, dmap[v.dim])
         return _Bias(move(v.head), move(v.pos))

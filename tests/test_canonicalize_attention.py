@@ -178,3 +178,23 @@ def test_encoder_fast_path_with_mask_is_recorded():
         assert [(s.form, s.reason) for s in ctx.report.sites] == [("encoder", SkipReason.ENCODER_FASTPATH)]
     else:
         assert [s.form for s in ctx.report.sites] == ["mha"]
+
+
+def _alibi_sliced_to_length(q, k, v):
+    """MPT's ALiBi: a bias over the longest length, sliced at max(0, size - n) (a start
+    computed from the symbolic length)."""
+    n = q.shape[-2]
+    slopes = 1.0 / torch.pow(2.0, torch.arange(1, H + 1, dtype=torch.float32))
+    bias = slopes[:, None, None] * torch.arange(1 - 64, 1, dtype=torch.float32)[None, None, :]
+    bias = bias[:, max(0, bias.size(1) - n):, max(0, bias.size(2) - n):]
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + bias, dim=-1) @ v
+
+
+def test_alibi_bias_sliced_at_a_symbolic_start_is_recorded():
+    """A slice start computed from the symbolic length (not an int) is read as an unknown shift:
+    the site is recorded and the graph computes what it did (no TypeError from comparing it)."""
+    q, k, v = qkv()
+    for x in (q, k, v):
+        torch._dynamo.mark_dynamic(x, 2)
+    _, _, report = canonical(_alibi_sliced_to_length, q, k, v)
+    assert [s.form for s in report.sites] == ["manual"], report.format()
