@@ -217,6 +217,48 @@ def test_sharded_output_feeds_another_graph_as_a_shard(pools):
         assert len(facts) == 2 and facts[1][1], facts  # the loss's one graph takes them as its shard
 
 
+class _MergedLogits(torch.nn.Module):
+    """The model's logits returned with the batch merged into the sequence dim, [b * n, V] (as
+    a mixture-of-experts layer returns its router logits)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, labels):
+        return self.model(idx, labels)[1].flatten(0, 1)
+
+
+def case_merged_output(rank, world):
+    """An output that merges the batch into the sequence dim leaves the graph as shards (one
+    per batch row, in the graph's layout), and the loss outside on it is exact."""
+    import torch.nn.functional as F
+
+    from ringcc import SequenceSharded
+
+    ref, model = shard_models.build("gpt"), shard_models.build("gpt")
+    compiled = torch.compile(_MergedLogits(model), backend=ringcc.backend(inner="aot_eager"))
+    idx, labels = shard_models.batch("gpt", 24)
+    ringcc.reset_reports()
+    out = compiled(idx, labels)
+    assert isinstance(out, SequenceSharded) and out.outer == 2 and out.shape == (48, out.shape[1])
+    assert out.local.shape[0] == 48 // world and out.positions().shape == (48 // world,)
+    loss = F.cross_entropy(out, labels.flatten())
+    ref_loss = F.cross_entropy(_MergedLogits(ref)(idx, labels), labels.flatten())
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    return [[g.why for g in r.gathers] for r in ringcc.reports()]
+
+
+def test_output_with_the_batch_merged_into_the_sequence_leaves_as_shards(pools):
+    for gathers in pools(2).run(case_merged_output, timeout=600):
+        assert gathers == [[]], gathers
+
+
 class _CausalIds(torch.nn.Module):
     """One head (no view of [b, n, ...] that n = 1 would make ambiguous)."""
 
