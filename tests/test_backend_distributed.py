@@ -183,6 +183,15 @@ def test_ranks_with_different_ring_settings_fail_at_the_first_call(pools):
 
 
 
+def _assert_same_loss_and_grads(loss, ref_loss, model, ref):
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+
+
 def case_handoff(rank, world):
     """A second ringcc graph reading the first one's sharded logits (a loss compiled on its
     own, as after a graph break) takes the shard as is, also through Tensor methods (which
@@ -200,12 +209,7 @@ def case_handoff(rank, world):
     loss = loss_fn(logits, labels)
     _, ref_logits = ref(idx, labels)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    ref_grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    _assert_same_loss_and_grads(loss, ref_loss, model, ref)
     assert not logits._full  # never gathered outside a graph
     return [(r.plan.verdict, any("handoff" in n for n in r.notes), [g.why for g in r.gathers])
             for r in ringcc.reports()]
@@ -245,12 +249,7 @@ def case_merged_output(rank, world):
     assert out.local.shape[0] == 48 // world and out.positions().shape == (48 // world,)
     loss = F.cross_entropy(out, labels.flatten())
     ref_loss = F.cross_entropy(_MergedLogits(ref)(idx, labels), labels.flatten())
-    loss.backward()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    ref_grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    _assert_same_loss_and_grads(loss, ref_loss, model, ref)
     return [[g.why for g in r.gathers] for r in ringcc.reports()]
 
 
