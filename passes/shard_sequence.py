@@ -428,10 +428,10 @@ class Sharder:
 
     def _outputs(self, node: torch.fx.Node) -> None:
         """Sharded outputs leave the graph as shards, each with its window in
-        ctx.scratch["sharded_outputs"] (output index -> (dim, rows before, rows after)) for the
-        backend to wrap (Note [Sharded outputs], ringcc/sharded.py); gathered to full length
-        under Config(gather_outputs=True), and where the batch is merged into the sequence dim."""
-        specs: dict[int, tuple[int, int, int]] = {}
+        ctx.scratch["sharded_outputs"] (output index -> (dim, rows before, rows after, batch rows
+        merged in front)) for the backend to wrap (Note [Sharded outputs], ringcc/sharded.py);
+        gathered to full length under Config(gather_outputs=True)."""
+        specs: dict[int, tuple[int, int, int, int]] = {}
         flat = node.args[0] if len(node.args) == 1 and isinstance(node.args[0], (tuple, list)) else None
 
         def visit(a, index=None):
@@ -449,11 +449,11 @@ class Sharder:
             front, back = st.start, self.N - st.start - st.length
             if index is None:
                 return self.gather(a, st, "graph output nested in a container")
-            if not _eq(st.outer, 1):
-                return self.gather(a, st, "graph output with the batch merged into its sequence dim")
+            if not sympy.sympify(st.outer).is_Integer:
+                return self.gather(a, st, f"graph output with {st.outer} batch rows merged into its sequence dim")
             if not (sympy.sympify(front).is_Integer and sympy.sympify(back).is_Integer):
                 return self.gather(a, st, f"graph output with a window of symbolic offset ({front}, {back})")
-            specs[index] = (st.dim, int(front), int(back))
+            specs[index] = (st.dim, int(front), int(back), int(st.outer))
             self.decisions.append(f"output {index} {a.name}@{st.dim}+{int(front)}-{int(back)}")
             return a
 

@@ -26,8 +26,10 @@ Config(gather_outputs=True), the graph returns its shards and the backend hands 
   memory plan of the graph, which ends at its outputs, counts n/p rows for each.
 A shard holding rows outside the value's window (`logits[:, :-1]`, or padded rows under
 Config(pad=True)) carries the window (`front`, `back`: rows of the padded global order
-before and after it); the gather narrows to it. Outputs that merge the batch into the
-sequence dim (`logits.view(-1, V)`) are gathered inside the graph and named in the report.
+before and after it); the gather narrows to it. An output that merges the batch into the
+sequence dim (a mixture-of-experts layer's router logits, [b * n, experts]) holds each batch
+row's shard in turn (`outer` = b): its gather splits the batch rows off, gathers each row's
+tokens and merges them again.
 Read inside another graph that ringcc compiles (the next block of a model that dynamo breaks
 into graphs), the gather is traced into that graph, whose sharding pass takes the shard as is
 when the layouts and lengths agree (`handoff_gathers`): no rows move. Dynamo models the wrapper
@@ -65,19 +67,20 @@ class SequenceSharded(torch.Tensor):
     seq_layout: str
     front: int
     back: int
+    outer: int  # batch rows merged in front of the sequence in seq_dim ([b * n, ...]), each sharded
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
-                front: int = 0, back: int = 0):
+                front: int = 0, back: int = 0, outer: int = 1):
         shape = list(local.shape)
-        shape[seq_dim] = shape[seq_dim] * world_size - front - back
+        shape[seq_dim] = (shape[seq_dim] // outer * world_size - front - back) * outer
         strides = torch.empty(shape, device="meta").stride()
         self = _compat.make_wrapper_subclass(
             cls, shape, strides=strides, dtype=local.dtype, device=local.device,
             requires_grad=local.requires_grad)
         self.local, self.seq_dim, self.seq_layout = local, seq_dim, layout
         self._comm = (group_name, world_size)
-        self.front, self.back = front, back
+        self.front, self.back, self.outer = front, back, outer
         self._full: dict[bool, torch.Tensor] = {}
         return self
 
@@ -85,8 +88,9 @@ class SequenceSharded(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents=None):
+        merged = f", batch rows merged={self.outer}" if self.outer > 1 else ""
         return (f"SequenceSharded(shape={tuple(self.shape)}, seq_dim={self.seq_dim}, seq_layout={self.seq_layout!r}, "
-                f"world_size={self._comm[1]}, local rows={self.local.shape[self.seq_dim]})")
+                f"world_size={self._comm[1]}, local rows={self.local.shape[self.seq_dim]}{merged})")
 
     def full_tensor(self) -> torch.Tensor:
         """The whole value on every rank (a collective), cached: under autograd it is the
@@ -99,23 +103,28 @@ class SequenceSharded(torch.Tensor):
         return self._full[grad]
 
     def _gather(self) -> torch.Tensor:
-        full = gather_op(self.local, self.seq_dim, *self._comm, self.seq_layout)
+        d, local = self.seq_dim, self.local
+        if self.outer > 1:  # [b * n/p, ...] -> [b, n/p, ...]: each batch row's tokens gathered
+            local, d = local.unflatten(d, (self.outer, -1)), d + 1
+        full = gather_op(local, d, *self._comm, self.seq_layout)
         if self.front or self.back:
-            full = full.narrow(self.seq_dim, self.front, self.shape[self.seq_dim])
-        return full
+            full = full.narrow(d, self.front, self.shape[self.seq_dim] // self.outer)
+        return full.flatten(d - 1, d) if self.outer > 1 else full
 
     def with_local(self, local: torch.Tensor) -> "SequenceSharded":
         """The same global value's wrapper around other rows of this rank (same layout)."""
-        return SequenceSharded(local, self.seq_dim, *self._comm, self.seq_layout, self.front, self.back)
+        return SequenceSharded(local, self.seq_dim, *self._comm, self.seq_layout, self.front, self.back, self.outer)
 
     def positions(self) -> torch.Tensor:
         """The global token position of each of `.local`'s rows (padded rows and rows outside
-        the window: positions outside [0, shape[seq_dim]))."""
+        the window: positions outside [0, shape[seq_dim] / outer)); with batch rows merged into
+        the dim, the positions within each batch row, repeated for every batch row."""
         from ringcc.runtime.ops import _group_from
 
         _, rank, world = _group_from(*self._comm)
-        rows = self.local.shape[self.seq_dim]
-        return L.global_positions(rank, world, L.Layout(self.seq_layout), rows, self.local.device) - self.front
+        rows = self.local.shape[self.seq_dim] // self.outer
+        pos = L.global_positions(rank, world, L.Layout(self.seq_layout), rows, self.local.device) - self.front
+        return pos.repeat(self.outer)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -211,9 +220,9 @@ for _name, _attr in {**vars(torch._C.TensorBase), **vars(torch.Tensor)}.items():
 
 
 def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str):
-    """The graph's outputs with the sharded ones (index -> (dim, front, back)) wrapped."""
+    """The graph's outputs with the sharded ones (index -> (dim, front, back, outer)) wrapped."""
     out = list(outputs)
-    for i, (dim, front, back) in specs.items():
+    for i, (dim, front, back, outer) in specs.items():
         if isinstance(out[i], torch.Tensor):
-            out[i] = SequenceSharded(out[i], dim, group_name, world_size, layout, front, back)
+            out[i] = SequenceSharded(out[i], dim, group_name, world_size, layout, front, back, outer)
     return type(outputs)(out) if isinstance(outputs, tuple) else out

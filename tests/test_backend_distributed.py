@@ -183,6 +183,15 @@ def test_ranks_with_different_ring_settings_fail_at_the_first_call(pools):
 
 
 
+def _assert_same_loss_and_grads(loss, ref_loss, model, ref):
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+
+
 def case_handoff(rank, world):
     """A second ringcc graph reading the first one's sharded logits (a loss compiled on its
     own, as after a graph break) takes the shard as is, also through Tensor methods (which
@@ -200,12 +209,7 @@ def case_handoff(rank, world):
     loss = loss_fn(logits, labels)
     _, ref_logits = ref(idx, labels)
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    ref_grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    _assert_same_loss_and_grads(loss, ref_loss, model, ref)
     assert not logits._full  # never gathered outside a graph
     return [(r.plan.verdict, any("handoff" in n for n in r.notes), [g.why for g in r.gathers])
             for r in ringcc.reports()]
@@ -215,6 +219,43 @@ def test_sharded_output_feeds_another_graph_as_a_shard(pools):
     for facts in pools(2).run(case_handoff, timeout=600):
         assert facts[0] == (True, False, []), facts  # the model's graph: logits returned as shards
         assert len(facts) == 2 and facts[1][1], facts  # the loss's one graph takes them as its shard
+
+
+class _MergedLogits(torch.nn.Module):
+    """The model's logits returned with the batch merged into the sequence dim, [b * n, V] (as
+    a mixture-of-experts layer returns its router logits)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, labels):
+        return self.model(idx, labels)[1].flatten(0, 1)
+
+
+def case_merged_output(rank, world):
+    """An output that merges the batch into the sequence dim leaves the graph as shards (one
+    per batch row, in the graph's layout), and the loss outside on it is exact."""
+    import torch.nn.functional as F
+
+    from ringcc import SequenceSharded
+
+    ref, model = shard_models.build("gpt"), shard_models.build("gpt")
+    compiled = torch.compile(_MergedLogits(model), backend=ringcc.backend(inner="aot_eager"))
+    idx, labels = shard_models.batch("gpt", 24)
+    ringcc.reset_reports()
+    out = compiled(idx, labels)
+    assert isinstance(out, SequenceSharded) and out.outer == 2 and out.shape == (48, out.shape[1])
+    assert out.local.shape[0] == 48 // world and out.positions().shape == (48 // world,)
+    loss = F.cross_entropy(out, labels.flatten())
+    ref_loss = F.cross_entropy(_MergedLogits(ref)(idx, labels), labels.flatten())
+    _assert_same_loss_and_grads(loss, ref_loss, model, ref)
+    return [[g.why for g in r.gathers] for r in ringcc.reports()]
+
+
+def test_output_with_the_batch_merged_into_the_sequence_leaves_as_shards(pools):
+    for gathers in pools(2).run(case_merged_output, timeout=600):
+        assert gathers == [[]], gathers
 
 
 class _CausalIds(torch.nn.Module):

@@ -285,12 +285,10 @@ def _check_model(results, world):
         assert len(reports) == 1, reports  # one graph
         sites, rewritten, gathers, culprits = reports[0]
         assert sites > 0 and rewritten == sites, reports[0]
-        # the routing, the dispatch and the experts run on each rank's own tokens: the only
-        # gathers are graph outputs, the router logits ([b*n, experts] per layer, returned with
-        # output_router_logits=True), and they are the only values the planner finds O(n)
-        assert all(why.startswith("graph output") for _, why in gathers), gathers
-        assert culprits is not None and len(culprits) == len(gathers), (culprits, gathers)
-        assert all(c.startswith("gather") for c in culprits), (culprits, gathers)
+        # the routing, the dispatch and the experts run on each rank's own tokens, and the
+        # router logits ([b*n, experts] per layer, returned with output_router_logits=True)
+        # leave the graph as shards: nothing is gathered, and the plan is O(n/p)
+        assert gathers == [] and culprits == [], (culprits, gathers)
 
 
 @pytest.mark.zoo

@@ -41,5 +41,13 @@ def test_a_value_read_without_grad_is_gathered_again_with_grad():
 
 def test_wrap_outputs_wraps_only_the_listed_outputs():
     a, b = torch.randn(2, 4), torch.randn(())
-    out = wrap_outputs((b, a), {1: (1, 0, 0)}, "", 1, "contiguous")
+    out = wrap_outputs((b, a), {1: (1, 0, 0, 1)}, "", 1, "contiguous")
     assert type(out) is tuple and out[0] is b and isinstance(out[1], SequenceSharded) and out[1].local is a
+
+
+def test_batch_rows_merged_into_the_sequence_dim_keep_their_windows():
+    """[b * n, ...] with b = 2 rows merged, each row's window [1, n): the gather narrows each."""
+    local = torch.randn(2 * 6, 3, requires_grad=True)
+    x = SequenceSharded(local, 0, "", 1, "contiguous", 1, 0, 2)
+    assert x.shape == (10, 3) and x.positions().tolist() == [-1, 0, 1, 2, 3, 4] * 2
+    torch.testing.assert_close(x.full_tensor(), local.view(2, 6, 3)[:, 1:].flatten(0, 1))
