@@ -204,11 +204,13 @@ def _torch_level_spellings(gm) -> None:
     calls dynamo records (the re-export lowers them back to the same aten ops):
     aten.embedding takes (weight, indices), F.embedding (indices, weight); aten's
     cross_entropy_loss takes the reduction as an enum int; aten.slice and aten.select are
-    x[..., a:b] and x[..., i]. Without this both still run
+    x[..., a:b] and x[..., i]; aten.index with one lifted constant list is x[..., [i, j]]
+    (Falcon's K/V head). Without this both still run
     correctly, but on full-length values (the memory plan names them). Export's
     `_assert_tensor_metadata` checks (a dtype / device per `.to()`) are dropped: they have
     no sharding rule, so each would gather its sequence-carrying input, and the re-export
-    records them again on the rewritten values."""
+    records them again on the rewritten values. A dropout that is the identity (train=False
+    or p = 0) is dropped too."""
     import torch
     import torch.nn.functional as F
 
@@ -216,6 +218,12 @@ def _torch_level_spellings(gm) -> None:
     reductions = {0: "none", 1: "mean", 2: "sum"}
     for node in list(gm.graph.nodes):
         if node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
+        if node.target is aten.dropout.default and len(node.args) == 3 and (node.args[2] is False or node.args[1] == 0):
+            # the identity (eval mode, or p = 0); as a random op it would stay in the graph when
+            # unused and keep what it reads alive (a site's probabilities, the scores before them)
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             continue
         if node.target is aten.slice.Tensor and not node.kwargs:  # x[..., start:end:step]; end INT64_MAX: open
@@ -228,6 +236,12 @@ def _torch_level_spellings(gm) -> None:
             x, dim, i = node.args
             index = (slice(None),) * dim + (i,) if dim >= 0 else (Ellipsis, i) + (slice(None),) * (-dim - 1)
             new = (operator.getitem, (x, index), {})
+        elif node.target is aten.index.Tensor and len(node.args) == 2 and not node.kwargs \
+                and sum(i is not None for i in node.args[1]) == 1 \
+                and all(i is None or _constant_list(gm, i) is not None for i in node.args[1]):
+            # x[..., [i, j], ...] with a constant list: export lifts the list into a tensor constant
+            x, idx = node.args
+            new = (operator.getitem, (x, tuple(slice(None) if i is None else _constant_list(gm, i) for i in idx)), {})
         elif node.target is aten.embedding.default:
             names = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
             bound = dict(zip(names, node.args), **node.kwargs)
@@ -252,6 +266,24 @@ def _torch_level_spellings(gm) -> None:
         node.replace_all_uses_with(repl)
         gm.graph.erase_node(node)
     gm.recompile()
+
+
+def _constant_list(gm, node, longest: int = 16):
+    """The values of a short 1-D integer tensor constant (export's lifted `[i, j]` index, read
+    through lift_fresh_copy) as a list of ints, or None."""
+    import torch
+
+    from ringcc.passes.base import attr_value
+
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.lift_fresh_copy.default:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
+        return None
+    value = attr_value(gm, node.target)
+    if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() <= longest
+            and value.dtype in (torch.int64, torch.int32)):
+        return None
+    return [int(v) for v in value.tolist()]
 
 
 def save(ep, report, out_dir: str) -> dict[str, str]:
