@@ -296,24 +296,9 @@ def test_rewrite_output_folder_is_checked_before_the_export(tmp_path, capsys, mo
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-class _EagerAttentionWithDropout(torch.nn.Module):
-    """HF's eager attention: softmax, dropout (the identity in eval mode), P @ V."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(16, 48)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5
-        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
-        probs = torch.nn.functional.dropout(scores.masked_fill(~causal, float("-inf")).softmax(-1), 0.1, self.training)
-        return (probs @ v).transpose(1, 2).flatten(2)
-
-
-class _MultiQueryListIndex(torch.nn.Module):
-    """Falcon's multi-query K/V: one fused projection, K and V read with a constant list index
-    (export lifts [-2] into a tensor constant for aten.index)."""
+class _MultiQueryEagerAttention(torch.nn.Module):
+    """Falcon's multi-query K/V (one fused projection, K and V read with a constant list index)
+    into HF's eager attention (softmax, a dropout that is the identity in eval mode, P @ V)."""
 
     def __init__(self):
         super().__init__()
@@ -323,16 +308,16 @@ class _MultiQueryListIndex(torch.nn.Module):
         fused = self.qkv(x).view(*x.shape[:2], 4, 8)
         q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k.expand(-1, 2, -1, -1), v.expand(-1, 2, -1, -1),
-                                                               is_causal=True)
-        return out.transpose(1, 2).flatten(2)
+        scores = (q @ k.expand(-1, 2, -1, -1).transpose(-1, -2)) * 8 ** -0.5
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        probs = torch.nn.functional.dropout(scores.masked_fill(~causal, float("-inf")).softmax(-1), 0.1, self.training)
+        return (probs @ v.expand(-1, 2, -1, -1)).transpose(1, 2).flatten(2)
 
 
-@pytest.mark.parametrize("model", [_EagerAttentionWithDropout, _MultiQueryListIndex])
-def test_the_program_gathers_its_output_only(model):
-    """Export spellings the sharding rules read: an eval-mode dropout is an aten.dropout node,
-    and random ops are not dead code, so an unused one would keep the site's scores (all n keys)
-    in the program; a constant list index is aten.index of a lifted tensor constant."""
-    ep, report = rw.rewrite(model().eval(), (torch.randn(2, 24, 16),), world_size=2)
+def test_the_program_gathers_its_output_only():
+    """Export spellings the sharding rules must read: the list index is aten.index of a lifted
+    tensor constant; the eval-mode dropout an aten.dropout node, and random ops are not dead
+    code, so an unused one would keep the site's scores (all n keys) in the program."""
+    ep, report = rw.rewrite(_MultiQueryEagerAttention().eval(), (torch.randn(2, 24, 16),), world_size=2)
     assert len(report.rewritten) == 1
     assert [g.why for g in report.gathers] == ["graph output (Config(gather_outputs=True))"], report.format()

@@ -398,9 +398,9 @@ def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
 ZOO_PLAN_NOT_LINEAR = {
     "zoo_opt": "without an attention_mask, HF OPT builds position_attention_mask = torch.ones(b, n) (floats, "
                "modeling_opt.py:354) on every rank for its positions: the planner counts it as O(n) data",
-    "zoo_bloom": "Bloom's training GELU is a custom autograd.Function without a sharding rule and its ALiBi tensor is "
-                 "built over all n positions on every rank (the zoo's matrix says why)",
-    "zoo_bloom_padded": "as zoo_bloom, and with a padding mask both sites stay dense (the zoo's matrix)",
+    "zoo_bloom": "under a symbolic length the matcher finds no attention site in Bloom's graph (its ALiBi scores, "
+                 "baddbmm of the bias and q, k, modeling_bloom.py:284, are not read): dense n x n attention",
+    "zoo_bloom_padded": "as zoo_bloom",
     "zoo_mpt": "under a symbolic length MPT's ALiBi bias (modeling_mpt.py:129) is not read as ALiBi: both sites "
                "skipped (other), dense n x n attention",
     "zoo_mpt_padded": "as zoo_mpt",

@@ -222,39 +222,27 @@ def test_a_list_index_off_the_sequence_dim_keeps_the_shard():
     assert count(gm, GATHER) == 0 and rep.gathers == []
 
 
-class Conv1DView(nn.Module):
-    """HF GPT-2's Conv1D: `size_out = x.size()[:-1] + (nf,)`, then `x.view(size_out)`; under a
-    symbolic length dynamo records the size as torch.Size([2, s, 48])."""
+class WholeSizeViews(nn.Module):
+    """HF GPT-2's Conv1D (`x.view(x.size()[:-1] + (nf,))`: under a symbolic length dynamo records
+    torch.Size([2, s, 48])) and OPT's MLP (`shape = h.shape`, rows, `.view(shape)`: h.size())."""
 
     def __init__(self):
         super().__init__()
         self.weight, self.bias = nn.Parameter(torch.randn(16, 48)), nn.Parameter(torch.randn(48))
+        self.fc = nn.Linear(16, 16)
 
     def forward(self, x):
         size_out = x.size()[:-1] + (48,)
-        h = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
-        q, k, v = h.view(*h.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
-
-
-class SizeView(nn.Module):
-    """HF OPT's MLP: `shape = h.shape`, a reshape to rows, then `.view(shape)` (dynamo: h.size())."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj, self.fc = nn.Linear(16, 48), nn.Linear(16, 16)
-
-    def forward(self, x):
-        q, k, v = self.proj(x).view(*x.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        qkv = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+        q, k, v = qkv.view(*qkv.shape[:2], 3, 2, 8).permute(2, 0, 3, 1, 4)
         h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
         shape = h.shape
         rows = h.reshape(-1, h.size(-1))
         return (rows + self.fc(rows)).view(shape).sum()
 
 
-@pytest.mark.parametrize("model", [Conv1DView, SizeView])
-def test_a_view_to_a_size_built_from_x_size_keeps_the_shard(model):
-    gm, rep = rewrite(model(), torch.randn(2, 12, 16), dynamic=True)
+def test_views_to_sizes_read_whole_keep_the_shard():
+    gm, rep = rewrite(WholeSizeViews(), torch.randn(2, 12, 16), dynamic=True)
     assert len(rep.rewritten) == 1 and count(gm, GATHER) == 0 and rep.gathers == []
     assert shard_models.shard_row_violations(gm, 2) == []
 
