@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-zoo test-zoo-offline test-soak zoo-matrix clean
+.PHONY: setup demo test test-zoo test-zoo-moe test-zoo-offline test-soak zoo-matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,14 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not zoo and not zoo_offline and not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not zoo and not zoo_moe and not zoo_offline and not soak" $(PYTEST_ARGS)
 
 test-zoo: $(STAMP)
 	$(PY) -m pytest -q -m "zoo" $(PYTEST_ARGS)
+
+# the mixture-of-experts models with their load-balancing loss, at p = 2 and 4
+test-zoo-moe: $(STAMP)
+	$(PY) -m pytest -q -m "zoo_moe" $(PYTEST_ARGS)
 
 # the offline path (ringcc rewrite, ringcc plan) over every decoder and encoder of the zoo
 test-zoo-offline: $(STAMP)

@@ -1,7 +1,8 @@
 """Mixture-of-experts under ringcc on real gloo groups: the loss and every parameter gradient
 equal single-process eager (fp32, 1e-5 relative; gradients near zero against 1e-3 of the
 largest), and every attention site is rewritten. The Hugging Face models (tiny random
-configs, grouped_mm experts: no fp64) run in the zoo tier (`make test-zoo`)."""
+configs, grouped_mm experts: no fp64) with their load-balancing loss run in the `zoo_moe` tier
+(`make test-zoo-moe`); in their default configurations they are in the model zoo too."""
 
 import pytest
 import torch
@@ -291,7 +292,7 @@ def _check_model(results, world):
         assert gathers == [] and culprits == [], (culprits, gathers)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_moe
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("outside", [False, True], ids=["loss_inside", "loss_outside"])
@@ -300,7 +301,7 @@ def test_moe_model_matches_eager(pools, name, world, outside):
     _check_model(pools(world).run(case_model, name, outside, timeout=900), world)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_moe
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_padded_moe_model_matches_eager(pools, name):
     """Right padding: the load-balancing loss weights its counts by the attention mask

@@ -8,12 +8,12 @@ returning one tensor (the logits, or BERT's last hidden state). The configuratio
 mask code paths of transformers 5.x: with and without a KV cache (use_cache; without one HF
 builds its mask from packed-sequence ids), a right-padded batch with an attention_mask,
 sliding windows (Mistral, Qwen2), GQA and MQA, learned positions (GPT-2), and an encoder
-with a padding mask (BERT). The program checks and the plans are marked `zoo`
-(`make test-zoo`); `make test` runs the capture-error check.
+with a padding mask (BERT). The program checks and the plans are marked `zoo_offline`
+(`make test-zoo-offline`); `make test` runs the capture-error check.
 
 The model zoo (tests/zoo.py) goes through the same path: `zoo_<name>` and `zoo_<name>_padded`
 are its decoders and encoders in their default configs. All of them, at p = 2 (four at p = 4),
-and their plans are marked `zoo_offline` (`make test-zoo-offline`); a few are marked `zoo`.
+and their plans are marked `zoo_offline` (`make test-zoo-offline`).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def test_a_factory_file_already_imported_keeps_its_module():
     assert load_factory(f"{THIS}:case_logits") is case_logits
 
 
-@pytest.mark.zoo  # ~30 s on 2 cores (each rank imports transformers and builds the models): too long for `make test`
+@pytest.mark.zoo_offline  # ~30 s on 2 cores (each rank imports transformers and builds the models): too long for `make test`
 def test_cheap_programs_match_eager_at_p2(pools, tmp_path):
     _check(pools, tmp_path, CHEAP, 2)
 
@@ -244,13 +244,13 @@ def llama_with_cache_output(seq_len: int = N):
     return _decoder("LlamaConfig").model, (_ids(seq_len),)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_offline
 @pytest.mark.parametrize("world", [2, 4])
 def test_zoo_programs_match_eager(pools, tmp_path, world):
     _check(pools, tmp_path, [name for name in MASKS if world == 4 or name not in CHEAP], world)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_offline
 @pytest.mark.parametrize("name", list(MASKS))
 def test_zoo_plan_is_linear(tmp_path, name):
     plan = _plan(tmp_path, name, 2)
@@ -306,8 +306,8 @@ ZOO_GATHERS_INSIDE = {
     **{moe: ["no rule for index on rows in a rank-local order", "no sharding rule for index", "sort: sorts the sequence"]
        for moe in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},  # the experts' token routing
 }
-# the zoo's offline cases in `make test-zoo`: one of each kind of site and gather; the rest of
-# the zoo is marked zoo_offline (`make test-zoo-offline`)
+# a subset with one of each kind of site and gather, checked on its own (the whole zoo's
+# programs and plans are checked below)
 ZOO_SUBSET = ["gemma2", "qwen2_moe", "distilbert"]
 ZOO_SUBSET_PADDED = ["roberta"]
 ZOO_P4 = ["gemma2", "falcon_mq", "qwen2_moe", "roberta"]
@@ -333,7 +333,7 @@ def _zoo_case(pools, tmp_path, factories, world: int) -> None:
     assert _inside(reports) == _expected_inside(factories)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_offline
 def test_zoo_subset_programs_match_eager_at_p2(pools, tmp_path):
     _zoo_case(pools, tmp_path, [f"zoo_{n}" for n in ZOO_SUBSET] + [f"zoo_{n}_padded" for n in ZOO_SUBSET_PADDED], 2)
 
@@ -349,7 +349,7 @@ def test_zoo_programs_match_eager_at_p4(pools, tmp_path):
     _zoo_case(pools, tmp_path, [f"zoo_{n}_padded" for n in ZOO_P4], 4)
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_offline
 @pytest.mark.parametrize("name", list(ZOO_NOT_REWRITTEN))
 def test_zoo_not_rewritten_offline(tmp_path, name):
     """An expected failure, checked both ways: the rewrite exits 3 with both sites skipped for the
@@ -384,7 +384,7 @@ def case_compiled_symbolic_length(rank, world, names):
     return out
 
 
-@pytest.mark.zoo
+@pytest.mark.zoo_offline
 def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
     """GPT-2 views to torch.Size([b, n, nf]) built from x.size(), OPT to h.shape read whole:
     under a symbolic length both keep the shard (no gather) and match eager."""
