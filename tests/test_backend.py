@@ -296,7 +296,8 @@ _SOAK = pytest.mark.soak
 
 @pytest.mark.parametrize("name,padded", [pytest.param("llama", False, marks=_SOAK), ("llama", True), ("gpt2", False),
                                          ("bert", True),
-                                         ("llama_eager", True), pytest.param("gpt2_eager", False, marks=_SOAK),
+                                         pytest.param("llama_eager", True, marks=_SOAK),
+                                         pytest.param("gpt2_eager", False, marks=_SOAK),
                                          pytest.param("mistral", True, marks=_SOAK)])
 def test_hugging_face_parity(name, padded):
     model = _Logits(_hf(name), padded)
