@@ -53,7 +53,8 @@ import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::all_reduce_sum, s
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, written_between
+from .base import (PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, writes_in_place,
+                   written_between)
 from .discover_sequence import attention_nodes, expr, fake, handoff_gathers
 
 PASS = "shard_sequence"
@@ -422,13 +423,25 @@ class Sharder:
         return self._partials[src]
 
     def _fallback(self, node: torch.fx.Node, why: str):
-        """Run `node` on full values: gather its sharded inputs."""
+        """Run `node` on full values: gather its sharded inputs. A node that writes a gathered
+        input in place (`x[i] = v`) writes the gathered copy: the later readers of the shard
+        read that copy instead."""
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
             if isinstance(st, Partial):
                 node.replace_input_with(a, self.materialize(a))
             elif isinstance(st, Seq) and st.sharded:
-                node.replace_input_with(a, self.gather(a, st, why))
+                full = self.gather(a, st, why)
+                node.replace_input_with(a, full)
+                if writes_in_place(node, full):
+                    full.meta.setdefault("example_value", fake(a))  # the rules read global shapes
+                    later, cur = set(), node.next
+                    while cur.op != "root":
+                        later.add(cur)
+                        cur = cur.next
+                    for u in list(a.users):
+                        if u in later:
+                            u.replace_input_with(a, full)
             elif isinstance(st, tuple) and any(s is not None and s.sharded for s in st):
                 if any(s is not None and s.order is not None for s in st):
                     raise _Unclosed(f"{a.name} is in a rank-local order ({why})")
@@ -1344,7 +1357,7 @@ def _share_key_runs(w: Sharder, node, index: int) -> None:
 # replicated value gets sliced (integer/bool results stay cheap too: label shifts, masks).
 _PW_CHEAP = ("contiguous", "clone", "detach", "to", "type", "type_as", "float", "half", "bfloat16",
              "double", "long", "int", "bool", "alias", "zeros_like", "ones_like", "empty_like", "full_like")
-_PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "pow", "neg", "abs", "exp", "log",
+_PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "pow", "neg", "abs", "exp", "log",
        "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "mish",
        "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "where", "masked_fill", "eq", "ne",
        "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "logical_not", "logical_and",
@@ -1679,13 +1692,16 @@ def repeat_rows(rule):
     return fn
 
 
+_ZEROS = (torch.zeros, torch.zeros_like, torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default)
+
+
 def rows_scatter_add(w: Sharder, node):
     """torch.zeros(E).scatter_add_(0, ids, src) with ids and src rows of a rank: the rank's
     share of a sum over all rows (a Partial: the load-balancing loss's masked counts)."""
     x, dim, index, src = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index"), _arg(node, 3, "src")
     si = w.state.get(index) if isinstance(index, torch.fx.Node) else None
     ss = w.state.get(src) if isinstance(src, torch.fx.Node) else None
-    fresh = x.op == "call_function" and x.target in (torch.zeros, torch.zeros_like) and len(x.users) == 1
+    fresh = x.op == "call_function" and x.target in _ZEROS and len(x.users) == 1
     if not (fresh and w.state.get(x) is None and _norm_dim(dim, fake(x).dim()) == 0 and fake(index).dim() == 1
             and isinstance(si, Seq) and si.sharded and isinstance(ss, Seq) and ss.sharded
             and _row_key(si) == _row_key(ss) and si.dim == ss.dim == 0):
@@ -1695,17 +1711,22 @@ def rows_scatter_add(w: Sharder, node):
     return w.state[x]
 
 
+_ARANGES = (torch.arange, torch.ops.aten.arange.default)  # dynamo's and export's arange(end)
+
+
 def rows_setitem(w: Sharder, node):
     """inv[perm] = arange(len(perm)), inv = empty_like(perm): the inverse of the rank's sort
     (Note [Rank-local rows]); the arange counts the rank's rows."""
     inv, index, src = node.args[:3]
     si, sv = w.state.get(index), w.state.get(inv)
     if not (isinstance(si, Seq) and si.index == ("pairs", None) and si.order is not None and isinstance(sv, Seq)
-            and _row_key(sv) == _row_key(si) and isinstance(src, torch.fx.Node) and src.target is torch.arange
-            and len(src.args) == 1 and not (set(src.kwargs) - {"device", "dtype"})
+            and _row_key(sv) == _row_key(si) and isinstance(src, torch.fx.Node) and src.target in _ARANGES
+            and len(src.args) == 1 and not (set(src.kwargs) - {"device", "dtype", "layout", "pin_memory"})
+            and src.kwargs.get("layout") in (None, torch.strided) and not src.kwargs.get("pin_memory")
             and _eq(fake(src.args[0]) if isinstance(src.args[0], torch.fx.Node) else src.args[0], fake(inv).shape[0])):
         raise Fallback("a write into rows of a rank other than a sort's inverse")
-    local = w.new(torch.arange, w.new("size", index, 0, method=True), **src.kwargs)
+    kwargs = {k: v for k, v in src.kwargs.items() if k in ("device", "dtype")}
+    local = w.new(torch.arange, w.new("size", index, 0, method=True), **kwargs)
     w.state[local] = None
     node.replace_input_with(src, local)
     w.state[inv] = replace(si, order=None, index=("positions", si.order))

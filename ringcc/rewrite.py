@@ -29,7 +29,7 @@ are the placeholders). The rewritten module is exported again: that retrace reco
 every meta["val"] and the graph signature, and turns the torch-level calls some passes
 insert into aten ops. Export spells a few ops differently from dynamo (aten.embedding's
 argument order, cross_entropy_loss's enum reduction, slices and selects as aten.slice /
-aten.select); they are respelled first so that the sharding rules read them. What the
+aten.select, tensor indexing as aten.index / index_put_); they are respelled first so that the sharding rules read them. What the
 command takes and the contract, for users: docs/offline.md.
 
 Exit codes: 0 rewritten, 2 bad arguments or a model torch.export cannot capture (with what
@@ -205,7 +205,10 @@ def _torch_level_spellings(gm) -> None:
     aten.embedding takes (weight, indices), F.embedding (indices, weight); aten's
     cross_entropy_loss takes the reduction as an enum int; aten.slice and aten.select are
     x[..., a:b] and x[..., i]; aten.index with one lifted constant list is x[..., [i, j]]
-    (Falcon's K/V head). Without this both still run
+    (Falcon's K/V head); aten.index with one integer tensor is x[rows] (GPT-J's table read at
+    the positions), aten.index_put_ with one 1-D integer tensor x[rows] = v, aten.floor_divide
+    by an int x // k (a mixture of experts' dispatch, Note [Rank-local rows] in
+    passes/shard_sequence.py). Without this they still run
     correctly, but on full-length values (the memory plan names them). Export's
     `_assert_tensor_metadata` checks (a dtype / device per `.to()`) are dropped: they have
     no sharding rule, so each would gather its sequence-carrying input, and the re-export
@@ -242,6 +245,25 @@ def _torch_level_spellings(gm) -> None:
             # x[..., [i, j], ...] with a constant list: export lifts the list into a tensor constant
             x, idx = node.args
             new = (operator.getitem, (x, tuple(slice(None) if i is None else _constant_list(gm, i) for i in idx)), {})
+        elif node.target is aten.index.Tensor and len(node.args) == 2 and not node.kwargs \
+                and _row_index(node.args[1], any_dim=True) is not None:
+            # x[rows] with one integer tensor (an MoE's tokens read in its sort's order, GPT-J's
+            # sin/cos table read at the position ids)
+            new = (operator.getitem, (node.args[0], _row_index(node.args[1], any_dim=True)), {})
+        elif node.target is aten.index_put_.default and len(node.args) == 3 and not node.kwargs \
+                and _row_index(node.args[1]) is not None:
+            # x[rows] = v (an MoE's inverse permutation); the in-place op's result is x itself
+            x, idx, value = node.args
+            with gm.graph.inserting_before(node):
+                repl = gm.graph.call_function(operator.setitem, (x, _row_index(idx), value))
+            repl.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
+            repl.meta["ringcc_pass"] = "rewrite (export spelling)"
+            repl.meta["ringcc_from"] = node.name
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            continue
+        elif node.target is aten.floor_divide.default and not node.kwargs and isinstance(node.args[1], int):
+            new = (operator.floordiv, tuple(node.args), {})  # x // k
         elif node.target is aten.embedding.default:
             names = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
             bound = dict(zip(names, node.args), **node.kwargs)
@@ -266,6 +288,22 @@ def _torch_level_spellings(gm) -> None:
         node.replace_all_uses_with(repl)
         gm.graph.erase_node(node)
     gm.recompile()
+
+
+def _row_index(indices, any_dim: bool = False):
+    """The index of x[rows] in aten.index / index_put_'s index list: one integer tensor, 1-D
+    unless `any_dim` (export's spelling of a dynamo getitem / setitem with one tensor index),
+    else None."""
+    import torch
+
+    from ringcc.passes.discover_sequence import fake
+
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], torch.fx.Node)):
+        return None
+    val = fake(indices[0])
+    if not (isinstance(val, torch.Tensor) and (val.dim() == 1 or any_dim) and val.dtype in (torch.int64, torch.int32)):
+        return None
+    return indices[0]
 
 
 def _constant_list(gm, node, longest: int = 16):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import ringcc
 from ringcc import planner
+from ringcc import rewrite as rw
 from ringcc.passes.shard_sequence import STATE_META
 from test_shard_sequence import ALL_REDUCE, GATHER, FlatResidual, count, rewrite
 
@@ -185,6 +186,44 @@ def test_a_rank_local_order_that_cannot_be_followed_is_gathered(variant):
     assert "sort: sorts the sequence" in [g.why for g in rep.gathers]
     assert not any(isinstance(s, tuple) and s[0].order is not None
                    for s in (n.meta.get(STATE_META) for n in gm.graph.nodes))
+
+
+def test_the_offline_program_routes_on_each_ranks_own_tokens():
+    """`ringcc rewrite` (torch.export, aten ops) of the same dispatch: the tokens read in the
+    sort's order (aten.index), slot // k (floor_divide), the inverse permutation (index_put_ of
+    an aten.arange) and the masked counts (scatter_add_ into aten.zeros) take the rules of
+    dynamo's spellings: the program gathers nothing, sorts the rank's own n/p tokens' k slots,
+    and its plan is O(n/p)."""
+    ep, rep = rw.rewrite(TinyMoE(masked=True), (torch.randint(0, 32, (2, 8)),), world_size=2)
+    assert rep.gathers == [] and rep.plan.verdict, rep.format()
+    (sort,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.sort.default]
+    assert tuple(sort.meta["val"][0].shape) == (2 * 8 // 2 * 2,)
+
+
+def case_tiny_moe_program(rank, world, path):
+    """The saved program of TinyMoE(masked=True) on `world` ranks: its loss and gradients
+    against eager's."""
+    torch.manual_seed(0)
+    ref = TinyMoE(masked=True)
+    program = torch.export.load(path).module()
+    program.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref_loss, loss = ref(ids), program(ids)
+    ref_loss.backward()
+    loss.backward()
+    return _errors(ref, program, loss.detach(), ref_loss.detach())
+
+
+@pytest.mark.zoo_offline
+def test_the_offline_program_matches_eager(pools, tmp_path):
+    torch.manual_seed(0)
+    ep, rep = rw.rewrite(TinyMoE(masked=True), (torch.randint(0, 32, (2, 8)),), world_size=2)
+    assert rep.gathers == []
+    path = str(tmp_path / "program.pt2")
+    torch.export.save(ep, path)
+    for rank, errs in enumerate(pools(2).run(case_tiny_moe_program, path)):
+        worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, f"rank {rank}: {worst[0]} differs from eager by {worst[1]:.2e}"
 
 
 def case_tiny_moe(rank, world, variant):

@@ -212,6 +212,31 @@ def test_a_fill_of_symbolic_length_is_made_at_n_over_p_rows():
     assert rows.target is operator.floordiv and rows.args[0].op == "placeholder" and rows.args[1] == 2
 
 
+class WriteIntoAShard(nn.Module):
+    """An in-place write with no sharding rule into a shard (`h[:, 0] = 0`), then a read of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2) * 2
+        h[:, 0] = 0
+        return h.sum()
+
+
+def test_a_write_into_a_gathered_shard_is_read_after_it():
+    """The write runs on the gathered value (recorded); the sum after it reads that value, not
+    the shard the write did not reach."""
+    gm, rep = rewrite(WriteIntoAShard(), torch.randn(2, 8, 16))
+    (gathered,) = [n for n in gm.graph.nodes if n.target is GATHER]
+    (write,) = [n for n in gm.graph.nodes if n.target is operator.setitem]
+    assert write.args[0] is gathered and [g.why for g in rep.gathers] == ["no sharding rule for setitem"]
+    (total,) = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "sum"]
+    assert total.args[0] is gathered and count(gm, ALL_REDUCE) == 0
+
+
 class RopeFromPositions(nn.Module):
     """RoPE tables from torch.outer(positions, frequencies), computed inside the graph."""
 
