@@ -497,7 +497,7 @@ def autograd_function_rule(w: Sharder, node):
                 raise Fallback(f"its {body.target} calls {op_name(n)}, which is not elementwise")
     tensors = [a for a in node.args[2:] if _is_tensor_node(a)]
     outs = [v for v in fake(node) if isinstance(v, torch.Tensor)]
-    shapes = {tuple(fake(a).shape) for a in tensors} | {tuple(v.shape) for v in outs}
+    shapes = {tuple(map(expr, fake(a).shape)) for a in tensors} | {tuple(map(expr, v.shape)) for v in outs}
     if len(shapes) != 1:
         raise Fallback(f"its tensors have different shapes {sorted(shapes)}")
     st = _elementwise(w, node, tensors, cheap=False, out_nd=len(shapes.pop()))

@@ -143,6 +143,16 @@ def sym_expr(sym):
     return env.replace(node.expr) if env is not None and hasattr(env, "replace") else node.expr
 
 
+def statically_known_equal(a, b) -> bool:
+    """a == b for sizes (ints or SymInts), proved from the shape environment's facts (value
+    ranges, guards already installed) without installing a guard; False when unknown."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool(statically_known_true(a == b))
+
+
 def mem_tracker():
     """torch's MemTracker (a dispatch mode that records the peak of live tensor bytes on any
     device, CPU included), for checking the memory planner without a GPU."""
