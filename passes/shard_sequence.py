@@ -65,7 +65,9 @@ GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
 SEQ_CUMSUM = torch.ops.ringcc.seq_cumsum.default
-_FILLS = (torch.ones, torch.zeros, torch.full)  # factories of one value: their shard is a local fill
+# factories of one value (dynamo's and export's spellings): their shard is a local fill
+_FILLS = (torch.ones, torch.zeros, torch.full, torch.ops.aten.ones.default, torch.ops.aten.zeros.default,
+          torch.ops.aten.full.default)
 PAD_REMEDY = "Config(pad=True) to pad it with masked tokens"
 
 
@@ -278,17 +280,25 @@ class Sharder:
 
     def _local_fill(self, src: torch.fx.Node, st: Seq) -> torch.fx.Node | None:
         """The shard of a constant fill (torch.ones(b, n): OPT's default mask) is the same fill
-        at this rank's size, made here instead of sliced from n rows (None: not such a fill)."""
-        if src.op != "call_function" or src.target not in _FILLS or not _eq(st.outer, 1) or not self.N.is_Integer:
+        at this rank's size, made here instead of sliced from n rows (None: not such a fill).
+        Under a symbolic length the rank's size is n // p (ringcc::shard checks at run time
+        that the layout divides n), the other sizes as the fill has them (ints or SymInts)."""
+        if src.op != "call_function" or src.target not in _FILLS or not _eq(st.outer, 1):
             return None
         args = list(src.args)
         sized = len(args) >= 1 and isinstance(args[0], (tuple, list, torch.Size))
         sizes = list(args[0]) if sized else (args if src.target is not torch.full else [])
         rest = args[1:] if sized else []
-        if len(sizes) != fake(src).dim() or not all(isinstance(v, int) for v in sizes) or \
+        if len(sizes) != fake(src).dim() or \
+                not all(isinstance(v, int) or (isinstance(v, torch.fx.Node) and isinstance(fake(v), torch.SymInt))
+                        for v in sizes) or \
                 any(isinstance(v, torch.fx.Node) for v in list(rest) + list(src.kwargs.values())):
             return None
-        sizes[st.dim] = int(self.N) // self.p
+        try:
+            sizes[st.dim] = int(self.N) // self.p if self.N.is_Integer else self.new(operator.floordiv, self.size(self.N),
+                                                                                       self.p)
+        except Fallback:
+            return None
         x = self.new(src.target, tuple(sizes), *rest, **src.kwargs)
         self.state[x] = Seq(st.dim, st.length, sharded=True)
         self.decisions.append(f"fill {src.name}@{st.dim} locally")

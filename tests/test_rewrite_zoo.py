@@ -387,9 +387,10 @@ def case_compiled_symbolic_length(rank, world, names):
 
 @pytest.mark.zoo_offline
 def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
-    """GPT-2 views to torch.Size([b, n, nf]) built from x.size(), OPT to h.shape read whole:
-    under a symbolic length both keep the shard (no gather) and match eager."""
-    names = ["gpt2_padded", "zoo_opt_padded"]
+    """GPT-2 views to torch.Size([b, n, nf]) built from x.size(), OPT to h.shape read whole;
+    OPT without a mask makes its mask of ones at n // p rows and takes its positions from their
+    global cumsum: under a symbolic length all keep the shard (no gather) and match eager."""
+    names = ["gpt2_padded", "zoo_opt_padded", "zoo_opt"]
     for rank_out in pools(2).run(case_compiled_symbolic_length, names, timeout=600):
         for name, (err, gathers) in zip(names, rank_out):
             assert err < TOL and gathers == [], (name, err, gathers)
@@ -408,8 +409,6 @@ def test_alibi_under_a_symbolic_length_is_exact(pools):
 
 # `ringcc plan` of the zoo's factories (the compiled model, a symbolic length): O(n/p) but for these
 ZOO_PLAN_NOT_LINEAR = {
-    "zoo_opt": "without an attention_mask, HF OPT builds position_attention_mask = torch.ones(b, n) (floats, "
-               "modeling_opt.py:354) on every rank for its positions: the planner counts it as O(n) data",
     "zoo_bloom_padded": "with a padding mask, Bloom's ALiBi positions are the running count of the mask's valid "
                         "tokens (modeling_bloom.py:88), not provably ALiBi: both sites skipped (other), dense n x n "
                         "attention",

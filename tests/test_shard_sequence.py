@@ -183,6 +183,35 @@ def test_position_features_are_computed_on_the_shards():
     assert lookup.args[1].target is SHARD and lookup.meta["example_value"].shape[1] == 4
 
 
+class OptPositions(nn.Module):
+    """HF OPT without an attention_mask: positions from the cumsum of torch.ones(b, n) floats."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.pos = nn.Embedding(64, 16)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        mask = torch.ones(b, n)
+        x = x + self.pos((mask.cumsum(1) * mask - 1).long())
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_a_fill_of_symbolic_length_is_made_at_n_over_p_rows():
+    """Under a symbolic length (as `ringcc plan` traces) OPT's mask of ones is made at n // p
+    rows on each rank, not sliced from n rows: the plan is O(n/p)."""
+    x = torch.randn(2, 8, 16)
+    torch._dynamo.mark_dynamic(x, 1)
+    gm, rep = rewrite(OptPositions(), x)
+    assert rep.gathers == [] and rep.plan.verdict, rep.plan.culprits
+    (ones,) = [n for n in gm.graph.nodes if n.target is torch.ones]
+    assert [u.target for u in ones.users] == [SEQ_CUMSUM, operator.mul] and count(gm, SEQ_CUMSUM) == 1
+    rows = ones.args[0][1]  # n // p, the length being a SymInt input of the graph
+    assert rows.target is operator.floordiv and rows.args[0].op == "placeholder" and rows.args[1] == 2
+
+
 class RopeFromPositions(nn.Module):
     """RoPE tables from torch.outer(positions, frequencies), computed inside the graph."""
 
