@@ -36,11 +36,14 @@ from . import comm as C
 #   graphs first (_compat.release_before_destroy), and so does the interpreter's exit.
 #   `ringcc.release_graphs()` releases them at any time; a later call captures again.
 # RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
-# the host bounds the step), on (every call that qualifies), off.
+# the host bounds the step), on (every call that qualifies), off. On 2 x H200 (16 heads, fwd+bwd,
+# benchmarks/RESULTS.md) graphs take 4K tokens per GPU from 24-37% of one GPU's rate to 54-70%
+# back to back; at 8K the copy-engine ring without graphs is faster back to back (90% against 83%
+# causal), its copies costing no SMs where NCCL's kernels take some.
 
 SETTING = "RINGCC_RING_GRAPHS"
 CHOICES = ("auto", "on", "off")
-AUTO_MAX_ROWS = 16 * 8192
+AUTO_MAX_ROWS = 16 * 4096
 MAX_GRAPHS = 8
 
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
