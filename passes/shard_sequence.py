@@ -1944,6 +1944,10 @@ def _already_sharded(gm: torch.fx.GraphModule) -> bool:
     return any(node.meta.get("ringcc_pass") == PASS for node in gm.graph.nodes)
 
 
+_SIZE_OPS = (torch.ops.aten.size.default, torch.ops.aten.size.int, torch.ops.aten.sym_size.default,
+             torch.ops.aten.sym_size.int)
+
+
 def refresh_fakes(gm: torch.fx.GraphModule) -> None:
     """Recompute every node's fake value from the placeholders' (one fake mode, see PITFALLS)."""
     mode = None
@@ -1971,6 +1975,10 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                                   requires_grad=grad)
             elif node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_function" and node.target in _SIZE_OPS:
+                # read from the fake tensor: torch 2.11's fake dispatch of aten.size takes int()
+                # of every size, specialising a symbolic length (a recompilation per length)
+                val = args[0].size(*args[1:])
             elif node.op == "call_function":
                 val = node.target(*args, **kwargs)
             elif node.op == "get_attr":
