@@ -505,7 +505,8 @@ def cp_method(kernel: str, rotate: str):
     return make
 
 
-def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transport: str | None = None):
+def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transport: str | None = None,
+                graphs: str | None = None):
     @contextlib.contextmanager
     def make(cell: Cell, env: Env):
         import ringcc
@@ -515,12 +516,13 @@ def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transpo
         # head-chunk budget (0 = all heads in one ring, the pre-chunking schedule); the transport.
         budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto")
         transport_ = transport or os.environ.get("RINGCC_RING_TRANSPORT", "auto")
+        graphs_ = graphs or os.environ.get("RINGCC_RING_GRAPHS", "auto")
         with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
-                _env_var("RINGCC_RING_TRANSPORT", transport_):
+                _env_var("RINGCC_RING_TRANSPORT", transport_), _env_var("RINGCC_RING_GRAPHS", graphs_):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
             zz = cell.causal and layout == "zigzag"
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",
-                     "workspace_mib": budget, "transport": transport_,
+                     "workspace_mib": budget, "transport": transport_, "graphs": graphs_,
                      "kv_heads_per_chunk": workspace.ring_kv_chunk(q, k, None, cell.p, zz) or k.shape[1],
                      "kv_heads_per_chunk_fwd": workspace.ring_kv_chunk(q, k, None, cell.p, zz, forward=True) or k.shape[1],
                      "score_mod": env.args.score_mod}
@@ -594,6 +596,9 @@ METHODS: dict[str, Method] = {
     # copy-engine ring where symmetric memory works: runtime/comm.py).
     "ring-zigzag-nccl": Method(ring_method("zigzag", False, transport="nccl"), "ring", "multi", cpu=True),
     "ring-contiguous-nccl": Method(ring_method("contiguous", False, transport="nccl"), "ring", "multi", cpu=True),
+    # The same ring never replayed from CUDA graphs (the default captures short shards:
+    # Note [Ring graphs] in runtime/graphs.py).
+    "ring-zigzag-nographs": Method(ring_method("zigzag", False, graphs="off"), "ring", "multi", cpu=True),
     "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
     "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
     "dilated": Method(dilated_method, "dilated", "any", cpu=True),

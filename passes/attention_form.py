@@ -203,7 +203,9 @@ def same_size(a: Any, b: Any) -> bool:
         return a == b
     ea = a if isinstance(a, int) else _compat.sym_expr(a)
     eb = b if isinstance(b, int) else _compat.sym_expr(b)
-    return bool(ea == eb)
+    # sizes equal by a guard of the trace that is not a plain replacement: MPT's sliced bias,
+    # 64 - Max(0, 64 - n) after a broadcast against n guarded Eq(n, 64 - Max(0, 64 - n))
+    return bool(ea == eb) or _compat.statically_known_equal(a, b)
 
 
 def same_shape(a, b) -> bool:

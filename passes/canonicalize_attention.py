@@ -293,8 +293,8 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             mask = b.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, mask, m.mask_scale.const)
         if m.split is not None:  # [b * h, n, d] -> [b, h, n, d], as the scores' view splits them
             bsz, heads = m.split
-            four = (lambda x: b.call(torch.reshape, x, (bsz, heads) + tuple(fake(x).shape[1:]))) if not is_aten_graph(gm) \
-                else (lambda x: b.call(aten.reshape.default, x, [bsz, heads] + list(fake(x).shape[1:])))
+            four = (lambda x: b.call(torch.reshape, x, tuple(_sizes([bsz, heads] + list(fake(x).shape[1:]))))) \
+                if not is_aten_graph(gm) else (lambda x: b.call(aten.reshape.default, x, _sizes([bsz, heads] + list(fake(x).shape[1:]))))
             q, k, v = four(q), four(k), four(v)
         three_d = fake(q).dim() == 3
         if three_d:
@@ -309,7 +309,7 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
             out = b.call(torch.squeeze if not is_aten_graph(gm) else aten.squeeze.dim, out, 0)
         if m.split is not None:  # back to the user's [b * h, n, d]
             out = b.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, out,
-                         tuple(fake(m.out).shape) if not is_aten_graph(gm) else list(fake(m.out).shape))
+                         tuple(_sizes(fake(m.out).shape)) if not is_aten_graph(gm) else _sizes(fake(m.out).shape))
         if not same_shape(fake(out).shape, fake(m.out).shape) or fake(out).dtype != fake(m.out).dtype:
             raise ValueError("canonical attention does not reproduce the site's output")
     except Exception as e:  # noqa: BLE001 - what SDPA does not take stays the user's code, recorded
@@ -332,6 +332,15 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
     m.out.replace_all_uses_with(out)
     erase_dead(gm, [m.out])
     return True
+
+
+def _sizes(shape) -> list[int]:
+    """A view's size list for `shape`: -1 for its one symbolic size (the sequence length under a
+    symbolic trace), so that no SymInt of the trace is baked into the graph."""
+    sizes = [static_int(x) for x in shape]
+    if sizes.count(None) > 1:
+        raise ValueError(f"more than one symbolic size in {tuple(shape)}")
+    return [-1 if x is None else x for x in sizes]
 
 
 def _erase_new(gm: torch.fx.GraphModule, pass_name: str, anchor: torch.fx.Node) -> None:
@@ -429,7 +438,7 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         if _is(s, BADDBMM_FUNCS, ("baddbmm",)):
             found = _baddbmm(s, mask)
             if found is None:
-                return None
+                return _unread_bias(s)
             if found[3] is not mask:
                 mask_scale = scale
             a, bt, alpha, mask = found
@@ -473,6 +482,19 @@ def _merges_heads(x: torch.fx.Node, u: Optional[torch.fx.Node]) -> bool:
             and same_shape(big.shape[2:], small.shape[1:]))
 
 
+def _unread_bias(node: torch.fx.Node) -> Optional[str]:
+    """Why baddbmm(bias, q, k^T, beta=, alpha=) with a bias the matcher does not read is skipped
+    (None: no bias to speak of, the caller's general reason applies)."""
+    bias = node.kwargs.get("input", node.args[0] if node.args else None)
+    beta = static_float(node.kwargs.get("beta", 1.0))
+    if not isinstance(bias, torch.fx.Node) or beta == 0:
+        return None
+    source = ("computed from the graph's inputs" if _has_placeholder_input(bias)
+              else "not slope[h] * key position")
+    return (f"attention scores get a bias ({bias.name}, baddbmm's input) that is not read as ALiBi, "
+            f"slope[h] * key position built from constants: it is {source}; kept as dense attention")
+
+
 def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
     """(a, b, alpha, slopes) of baddbmm(bias, a, b, beta=1, alpha=alpha) whose bias is an ALiBi
     bias [h, 1, n] repeated over the batch, [b * h, 1, n] (Bloom: Note [ALiBi bias])."""
@@ -484,7 +506,10 @@ def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
         return None
     while _is_cast(inp):
         inp = inp.args[0]
-    if not _is(inp, (), ("repeat",)) or [static_int(r) for r in inp.args[1:]] != [split[0], 1, 1]:
+    if not _is(inp, (aten.repeat.default,), ("repeat",)):
+        return None
+    repeats = inp.args[1] if len(inp.args) == 2 and isinstance(inp.args[1], (list, tuple)) else inp.args[1:]
+    if [static_int(r) for r in repeats] != [split[0], 1, 1]:
         return None
     x, xv = inp.args[0], fake(inp.args[0])
     if not isinstance(xv, torch.Tensor) or xv.dim() != 3 or static_int(xv.shape[0]) != split[1] or not is_one(xv.shape[1]):
@@ -504,8 +529,9 @@ def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
 # which differs by a per-row constant that the softmax ignores. `_alibi_of` reads the added
 # tensor with a small abstract evaluation over its fake shapes (nothing runs): positions
 # (_Pos: c * index along one trailing dim + const, from an arange through casts, views and
-# slices), a per-head vector (_Head: a graph value with one non-1 dim, the slopes, kept as a
-# graph value), and their product. It must vary along the key dim (-1) and the head dim (-3)
+# slices; its end, the length, may be symbolic), a per-head vector (_Head: a graph value with
+# one non-1 dim computed from constants, the slopes, kept as a graph value; times a number it
+# stays one), and their product. It must vary along the key dim (-1) and the head dim (-3)
 # only, and not along the query dim; the lifted slopes are the head vector times c.
 
 
@@ -582,10 +608,14 @@ def _eval_bias(node: Any, depth: int):
     if not isinstance(val, torch.Tensor):
         raise _NotAlibi
     if _is(node, ARANGE_FUNCS):
-        args = [static_float(a) for a in node.args]
-        if not args or None in args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
+        # positions start + step * j: the end (the length, symbolic under a symbolic trace) does not matter
+        args = list(node.args)
+        if not args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
             raise _NotAlibi
-        start, step = (0.0, 1.0) if len(args) == 1 else (args[0], args[2] if len(args) == 3 else 1.0)
+        start, step = (0.0, 1.0) if len(args) == 1 else (static_float(args[0]),
+                                                          static_float(args[2]) if len(args) == 3 else 1.0)
+        if start is None or step is None:
+            raise _NotAlibi
         return _Pos(-1, step, start)
     if _is_cast(node):
         return _eval_bias(node.args[0], depth + 1)
@@ -599,6 +629,8 @@ def _eval_bias(node: Any, depth: int):
                 xv = _eval_bias(x, depth + 1)
                 if isinstance(xv, _Pos):
                     return _Pos(xv.dim, xv.coef * c, xv.const * c)
+                if isinstance(xv, _Head):  # slopes times a number (MPT's 1 / 2^x * 1.0 in export graphs)
+                    return _Head(node, xv.dim)
                 raise _NotAlibi
         va, vb = _eval_bias(a, depth + 1), _eval_bias(b, depth + 1)
         for x, y in ((va, vb), (vb, va)):

@@ -520,7 +520,7 @@ def autograd_function_rule(w: Sharder, node):
                 raise Fallback(f"its {body.target} calls {op_name(n)}, which is not elementwise")
     tensors = [a for a in node.args[2:] if _is_tensor_node(a)]
     outs = [v for v in fake(node) if isinstance(v, torch.Tensor)]
-    shapes = {tuple(fake(a).shape) for a in tensors} | {tuple(v.shape) for v in outs}
+    shapes = {tuple(map(expr, fake(a).shape)) for a in tensors} | {tuple(map(expr, v.shape)) for v in outs}
     if len(shapes) != 1:
         raise Fallback(f"its tensors have different shapes {sorted(shapes)}")
     st = _elementwise(w, node, tensors, cheap=False, out_nd=len(shapes.pop()))
@@ -1965,6 +1965,10 @@ def _already_sharded(gm: torch.fx.GraphModule) -> bool:
     return any(node.meta.get("ringcc_pass") == PASS for node in gm.graph.nodes)
 
 
+_SIZE_OPS = (torch.ops.aten.size.default, torch.ops.aten.size.int, torch.ops.aten.sym_size.default,
+             torch.ops.aten.sym_size.int)
+
+
 def refresh_fakes(gm: torch.fx.GraphModule) -> None:
     """Recompute every node's fake value from the placeholders' (one fake mode, see PITFALLS)."""
     mode = None
@@ -1992,6 +1996,10 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                                   requires_grad=grad)
             elif node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_function" and node.target in _SIZE_OPS:
+                # read from the fake tensor: torch 2.11's fake dispatch of aten.size takes int()
+                # of every size, specialising a symbolic length (a recompilation per length)
+                val = args[0].size(*args[1:])
             elif node.op == "call_function":
                 val = node.target(*args, **kwargs)
             elif node.op == "get_attr":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,16 @@ def sym_expr(sym):
     node = sym.node
     env = getattr(node, "shape_env", None)
     return env.replace(node.expr) if env is not None and hasattr(env, "replace") else node.expr
+
+
+def statically_known_equal(a, b) -> bool:
+    """a == b for sizes (ints or SymInts), proved from the shape environment's facts (value
+    ranges, guards already installed) without installing a guard; False when unknown."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool(statically_known_true(a == b))
 
 
 def mem_tracker():
@@ -431,3 +442,30 @@ def wrap_fsdp_post_backward_registration(group, wrap) -> None:
     if not getattr(current, "_ringcc", False):
         group._register_post_backward_hook = wrap(current)
         group._register_post_backward_hook._ringcc = True
+
+
+def release_before_destroy(release) -> None:
+    """Make torch.distributed.destroy_process_group call `release()` first (once installed,
+    for every later call, through `torch.distributed` and `distributed_c10d` alike).
+    NCCL's communicator cannot be destroyed while a CUDA graph holding its kernels lives:
+    destroy_process_group would wait forever (pytorch/pytorch#115388), so ringcc's captured
+    ring ops (runtime/graphs.py) go first. A name bound before installation (`from
+    torch.distributed import destroy_process_group`) keeps the original function."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+    if getattr(original, "_ringcc_releases", None) is not None:
+        original._ringcc_releases.append(release)
+        return
+    releases = [release]
+
+    @functools.wraps(original)
+    def destroy_process_group(*args, **kwargs):
+        for fn in releases:
+            fn()
+        return original(*args, **kwargs)
+
+    destroy_process_group._ringcc_releases = releases
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group

@@ -15,6 +15,7 @@ Two transports (`ring_comm` picks one; RINGCC_RING_TRANSPORT=auto|nccl|copy-engi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -71,7 +72,8 @@ class RingComm:
             self._ops.append(dist.P2POp(dist.isend, t, self.send_to, self.group, tag=self._tag))
             self._ops.append(dist.P2POp(dist.irecv, buf, self.recv_from, self.group, tag=self._tag))
             self._tag += 1
-            self.bytes_sent += t.numel() * t.element_size()
+            if not _capturing():  # (a graph's capture sends nothing; its replays are not counted)
+                self.bytes_sent += t.numel() * t.element_size()
             out.append(buf)
         return out
 
@@ -89,7 +91,8 @@ class RingComm:
     def wait(self) -> None:
         if self._reqs is None:
             raise RuntimeError("RingComm.wait called without a committed batch")
-        timeout = _WAIT_TIMEOUTS.get(self.group)
+        # A wait with a timeout polls from the host, which a CUDA graph capture cannot hold.
+        timeout = None if _capturing() else _WAIT_TIMEOUTS.get(self.group)
         for req in self._reqs:
             req.wait() if timeout is None else req.wait(timeout)
         self._reqs = None
@@ -336,7 +339,25 @@ class CopyEngineRing:
 TRANSPORTS = ("auto", "nccl", "copy-engine")
 
 
-def _transport_setting() -> str:
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_FORCE_PROCESS_GROUP = [False]
+
+
+@contextlib.contextmanager
+def process_group_transport():
+    """Rings made inside use the process group's send/recv (what a CUDA graph can hold:
+    Note [Ring graphs] in graphs.py)."""
+    before, _FORCE_PROCESS_GROUP[0] = _FORCE_PROCESS_GROUP[0], True
+    try:
+        yield
+    finally:
+        _FORCE_PROCESS_GROUP[0] = before
+
+
+def transport_setting() -> str:
     raw = os.environ.get("RINGCC_RING_TRANSPORT", "auto").strip().lower() or "auto"
     if raw not in TRANSPORTS:
         raise ValueError(f"RINGCC_RING_TRANSPORT must be one of {', '.join(TRANSPORTS)}; got {raw!r}")
@@ -383,8 +404,8 @@ def ring_comm(group, members, device: torch.device):
     whole-group ring of CUDA tensors where symmetric memory works (RINGCC_RING_TRANSPORT=auto,
     the default, falls back to the process group with a warning; =copy-engine raises instead),
     else RingComm."""
-    setting = _transport_setting()
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    setting = transport_setting()
+    if device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or _FORCE_PROCESS_GROUP[0]):
         # The batch numbers would be baked into the graph and its replays would race: NCCL
         # send/recv, which CUDA graphs capture, instead.
         if setting == "copy-engine":

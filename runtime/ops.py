@@ -21,7 +21,7 @@ from ringcc import _compat
 from . import kernels
 from . import layout as L
 from .comm import group_extremes
-from . import workspace
+from . import graphs, workspace
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
 # ---------------------------------------------------------------------------------------
@@ -127,7 +127,15 @@ def ring_attention_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
-    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, _slopes(alibi_slopes, q))
+    slopes = _slopes(alibi_slopes, q)
+    if graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+        def forward(q, k, v, slopes):
+            out, lse = ring_forward(q, k, v, None, setup, None, slopes)
+            return out.contiguous(), lse.contiguous()
+
+        return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale, softcap,
+                           workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes), setup.group)
+    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
     return out.contiguous(), lse.contiguous()
 
 
@@ -171,7 +179,15 @@ def ring_attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, _slopes(alibi_slopes, q))
+    slopes = _slopes(alibi_slopes, q)
+    if graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+        def backward(dout, q, k, v, out, lse, slopes):
+            return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
+
+        return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale, softcap,
+                           workspace.chunk_rule_settings(), schedule_settings()), backward,
+                          (dout, q, k, v, out, lse, slopes), setup.group)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -322,7 +338,7 @@ _CHECKED_LENGTHS: set[tuple[str, int, str]] = set()
 # happen; the kernel choice enters the head-chunk rule through its GQA workspace): ranks that
 # disagree on them would wait for each other forever.
 SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RING_TRANSPORT",
-                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA")
+                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA", "RINGCC_RING_GRAPHS")
 
 
 def schedule_settings() -> tuple[str, ...]:

@@ -294,7 +294,8 @@ class _Logits(nn.Module):
 _SOAK = pytest.mark.soak
 
 
-@pytest.mark.parametrize("name,padded", [pytest.param("llama", False, marks=_SOAK), ("llama", True), ("gpt2", False),
+@pytest.mark.parametrize("name,padded", [pytest.param("llama", False, marks=_SOAK), pytest.param("llama", True, marks=_SOAK),
+                                         ("gpt2", False),
                                          ("bert", True),
                                          pytest.param("llama_eager", True, marks=_SOAK),
                                          pytest.param("gpt2_eager", False, marks=_SOAK),

@@ -11,8 +11,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from graphs import dynamo_graph, export_graph, run, targets
 
+from ringcc import rewrite as rw
 from ringcc.passes.attention_form import FORM_META, SDPA_ATEN_TARGET, SdpaCall, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.passes.rewrite_attention import rewrite_attention
 from ringcc.report import Decision, SkipReason
 
 PASSES = [("canonicalize_attention", canonicalize_attention)]
@@ -180,21 +183,115 @@ def test_encoder_fast_path_with_mask_is_recorded():
         assert [s.form for s in ctx.report.sites] == ["mha"]
 
 
+ALIBI_PASSES = PASSES + [("lift_masks", lift_masks), ("rewrite_attention", rewrite_attention)]
+
+
+def _bloom_alibi(q, k, v, valid=None):
+    """Bloom's ALiBi: slopes * key positions [h, 1, n] repeated over the batch and added by
+    baddbmm to the scores of q, k [b * h, n, d], viewed as [b, h, n, n] around the softmax. With
+    `valid` (a [b, n] padding mask), the positions count the valid tokens: a bias computed from
+    an input, ALiBi only when every row's valid tokens are one run."""
+    n = q.shape[1]
+    slopes = torch.pow(torch.full((), 0.25), torch.arange(1, H + 1, dtype=torch.int32))
+    if valid is None:
+        alibi = (slopes[:, None, None] * torch.arange(n)).repeat(B, 1, 1)
+    else:
+        alibi = (slopes[..., None] * ((valid.cumsum(-1) - 1) * valid)[:, None, :]).reshape(B * H, 1, n)
+    s = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=0.25).view(B, H, n, -1)
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(q.dtype).min)
+    return torch.bmm(F.softmax(s, dim=-1).view(B * H, n, -1), v)
+
+
 def _alibi_sliced_to_length(q, k, v):
-    """MPT's ALiBi: a bias over the longest length, sliced at max(0, size - n) (a start
-    computed from the symbolic length)."""
+    """MPT's ALiBi: slopes (1 / 2^x, which export spells reciprocal(x) * 1.0) times a bias over
+    the longest length, sliced at max(0, size - n) (under a symbolic length, a start computed from
+    n, and a size equal to n by the broadcast's guard only)."""
     n = q.shape[-2]
     slopes = 1.0 / torch.pow(2.0, torch.arange(1, H + 1, dtype=torch.float32))
     bias = slopes[:, None, None] * torch.arange(1 - 64, 1, dtype=torch.float32)[None, None, :]
     bias = bias[:, max(0, bias.size(1) - n):, max(0, bias.size(2) - n):]
-    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + bias, dim=-1) @ v
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + bias
+    return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1) @ v
 
 
-def test_alibi_bias_sliced_at_a_symbolic_start_is_recorded():
-    """A slice start computed from the symbolic length (not an int) is read as an unknown shift:
-    the site is recorded and the graph computes what it did (no TypeError from comparing it)."""
+class _Export(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _offline_graph(fn, *inputs) -> torch.fx.GraphModule:
+    """fn's export graph as `ringcc rewrite` hands it to the passes (aten.slice as x[a:b], ...)."""
+    gm = export_graph(_Export(fn), *inputs)
+    rw._torch_level_spellings(gm)
+    return gm
+
+
+def _symbolic_graph(fn, *inputs, dim: int):
+    """fn's dynamo graph with dim `dim` of every input a symbolic length, and a call of it at a
+    length of 12 (example inputs of another length than traced, the length's SymInt as an int)."""
+    for x in inputs:
+        torch._dynamo.mark_dynamic(x, dim)
+    gm, example_inputs = dynamo_graph(fn, *inputs, with_inputs=True)
+    longer = [torch.cat([x, x.narrow(dim, 0, 12 - N)], dim) for x in inputs]
+
+    def call(graph):  # (graph's outputs, fn's); dynamo orders the graph's inputs by first use
+        args = [longer[next(i for i, y in enumerate(inputs) if y is x)] if isinstance(x, torch.Tensor) else 12
+                for x in example_inputs]
+        got, want = graph(*args), fn(*longer)
+        return (got[0], want) if isinstance(want, torch.Tensor) else (tuple(got), want)
+    return gm, call
+
+
+def _assert_alibi_site(site) -> None:
+    assert site.decision == Decision.REWRITTEN and site.mask["alibi"] and site.mask["causal"], site
+
+
+def _bloom_with_and_without_padding(q, k, v, valid):
+    return _bloom_alibi(q, k, v), _bloom_alibi(q, k, v, valid)
+
+
+def test_alibi_in_baddbmm_under_a_symbolic_length():
+    """Bloom's ALiBi traced with a symbolic length: arange(n) has a symbolic end (the positions are
+    0, 1, ... whatever n is), and the [b * h, n, d] values are viewed per head with -1 for n. Its
+    positions counted over a padding mask's valid tokens are not provably j - i (a mask with a
+    hole shifts the keys after it): that site is skipped with why."""
+    valid = torch.ones(B, N, dtype=torch.long)
+    valid[1, 2] = 0
+    gm, call = _symbolic_graph(_bloom_with_and_without_padding, *qkv(three_d=True), valid, dim=1)
+    sites = run(gm, ALIBI_PASSES).report.sites
+    (alibi,), (padded,) = ([s for s in sites if s.decision == d] for d in (Decision.REWRITTEN, Decision.SKIPPED))
+    _assert_alibi_site(alibi)
+    assert (padded.form, padded.reason) == ("manual", SkipReason.OTHER), padded
+    assert "not read as ALiBi" in padded.detail and "computed from the graph's inputs" in padded.detail
+    (got, want), (got_padded, want_padded) = zip(*call(gm))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the ring op at p = 1 against eager
+    torch.testing.assert_close(got_padded, want_padded)
+
+
+def test_alibi_in_baddbmm_of_an_export_graph():
+    """Bloom's ALiBi in an export graph: repeat's sizes are one list (aten.repeat.default)."""
+    q, k, v = qkv(three_d=True)
+    gm = _offline_graph(_bloom_alibi, q, k, v)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    _assert_alibi_site(site)
+    torch.testing.assert_close(gm(q, k, v)[0], _bloom_alibi(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_bias_sliced_at_a_symbolic_start():
+    """MPT's ALiBi under a symbolic length: the bias's size, 64 - Max(0, 64 - n), is n by a guard."""
+    gm, call = _symbolic_graph(_alibi_sliced_to_length, *qkv(), dim=2)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    _assert_alibi_site(site)
+    torch.testing.assert_close(*call(gm), atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_slopes_times_a_number_in_an_export_graph():
     q, k, v = qkv()
-    for x in (q, k, v):
-        torch._dynamo.mark_dynamic(x, 2)
-    _, _, report = canonical(_alibi_sliced_to_length, q, k, v)
-    assert [s.form for s in report.sites] == ["manual"], report.format()
+    gm = _offline_graph(_alibi_sliced_to_length, q, k, v)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    _assert_alibi_site(site)
+    torch.testing.assert_close(gm(q, k, v)[0], _alibi_sliced_to_length(q, k, v), atol=1e-5, rtol=1e-5)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ringcc import cli
 
 
@@ -26,6 +28,7 @@ def test_train_demo_tiny(tmp_path, capsys):
         assert 0.5 < rank["measured_peak_mib"] / rank["planned_peak_mib"] < 1.5, rank
 
 
+@pytest.mark.soak
 def test_ring_demo_tiny(tmp_path, capsys):
     rc = cli.main(["demo", "--mode", "ring", "--world-size", "2", "--seq-len", "256", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -34,8 +37,6 @@ def test_ring_demo_tiny(tmp_path, capsys):
 
 
 def test_demo_rejects_indivisible_length(tmp_path):
-    import pytest
-
     with pytest.raises(SystemExit, match=r"--seq-len 100 must be divisible by 2 x world size = 8"):
         cli.main(["demo", "--world-size", "4", "--seq-len", "100", "--out", str(tmp_path)])
 

@@ -291,18 +291,18 @@ def _check_zoo(pools, tmp_path, factories, world: int) -> dict:
 
 
 OUTPUT_GATHER = "graph output (Config(gather_outputs=True))"
-# The zoo's architectures `ringcc rewrite` leaves as written: each site is skipped with this reason.
+# The zoo's factories `ringcc rewrite` leaves as written: each site is skipped with this reason.
 ZOO_NOT_REWRITTEN = {
-    "bloom": "both sites skipped (other): export spells Bloom's ALiBi scores as baddbmm, add, view and where "
-             "(modeling_bloom.py:284), a form the matcher does not read",
-    "mpt": "both sites skipped (other): export spells MPT's ALiBi bias (modeling_mpt.py:129) as an add of a "
-           "tensor the matcher does not read as ALiBi",
+    "bloom_padded": "both sites skipped (other): with a padding mask, Bloom's ALiBi positions are the running count "
+                    "of the mask's valid tokens (modeling_bloom.py:88), computed from the input: ALiBi only for masks "
+                    "whose valid tokens are one run, which the graph does not show",
 }
 ZOO_NOT_REWRITTEN_DETAIL = {  # what report.json's skip detail says
-    "bloom": "the scores go through add.Tensor -> view.default -> where.ScalarOther",
-    "mpt": "attention scores go through add.Tensor, which is not a constant scale",
+    "bloom_padded": "that is not read as ALiBi, slope[h] * key position built from constants: it is computed from "
+                    "the graph's inputs",
 }
 ZOO_REWRITTEN = [name for name in ZOO_OFFLINE if name not in ZOO_NOT_REWRITTEN]
+ZOO_REWRITTEN_PADDED = [name for name in ZOO_OFFLINE if f"{name}_padded" not in ZOO_NOT_REWRITTEN]
 # Exact programs that gather inside, not only their output (the program's plan is not O(n/p)):
 # why each gather is there, as report.json records it. None: the mixtures of experts route
 # their tokens on each rank's own rows (Note [Rank-local rows]), as compiled.
@@ -311,7 +311,7 @@ ZOO_GATHERS_INSIDE: dict[str, list[str]] = {}
 # programs and plans are checked below)
 ZOO_SUBSET = ["gemma2", "qwen2_moe", "distilbert"]
 ZOO_SUBSET_PADDED = ["roberta"]
-ZOO_P4 = ["gemma2", "falcon_mq", "qwen2_moe", "roberta"]
+ZOO_P4 = ["gemma2", "falcon_mq", "qwen2_moe", "roberta", "mpt"]
 
 
 def _inside(reports: dict) -> dict:
@@ -342,7 +342,8 @@ def test_zoo_subset_programs_match_eager_at_p2(pools, tmp_path):
 @pytest.mark.zoo_offline
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_zoo_programs_match_eager_at_p2(pools, tmp_path, padded):
-    _zoo_case(pools, tmp_path, [f"zoo_{n}{'_padded' if padded else ''}" for n in ZOO_REWRITTEN], 2)
+    names = ZOO_REWRITTEN_PADDED if padded else ZOO_REWRITTEN
+    _zoo_case(pools, tmp_path, [f"zoo_{n}{'_padded' if padded else ''}" for n in names], 2)
 
 
 @pytest.mark.zoo_offline
@@ -396,14 +397,22 @@ def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
             assert err < TOL and gathers == [], (name, err, gathers)
 
 
+@pytest.mark.zoo_offline
+def test_alibi_under_a_symbolic_length_is_exact(pools):
+    """Bloom's ALiBi (slopes * arange(n), repeated over the batch, in baddbmm) and MPT's (a bias
+    over max_seq_len sliced at a start computed from n) compiled with a symbolic length: every
+    site rewritten (the plan test below), and the logits match eager with nothing gathered."""
+    names = ["zoo_bloom", "zoo_mpt", "zoo_mpt_padded"]
+    for rank_out in pools(2).run(case_compiled_symbolic_length, names, timeout=600):
+        for name, (err, gathers) in zip(names, rank_out):
+            assert err < TOL and gathers == [], (name, err, gathers)
+
+
 # `ringcc plan` of the zoo's factories (the compiled model, a symbolic length): O(n/p) but for these
 ZOO_PLAN_NOT_LINEAR = {
-    "zoo_bloom": "under a symbolic length the matcher finds no attention site in Bloom's graph (its ALiBi scores, "
-                 "baddbmm of the bias and q, k, modeling_bloom.py:284, are not read): dense n x n attention",
-    "zoo_bloom_padded": "as zoo_bloom",
-    "zoo_mpt": "under a symbolic length MPT's ALiBi bias (modeling_mpt.py:129) is not read as ALiBi: both sites "
-               "skipped (other), dense n x n attention",
-    "zoo_mpt_padded": "as zoo_mpt",
+    "zoo_bloom_padded": "with a padding mask, Bloom's ALiBi positions are the running count of the mask's valid "
+                        "tokens (modeling_bloom.py:88), not provably ALiBi: both sites skipped (other), dense n x n "
+                        "attention",
 }
 ZOO_PLANNED = [f"zoo_{n}{s}" for s in ("", "_padded") for n in ZOO_OFFLINE]
 

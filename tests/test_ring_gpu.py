@@ -168,6 +168,61 @@ def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
         assert mismatched == []
 
 
+@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
+def test_ring_graphs_match_the_ring_without_them(pools, world, is_causal, layout):
+    """RINGCC_RING_GRAPHS=on against off over NCCL (the graphs' transport): the same schedule
+    and kernels, replayed from a CUDA graph (Note [Ring graphs])."""
+    for mismatched in pools(world, "nccl").run(case_over_nccl, case_settings_agree, is_causal, layout, 2, SHAPES,
+                                               "RINGCC_RING_GRAPHS", ("off", "on")):
+        assert mismatched == []
+
+
+def case_over_nccl(rank, world, case, *args):
+    """`case` with the ring's transfers through NCCL send/recv."""
+    os.environ["RINGCC_RING_TRANSPORT"] = "nccl"
+    try:
+        return case(rank, world, *args)
+    finally:
+        os.environ.pop("RINGCC_RING_TRANSPORT", None)
+
+
+def case_graph_replays(rank, world, is_causal):
+    """Three calls of one signature with different inputs, graphs on: one capture per direction,
+    replays that read each call's own inputs (errors against the ring without graphs), and
+    outputs that do not share storage across calls."""
+    from ringcc.runtime import graphs
+
+    dev = torch.device("cuda", rank)
+    graphs.clear()
+    got, want, outs = [], [], []
+    for setting in ("off", "on"):
+        os.environ["RINGCC_RING_GRAPHS"] = setting
+        for seed in (1, 2, 3):
+            gen = torch.Generator(device="cpu").manual_seed(seed * 10 + rank)
+            q, k, v, dout = (torch.randn(1, h, 512, 64, generator=gen).to(dev).bfloat16() for h in (8, 2, 2, 8))
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            out = ringcc.ring_attention(ql, kl, vl, is_causal=is_causal, layout="zigzag")
+            out.backward(dout)
+            (got if setting == "on" else want).append([t.detach().clone() for t in (out, ql.grad, kl.grad, vl.grad)])
+            if setting == "on":
+                outs.append(out)
+    os.environ.pop("RINGCC_RING_GRAPHS", None)
+    captured = len(graphs._GRAPHS)
+    graphs.clear()
+    errs = [max(rel_err(y, x) for x, y in zip(a, b)) for a, b in zip(want, got)]
+    distinct = len({o.data_ptr() for o in outs})
+    return captured, errs, distinct
+
+
+@pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_ring_graphs_replay_each_calls_inputs(pools, is_causal):
+    for captured, errs, distinct in pools(2, "nccl").run(case_over_nccl, case_graph_replays, is_causal):
+        assert captured == 2 and distinct == 3 and max(errs) < 1e-2, (captured, errs, distinct)
+
+
 @pytest.mark.skipif(N_GPU < 1, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("g", [1, 2, 4])

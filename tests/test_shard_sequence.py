@@ -477,7 +477,8 @@ class CustomFunction(nn.Module):
 
 
 def test_elementwise_autograd_function_runs_on_the_shard():
-    gm, rep = rewrite(CustomFunction(_Gelu), torch.randn(2, 8, 16))
+    """Under a symbolic length (test_shard_seqops runs it at a fixed one, against eager)."""
+    gm, rep = rewrite(CustomFunction(_Gelu), torch.randn(2, 8, 16), dynamic=True)
     assert count(gm, GATHER) == 0 and rep.gathers == [] and rep.plan.verdict, rep.gathers
     (apply,) = [n for n in gm.graph.nodes if n.name.startswith("autograd_function_apply")]
     assert apply.meta[STATE_META][0].sharded
@@ -487,3 +488,27 @@ def test_autograd_function_that_mixes_tokens_is_gathered_with_its_reason():
     gm, rep = rewrite(CustomFunction(_RunningSum), torch.randn(2, 8, 16))
     (g,) = rep.gathers
     assert "autograd_function_apply: its fwd_body_0 calls cumsum, which is not elementwise" in g.why
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.size.default, torch.ops.aten.sym_size.int])
+def test_refreshed_sizes_stay_symbolic(op):
+    """A graph's aten.size under a symbolic length: refresh_fakes reads the fake tensor's sizes
+    (the fake dispatch of aten.size takes int() of each, which would specialise the length and
+    recompile the model at every new one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from ringcc.passes.shard_sequence import refresh_fakes
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x = mode.from_tensor(torch.randn(2, 40), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]))
+    graph = torch.fx.Graph()
+    p = graph.placeholder("x")
+    p.meta["example_value"] = x
+    size = graph.call_function(op, (p,) if op is torch.ops.aten.size.default else (p, 1))
+    graph.output(size)
+    refresh_fakes(torch.fx.GraphModule(torch.nn.Module(), graph))
+    n = size.meta["example_value"]
+    n = n[1] if op is torch.ops.aten.size.default else n
+    assert isinstance(n, torch.SymInt) and mode.shape_env.guards == [], (n, mode.shape_env.guards)

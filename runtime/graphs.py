@@ -1,0 +1,134 @@
+"""Ring ops replayed from CUDA graphs: the short-shard path (Note [Ring graphs])."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+
+import torch
+import torch.distributed as dist
+
+from ringcc import _compat
+
+from . import comm as C
+
+# Note [Ring graphs]
+# With short shards the ring is bound by the host: every step issues its kernels, merges and
+# transfers from Python, and at a few thousand tokens per GPU the GPU finishes each faster than
+# the host issues the next. A ring op whose schedule follows from its shapes and arguments
+# alone (no key mask, no window: nothing the host reads from the GPU plans it) is captured once
+# per call signature into a CUDA graph; each later call copies its inputs into the graph's,
+# replays it (one launch) and copies the outputs out, so calls never share output storage.
+# - Under capture the transfers go through NCCL send/recv, which graphs hold (the copy-engine
+#   ring signals with batch numbers that a graph would bake in: comm.ring_comm). The call
+#   that captures runs eagerly over NCCL first: that warms the communicator (it cannot be made
+#   under capture) and gives the call its result.
+# - Every rank captures at the same call (the signature is the same on every rank: the ring
+#   ops' call checks) and the ranks agree that capture succeeded (one all-reduce per signature)
+#   before any replays, so a failure on one rank raises on all of them instead of leaving the
+#   others to replay into a ring that never turns.
+# - Each graph keeps its own memory pool: its inputs, outputs and intermediates (a few shards'
+#   worth: the op's transient workspace, held between calls). At most MAX_GRAPHS signatures
+#   are kept; the oldest goes first, at the same call on every rank.
+# - A live graph holding NCCL kernels makes destroy_process_group wait forever
+#   (pytorch/pytorch#115388): from the first capture on, destroy_process_group releases the
+#   graphs first (_compat.release_before_destroy), and so does the interpreter's exit.
+#   `ringcc.release_graphs()` releases them at any time; a later call captures again.
+# RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
+# the host bounds the step), on (every call that qualifies), off. On 2 x H200 (16 heads, fwd+bwd,
+# benchmarks/RESULTS.md) graphs take 4K tokens per GPU from 24-37% of one GPU's rate to 54-70%
+# back to back; at 8K the copy-engine ring without graphs is faster back to back (90% against 83%
+# causal), its copies costing no SMs where NCCL's kernels take some.
+
+SETTING = "RINGCC_RING_GRAPHS"
+CHOICES = ("auto", "on", "off")
+AUTO_MAX_ROWS = 16 * 4096
+MAX_GRAPHS = 8
+
+_GRAPHS: collections.OrderedDict = collections.OrderedDict()
+_INSTALLED: list = []
+
+
+def setting() -> str:
+    raw = os.environ.get(SETTING, "auto").strip().lower() or "auto"
+    if raw not in CHOICES:
+        raise ValueError(f"{SETTING} must be one of {', '.join(CHOICES)}; got {raw!r}")
+    return raw
+
+
+def wanted(q: torch.Tensor, key_valid, key_runs, window: int) -> bool:
+    """Whether this ring call runs from a CUDA graph (Note [Ring graphs])."""
+    choice = setting()
+    if not q.is_cuda or key_valid is not None or key_runs is not None or window:
+        return False
+    if choice == "off" or torch.cuda.is_current_stream_capturing():
+        return False  # (under a capture of the caller's, the ring is captured there)
+    if C.transport_setting() == "copy-engine" or os.environ.get("RINGCC_SKIP_COMM", "0") != "0":
+        return False
+    return choice == "on" or q.shape[0] * q.shape[1] * q.shape[2] <= AUTO_MAX_ROWS
+
+
+def _meta(t):
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+class _Replay:
+    """One captured ring op: its input and output tensors, and the graph between them."""
+
+    def __init__(self, fn, args, group):
+        with C.process_group_transport():
+            first = fn(*args)  # this call's result; NCCL warmed for the capture
+            self.inputs = [None if a is None else a.clone() for a in args]
+            self.graph = torch.cuda.CUDAGraph()
+            error = None
+            try:
+                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                    self.outputs = fn(*self.inputs)
+            except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it is raised
+                error = e
+        if group is not None:
+            ok = torch.tensor([0 if error else 1], device=args[0].device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if error is None and not ok.item():
+                raise RuntimeError(f"ringcc: another rank could not capture this ring op in a CUDA graph (see its "
+                                   f"error); set {SETTING}=off on every rank to run it without graphs")
+        if error is not None:
+            raise RuntimeError(f"ringcc: capturing the ring op in a CUDA graph failed: {type(error).__name__}: "
+                               f"{error}; set {SETTING}=off on every rank to run it without graphs") from error
+        self.first = first
+
+    def __call__(self, args):
+        for static, a in zip(self.inputs, args):
+            if static is not None:
+                static.copy_(a)
+        self.graph.replay()
+        return tuple(o.clone() for o in self.outputs)
+
+
+def run(key: tuple, fn, args: tuple, group):
+    """fn(*args) (CUDA tensors or None, shapes fixed by `key`), from this signature's graph:
+    captured at its first call, replayed after."""
+    key = key + tuple(_meta(a) for a in args)
+    replay = _GRAPHS.get(key)
+    if replay is not None:
+        _GRAPHS.move_to_end(key)
+        return replay(args)
+    if len(_GRAPHS) >= MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    if not _INSTALLED:
+        _compat.release_before_destroy(clear)
+        atexit.register(clear)
+        _INSTALLED.append(True)
+    replay = _Replay(fn, args, group)
+    _GRAPHS[key] = replay
+    first, replay.first = replay.first, None
+    return first
+
+
+def clear() -> None:
+    """Drop every captured ring op and the memory its graph holds (after the GPU is done
+    with them)."""
+    if _GRAPHS:
+        torch.cuda.synchronize()
+        _GRAPHS.clear()
