@@ -1445,7 +1445,9 @@ RULES: dict[str, Rule] = {
 # counts the rank's rows per group (a Partial), and grouped_mm reads those local offsets.
 # Other forms of the same steps: index_select reads token rows as indexing does, index_add_
 # adds rows in a sort's order back into the rank's own token rows, and repeat_interleave of a
-# 1-D token value gives one row per slot (a padding mask per slot).
+# 1-D token value gives one row per slot (a padding mask per slot). torch.export's spellings
+# (aten.index, aten.index_put_ and aten.floor_divide, respelled by ringcc rewrite as dynamo's
+# getitem, setitem and floordiv; aten.arange, aten.zeros) take the same rules.
 # A value in a rank-local order has no global counterpart, so only rules that know these
 # states (ROWS_RULES) take one, and they keep the order until the inverse permutation brings
 # the rows back to token order and a view splits the slots off again. Where a rule cannot
