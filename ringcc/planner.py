@@ -852,9 +852,9 @@ class _Builder:
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
-        inputs, integer buffers (HF's position_ids and token_type_ids tables: attributes in the
-        graph `ringcc rewrite` plans) and factories (arange, ones, full): replicated by the
-        execution model."""
+        inputs, sizes, integer buffers (HF's position_ids and token_type_ids tables: attributes
+        in the graph `ringcc rewrite` plans) and factories (arange, ones, full): replicated by
+        the execution model."""
         like: set = set()
         for node in self.nodes:
             if node.op in ("placeholder", "get_attr"):
@@ -865,10 +865,13 @@ class _Builder:
                 continue
             if node.op != "call_function" and node.op != "call_method":
                 continue
-            ts = _tensors(_meta(node))
-            if not ts or any(t.requires_grad or t.is_floating_point() or t.is_complex() for t in ts):
+            if isinstance(_meta(node), (int, torch.SymInt)):
+                like.add(node)  # a size (n + 1, x.size(1)): the same number on every rank
                 continue
             if not all(a in like for a in node.all_input_nodes):
+                continue
+            ts = _tensors(_meta(node))
+            if not ts or any(t.requires_grad or t.is_floating_point() or t.is_complex() for t in ts):
                 continue
             if _degree(plans[node].nbytes, n)[0] <= 1:
                 like.add(node)

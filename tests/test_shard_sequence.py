@@ -184,7 +184,8 @@ def test_position_features_are_computed_on_the_shards():
 
 
 class OptPositions(nn.Module):
-    """HF OPT without an attention_mask: positions from the cumsum of torch.ones(b, n) floats."""
+    """HF OPT without an attention_mask: positions from the cumsum of torch.ones(b, n) floats;
+    and positions from 1 to n (an arange to a size computed in the graph, n + 1)."""
 
     def __init__(self):
         super().__init__()
@@ -194,14 +195,15 @@ class OptPositions(nn.Module):
     def forward(self, x):
         b, n, _ = x.shape
         mask = torch.ones(b, n)
-        x = x + self.pos((mask.cumsum(1) * mask - 1).long())
+        x = x + self.pos((mask.cumsum(1) * mask - 1).long()) + self.pos(torch.arange(1, n + 1))
         q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
 
 def test_a_fill_of_symbolic_length_is_made_at_n_over_p_rows():
     """Under a symbolic length (as `ringcc plan` traces) OPT's mask of ones is made at n // p
-    rows on each rank, not sliced from n rows: the plan is O(n/p)."""
+    rows on each rank, not sliced from n rows, and the arange to n + 1 is replicated index data
+    (its bound a size): the plan is O(n/p)."""
     x = torch.randn(2, 8, 16)
     torch._dynamo.mark_dynamic(x, 1)
     gm, rep = rewrite(OptPositions(), x)
