@@ -168,12 +168,17 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
         gm = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes(inputs, seq_dim) if dynamic else None).module()
     except Exception as e:  # noqa: BLE001 - any capture failure is the model's: say so and how to see all of it
         first = next((line for line in str(e).splitlines() if line.strip()), "")
+        if dynamic and "Constraints violated" in str(e):
+            hint = ("With --dynamic-seq the sequence dim is exported as one symbol from 2 up, and the model "
+                    "constrains it (a largest length such as MPT's max_seq_len, or a branch on the length): "
+                    "rewrite without --dynamic-seq, one program per length (--seq-len).")
+        else:
+            hint = ("The model must run under torch.export.export(model, example_inputs) and return tensors or "
+                    "containers of them; a Hugging Face model with use_cache=True returns a DynamicCache: return "
+                    "`.logits` from a wrapper, or pass use_cache=False.")
         raise BadArguments(
-            f"torch.export cannot capture {graph_name}: {type(e).__name__}: {first[:300]}\n"
-            "The model must run under torch.export.export(model, example_inputs) and return tensors or "
-            "containers of them; a Hugging Face model with use_cache=True returns a DynamicCache: return "
-            "`.logits` from a wrapper, or pass use_cache=False. Run torch.export.export yourself for the "
-            "whole error") from e
+            f"torch.export cannot capture {graph_name}: {type(e).__name__}: {first[:300]}\n{hint} "
+            "Run torch.export.export yourself for the whole error") from e
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                       example_inputs=list(inputs))

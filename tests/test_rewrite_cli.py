@@ -321,3 +321,18 @@ def test_the_program_gathers_its_output_only():
     ep, report = rw.rewrite(_MultiQueryEagerAttention().eval(), (torch.randn(2, 24, 16),), world_size=2)
     assert len(report.rewritten) == 1
     assert [g.why for g in report.gathers] == ["graph output (Config(gather_outputs=True))"], report.format()
+
+
+class _LongestLength(torch.nn.Module):
+    """Attention over at most 16 tokens (as MPT's max_seq_len bounds its ALiBi table)."""
+
+    def forward(self, x):
+        torch._check(x.shape[1] <= 16)
+        q = x.unflatten(-1, (2, 4)).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_dynamic_seq_of_a_model_that_bounds_the_length_says_what_to_do():
+    with pytest.raises(rw.BadArguments, match=r"the model constrains it .* rewrite without --dynamic-seq, one program "
+                                              r"per length"):
+        rw.rewrite(_LongestLength(), (torch.randn(1, 8, 8),), world_size=2, dynamic=True)
