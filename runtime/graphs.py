@@ -76,27 +76,8 @@ def _meta(t):
 class _Replay:
     """One captured ring op: its input and output tensors, and the graph between them."""
 
-    def __init__(self, fn, args, group):
-        with C.process_group_transport():
-            first = fn(*args)  # this call's result; NCCL warmed for the capture
-            self.inputs = [None if a is None else a.clone() for a in args]
-            self.graph = torch.cuda.CUDAGraph()
-            error = None
-            try:
-                with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                    self.outputs = fn(*self.inputs)
-            except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it is raised
-                error = e
-        if group is not None:
-            ok = torch.tensor([0 if error else 1], device=args[0].device)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-            if error is None and not ok.item():
-                raise RuntimeError(f"ringcc: another rank could not capture this ring op in a CUDA graph (see its "
-                                   f"error); set {SETTING}=off on every rank to run it without graphs")
-        if error is not None:
-            raise RuntimeError(f"ringcc: capturing the ring op in a CUDA graph failed: {type(error).__name__}: "
-                               f"{error}; set {SETTING}=off on every rank to run it without graphs") from error
-        self.first = first
+    def __init__(self, inputs, graph, outputs):
+        self.inputs, self.graph, self.outputs = inputs, graph, outputs
 
     def __call__(self, args):
         for static, a in zip(self.inputs, args):
@@ -104,6 +85,31 @@ class _Replay:
                 static.copy_(a)
         self.graph.replay()
         return tuple(o.clone() for o in self.outputs)
+
+
+def _capture(fn, args, group):
+    """(this call's result, run eagerly over NCCL, which warms it for the capture; the _Replay
+    captured after it), once every rank of `group` has captured."""
+    with C.process_group_transport():
+        first = fn(*args)
+        inputs = [None if a is None else a.clone() for a in args]
+        graph = torch.cuda.CUDAGraph()
+        error = outputs = None
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = fn(*inputs)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it is raised
+            error = e
+    if group is not None:
+        ok = torch.tensor([0 if error else 1], device=args[0].device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if error is None and not ok.item():
+            raise RuntimeError(f"ringcc: another rank could not capture this ring op in a CUDA graph (see its "
+                               f"error); set {SETTING}=off on every rank to run it without graphs")
+    if error is not None:
+        raise RuntimeError(f"ringcc: capturing the ring op in a CUDA graph failed: {type(error).__name__}: "
+                           f"{error}; set {SETTING}=off on every rank to run it without graphs") from error
+    return first, _Replay(inputs, graph, outputs)
 
 
 def run(key: tuple, fn, args: tuple, group):
@@ -120,9 +126,7 @@ def run(key: tuple, fn, args: tuple, group):
         _compat.release_before_destroy(clear)
         atexit.register(clear)
         _INSTALLED.append(True)
-    replay = _Replay(fn, args, group)
-    _GRAPHS[key] = replay
-    first, replay.first = replay.first, None
+    first, _GRAPHS[key] = _capture(fn, args, group)
     return first
 
 
