@@ -254,13 +254,13 @@ def _torch_level_spellings(gm) -> None:
                 and _row_index(node.args[1], any_dim=True) is not None:
             # x[rows] with one integer tensor (an MoE's tokens read in its sort's order, GPT-J's
             # sin/cos table read at the position ids)
-            new = (operator.getitem, (node.args[0], _row_index(node.args[1], any_dim=True)), {})
+            new = (operator.getitem, (node.args[0], node.args[1][0]), {})
         elif node.target is aten.index_put_.default and len(node.args) == 3 and not node.kwargs \
                 and _row_index(node.args[1]) is not None:
             # x[rows] = v (an MoE's inverse permutation); the in-place op's result is x itself
             x, idx, value = node.args
             with gm.graph.inserting_before(node):
-                repl = gm.graph.call_function(operator.setitem, (x, _row_index(idx), value))
+                repl = gm.graph.call_function(operator.setitem, (x, idx[0], value))
             repl.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "example_value")})
             repl.meta["ringcc_pass"] = "rewrite (export spelling)"
             repl.meta["ringcc_from"] = node.name
