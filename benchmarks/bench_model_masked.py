@@ -1,4 +1,5 @@
-"""A compiled model with a key padding mask: training-step time and the key-runs all-gathers.
+"""A compiled model's training step: with and without a key padding mask, the key-runs
+all-gathers, and where the gradient all-reduce waits.
 
 An unmodified L-layer causal transformer (SDPA with `causal & ~pad[:, None, None, :]`, the
 form HF-style models build) under torch.compile(backend="ringcc"), bf16, at the launched p.
@@ -11,6 +12,15 @@ all-gather per layer.
     torchrun --nproc-per-node 4 benchmarks/bench_model_masked.py --json model_masked.json
     torchrun --nproc-per-node 2 benchmarks/bench_model_masked.py --smoke          # CPU / gloo, tiny
 
+Every rank holds the parameters whole, so ringcc all-reduces their gradients over the ranks in
+buckets (Config.bucket_mb) during the backward. `--grad-waits last` (ringcc's placement) waits
+for each bucket just before the backward's end, so the rest of the backward runs while it
+travels; `at-once` waits right after each bucket's start, as a synchronous all-reduce does
+(Note [Overlapped gradient all-reduce] in runtime/seqops.py). Both in one run compare the two.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_model_masked.py --inner inductor --layers 8 \
+        --lengths 8192 --cases unmasked --grad-waits last at-once
+
 Each cell: --warmup steps (the first compiles), then the median of --reps forward+backward
 steps (CUDA events on GPU, after a barrier), slowest rank.
 """
@@ -18,6 +28,7 @@ steps (CUDA events on GPU, after a barrier), slowest rank.
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 import time
@@ -31,6 +42,20 @@ import dist_setup
 import ringcc
 
 CASES = ("unmasked", "key padding")
+GRAD_WAITS = ("last", "at-once")
+
+
+def _waits_at_once(graph: torch.fx.Graph) -> None:
+    """Each gradient all-reduce's wait right after its start: the order a synchronous
+    all-reduce keeps, in place of ringcc.backend._grad_waits_last."""
+    wait = torch.ops.ringcc.grad_all_reduce_wait.default
+    for node in list(graph.nodes):
+        if node.target is wait:
+            node.args[0].append(node)  # args[0]: the start's token
+
+
+BACKEND = importlib.import_module("ringcc.backend")  # the module (ringcc.backend is its function)
+PLACEMENTS = {"last": BACKEND._grad_waits_last, "at-once": _waits_at_once}
 
 
 class Layer(nn.Module):
@@ -83,8 +108,9 @@ def _count_key_run_gathers():
     return count
 
 
-def cell(case: str, n_local: int, args, device, dtype, gathers) -> dict:
+def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> dict:
     world = dist.get_world_size()
+    BACKEND._grad_waits_last = PLACEMENTS[waits]
     n = n_local * world
     torch.manual_seed(0)
     model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
@@ -112,7 +138,7 @@ def cell(case: str, n_local: int, args, device, dtype, gathers) -> dict:
     every = [None] * world
     dist.all_gather_object(every, (ms, counts))
     torch._dynamo.reset()
-    return dict(case=case, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
+    return dict(case=case, grad_waits=waits, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
                 ms_per_rank=[e[0] for e in every], key_run_gathers_per_step=statistics.median(counts),
                 warmup_s=warm_s)
 
@@ -121,6 +147,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     dist_setup.model_arguments(ap, lengths=[4096, 16384], layers=4, reps=7)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--grad-waits", nargs="+", default=["last"], choices=GRAD_WAITS,
+                    help="where the gradient all-reduce waits: last (ringcc) and/or at-once (synchronous)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
     args = ap.parse_args()
     if args.smoke:
@@ -130,20 +158,22 @@ def main() -> None:
     rows = []
     for n_local in args.lengths:
         for case in args.cases:
-            rows.append(cell(case, n_local, args, device, dtype, gathers))
-            if dist.get_rank() == 0:
-                r = rows[-1]
-                print(f"{case:12s} n_local={n_local:6d}: {r['ms']:9.2f} ms, {r['key_run_gathers_per_step']} "
-                      f"key-run all-gathers per step", flush=True)
+            for waits in args.grad_waits:
+                rows.append(cell(case, n_local, waits, args, device, dtype, gathers))
+                if dist.get_rank() == 0:
+                    r = rows[-1]
+                    print(f"{case:12s} waits {waits:8s} n_local={n_local:6d}: {r['ms']:9.2f} ms, "
+                          f"{r['key_run_gathers_per_step']} key-run all-gathers per step", flush=True)
     info = None
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)"
         info = dict(label=args.label, device=name, torch=torch.__version__, rows=rows)
         print(f"\n{args.label or 'this tree'}: {args.layers}-layer causal transformer, h={args.heads}, "
               f"d={args.head_dim}, p={dist.get_world_size()}, {dtype}, inner={args.inner}, {name}")
-        print(f"{'case':12s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
+        print(f"{'case':12s} {'grad waits':>10s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
         for r in rows:
-            print(f"{r['case']:12s} {r['n_local']:10d} {r['ms']:9.2f} {r['key_run_gathers_per_step']:12}")
+            print(f"{r['case']:12s} {r['grad_waits']:>10s} {r['n_local']:10d} {r['ms']:9.2f} "
+                  f"{r['key_run_gathers_per_step']:12}")
     dist_setup.finish(info, args.json)
     return 0
 

@@ -18,7 +18,9 @@ Seq(dim, outer, length, start, sharded).
   outputs are narrowed after the gather).
 Sizes are sympy expressions (the sequence length n may be a symbol under dynamic shapes);
 sequence dims are followed through the shape flow, never found by "a dim equal to n" inside
-the graph (only for values created from no sequence input: factories, buffer slices, cats).
+the graph (only for values created from no sequence input: factories, buffer slices, cats,
+and views that make a new dim of size n; a view keeping a dim its input had, such as a patch
+embedding's channels equal to n flattened over the patches, creates none).
 
 Note [Padding]
 With Config(pad=True) a length n that the layout does not divide (p, or 2p for zigzag) is
@@ -339,13 +341,27 @@ class Sharder:
         """Replace replicated input `arg` of `node` by its shard."""
         node.replace_input_with(arg, self.shard(arg, st, window, pad_value))
 
-    def seq_of_size(self, val: torch.Tensor) -> State:
+    def seq_of_size(self, val: torch.Tensor, along: int | None = None) -> State:
         """A replicated sequence state for a value created from no sequence input: its one
-        dim whose size is n (None when there is none, or several)."""
+        dim whose size is n; of several, the dim `along` which a cat makes it (a [CLS] token
+        catted onto patch embeddings whose width is n too); else None."""
         dims = [d for d in range(val.dim()) if _eq(val.shape[d], self.n)]
+        if len(dims) > 1 and along in dims:
+            dims = [along]
         if len(dims) == 1 and not _eq(self.n, 1):
             return Seq(dims[0], self.n)
         return None
+
+    def _keeps_long_dims(self, node: torch.fx.Node) -> bool:
+        """A view or expand whose input already has as many dims of size n as its output: it
+        makes no dim of that size, it keeps one its input had without a sequence state (a
+        patch embedding's channels equal to n, flattened over the patches; a learned token
+        expanded over the batch): no sequence is created there."""
+        x = node.args[0]
+        if not _is_tensor_node(x):
+            return False
+        count = lambda val: sum(_eq(s, self.n) for s in val.shape)  # noqa: E731
+        return count(fake(node)) <= count(fake(x))
 
     # -- the walk --------------------------------------------------------------------
 
@@ -397,8 +413,10 @@ class Sharder:
             if rule is None:
                 return self._fallback(node, f"no rule for {name} on rows in a rank-local order")
         if not ins and name not in _ATTENTION_ARGS:  # attention shards its q/k/v whatever their state
-            if rule is not None and rule.creates and isinstance(fake(node), torch.Tensor):
-                return self.seq_of_size(fake(node))
+            if rule is not None and rule.creates and isinstance(fake(node), torch.Tensor) \
+                    and not (rule.unary and self._keeps_long_dims(node)):
+                along = _norm_dim(_arg(node, 1, "dim", 0), fake(node).dim()) if name in ("cat", "concat") else None
+                return self.seq_of_size(fake(node), along)
             return None
         if rule is None:
             return self._fallback(node, f"no sharding rule for {name}")
@@ -1887,7 +1905,7 @@ class _Probe(Sharder):
         super().__init__(gm, ctx)
         self.arrivals: set[tuple[int, bool]] = set()
 
-    def seq_of_size(self, val: torch.Tensor) -> State:
+    def seq_of_size(self, val: torch.Tensor, along: int | None = None) -> State:
         return None
 
     def _visit(self, node: torch.fx.Node):

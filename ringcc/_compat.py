@@ -469,3 +469,20 @@ def release_before_destroy(release) -> None:
     destroy_process_group._ringcc_releases = releases
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
+
+
+def post_grad_pass(fn, source_file: str, then=None):
+    """An inductor post-grad pass (config.post_grad_custom_post_pass) that calls fn(graph), then
+    `then` (a pass already set), keyed for inductor's cache by `source_file`'s contents."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph):
+            fn(graph)
+            if then is not None:
+                then(graph)
+
+        def uuid(self):
+            return (get_hash_for_files((source_file,)), fn.__module__, fn.__qualname__, None if then is None else then.uuid())
+
+    return _Pass()

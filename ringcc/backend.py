@@ -208,18 +208,40 @@ def check_rank_consistency(decisions: list[str], group=None, graph: str = "graph
         "the same inputs' shapes and options.")
 
 
+def _grad_waits_last(graph: torch.fx.Graph) -> None:
+    """Moves each gradient all-reduce's wait, and everything made from its result, to the end
+    of a backward graph, just before its output (Note [Overlapped gradient all-reduce] in
+    runtime/seqops.py)."""
+    wait = torch.ops.ringcc.grad_all_reduce_wait.default
+    after = set()
+    for node in graph.nodes:
+        if node.target is wait or any(a in after for a in node.all_input_nodes):
+            after.add(node)
+    out = graph.output_node()
+    after.discard(out)
+    for node in [n for n in graph.nodes if n in after]:
+        out.prepend(node)
+
+
 def _inner(gm, example_inputs, config: Config):
     if config.inner == "eager":
         return gm.forward
     if config.inner == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
 
+        def backward(bw, inputs):
+            _grad_waits_last(bw.graph)
+            bw.recompile()
+            return _compat.boxed_graph(bw, inputs)
+
         # boxed: the backward frees each saved activation after its last use, as inductor's does
         # (the memory plan assumes it: Note [Memory plan], 3)
-        return aot_autograd(fw_compiler=_compat.boxed_graph)(gm, example_inputs)
+        return aot_autograd(fw_compiler=_compat.boxed_graph, bw_compiler=backward)(gm, example_inputs)
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    waits_last = _compat.post_grad_pass(_grad_waits_last, __file__, then=inductor_config.post_grad_custom_post_pass)
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": waits_last})
 
 
 def ringcc_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

@@ -238,7 +238,8 @@ def _one_length(model, inputs, positions: list[int], seq_dim: int):
     return scope["make"](model)
 
 
-TRACE_NOTES = ("every dim of length", "traced with static shapes")  # how trace_plans traced n
+MADE_INSIDE = "no input dim of length"
+TRACE_NOTES = ("every dim of length", "traced with static shapes", MADE_INSIDE)  # how trace_plans traced n
 
 
 def _specialised(e: BaseException) -> bool:
@@ -265,7 +266,15 @@ def _trace(model, inputs, config, world_size: int, trace_len: int, training, dev
         ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                           example_inputs=list(example_inputs))
         gm = run_pipeline(gm, ctx)
-        plan = planner.plan_graph(gm, world_size=world_size, seq_len=trace_len, training=training,
+        seq_len = trace_len
+        made = ctx.scratch.get("seq")
+        if made is not None and made.n.is_Integer and int(made.n) != trace_len:
+            # the attention sites attend over a length no input has (a ViT's [CLS] token and
+            # patches, made from an image of fixed size): that length is the static n
+            seq_len = int(made.n)
+            report.notes[:] = [f"{MADE_INSIDE} {trace_len} carries the sequence: the model makes its n = {seq_len} "
+                               "tokens inside (an image's patches), traced at that one length"]
+        plan = planner.plan_graph(gm, world_size=world_size, seq_len=seq_len, training=training,
                                   graph_name=report.graph, device_type=device_type)
         report.plan = plan
         plans.append(plan)

@@ -14,10 +14,13 @@ Note [Offline program contract]
 The saved program is the whole model, not one rank's part: every rank loads it, calls it
 with the same full inputs the eager model takes, and gets the full outputs (sharding,
 ring attention, loss all-reduces and output gathers are ops inside the program, as in the
-backend). It must run on exactly P ranks of the default process group: the communication
-ops carry the group name "" (= WORLD of the process that runs them), since real group
-names are process-local. P = 1 needs no process group. Loading needs the ringcc ops
-registered first:
+backend). The sequence need not be an input: a vision model makes its tokens inside (the
+[CLS] token catted onto an image's patch embeddings), and the program shards them where the
+graph makes them, as the backend does (values created from no sequence input, Note
+[Sequence state] in passes/shard_sequence.py). It must run on exactly P ranks of the
+default process group: the communication ops carry the group name "" (= WORLD of the
+process that runs them), since real group names are process-local. P = 1 needs no
+process group. Loading needs the ringcc ops registered first:
 
     import ringcc, torch
     model = torch.export.load("OUT_DIR/program.pt2").module()
@@ -169,9 +172,11 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     except Exception as e:  # noqa: BLE001 - any capture failure is the model's: say so and how to see all of it
         first = next((line for line in str(e).splitlines() if line.strip()), "")
         if dynamic and "Constraints violated" in str(e):
-            hint = ("With --dynamic-seq the sequence dim is exported as one symbol from 2 up, and the model "
-                    "constrains it (a largest length such as MPT's max_seq_len, or a branch on the length): "
-                    "rewrite without --dynamic-seq, one program per length (--seq-len).")
+            hint = (f"With --dynamic-seq dim {seq_dim} of the inputs is exported as one symbol from 2 up, and "
+                    "the model constrains it (a largest length such as MPT's max_seq_len, or a branch on the "
+                    "length), or that dim is not the sequence (an image's channels: a vision model makes its "
+                    "tokens from the image's patches, as many as its size gives): rewrite without --dynamic-seq, "
+                    "one program per length (--seq-len) or image size.")
         else:
             hint = ("The model must run under torch.export.export(model, example_inputs) and return tensors or "
                     "containers of them; a Hugging Face model with use_cache=True returns a DynamicCache: return "

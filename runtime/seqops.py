@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringcc import _compat
+
 from . import layout as L
 from .ops import _group_from
 
@@ -152,26 +154,64 @@ def _(xs, group_name, world_size):
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
-@torch.library.custom_op("ringcc::all_reduce_bucket", mutates_args=())
+# Note [Overlapped gradient all-reduce]
+# A bucket's all-reduce is two ops: grad_all_reduce_start copies the bucket into one flat buffer
+# per dtype, launches its all-reduce (async_op) and returns a token; grad_all_reduce_wait(token)
+# waits for it and returns the summed buffer. Traced into a compiled backward they are two
+# nodes with only the token between them, and nothing else reads the buffer, so the backward's
+# later kernels are issued between them: the bucket travels while the rest of the backward
+# computes, and the wait comes when the scheduler places it, at latest before the gradients
+# leave the graph. One synchronous all-reduce would make the compute stream wait for the
+# transfer before the next backward kernel. The ops are opaque to inductor (it does not see
+# collectives in them, so it neither reorders nor serialises them), and every rank runs them
+# in the graph's order: the same collectives in the same order on every rank. Run eagerly
+# (or in an aot_eager graph) the wait follows the start at once.
+_PENDING: dict[int, tuple] = {}
+_NEXT_TOKEN = [0]
+
+
+@torch.library.custom_op("ringcc::grad_all_reduce_start", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
+def grad_all_reduce_start(grads: list[torch.Tensor], group_name: str, world_size: int) -> torch.Tensor:
+    group, _, _ = _group_from(group_name, world_size)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
+    token = _NEXT_TOKEN[0] = _NEXT_TOKEN[0] + 1
+    _PENDING[token] = (work, flat)
+    return torch.tensor(token, dtype=torch.int64)
+
+
+@grad_all_reduce_start.register_fake
+def _(grads, group_name, world_size):
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("ringcc::grad_all_reduce_wait", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
+def grad_all_reduce_wait(token: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    work, flat = _PENDING.pop(int(token))
+    if work is not None:
+        work.wait()
+    return flat
+
+
+@grad_all_reduce_wait.register_fake
+def _(token, numel, dtype, device):
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 def all_reduce_bucket(grads: list[torch.Tensor], group_name: str, world_size: int) -> list[torch.Tensor]:
-    group, _, world = _group_from(group_name, world_size)
-    if world == 1:
-        return [g.clone(memory_format=torch.contiguous_format) for g in grads]
+    """Sums a bucket of gradients over the group, one flat buffer per dtype; returns views of it
+    (Note [Overlapped gradient all-reduce])."""
     out: list[torch.Tensor] = [torch.Tensor()] * len(grads)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
-    for idx in by_dtype.values():
-        flat = torch.cat([grads[i].reshape(-1) for i in idx])
-        dist.all_reduce(flat, group=group)
-        for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
-            out[i] = part.view(grads[i].shape).clone(memory_format=torch.contiguous_format)
+    for dtype, idx in by_dtype.items():
+        sizes = [grads[i].numel() for i in idx]
+        token = grad_all_reduce_start([grads[i] for i in idx], group_name, world_size)
+        flat = grad_all_reduce_wait(token, sum(sizes), dtype, grads[idx[0]].device)
+        for i, part in zip(idx, flat.split(sizes)):
+            out[i] = part.view(grads[i].shape)
     return out
-
-
-@all_reduce_bucket.register_fake
-def _(grads, group_name, world_size):
-    return [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
 
 
 def _sync_setup(ctx, inputs, output):

@@ -403,3 +403,46 @@ def test_counted_alibi_mask_with_a_gap_raises_on_every_rank(pools):
             "ringcc: attention mask row 1 has its valid tokens in more than one run: tokens at 0..4, padding at "
             "5..8, tokens again from 9."), message
         assert "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc" in message
+
+
+def case_gradient_all_reduce_overlaps_the_backward(rank, world, inner):
+    """Note [Overlapped gradient all-reduce]: in a compiled training step every gradient bucket's
+    all-reduce starts as soon as its gradients exist, and all the waits come after the backward's
+    last attention layer; the gradients equal eager's. Returns the backward's ringcc ops in call
+    order (bucket_mb small: one bucket per few parameters)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name.startswith("ringcc::") and any(s in name for s in ("grad_all_reduce", "ring_attention_backward")):
+                self.names.append(name.split("::")[1].split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ref, model = shard_models.build("gpt"), shard_models.build("gpt")
+    compiled = torch.compile(model, backend=ringcc.backend(inner=inner, bucket_mb=0.004))
+    inputs = shard_models.batch("gpt", 24)
+    loss = compiled(*inputs)[0]
+    with Calls() as calls:
+        loss.backward()
+    ref(*inputs)[0].backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    return calls.names
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.soak)])
+def test_gradient_all_reduce_overlaps_the_backward(pools, inner):
+    for names in pools(2).run(case_gradient_all_reduce_overlaps_the_backward, inner, timeout=600):
+        starts = [i for i, n in enumerate(names) if n == "grad_all_reduce_start"]
+        waits = [i for i, n in enumerate(names) if n == "grad_all_reduce_wait"]
+        rings = [i for i, n in enumerate(names) if n == "ring_attention_backward"]
+        assert len(rings) == 2 and len(starts) == len(waits) > 2, names
+        assert starts[0] < rings[0], names  # a bucket travels during the attention backward
+        assert min(waits) > max(starts) and min(waits) > max(rings), names

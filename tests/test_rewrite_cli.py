@@ -336,3 +336,74 @@ def test_dynamic_seq_of_a_model_that_bounds_the_length_says_what_to_do():
     with pytest.raises(rw.BadArguments, match=r"the model constrains it .* rewrite without --dynamic-seq, one program "
                                               r"per length"):
         rw.rewrite(_LongestLength(), (torch.randn(1, 8, 8),), world_size=2, dynamic=True)
+
+
+class _TinyViT(torch.nn.Module):
+    """A ViT's shape of sequence: no input carries it; the patches of an image (a strided conv,
+    flattened and transposed) with a learned [CLS] token catted in front, one attention layer,
+    the [CLS] row classified. Its 26 channels equal its 26 tokens (25 patches + [CLS])."""
+
+    def __init__(self, dim: int = 26, tokens: int = 26):
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, dim, 4, stride=4)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, dim))
+        self.pos = torch.nn.Parameter(torch.randn(1, tokens, dim))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, 5)
+
+    def forward(self, image):
+        x = self.patches(image).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+        return self.head(x[:, 0])
+
+
+def tiny_vit():
+    torch.manual_seed(0)
+    return _TinyViT(), (torch.randn(2, 3, 20, 20, generator=torch.Generator().manual_seed(1)),)
+
+
+def case_image_program(rank, world, path):
+    """The program's logits and gradients against the eager model's (a fixed random projection
+    of the logits as the loss)."""
+    import ringcc  # noqa: F401 - registers the ringcc ops the program calls
+
+    model, inputs = load_factory(f"{os.path.abspath(__file__)}:tiny_vit")()
+    program = torch.export.load(path).module()
+    r = torch.randn(2, 5, generator=torch.Generator().manual_seed(2))
+    ref, got = model(*inputs), program(*inputs)
+    (ref * r).sum().backward()
+    (got * r).sum().backward()
+    torch.testing.assert_close(got, ref, **TOL)
+    grads = dict(program.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, **TOL, msg=f"grad of {name}")
+    return float((got - ref).abs().max())
+
+
+def test_a_sequence_made_inside_the_model_is_sharded_where_it_is_made(pools, tmp_path):
+    """Every rank passes the whole image; the program shards the sequence where the graph makes
+    it (the cat of [CLS] onto the patches, sliced by the first per-token op, the add of the
+    positions) and reads the [CLS] row with seq_select: nothing is gathered. The conv's channel
+    dim, of size n too, is kept whole: as the sequence it would be gathered at the norm."""
+    code, out = _rewrite(tmp_path, f"{os.path.abspath(__file__)}:tiny_vit", "--world-size", "2")
+    assert code == rw.EXIT_OK
+    report = json.load(open(os.path.join(out, "report.json")))
+    assert [s["decision"] for s in report["sites"]] == ["rewritten"]
+    assert report["gathers"] == []
+    program = open(os.path.join(out, "program.py")).read()
+    assert "torch.ops.ringcc.shard.default(cat, 1, '', 2, 'contiguous')" in program
+    assert "torch.ops.ringcc.seq_select.default(" in program
+    errs = pools(2).run(case_image_program, os.path.join(out, "program.pt2"))
+    assert max(errs) < 1e-5
+
+
+def test_dynamic_seq_of_an_image_model_says_what_to_do():
+    """--dynamic-seq marks dim 1 of the inputs: an image's channels, which the conv fixes."""
+    with pytest.raises(rw.BadArguments, match=r"that dim is not the sequence \(an image's channels.* rewrite without "
+                                              r"--dynamic-seq, one program per length \(--seq-len\) or image size"):
+        rw.rewrite(*tiny_vit(), world_size=2, dynamic=True)

@@ -152,6 +152,36 @@ for _name in ZOO_OFFLINE:
         globals()[_f.__name__] = _f
 
 
+class ImageLogits(nn.Module):
+    """An HF image classifier called as users call it, returning its logits (DeiT's in eval: the
+    mean of its [CLS] and distillation heads')."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).logits
+
+
+# The zoo's image classifiers: `zoo_<name>` takes the zoo's images (no input carries the
+# sequence: the model makes its tokens from the image's patches)
+ZOO_OFFLINE_VISION = [arch.name for arch in zoo.ZOO if arch.kind == "vision"]
+
+
+def _zoo_vision_factory(name: str):
+    def factory():
+        torch.manual_seed(0)
+        model = ImageLogits(zoo.BY_NAME[name].factory().eval())
+        return model, (zoo._inputs(zoo.BY_NAME[name])["pixel_values"],)
+    factory.__name__ = factory.__qualname__ = f"zoo_{name}"
+    return factory
+
+
+for _name in ZOO_OFFLINE_VISION:
+    globals()[f"zoo_{_name}"] = _zoo_vision_factory(_name)
+
+
 # factory -> the lifted mask of each of its two sites (report.json's "mask")
 MASKS = {
     "llama": {"causal": True},
@@ -404,7 +434,12 @@ def test_alibi_under_a_symbolic_length_is_exact(pools):
 
 # `ringcc plan` of the zoo's factories (the compiled model, a symbolic length): O(n/p) but for these
 ZOO_PLAN_NOT_LINEAR: dict[str, str] = {}
-ZOO_PLANNED = [f"zoo_{n}{s}" for s in ("", "_padded") for n in ZOO_OFFLINE]
+# The vision models: every rank makes all n tokens from the whole image (the conv of its patches
+# and the cat of [CLS] onto them) before the first per-token op slices them
+ZOO_PLAN_NOT_LINEAR.update({
+    f"zoo_{name}": "the sequence starts at the cat of the [CLS] token onto the patch embeddings, which every rank "
+                   "computes from the whole image: the cat holds all n tokens (floats)" for name in ZOO_OFFLINE_VISION})
+ZOO_PLANNED = [f"zoo_{n}{s}" for s in ("", "_padded") for n in ZOO_OFFLINE] + [f"zoo_{n}" for n in ZOO_OFFLINE_VISION]
 
 
 @pytest.mark.zoo_offline
@@ -414,3 +449,46 @@ ZOO_PLANNED = [f"zoo_{n}{s}" for s in ("", "_padded") for n in ZOO_OFFLINE]
 def test_zoo_offline_plan_is_linear(tmp_path, factory):
     plan = _plan(tmp_path, factory, 2)
     assert plan["verdict"] is True, plan["culprits"]
+
+
+# ---------------------------------------------------------------------------------------
+# the zoo's image classifiers through the offline path
+
+
+@pytest.mark.zoo_offline
+@pytest.mark.parametrize("world", [2, 4])
+def test_zoo_vision_programs_match_eager(pools, tmp_path, world):
+    """ViT and DeiT take the same whole image on every rank: every site rewritten (no mask), the
+    program shards the sequence where the graph makes it (the cat of the [CLS] token, and DeiT's
+    distillation token, onto the patch embeddings), reads the [CLS] row(s) with seq_select and
+    gathers nothing; the logits equal eager's."""
+    programs = []
+    for name in ZOO_OFFLINE_VISION:
+        out = str(tmp_path / f"{name}_p{world}")
+        assert cli.main(["rewrite", f"{THIS}:zoo_{name}", "--world-size", str(world), "-o", out]) == rw.EXIT_OK, name
+        report = json.load(open(os.path.join(out, "report.json")))
+        assert [s["decision"] for s in report["sites"]] == ["rewritten"] * zoo.BY_NAME[name].sites, report["sites"]
+        assert [_mask_facts(s["mask"]) for s in report["sites"]] == [{}] * zoo.BY_NAME[name].sites
+        assert report["gathers"] == [], (name, report["gathers"])
+        code = open(os.path.join(out, "program.py")).read()
+        assert f"torch.ops.ringcc.shard.default(cat, 1, '', {world}, 'contiguous')" in code, name
+        assert "torch.ops.ringcc.seq_select.default(" in code, name
+        programs.append((os.path.join(out, "program.pt2"), f"zoo_{name}"))
+    for rank_errs in pools(world).run(case_logits, programs, timeout=900):
+        for name, err in zip(ZOO_OFFLINE_VISION, rank_errs):
+            assert err < TOL, (name, world, err)
+
+
+@pytest.mark.zoo_offline
+@pytest.mark.parametrize("name", ZOO_OFFLINE_VISION)
+def test_zoo_vision_plan_is_traced_at_the_length_the_model_makes(tmp_path, capsys, name):
+    """`ringcc plan` of an image classifier: no input dim carries the sequence (dim 1 of the
+    image is its 3 channels), so the model is traced at the n its image gives, and the image is
+    a constant, not a value of n tokens. The culprit is where the tokens are made (the cat)."""
+    plan = _plan(tmp_path, f"zoo_{name}", 2)
+    tokens = {"vit": 36, "deit": 32}[name]  # the zoo's images: 35 patches + [CLS]; 30 + [CLS] + distillation
+    assert f"the model makes its n = {tokens} tokens inside" in capsys.readouterr().out
+    image = next(nd for nd in plan["graphs"][0]["nodes"] if nd["name"] == "l_pixel_values_")
+    assert image["size"] == str(image["bytes"]), image
+    assert plan["verdict"] is False
+    assert "embeddings_1" in {c["name"] for c in plan["culprits"]}, plan["culprits"]
