@@ -238,14 +238,26 @@ MODS_META = "ringcc_score_mods"  # ScoreMods of a canonical node whose scores ar
 REPLACES_META = "ringcc_replaces"
 
 
+@dataclass(frozen=True)
+class CountedPositions:
+    """ALiBi positions counted over a padding mask (Note [Counted positions] in
+    canonicalize_attention.py): cumsum(count, -1), plus constants, times `factors`; all [b, n].
+    Mask lifting proves that count, factors and the site's key padding are one 0/1 mask."""
+
+    count: torch.fx.Node
+    factors: tuple = ()
+
+
 @dataclass
 class ScoreMods:
     """Score modifiers lifted from a site (runtime/kernels.py, Note [Score modifiers]):
     softcap c: s -> c * tanh(s / c) of the scaled scores; alibi_slopes: a graph value of one
-    slope per query head, [h] (bias slope[h] * (j - i) in global positions)."""
+    slope per query head, [h] (bias slope[h] * (j - i) in global positions); alibi_counted:
+    where the bias's positions count a padding mask's valid tokens (None: an arange)."""
 
     softcap: Optional[float] = None
     alibi_slopes: Optional[torch.fx.Node] = None
+    alibi_counted: Optional[CountedPositions] = None
 
     def spec(self) -> dict:
         return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name}

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
-from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, ScoreMods, SdpaCall,
+from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, CountedPositions, ScoreMods,
+                             SdpaCall,
                              erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape, same_size,
                              static_float, static_int)
 from .base import PassContext, PassResult, location
@@ -108,6 +109,8 @@ MATMUL_METHODS = ("matmul", "bmm", "__matmul__")
 MUL_FUNCS = (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar)
 DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, aten.div.Tensor, aten.div.Scalar)
 ADD_FUNCS = (operator.add, torch.add, aten.add.Tensor)
+SUB_FUNCS = (operator.sub, torch.sub, aten.sub.Tensor)
+CUMSUM_FUNCS = (torch.cumsum, aten.cumsum.default)
 MASKED_FILL_FUNCS = (torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
 DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
@@ -323,7 +326,7 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         slopes = bb.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, plan.node, [-1])
         if plan.coef != 1.0:
             slopes = bb.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, slopes, plan.coef)
-        m.mods.alibi_slopes = slopes
+        m.mods.alibi_slopes, m.mods.alibi_counted = slopes, plan.counted
     if m.mods.softcap is not None or m.mods.alibi_slopes is not None:
         # the shadow of the user's nodes (attention_form.REPLACES_META): they stay for now
         sdpa.meta[MODS_META] = m.mods
@@ -506,6 +509,8 @@ def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
         return None
     while _is_cast(inp):
         inp = inp.args[0]
+    if _is(inp, VIEW_FUNCS, ("view", "reshape")):
+        return _counted_alibi_baddbmm(inp, split, a, bt, alpha)
     if not _is(inp, (aten.repeat.default,), ("repeat",)):
         return None
     repeats = inp.args[1] if len(inp.args) == 2 and isinstance(inp.args[1], (list, tuple)) else inp.args[1:]
@@ -518,9 +523,30 @@ def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
         val = _eval_bias(x, 0)
     except _NotAlibi:
         return None
-    if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0):
+    if not (isinstance(val, _Bias) and isinstance(val.pos, _Pos) and val.pos.dim == -1 and val.head.dim == -3
+            and val.pos.coef != 0):
         return None
     return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef)
+
+
+def _counted_alibi_baddbmm(view: torch.fx.Node, split: tuple[int, int], a, bt, alpha):
+    """(a, b, alpha, slopes) of baddbmm whose bias is ALiBi with positions counted per batch row
+    (Note [Counted positions]), [b, h, n] (or [b, h, 1, n]) viewed as [b * h, 1, n] (Bloom with a
+    padding mask)."""
+    x, xv, out = view.args[0], fake(view.args[0]), fake(view)
+    if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or [static_int(d) for d in xv.shape[:2]] != list(split) \
+            or (xv.dim() == 4 and not is_one(xv.shape[2])) or out.dim() != 3 or not is_one(out.shape[1]) \
+            or not same_size(out.shape[2], xv.shape[-1]):
+        return None
+    try:
+        val = _eval_bias(x, 0)
+    except _NotAlibi:
+        return None
+    nd = xv.dim()
+    if not (isinstance(val, _Bias) and isinstance(val.pos, _Run) and val.pos.dim == -1 and val.pos.bdim == -nd
+            and val.head.dim == 1 - nd and val.pos.coef != 0):
+        return None
+    return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef, val.pos.counted)
 
 
 # Note [ALiBi bias]
@@ -534,12 +560,40 @@ def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
 # stays one), and their product. It must vary along the key dim (-1) and the head dim (-3)
 # only, and not along the query dim; the lifted slopes are the head vector times c.
 
+# Note [Counted positions]
+# With a padding mask, Bloom counts its ALiBi positions over the mask's valid tokens:
+# pos[b, j] = (cumsum(mask[b])[j] - 1) * mask[b, j], the bias slope[h] * pos[b, j]. Where the valid
+# tokens of row b are one run [s, e) (right padding: s = 0; left padding: s > 0), a valid key j
+# has pos = j - s, so the bias is slope[h] * j - slope[h] * s: ALiBi plus a constant per (row,
+# head), which the softmax ignores; the padded keys are masked by the key padding, whatever their
+# bias. With a gap (1 1 0 1) the key after it gets position 2, not 3: not ALiBi. `_eval_bias`
+# reads cumsum(count, -1), plus constants, times [b, n] factors, as positions that vary along the
+# batch (_Run), kept as ScoreMods.alibi_counted. Mask lifting then proves in the graph that count,
+# factors and the site's key padding come from one mask m by elementwise ops (casts, comparisons
+# with constants) such that, for m of 0s and 1s, count = m, each factor is 1 where m is 1, and the
+# key padding is m == 1; a site it cannot prove that of keeps its dense attention. The site's key
+# mask becomes ringcc::one_run_keys(m) (runtime/ops.py), which checks at run time that m holds 0
+# and 1 only, in one run per row (a row of padding only is one), and raises a ValueError naming
+# the row otherwise: m is the whole mask on every rank, so every rank raises.
+
 
 @dataclass(frozen=True)
 class _Pos:
     dim: int  # the trailing dim it varies along
     coef: float
     const: float
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Positions counted over a [b, n] mask (Note [Counted positions]): coef times the running
+    count of its valid tokens, plus a constant per row, along trailing dim `dim`, per batch row
+    on trailing dim `bdim`."""
+
+    dim: int
+    bdim: int
+    coef: float
+    counted: CountedPositions
 
 
 @dataclass(frozen=True)
@@ -551,7 +605,11 @@ class _Head:
 @dataclass(frozen=True)
 class _Bias:
     head: _Head
-    pos: _Pos
+    pos: Union[_Pos, _Run]
+
+
+def _pos_dims(pos: Union[_Pos, _Run]) -> set:
+    return {pos.dim, pos.bdim} if isinstance(pos, _Run) else {pos.dim}
 
 
 ARANGE_FUNCS = (torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -579,18 +637,29 @@ def _alibi_of(s: torch.fx.Node) -> Optional[tuple[torch.fx.Node, "_SlopesPlan"]]
         shape = bv.shape
         if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0
                 and same_size(shape[-1], sv.shape[-1]) and same_size(shape[-3], sv.shape[-3])
-                and is_one(shape[-2]) and all(is_one(x) for x in shape[:-3])):
+                and is_one(shape[-2]) and _batch_fits(val.pos, shape, sv.shape)):
             continue
-        return scores, _SlopesPlan(val.head.node, val.pos.coef)
+        return scores, _SlopesPlan(val.head.node, val.pos.coef, getattr(val.pos, "counted", None))
     return None
+
+
+def _batch_fits(pos: Union[_Pos, _Run], shape, scores_shape) -> bool:
+    """The bias's dims before the heads are 1, but for counted positions' batch dim (-4), the
+    scores' batch."""
+    if isinstance(pos, _Pos):
+        return all(is_one(x) for x in shape[:-3])
+    return (pos.bdim == -4 and len(shape) >= 4 and len(scores_shape) >= 4 and same_size(shape[-4], scores_shape[-4])
+            and all(is_one(x) for x in shape[:-4]))
 
 
 @dataclass(frozen=True)
 class _SlopesPlan:
-    """The lifted slopes: reshape(node, [-1]) * coef, built by the canonicalisation."""
+    """The lifted slopes: reshape(node, [-1]) * coef, built by the canonicalisation; `counted`:
+    the positions count a mask's valid tokens (Note [Counted positions])."""
 
     node: torch.fx.Node
     coef: float
+    counted: Optional[CountedPositions] = None
 
     @property
     def name(self) -> str:
@@ -621,6 +690,28 @@ def _eval_bias(node: Any, depth: int):
         return _eval_bias(node.args[0], depth + 1)
     if _is(node, VIEW_FUNCS, VIEW_METHODS) or (node.op == "call_function" and node.target is operator.getitem):
         return _map_dims(node, _eval_bias(node.args[0], depth + 1))
+    if _is(node, CUMSUM_FUNCS, ("cumsum",)):  # Note [Counted positions]
+        x = node.args[0]
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        xv = fake(x)
+        if not isinstance(x, torch.fx.Node) or not isinstance(xv, torch.Tensor) or xv.dim() != 2 \
+                or not isinstance(dim, int) or dim % 2 != 1:
+            raise _NotAlibi
+        return _Run(-1, -2, 1.0, CountedPositions(x))
+    if _is(node, ADD_FUNCS + SUB_FUNCS + (aten.add.Scalar, aten.sub.Scalar), ("add", "__add__", "sub", "__sub__")) \
+            and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        sign = -1.0 if _is(node, SUB_FUNCS + (aten.sub.Scalar,), ("sub", "__sub__")) else 1.0
+        pairs = ((a, b),) if sign < 0 else ((a, b), (b, a))
+        for x, y in pairs:  # positions plus a number: the same positions, shifted
+            c = static_float(y)
+            if c is not None and isinstance(x, torch.fx.Node):
+                xv = _eval_bias(x, depth + 1)
+                if isinstance(xv, _Pos):
+                    return _Pos(xv.dim, xv.coef, xv.const + sign * c)
+                if isinstance(xv, _Run):
+                    return xv
+        raise _NotAlibi
     if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
         a, b = node.args
         for x, y in ((a, b), (b, a)):
@@ -629,13 +720,18 @@ def _eval_bias(node: Any, depth: int):
                 xv = _eval_bias(x, depth + 1)
                 if isinstance(xv, _Pos):
                     return _Pos(xv.dim, xv.coef * c, xv.const * c)
+                if isinstance(xv, _Run):
+                    return _Run(xv.dim, xv.bdim, xv.coef * c, xv.counted)
                 if isinstance(xv, _Head):  # slopes times a number (MPT's 1 / 2^x * 1.0 in export graphs)
                     return _Head(node, xv.dim)
                 raise _NotAlibi
-        va, vb = _eval_bias(a, depth + 1), _eval_bias(b, depth + 1)
-        for x, y in ((va, vb), (vb, va)):
-            if isinstance(x, _Head) and isinstance(y, _Pos) and x.dim != y.dim:
+        va, vb = _try_eval_bias(a, depth + 1), _try_eval_bias(b, depth + 1)
+        for x, y, other in ((va, vb, b), (vb, va, a)):
+            if isinstance(x, _Head) and isinstance(y, (_Pos, _Run)) and x.dim not in _pos_dims(y):
                 return _Bias(x, y)
+            if isinstance(x, _Run) and y is None and (x.dim, x.bdim) == (-1, -2) and _same_2d(other, node):
+                # counted positions times a [b, n] tensor (Bloom's `* mask`): Note [Counted positions]
+                return _Run(x.dim, x.bdim, x.coef, CountedPositions(x.counted.count, x.counted.factors + (other,)))
         raise _NotAlibi
     # a per-head vector: a value with one dim of size > 1, computed from constants only
     sizes = [static_int(x) for x in val.shape]
@@ -643,6 +739,20 @@ def _eval_bias(node: Any, depth: int):
     if len(big) == 1 and sizes[big[0]] is not None and val.is_floating_point() and not _has_placeholder_input(node):
         return _Head(node, big[0] - val.dim())
     raise _NotAlibi
+
+
+def _try_eval_bias(node: Any, depth: int):
+    try:
+        return _eval_bias(node, depth)
+    except _NotAlibi:
+        return None
+
+
+def _same_2d(x: Any, node: torch.fx.Node) -> bool:
+    """x is a graph value of node's 2-D shape."""
+    xv, nv = fake(x), fake(node)
+    return (isinstance(x, torch.fx.Node) and isinstance(xv, torch.Tensor) and isinstance(nv, torch.Tensor)
+            and xv.dim() == nv.dim() == 2 and same_shape(xv.shape, nv.shape))
 
 
 def _has_placeholder_input(node: torch.fx.Node, depth: int = 32) -> bool:
@@ -706,6 +816,10 @@ def _map_dims(node: torch.fx.Node, x):
             j += 1
 
     def move(v):
+        if isinstance(v, _Run):  # positions per batch row: neither dim may be sliced
+            if v.dim not in dmap or v.bdim not in dmap or starts[v.dim] != 0 or starts[v.bdim] != 0:
+                raise _NotAlibi
+            return _Run(dmap[v.dim], dmap[v.bdim], v.coef, v.counted)
         if isinstance(v, _Pos):
             if v.dim not in dmap:
                 raise _NotAlibi

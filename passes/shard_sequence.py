@@ -1357,6 +1357,14 @@ def attention_rule(w: Sharder, node):
     return (seq, seq)
 
 
+def one_run_keys_rule(w: Sharder, node):
+    """ringcc::one_run_keys checks a whole padding mask, the same on every rank (Note [Counted
+    positions] in canonicalize_attention.py): a mask that arrives sharded is gathered first."""
+    if isinstance(w.state.get(node.args[0]), Seq) and w.state[node.args[0]].sharded:
+        raise Fallback("checks the whole padding mask on every rank")
+    return pointwise(cheap=True)(w, node)
+
+
 def _share_key_runs(w: Sharder, node, index: int) -> None:
     """Gives the ring op at `node` the key_runs table of its (sharded) key mask, made by one
     ringcc::key_runs node per mask, so every layer that reads the mask shares one all-gather
@@ -1439,6 +1447,7 @@ RULES: dict[str, Rule] = {
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),
+    "ringcc::one_run_keys": Rule(one_run_keys_rule),
     # factories: a dim of length n makes a replicated sequence value
     "arange": Rule(lambda w, node: None, creates=True),
     "ones": Rule(lambda w, node: None, creates=True),

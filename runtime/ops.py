@@ -22,7 +22,7 @@ from . import kernels
 from . import layout as L
 from .comm import group_extremes
 from . import graphs, workspace
-from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
+from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
 
 # ---------------------------------------------------------------------------------------
 # helpers
@@ -107,6 +107,47 @@ def key_runs_op(key_valid: torch.Tensor, group_name: str, world_size: int) -> to
 @key_runs_op.register_fake
 def _(key_valid, group_name, world_size):
     return torch.empty((world_size, key_valid.shape[0], 2), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("ringcc::one_run_keys", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
+def one_run_keys_op(mask: torch.Tensor) -> torch.Tensor:
+    """The key mask `mask != 0` (bool [b, n]) of a [b, n] padding mask whose positions an ALiBi
+    bias counts (Note [Counted positions] in passes/canonicalize_attention.py), after checking
+    what makes that bias ALiBi: the mask holds 0 and 1 only, and each row's valid tokens are one
+    contiguous run (a row with none is fine). Otherwise a ValueError names the row and where it
+    breaks. The mask is the whole one on every rank (the graph keeps padding masks replicated and
+    slices them only for the ring op), so every rank decides alone, the same way, with no
+    collective: all raise, or none. One host sync (never inside a CUDA graph)."""
+    if mask.dim() != 2:
+        raise ValueError(f"one_run_keys takes a [batch, n] padding mask; got shape {tuple(mask.shape)}")
+    valid = mask != 0
+    wrong = valid & (mask != 1)
+    if bool(wrong.any()):
+        row, pos = (int(i) for i in wrong.nonzero()[0])
+        raise ValueError(
+            f"ringcc: attention mask row {row} holds {mask[row, pos].item()!r} at position {pos}; ALiBi positions "
+            "counted over the mask (the running count of its valid tokens, as Bloom's build_alibi_tensor computes "
+            "them) need a mask of 0 (padding) and 1 (token) only: pass such a mask, or run this model without ringcc")
+    _, _, one = row_runs(valid)
+    if not bool(one.all()):
+        row = int((~one).nonzero()[0, 0])
+        keys = valid[row].tolist()
+        a = keys.index(True)
+        c = keys.index(False, a)
+        g = keys.index(True, c)
+        span = lambda lo, hi: str(lo) if hi == lo + 1 else f"{lo}..{hi - 1}"  # noqa: E731
+        raise ValueError(
+            f"ringcc: attention mask row {row} has its valid tokens in more than one run: tokens at {span(a, c)}, "
+            f"padding at {span(c, g)}, tokens again from {g}. ALiBi positions counted over the mask (the running "
+            "count of its valid tokens, as Bloom's build_alibi_tensor computes them) are ALiBi only when each "
+            "row's valid tokens are one contiguous run (left or right padding; a row of padding only is fine). "
+            "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc")
+    return valid
+
+
+@one_run_keys_op.register_fake
+def _(mask):
+    return torch.empty(mask.shape, dtype=torch.bool, device=mask.device)
 
 
 @torch.library.custom_op("ringcc::ring_attention", mutates_args=())

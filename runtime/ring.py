@@ -415,6 +415,18 @@ def _merge_block(acc, o, l, reg, shape, adt, dst=None):
 # valid keys of rank r's batch row i are its rows [a, c); (-1, -1) when they are not one run.
 
 
+def row_runs(key_valid):
+    """(a, c, one) per row of a bool [b, s] key mask, on its device: `one` is True where the
+    row's valid keys are exactly [a, c) (a == c == 0: none), False where they are not one run."""
+    s = key_valid.shape[-1]
+    idx = torch.arange(s, device=key_valid.device)
+    count = key_valid.sum(-1)  # [b]
+    first = torch.where(key_valid, idx, s).amin(-1)  # the first valid key (s: none)
+    a = torch.where(count > 0, first, 0)
+    run = (idx >= a[:, None]) & (idx < (a + count)[:, None])
+    return a, a + count, (key_valid == run).all(-1)
+
+
 def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
     """The [world, b, 2] table of Note [Key runs per mask]: this rank's runs all-gathered (one
     host sync). The no-transfer benchmark schedule computes on the local block alone, so the
@@ -423,13 +435,8 @@ def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
     b, s = key_valid.shape
     if key_valid.is_cuda and torch.cuda.is_current_stream_capturing():
         return torch.full((world, b, 2), -1, dtype=torch.int64)
-    idx = torch.arange(s, device=key_valid.device)
-    count = key_valid.sum(-1)  # [b]
-    first = torch.where(key_valid, idx, s).amin(-1)  # the first valid key (s: none)
-    a = torch.where(count > 0, first, 0)
-    run = (idx >= a[:, None]) & (idx < (a + count)[:, None])
-    ok = (key_valid == run).all(-1)
-    mine = torch.stack([torch.where(ok, a, -1), torch.where(ok, a + count, -1)], -1).to(torch.int64)  # [b, 2]
+    a, c, ok = row_runs(key_valid)
+    mine = torch.stack([torch.where(ok, a, -1), torch.where(ok, c, -1)], -1).to(torch.int64)  # [b, 2]
     if world == 1 or _skip_comm():
         return mine.cpu().expand(world, b, 2).clone()
     got = [torch.empty_like(mine) for _ in range(world)]

@@ -6,7 +6,10 @@ import torch
 
 import ringcc
 import shard_models
+from graphs import dynamo_graph, make_ctx
 from ringcc.backend import check_rank_consistency
+from ringcc.config import Config
+from ringcc.passes.pipeline import run_pipeline
 from ringcc.runtime import layout as L
 from ringcc.sharded import SequenceSharded
 
@@ -340,6 +343,66 @@ def test_pad_under_dynamic_shapes_is_an_error_that_names_static_shapes(pools):
     for msg in pools(2).run(case_pad_symbolic_length):
         assert "Config(pad=True) pads lengths known at compile time; this graph was traced with a symbolic " \
                "sequence length" in msg and "torch.compile(..., dynamic=False)" in msg, msg
+
+
+class CountedAlibiAttention(torch.nn.Module):
+    """Bloom's attention with a padding mask, in miniature: q, k, v [b * h, n, d], ALiBi
+    positions counted over the mask's valid tokens ((mask.cumsum(-1) - 1) * mask, as Bloom's
+    build_alibi_tensor), added by baddbmm; causal and key padding by the same mask."""
+
+    def __init__(self, heads=4, head_dim=8):
+        super().__init__()
+        self.h, self.d = heads, head_dim
+        self.qkv = torch.nn.Linear(heads * head_dim, 3 * heads * head_dim)
+
+    def forward(self, x, mask):
+        b, n, _ = x.shape
+        fused = self.qkv(x).view(b, n, self.h, 3, self.d)
+        q, k, v = (fused[..., i, :].transpose(1, 2).reshape(b * self.h, n, self.d) for i in range(3))
+        slopes = torch.pow(torch.full((), 0.25), torch.arange(1, self.h + 1, dtype=torch.int32))
+        alibi = (slopes[..., None] * ((mask.cumsum(-1) - 1) * mask)[:, None, :]).reshape(b * self.h, 1, n)
+        s = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=self.d ** -0.5).view(b, self.h, n, n)
+        excluded = torch.ones(n, n, dtype=torch.bool).triu(1) | (mask[:, None, None, :] == 0)
+        p = torch.softmax(s.masked_fill(excluded, torch.finfo(s.dtype).min), -1).view(b * self.h, n, n)
+        return torch.bmm(p, v).view(b, self.h, n, self.d).transpose(1, 2).reshape(b, n, -1)
+
+
+def case_counted_alibi_gap(rank, world):
+    """The attention's dynamo graph through the passes for `world` ranks (the backend's rewrite,
+    without its memory plan), run on a right- and a left-padded batch (error on the valid rows),
+    then on a mask with a gap in row 1: the error this rank raises."""
+    torch.manual_seed(0)
+    model = CountedAlibiAttention()
+    x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
+    gm, traced = dynamo_graph(model, x, mask, with_inputs=True)
+    ctx = make_ctx(Config(gather_outputs=True), world_size=world)
+    ctx.example_inputs = traced
+    run_pipeline(gm, ctx)
+    assert [s.decision.value for s in ctx.report.sites] == ["rewritten"], ctx.report.sites
+    errs = []
+    for pad in (slice(11, None), slice(None, 5), slice(5, 9)):
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, pad] = 0
+        args = [mask if t.dtype == torch.long else t for t in traced]  # dynamo's order: first use
+        with torch.no_grad():
+            try:
+                got = gm(*args)[0]
+            except ValueError as e:
+                return errs, str(e)
+            errs.append(float((got - model(x, mask))[mask.bool()].abs().max()))
+    return errs, None
+
+
+def test_counted_alibi_mask_with_a_gap_raises_on_every_rank(pools):
+    """ALiBi positions counted over a padding mask (Note [Counted positions]) are exact ALiBi for
+    masks whose valid tokens are one run per row; a mask with a gap is a ValueError on every rank
+    (each rank checks the whole mask it was given), not a wrong result or a hang."""
+    for errs, message in pools(2).run(case_counted_alibi_gap, timeout=300):
+        assert max(errs) < 1e-5, errs
+        assert message is not None and message.startswith(
+            "ringcc: attention mask row 1 has its valid tokens in more than one run: tokens at 0..4, padding at "
+            "5..8, tokens again from 9."), message
+        assert "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc" in message
 
 
 def case_gradient_all_reduce_overlaps_the_backward(rank, world, inner):

@@ -186,20 +186,39 @@ def test_encoder_fast_path_with_mask_is_recorded():
 ALIBI_PASSES = PASSES + [("lift_masks", lift_masks), ("rewrite_attention", rewrite_attention)]
 
 
-def _bloom_alibi(q, k, v, valid=None):
+def _bloom_alibi(q, k, v, valid=None, count=None):
     """Bloom's ALiBi: slopes * key positions [h, 1, n] repeated over the batch and added by
     baddbmm to the scores of q, k [b * h, n, d], viewed as [b, h, n, n] around the softmax. With
-    `valid` (a [b, n] padding mask), the positions count the valid tokens: a bias computed from
-    an input, ALiBi only when every row's valid tokens are one run."""
+    `valid` (a [b, n] padding mask of 0 / 1), the keys are padded by it and the positions count
+    the valid tokens of `count` (default: valid), as Bloom's build_alibi_tensor does: ALiBi when
+    `count` is `valid` and every row's valid tokens are one run (Note [Counted positions])."""
     n = q.shape[1]
     slopes = torch.pow(torch.full((), 0.25), torch.arange(1, H + 1, dtype=torch.int32))
+    excluded = torch.ones(n, n, dtype=torch.bool).triu(1)
     if valid is None:
         alibi = (slopes[:, None, None] * torch.arange(n)).repeat(B, 1, 1)
     else:
-        alibi = (slopes[..., None] * ((valid.cumsum(-1) - 1) * valid)[:, None, :]).reshape(B * H, 1, n)
+        count = valid if count is None else count
+        alibi = (slopes[..., None] * ((count.cumsum(-1) - 1) * count)[:, None, :]).reshape(B * H, 1, n).to(q.dtype)
+        excluded = excluded | (valid.to(torch.bool)[:, None, None, :] == 0)
     s = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=0.25).view(B, H, n, -1)
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), torch.finfo(q.dtype).min)
+    s = s.masked_fill(excluded, torch.finfo(q.dtype).min)
     return torch.bmm(F.softmax(s, dim=-1).view(B * H, n, -1), v)
+
+
+def _padding(n: int = N, left: bool = False):
+    """A [B, n] 0/1 padding mask: row 1 padded by 3 tokens at the end (or the start)."""
+    valid = torch.ones(B, n, dtype=torch.long)
+    if left:
+        valid[1, :3] = 0
+    else:
+        valid[1, n - 3:] = 0
+    return valid
+
+
+def _valid_rows(out, valid):
+    """out [B * H, n, d] at the valid tokens (the padded ones attend to no key when left padded)."""
+    return out.view(B, H, *out.shape[1:]).transpose(1, 2)[valid.bool()]
 
 
 def _alibi_sliced_to_length(q, k, v):
@@ -256,20 +275,69 @@ def _bloom_with_and_without_padding(q, k, v, valid):
 
 def test_alibi_in_baddbmm_under_a_symbolic_length():
     """Bloom's ALiBi traced with a symbolic length: arange(n) has a symbolic end (the positions are
-    0, 1, ... whatever n is), and the [b * h, n, d] values are viewed per head with -1 for n. Its
-    positions counted over a padding mask's valid tokens are not provably j - i (a mask with a
-    hole shifts the keys after it): that site is skipped with why."""
+    0, 1, ... whatever n is), and the [b * h, n, d] values are viewed per head with -1 for n; with
+    a padding mask, its positions are counted over the mask's valid tokens (Note [Counted
+    positions]): both sites rewritten, with key padding."""
     valid = torch.ones(B, N, dtype=torch.long)
-    valid[1, 2] = 0
+    valid[1, :N // 2] = 0  # left padding, still one run in the longer mask the call makes (valid, valid[:, :4])
     gm, call = _symbolic_graph(_bloom_with_and_without_padding, *qkv(three_d=True), valid, dim=1)
     sites = run(gm, ALIBI_PASSES).report.sites
-    (alibi,), (padded,) = ([s for s in sites if s.decision == d] for d in (Decision.REWRITTEN, Decision.SKIPPED))
-    _assert_alibi_site(alibi)
-    assert (padded.form, padded.reason) == ("manual", SkipReason.OTHER), padded
-    assert "not read as ALiBi" in padded.detail and "computed from the graph's inputs" in padded.detail
+    for site in sites:
+        _assert_alibi_site(site)
+    assert [bool(s.mask["key_padding"]) for s in sites] == [False, True]
     (got, want), (got_padded, want_padded) = zip(*call(gm))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the ring op at p = 1 against eager
-    torch.testing.assert_close(got_padded, want_padded)
+    valid = torch.cat([valid, valid[:, :12 - N]], 1)
+    torch.testing.assert_close(_valid_rows(got_padded, valid), _valid_rows(want_padded, valid), atol=1e-5, rtol=1e-5)
+
+
+ONE_RUN_KEYS = torch.ops.ringcc.one_run_keys.default
+
+
+@pytest.mark.parametrize("graph", ["dynamo", "export"])
+def test_alibi_positions_counted_over_the_padding_mask(graph):
+    """Bloom with a padding mask: positions (cumsum(mask) - 1) * mask times the slopes, in
+    dynamo's and export's spelling, are ALiBi + key padding by that mask: the site is rewritten,
+    its key mask is checked by ringcc::one_run_keys, and it matches eager on the valid rows of a
+    right- and a left-padded batch. A mask whose valid tokens are not one run is refused at run time."""
+    inputs = qkv(three_d=True) + [_padding()]
+    q, k, v = inputs[:3]
+    if graph == "dynamo":
+        gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
+        order = [next(i for i, y in enumerate(inputs) if y is x) for x in traced]  # dynamo's order: first use
+    else:
+        gm, order = _offline_graph(_bloom_alibi, *inputs), range(4)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    _assert_alibi_site(site)
+    assert site.mask["key_padding"] and ONE_RUN_KEYS in targets(gm)
+    assert not any(t in (torch.cumsum, "cumsum", torch.ops.aten.cumsum.default) for t in targets(gm))
+
+    def call(valid):
+        args = [q, k, v, valid]
+        return gm(*[args[i] for i in order])[0]
+
+    for left in (False, True):
+        valid = _padding(left=left)
+        got = call(valid)
+        torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(_bloom_alibi(q, k, v, valid), valid),
+                                   atol=1e-5, rtol=1e-5)
+    gap = _padding()
+    gap[0, 2] = 0
+    with pytest.raises(ValueError, match=r"row 0 has its valid tokens in more than one run: tokens at 0..1, padding "
+                                         r"at 2, tokens again from 3\..*one contiguous run"):
+        call(gap)
+
+
+def test_alibi_positions_counted_over_another_tensor_are_refused():
+    """Positions counted over a tensor other than the key padding mask: not provably ALiBi (the
+    padded keys of one are not those of the other), so the site keeps its dense attention."""
+    inputs = qkv(three_d=True) + [_padding(), _padding(left=True)]
+    gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
+    assert "ALiBi positions counted over the valid tokens" in site.detail and "the key padding comes from" in site.detail
+    assert ONE_RUN_KEYS not in targets(gm)
+    torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
 
 
 def test_alibi_in_baddbmm_of_an_export_graph():

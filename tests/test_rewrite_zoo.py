@@ -322,15 +322,8 @@ def _check_zoo(pools, tmp_path, factories, world: int) -> dict:
 
 OUTPUT_GATHER = "graph output (Config(gather_outputs=True))"
 # The zoo's factories `ringcc rewrite` leaves as written: each site is skipped with this reason.
-ZOO_NOT_REWRITTEN = {
-    "bloom_padded": "both sites skipped (other): with a padding mask, Bloom's ALiBi positions are the running count "
-                    "of the mask's valid tokens (modeling_bloom.py:88), computed from the input: ALiBi only for masks "
-                    "whose valid tokens are one run, which the graph does not show",
-}
-ZOO_NOT_REWRITTEN_DETAIL = {  # what report.json's skip detail says
-    "bloom_padded": "that is not read as ALiBi, slope[h] * key position built from constants: it is computed from "
-                    "the graph's inputs",
-}
+ZOO_NOT_REWRITTEN: dict[str, str] = {}
+ZOO_NOT_REWRITTEN_DETAIL: dict[str, str] = {}  # what report.json's skip detail says
 ZOO_REWRITTEN = [name for name in ZOO_OFFLINE if name not in ZOO_NOT_REWRITTEN]
 ZOO_REWRITTEN_PADDED = [name for name in ZOO_OFFLINE if f"{name}_padded" not in ZOO_NOT_REWRITTEN]
 # Exact programs that gather inside, not only their output (the program's plan is not O(n/p)):
@@ -429,21 +422,18 @@ def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
 
 @pytest.mark.zoo_offline
 def test_alibi_under_a_symbolic_length_is_exact(pools):
-    """Bloom's ALiBi (slopes * arange(n), repeated over the batch, in baddbmm) and MPT's (a bias
-    over max_seq_len sliced at a start computed from n) compiled with a symbolic length: every
-    site rewritten (the plan test below), and the logits match eager with nothing gathered."""
-    names = ["zoo_bloom", "zoo_mpt", "zoo_mpt_padded"]
+    """Bloom's ALiBi (slopes * arange(n), repeated over the batch, in baddbmm; with a padding mask,
+    positions counted over its valid tokens: Note [Counted positions]) and MPT's (a bias over
+    max_seq_len sliced at a start computed from n) compiled with a symbolic length: every site
+    rewritten (the plan test below), and the logits match eager with nothing gathered."""
+    names = ["zoo_bloom", "zoo_bloom_padded", "zoo_mpt", "zoo_mpt_padded"]
     for rank_out in pools(2).run(case_compiled_symbolic_length, names, timeout=600):
         for name, (err, gathers) in zip(names, rank_out):
             assert err < TOL and gathers == [], (name, err, gathers)
 
 
 # `ringcc plan` of the zoo's factories (the compiled model, a symbolic length): O(n/p) but for these
-ZOO_PLAN_NOT_LINEAR = {
-    "zoo_bloom_padded": "with a padding mask, Bloom's ALiBi positions are the running count of the mask's valid "
-                        "tokens (modeling_bloom.py:88), not provably ALiBi: both sites skipped (other), dense n x n "
-                        "attention",
-}
+ZOO_PLAN_NOT_LINEAR: dict[str, str] = {}
 # The vision models: every rank makes all n tokens from the whole image (the conv of its patches
 # and the cat of [CLS] onto them) before the first per-token op slices them
 ZOO_PLAN_NOT_LINEAR.update({
