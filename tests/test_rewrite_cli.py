@@ -367,12 +367,17 @@ def tiny_vit():
     return _TinyViT(), (torch.randn(2, 3, 20, 20, generator=torch.Generator().manual_seed(1)),)
 
 
-def case_image_program(rank, world, path):
+def tiny_vit_odd():  # 31 tokens: 30 patches + [CLS]
+    torch.manual_seed(0)
+    return _TinyViT(tokens=31), (torch.randn(2, 3, 20, 24, generator=torch.Generator().manual_seed(1)),)
+
+
+def case_image_program(rank, world, path, factory: str = "tiny_vit"):
     """The program's logits and gradients against the eager model's (a fixed random projection
     of the logits as the loss)."""
     import ringcc  # noqa: F401 - registers the ringcc ops the program calls
 
-    model, inputs = load_factory(f"{os.path.abspath(__file__)}:tiny_vit")()
+    model, inputs = load_factory(f"{os.path.abspath(__file__)}:{factory}")()
     program = torch.export.load(path).module()
     r = torch.randn(2, 5, generator=torch.Generator().manual_seed(2))
     ref, got = model(*inputs), program(*inputs)
@@ -407,3 +412,17 @@ def test_dynamic_seq_of_an_image_model_says_what_to_do():
     with pytest.raises(rw.BadArguments, match=r"that dim is not the sequence \(an image's channels.* rewrite without "
                                               r"--dynamic-seq, one program per length \(--seq-len\) or image size"):
         rw.rewrite(*tiny_vit(), world_size=2, dynamic=True)
+
+
+@pytest.mark.soak
+def test_a_token_count_the_ranks_do_not_divide_is_padded_inside_the_program(pools, tmp_path, capsys):
+    """30 patches + [CLS] on 2 ranks: without --pad the user's error (exit 2) names --pad; with it
+    the program pads the 31 tokens it makes to 32 and matches eager."""
+    target = f"{os.path.abspath(__file__)}:tiny_vit_odd"
+    assert _rewrite(tmp_path, target, "--world-size", "2")[0] == rw.EXIT_BAD_ARGS
+    assert "sequence length 31 is not divisible by 2" in capsys.readouterr().err
+    code, out = _rewrite(tmp_path, target, "--world-size", "2", "--pad")
+    assert code == rw.EXIT_OK
+    assert "sequence of 31 tokens padded to 32" in open(os.path.join(out, "report.txt")).read()
+    errs = pools(2).run(case_image_program, os.path.join(out, "program.pt2"), "tiny_vit_odd")
+    assert max(errs) < 1e-5
