@@ -303,8 +303,8 @@ def _counted_alibi_added(q, k, v, valid):
     return torch.softmax((q @ k.transpose(-1, -2) / 4.0 + bias).masked_fill(excluded, float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn,graph", [(_bloom_alibi, "dynamo"), (_bloom_alibi, "export"), (_counted_alibi_added, "dynamo")],
-                         ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
+@pytest.mark.parametrize("fn,graph", [(_bloom_alibi, "dynamo"), (_bloom_alibi, "export"),
+                                      (_counted_alibi_added, "dynamo")], ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
 def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
     """Bloom with a padding mask: positions (cumsum(mask) - 1) * mask times the slopes, in
     dynamo's and export's spelling (and added to 4-D scores), are ALiBi + key padding by that
@@ -330,7 +330,8 @@ def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
     for left in (False, True):
         valid = _padding(left=left)
         got = call(valid)
-        torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(fn(q, k, v, valid), valid), atol=1e-5, rtol=1e-5)
+        want = fn(q, k, v, valid)
+        torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(want, valid), atol=1e-5, rtol=1e-5)
     gap = _padding()
     gap[0, 2] = 0
     with pytest.raises(ValueError, match=r"row 0 has its valid tokens in more than one run: tokens at 0..1, padding "
@@ -345,7 +346,8 @@ def test_alibi_positions_counted_over_another_tensor_are_refused():
     gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
     (site,) = run(gm, ALIBI_PASSES).report.sites
     assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
-    assert "ALiBi positions counted over the valid tokens" in site.detail and "the key padding comes from" in site.detail
+    assert "ALiBi positions counted over the valid tokens" in site.detail, site.detail
+    assert "the key padding comes from" in site.detail, site.detail
     assert ONE_RUN_KEYS not in targets(gm)
     torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
 
