@@ -303,8 +303,8 @@ def _counted_alibi_added(q, k, v, valid):
     return torch.softmax((q @ k.transpose(-1, -2) / 4.0 + bias).masked_fill(excluded, float("-inf")), dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn,graph", [(_bloom_alibi, "dynamo"), (_bloom_alibi, "export"),
-                                      (_counted_alibi_added, "dynamo")], ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
+@pytest.mark.parametrize("fn,graph", [(_bloom_alibi, "dynamo"), (_bloom_alibi, "export"), (_counted_alibi_added, "dynamo")],
+                         ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
 def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
     """Bloom with a padding mask: positions (cumsum(mask) - 1) * mask times the slopes, in
     dynamo's and export's spelling (and added to 4-D scores), are ALiBi + key padding by that
