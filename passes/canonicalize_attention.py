@@ -46,9 +46,8 @@ from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
 
 from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, CountedPositions, ScoreMods,
-                             SdpaCall,
-                             erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape, same_size,
-                             static_float, static_int)
+                             SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape,
+                             same_size, static_float, static_int)
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -534,8 +533,8 @@ def _counted_alibi_baddbmm(view: torch.fx.Node, split: tuple[int, int], a, bt, a
     (Note [Counted positions]), [b, h, n] (or [b, h, 1, n]) viewed as [b * h, 1, n] (Bloom with a
     padding mask)."""
     x, xv, out = view.args[0], fake(view.args[0]), fake(view)
-    if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or [static_int(d) for d in xv.shape[:2]] != list(split) \
-            or (xv.dim() == 4 and not is_one(xv.shape[2])) or out.dim() != 3 or not is_one(out.shape[1]) \
+    if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or (xv.dim() == 4 and not is_one(xv.shape[2])) \
+            or [static_int(d) for d in xv.shape[:2]] != list(split) or out.dim() != 3 or not is_one(out.shape[1]) \
             or not same_size(out.shape[2], xv.shape[-1]):
         return None
     try:
@@ -694,24 +693,20 @@ def _eval_bias(node: Any, depth: int):
         x = node.args[0]
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
         xv = fake(x)
-        if not isinstance(x, torch.fx.Node) or not isinstance(xv, torch.Tensor) or xv.dim() != 2 \
-                or not isinstance(dim, int) or dim % 2 != 1:
-            raise _NotAlibi
-        return _Run(-1, -2, 1.0, CountedPositions(x))
+        if isinstance(x, torch.fx.Node) and isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(dim, int) \
+                and dim % 2 == 1:
+            return _Run(-1, -2, 1.0, CountedPositions(x))
     if _is(node, ADD_FUNCS + SUB_FUNCS + (aten.add.Scalar, aten.sub.Scalar), ("add", "__add__", "sub", "__sub__")) \
             and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         sign = -1.0 if _is(node, SUB_FUNCS + (aten.sub.Scalar,), ("sub", "__sub__")) else 1.0
-        pairs = ((a, b),) if sign < 0 else ((a, b), (b, a))
-        for x, y in pairs:  # positions plus a number: the same positions, shifted
+        for x, y in ((a, b),) if sign < 0 else ((a, b), (b, a)):  # positions plus a number: shifted positions
             c = static_float(y)
-            if c is not None and isinstance(x, torch.fx.Node):
-                xv = _eval_bias(x, depth + 1)
-                if isinstance(xv, _Pos):
-                    return _Pos(xv.dim, xv.coef, xv.const + sign * c)
-                if isinstance(xv, _Run):
-                    return xv
-        raise _NotAlibi
+            xv = _try_eval_bias(x, depth + 1) if c is not None else None
+            if isinstance(xv, _Pos):
+                return _Pos(xv.dim, xv.coef, xv.const + sign * c)
+            if isinstance(xv, _Run):
+                return xv
     if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
         a, b = node.args
         for x, y in ((a, b), (b, a)):

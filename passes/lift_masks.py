@@ -294,7 +294,8 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
             ident = (mask, "one run")
             key = Key(mask, True, key.dims, ())
         if ident not in key_nodes or written_between(key.node, key_nodes[ident], sdpa):
-            key_nodes[ident] = _key_valid_node(gm, sdpa, key, one_run=counted is not None)  # (again after an in-place write)
+            # (again after an in-place write)
+            key_nodes[ident] = _key_valid_node(gm, sdpa, key, one_run=counted is not None)
         lifted.key_valid = key_nodes[ident]
     elif counted is not None:
         return SkipReason.OTHER, _not_counted(counted, "the site has no key padding")
@@ -310,14 +311,15 @@ def _not_counted(counted: CountedPositions, why: str) -> str:
 def _counted_mask(counted: CountedPositions, key: Key) -> Union[torch.fx.Node, str]:
     """The one 0/1 mask m that the counted positions and the key padding are read from (count =
     m, each factor 1 where m is 1, key valid = m == 1), or why there is none."""
-    mask, values = zero_one_source(counted.count)
+    mask, values = _zero_one_source(counted.count)
     if values != (0, 1):
-        return f"the count, {counted.count.name}, is not the mask itself (it is {values[0]} / {values[1]} where the mask {mask.name} is 0 / 1)"
+        return (f"the count, {counted.count.name}, is not the mask itself (it is {values[0]} / {values[1]} where "
+                f"the mask {mask.name} is 0 / 1)")
     for f in counted.factors:
-        root, (_, one) = zero_one_source(f)
+        root, (_, one) = _zero_one_source(f)
         if root is not mask or one != 1:
             return f"the positions are multiplied by {f.name}, which is not 1 where {mask.name} is 1"
-    root, values = zero_one_source(key.node)
+    root, values = _zero_one_source(key.node)
     valid = tuple(_apply_key_ops(v, key) for v in values)
     if root is not mask:
         return f"the key padding comes from {root.name}, the count from {mask.name}"
@@ -326,7 +328,7 @@ def _counted_mask(counted: CountedPositions, key: Key) -> Union[torch.fx.Node, s
     return mask
 
 
-def zero_one_source(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, int]]:
+def _zero_one_source(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, int]]:
     """(m, (v0, v1)): node is computed from m by elementwise casts, comparisons with a number and
     logical nots, and is v0 where m is 0, v1 where m is 1 (m the first value up that is none of these)."""
     steps = []

@@ -142,7 +142,7 @@ def one_run_keys_op(mask: torch.Tensor) -> torch.Tensor:
             "count of its valid tokens, as Bloom's build_alibi_tensor computes them) are ALiBi only when each "
             "row's valid tokens are one contiguous run (left or right padding; a row of padding only is fine). "
             "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc")
-    return valid
+    return valid.contiguous()  # the fake's strides, whatever the mask's
 
 
 @one_run_keys_op.register_fake

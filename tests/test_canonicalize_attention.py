@@ -217,8 +217,9 @@ def _padding(n: int = N, left: bool = False):
 
 
 def _valid_rows(out, valid):
-    """out [B * H, n, d] at the valid tokens (the padded ones attend to no key when left padded)."""
-    return out.view(B, H, *out.shape[1:]).transpose(1, 2)[valid.bool()]
+    """out [B * H, n, d] (or [B, H, n, d]) at the valid tokens (the padded ones attend to no key
+    when left padded)."""
+    return out.view(B, H, *out.shape[-2:]).transpose(1, 2)[valid.bool()]
 
 
 def _alibi_sliced_to_length(q, k, v):
@@ -294,19 +295,29 @@ def test_alibi_in_baddbmm_under_a_symbolic_length():
 ONE_RUN_KEYS = torch.ops.ringcc.one_run_keys.default
 
 
-@pytest.mark.parametrize("graph", ["dynamo", "export"])
-def test_alibi_positions_counted_over_the_padding_mask(graph):
+def _counted_alibi_added(q, k, v, valid):
+    """ALiBi positions counted over the padding mask, as a [b, h, 1, n] bias added to the scores."""
+    slopes = 1.0 / torch.pow(2.0, torch.arange(1, H + 1, dtype=torch.float32))
+    bias = slopes[:, None, None] * ((valid.cumsum(-1) - 1) * valid)[:, None, None, :]
+    excluded = torch.ones(N, N, dtype=torch.bool).triu(1) | (valid[:, None, None, :] == 0)
+    return torch.softmax((q @ k.transpose(-1, -2) / 4.0 + bias).masked_fill(excluded, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn,graph", [(_bloom_alibi, "dynamo"), (_bloom_alibi, "export"), (_counted_alibi_added, "dynamo")],
+                         ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
+def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
     """Bloom with a padding mask: positions (cumsum(mask) - 1) * mask times the slopes, in
-    dynamo's and export's spelling, are ALiBi + key padding by that mask: the site is rewritten,
-    its key mask is checked by ringcc::one_run_keys, and it matches eager on the valid rows of a
-    right- and a left-padded batch. A mask whose valid tokens are not one run is refused at run time."""
-    inputs = qkv(three_d=True) + [_padding()]
+    dynamo's and export's spelling (and added to 4-D scores), are ALiBi + key padding by that
+    mask: the site is rewritten, its key mask is checked by ringcc::one_run_keys, and it matches
+    eager on the valid rows of a right- and a left-padded batch. A mask whose valid tokens are
+    not one run is refused at run time."""
+    inputs = qkv(three_d=fn is _bloom_alibi) + [_padding()]
     q, k, v = inputs[:3]
     if graph == "dynamo":
-        gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
+        gm, traced = dynamo_graph(fn, *inputs, with_inputs=True)
         order = [next(i for i, y in enumerate(inputs) if y is x) for x in traced]  # dynamo's order: first use
     else:
-        gm, order = _offline_graph(_bloom_alibi, *inputs), range(4)
+        gm, order = _offline_graph(fn, *inputs), range(4)
     (site,) = run(gm, ALIBI_PASSES).report.sites
     _assert_alibi_site(site)
     assert site.mask["key_padding"] and ONE_RUN_KEYS in targets(gm)
@@ -319,8 +330,8 @@ def test_alibi_positions_counted_over_the_padding_mask(graph):
     for left in (False, True):
         valid = _padding(left=left)
         got = call(valid)
-        torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(_bloom_alibi(q, k, v, valid), valid),
-                                   atol=1e-5, rtol=1e-5)
+        want = fn(q, k, v, valid)
+        torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(want, valid), atol=1e-5, rtol=1e-5)
     gap = _padding()
     gap[0, 2] = 0
     with pytest.raises(ValueError, match=r"row 0 has its valid tokens in more than one run: tokens at 0..1, padding "
@@ -335,7 +346,8 @@ def test_alibi_positions_counted_over_another_tensor_are_refused():
     gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
     (site,) = run(gm, ALIBI_PASSES).report.sites
     assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
-    assert "ALiBi positions counted over the valid tokens" in site.detail and "the key padding comes from" in site.detail
+    assert "ALiBi positions counted over the valid tokens" in site.detail, site.detail
+    assert "the key padding comes from" in site.detail, site.detail
     assert ONE_RUN_KEYS not in targets(gm)
     torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
 

@@ -10,7 +10,10 @@ ranks against single-process eager and returns what the tests assert on:
 - ce_outside: `F.cross_entropy` on `out.logits` in the caller's own code (the logits are a
   SequenceSharded output, gathered when read: Note [Sharded outputs]);
 - projection: a fixed random projection of the base model's `last_hidden_state`, outside;
-- padded: right padding with an attention mask (padded labels ignored), loss inside.
+- padded: right padding with an attention mask (padded labels ignored), loss inside;
+- left_padded (not in PATTERNS: run by the tests that name it): left padding, cross-entropy
+  outside over the valid tokens' logits (the padded tokens attend to no key: their rows are
+  not eager's, and the one before the first token would predict it in a loss inside).
 
 Gradient errors are max |g - g_eager| over max |g_eager| of that parameter, with a floor of
 1e-3 of the largest gradient of the model: gradients that are zero in exact math (attention
@@ -136,10 +139,7 @@ ZOO: list[Arch] = [
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=8, sliding_window=8, max_position_embeddings=128), worlds=(2, 4)),
     Arch("bloom", _hf_default_attention("BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4),
-         padded_skipped=2, worlds=(2, 4),
-         why="with a padding mask, Bloom's ALiBi positions are the running count of the mask's valid tokens "
-             "(modeling_bloom.py:88), not an arange: ALiBi only for masks whose valid tokens are one run, which "
-             "the graph does not show, so both sites stay dense attention (exact, O(n))"),
+         worlds=(2, 4)),
     Arch("mpt", _hf_default_attention("MptConfig", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
                                       max_seq_len=64), worlds=(2, 4)),
     Arch("falcon_mq", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
@@ -215,6 +215,11 @@ def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
         mask[1, -PAD:] = 0
         labels = labels.masked_fill(mask == 0, -100)
         return model(**{data: x}, attention_mask=mask, labels=labels).loss
+    if pattern == "left_padded":
+        mask = torch.ones_like(x)
+        mask[1, :PAD] = 0
+        valid = mask.bool()
+        return F.cross_entropy(model(**{data: x}, attention_mask=mask).logits[valid], labels[valid])
     raise ValueError(f"unknown pattern {pattern!r}; choose one of {PATTERNS}")
 
 
