@@ -1878,6 +1878,11 @@ def shard_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     ctx.report.notes.append(f"sequence of {length} sharded over {ranks} ({w.layout} layout): "
                             f"{sum(1 for d in w.decisions if d.startswith('shard '))} inputs sliced, "
                             f"{len(ctx.report.gathers)} gathered")
+    made = next((d.split()[1].split("@")[0] for d in w.decisions if d.startswith("shard ")), None)
+    nodes = {node.name: node for node in gm.graph.nodes}
+    if not w.sources and not w.handoffs and made in nodes:
+        ctx.report.notes.append(f"no graph input carries the sequence: the graph makes it, first sliced at "
+                                f"{made} ({location(nodes[made])})")
     taken = [d.split()[1] for d in w.decisions if d.startswith("handoff ")]
     if taken:
         ctx.report.notes.append(f"handoff: {', '.join(taken)} taken as shards (sharded outputs of another graph)")

@@ -400,6 +400,8 @@ def test_a_sequence_made_inside_the_model_is_sharded_where_it_is_made(pools, tmp
     report = json.load(open(os.path.join(out, "report.json")))
     assert [s["decision"] for s in report["sites"]] == ["rewritten"]
     assert report["gathers"] == []
+    assert any(note.startswith("no graph input carries the sequence: the graph makes it, first sliced at cat (")
+               for note in report["notes"]), report["notes"]
     program = open(os.path.join(out, "program.py")).read()
     assert "torch.ops.ringcc.shard.default(cat, 1, '', 2, 'contiguous')" in program
     assert "torch.ops.ringcc.seq_select.default(" in program

@@ -470,6 +470,8 @@ def test_zoo_vision_programs_match_eager(pools, tmp_path, world):
         assert [s["decision"] for s in report["sites"]] == ["rewritten"] * zoo.BY_NAME[name].sites, report["sites"]
         assert [_mask_facts(s["mask"]) for s in report["sites"]] == [{}] * zoo.BY_NAME[name].sites
         assert report["gathers"] == [], (name, report["gathers"])
+        assert any(note.startswith("no graph input carries the sequence: the graph makes it, first sliced at cat (")
+                   for note in report["notes"]), (name, report["notes"])
         code = open(os.path.join(out, "program.py")).read()
         assert f"torch.ops.ringcc.shard.default(cat, 1, '', {world}, 'contiguous')" in code, name
         assert "torch.ops.ringcc.seq_select.default(" in code, name
