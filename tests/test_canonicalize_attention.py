@@ -339,6 +339,21 @@ def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
         call(gap)
 
 
+def test_a_skipped_site_with_counted_alibi_positions_checks_no_mask():
+    """A site read as counted ALiBi but skipped later (the dilated op takes no score modifier)
+    runs as written, on any mask: its ringcc::one_run_keys check goes with it."""
+    from ringcc.config import Config
+    from ringcc.runtime.dilated import DilatedSpec
+
+    inputs = qkv(three_d=True) + [_padding()]
+    gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
+    (site,) = run(gm, ALIBI_PASSES, Config(dilation=DilatedSpec([4], [1]))).report.sites
+    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.UNSUPPORTED_MASK), site
+    assert ONE_RUN_KEYS not in targets(gm)
+    inputs[3][0, 2] = 0  # a gap: the dense site takes it
+    torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
+
+
 def test_alibi_positions_counted_over_another_tensor_are_refused():
     """Positions counted over a tensor other than the key padding mask: not provably ALiBi (the
     padded keys of one are not those of the other), so the site keeps its dense attention."""
