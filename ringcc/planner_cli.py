@@ -273,7 +273,8 @@ def _trace(model, inputs, config, world_size: int, trace_len: int, training, dev
             # patches, made from an image of fixed size): that length is the static n
             seq_len = int(made.n)
             report.notes[:] = [f"{MADE_INSIDE} {trace_len} carries the sequence: the model makes its n = {seq_len} "
-                               "tokens inside (an image's patches), traced at that one length"]
+                               "tokens inside (an image's patches), traced at that one length"] + \
+                [text for text in report.notes if text != note]  # how the inputs were traced does not apply
         plan = planner.plan_graph(gm, world_size=world_size, seq_len=seq_len, training=training,
                                   graph_name=report.graph, device_type=device_type)
         report.plan = plan
