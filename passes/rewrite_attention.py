@@ -51,7 +51,10 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             if REPLACES_META in node.meta:  # the user's nodes stay; their shadow goes
                 _, canonical_out = node.meta[REPLACES_META]
                 site.node = node.meta[REPLACES_META][0].name
-                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes])
+                # with its key mask when nothing else reads it: a one_run_keys check (Note
+                # [Counted positions]) guards only the sites it feeds
+                lifted = node.meta.get(MASK_META)
+                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes, lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))

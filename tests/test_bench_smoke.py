@@ -360,11 +360,11 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert all(r["verdict"] for r in rows)
 
 
-def _torchrun_smoke(script: str, tmp_path):
-    """benchmarks/<script> --smoke under torchrun at p = 2 (gloo): (the process, its JSON record)."""
+def _torchrun_smoke(script: str, tmp_path, *extra: str):
+    """benchmarks/<script> --smoke [extra] under torchrun at p = 2 (gloo): (the process, its JSON record)."""
     out = tmp_path / "record.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "benchmarks" / script), "--smoke", "--json", str(out)],
+                           str(ROOT / "benchmarks" / script), "--smoke", "--json", str(out), *extra],
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
@@ -374,11 +374,13 @@ def _torchrun_smoke(script: str, tmp_path):
 def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
     with a padding mask all-gathers its key-runs table once per training step (not per layer:
-    Note [Key runs per mask]); unmasked, never."""
-    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path)
+    Note [Key runs per mask]); unmasked, never. Both placements of the gradient all-reduce's
+    waits run."""
+    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--grad-waits", "last", "at-once")
     assert rec["device"] == "cpu (smoke, gloo)"
-    assert [(r["case"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
-        ("unmasked", 2, 0), ("key padding", 2, 1)]
+    assert [(r["case"], r["grad_waits"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
+        ("unmasked", "last", 2, 0), ("unmasked", "at-once", 2, 0), ("key padding", "last", 2, 1),
+        ("key padding", "at-once", 2, 1)]
     assert all(r["ms"] > 0 for r in rec["rows"])
 
 

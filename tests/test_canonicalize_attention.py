@@ -339,6 +339,21 @@ def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
         call(gap)
 
 
+def test_a_skipped_site_with_counted_alibi_positions_checks_no_mask():
+    """A site read as counted ALiBi but skipped later (the dilated op takes no score modifier)
+    runs as written, on any mask: its ringcc::one_run_keys check goes with it."""
+    from ringcc.config import Config
+    from ringcc.runtime.dilated import DilatedSpec
+
+    inputs = qkv(three_d=True) + [_padding()]
+    gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
+    (site,) = run(gm, ALIBI_PASSES, Config(dilation=DilatedSpec([4], [1]))).report.sites
+    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.UNSUPPORTED_MASK), site
+    assert ONE_RUN_KEYS not in targets(gm)
+    inputs[3][0, 2] = 0  # a gap: the dense site takes it
+    torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
+
+
 def test_alibi_positions_counted_over_another_tensor_are_refused():
     """Positions counted over a tensor other than the key padding mask: not provably ALiBi (the
     padded keys of one are not those of the other), so the site keeps its dense attention."""
@@ -350,6 +365,25 @@ def test_alibi_positions_counted_over_another_tensor_are_refused():
     assert "the key padding comes from" in site.detail, site.detail
     assert ONE_RUN_KEYS not in targets(gm)
     torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
+
+
+def test_a_bias_of_mask_values_is_not_alibi():
+    """slopes * the mask's values (no count): a bias computed from the inputs that is no position,
+    kept as dense attention with why."""
+    inputs = qkv(three_d=True) + [_padding()]
+    slopes = torch.pow(torch.full((), 0.25), torch.arange(1, H + 1, dtype=torch.int32))
+
+    def bias_of_values(q, k, v, valid):
+        alibi = (slopes[..., None] * valid[:, None, :]).reshape(B * H, 1, N)
+        s = alibi.baddbmm(batch1=q, batch2=k.transpose(-1, -2), beta=1.0, alpha=0.25).view(B, H, N, -1)
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1) | (valid[:, None, None, :] == 0), -1e9)
+        return torch.bmm(F.softmax(s, dim=-1).view(B * H, N, -1), v)
+
+    gm, traced = dynamo_graph(bias_of_values, *inputs, with_inputs=True)
+    (site,) = run(gm, ALIBI_PASSES).report.sites
+    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
+    assert "not read as ALiBi" in site.detail and "computed from the graph's inputs" in site.detail, site.detail
+    torch.testing.assert_close(gm(*traced)[0], bias_of_values(*inputs))
 
 
 def test_alibi_in_baddbmm_of_an_export_graph():
