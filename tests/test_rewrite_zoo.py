@@ -12,8 +12,10 @@ with a padding mask (BERT). The program checks and the plans are marked `zoo_off
 (`make test-zoo-offline`); `make test` runs the capture-error check.
 
 The model zoo (tests/zoo.py) goes through the same path: `zoo_<name>` and `zoo_<name>_padded`
-are its decoders and encoders in their default configs. All of them, at p = 2 (four at p = 4),
-and their plans are marked `zoo_offline` (`make test-zoo-offline`).
+are its decoders and encoders in their default configs, `zoo_vit` and `zoo_deit` its image
+classifiers (the model makes its tokens from the image: no input carries the sequence, and
+their plans are not O(n/p)). All of them, at p = 2 (some at p = 4), and their plans are
+marked `zoo_offline` (`make test-zoo-offline`).
 """
 
 from __future__ import annotations
