@@ -52,6 +52,7 @@ import torch
 import torch.fx
 
 import ringcc.runtime.seqops  # noqa: F401 - registers ringcc::all_reduce_sum, seq_select, sync_grads
+from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
@@ -2023,11 +2024,11 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                 # A linear's result is a fresh contiguous [..., out_features] tensor: made
                 # directly, without tracing matmul's reshapes through symbolic sizes (the
                 # larger part of this pass's time under dynamic shapes).
-                x, w = args[0], args[1]
-                grad = torch.is_grad_enabled() and any(
-                    a.requires_grad for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-                val = torch.empty(tuple(x.shape[:-1]) + (w.shape[0],), dtype=x.dtype, device=x.device,
-                                  requires_grad=grad)
+                val = _fresh(tuple(args[0].shape[:-1]) + (args[1].shape[0],), args, kwargs)
+            elif _is_matmul(node) and (shape := _matmul_shape(args, kwargs)) is not None:
+                # likewise a batched matmul's (HF's rotary frequencies times positions): torch
+                # 2.11's matmul reads its sizes as ints, a guard that specialises the length
+                val = _fresh(shape, args, kwargs)
             elif node.op == "call_method":
                 val = getattr(args[0], node.target)(*args[1:], **kwargs)
             elif node.op == "call_function" and node.target in _SIZE_OPS:
@@ -2044,6 +2045,34 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
                 val = fake(node)
         env[node] = val
         node.meta["example_value"] = val
+
+
+def _fresh(shape, args, kwargs) -> torch.Tensor:
+    """A fresh contiguous fake tensor of `shape` with the dtype and device of args[0], needing
+    grad where an input does."""
+    x = args[0]
+    grad = torch.is_grad_enabled() and any(
+        a.requires_grad for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+    return torch.empty(tuple(shape), dtype=x.dtype, device=x.device, requires_grad=grad)
+
+
+def _is_matmul(node: torch.fx.Node) -> bool:
+    return ((node.op == "call_function" and node.target in (operator.matmul, torch.matmul, torch.bmm))
+            or (node.op == "call_method" and node.target in ("matmul", "__matmul__", "bmm")))
+
+
+def _matmul_shape(args, kwargs):
+    """The result shape of matmul(a, b) for same-dtype, same-device tensors of at least 2 dims
+    whose batch dims are provably equal (or absent from one); None otherwise."""
+    if kwargs or len(args) != 2 or not all(isinstance(a, torch.Tensor) and a.dim() >= 2 for a in args):
+        return None
+    a, b = args
+    if a.dtype != b.dtype or a.device != b.device:
+        return None
+    ba, bb = tuple(a.shape[:-2]), tuple(b.shape[:-2])
+    if ba and bb and (len(ba) != len(bb) or not all(_compat.statically_known_equal(x, y) for x, y in zip(ba, bb))):
+        return None
+    return (ba or bb) + (a.shape[-2], b.shape[-1])
 
 
 def _plain_linear(args, kwargs) -> bool:

@@ -17,7 +17,8 @@ from . import comm as C
 # With short shards the ring is bound by the host: every step issues its kernels, merges and
 # transfers from Python, and at a few thousand tokens per GPU the GPU finishes each faster than
 # the host issues the next. A ring op whose schedule follows from its shapes and arguments
-# alone (no key mask, no window: nothing the host reads from the GPU plans it) is captured once
+# alone (no key mask, no window: nothing the host reads from the GPU plans it; no score modifier:
+# those blocks run compiled flex_attention, whose compilation a capture cannot hold) is captured once
 # per call signature into a CUDA graph; each later call copies its inputs into the graph's,
 # replays it (one launch) and copies the outputs out, so calls never share output storage.
 # - Under capture the transfers go through NCCL send/recv, which graphs hold (the copy-engine
@@ -57,10 +58,10 @@ def setting() -> str:
     return raw
 
 
-def wanted(q: torch.Tensor, key_valid, key_runs, window: int) -> bool:
+def wanted(q: torch.Tensor, key_valid, key_runs, window: int, softcap: float = 0.0, slopes=None) -> bool:
     """Whether this ring call runs from a CUDA graph (Note [Ring graphs])."""
     choice = setting()
-    if not q.is_cuda or key_valid is not None or key_runs is not None or window:
+    if not q.is_cuda or key_valid is not None or key_runs is not None or window or softcap or slopes is not None:
         return False
     if choice == "off" or torch.cuda.is_current_stream_capturing():
         return False  # (under a capture of the caller's, the ring is captured there)

@@ -169,12 +169,12 @@ def ring_attention_op(
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
             return out.contiguous(), lse.contiguous()
 
-        return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale, softcap,
+        return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes), setup.group)
     out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
     return out.contiguous(), lse.contiguous()
@@ -221,11 +221,11 @@ def ring_attention_backward_op(
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
 
-        return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale, softcap,
+        return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
                           (dout, q, k, v, out, lse, slopes), setup.group)
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)

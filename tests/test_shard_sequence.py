@@ -514,3 +514,29 @@ def test_refreshed_sizes_stay_symbolic(op):
     n = size.meta["example_value"]
     n = n[1] if op is torch.ops.aten.size.default else n
     assert isinstance(n, torch.SymInt) and mode.shape_env.guards == [], (n, mode.shape_env.guards)
+
+
+@pytest.mark.parametrize("target", [operator.matmul, "matmul"])
+def test_refreshed_batched_matmul_stays_symbolic(target):
+    """HF's rotary frequencies times positions, [b, d/2, 1] @ [b, 1, n]: refresh_fakes makes the
+    [b, d/2, n] result without running matmul (torch 2.11's reads its sizes as ints: a guard on
+    the length, a recompilation at every new one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from ringcc.passes.shard_sequence import refresh_fakes
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    freqs = mode.from_tensor(torch.randn(2, 4, 1), static_shapes=True)
+    pos = mode.from_tensor(torch.randn(2, 1, 40), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC, DimDynamic.DYNAMIC]))
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("freqs"), graph.placeholder("pos")
+    a.meta["example_value"], b.meta["example_value"] = freqs, pos
+    mm = graph.call_method(target, (a, b)) if isinstance(target, str) else graph.call_function(target, (a, b))
+    graph.output(mm)
+    refresh_fakes(torch.fx.GraphModule(torch.nn.Module(), graph))
+    out = mm.meta["example_value"]
+    assert out.shape[:2] == (2, 4) and isinstance(out.shape[2], torch.SymInt) and str(out.shape[2]) == str(pos.shape[2])
+    assert out.is_contiguous()
+    assert mode.shape_env.guards == [], mode.shape_env.guards
