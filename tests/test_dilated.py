@@ -202,7 +202,7 @@ def case_bf16(rank, world):
     return max(errs)
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [pytest.param(3, marks=pytest.mark.soak), 4])
 def test_dilated_bf16_sub_rings(pools, world):
     # Sub-rings of 2 to 4 ranks in bf16: a block's dK/dV may travel in bf16, so every rank
     # must send what its neighbour expects (a size mismatch hung the 4-GPU benchmark).
