@@ -58,6 +58,7 @@ from ringcc.runtime import layout as L
 
 from .base import (PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, writes_in_place,
                    written_between)
+from .canonicalize_attention import MATMUL_FUNCS, MATMUL_METHODS
 from .discover_sequence import attention_nodes, expr, fake, handoff_gathers
 
 PASS = "shard_sequence"
@@ -2057,8 +2058,8 @@ def _fresh(shape, args, kwargs) -> torch.Tensor:
 
 
 def _is_matmul(node: torch.fx.Node) -> bool:
-    return ((node.op == "call_function" and node.target in (operator.matmul, torch.matmul, torch.bmm))
-            or (node.op == "call_method" and node.target in ("matmul", "__matmul__", "bmm")))
+    return ((node.op == "call_function" and node.target in MATMUL_FUNCS)
+            or (node.op == "call_method" and node.target in MATMUL_METHODS))
 
 
 def _matmul_shape(args, kwargs):

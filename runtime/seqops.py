@@ -39,6 +39,8 @@ all-reduced (sync_grads).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -158,16 +160,17 @@ def _(xs, group_name, world_size):
 # A bucket's all-reduce is two ops: grad_all_reduce_start copies the bucket into one flat buffer
 # per dtype, launches its all-reduce (async_op) and returns a token; grad_all_reduce_wait(token)
 # waits for it and returns the summed buffer. Traced into a compiled backward they are two
-# nodes with only the token between them, and nothing else reads the buffer, so the backward's
-# later kernels are issued between them: the bucket travels while the rest of the backward
-# computes, and the wait comes when the scheduler places it, at latest before the gradients
-# leave the graph. One synchronous all-reduce would make the compute stream wait for the
-# transfer before the next backward kernel. The ops are opaque to inductor (it does not see
-# collectives in them, so it neither reorders nor serialises them), and every rank runs them
-# in the graph's order: the same collectives in the same order on every rank. Run eagerly
-# (or in an aot_eager graph) the wait follows the start at once.
+# nodes with only the token between them, and the backend moves every wait, with what is made
+# from its result, to the end of the backward graph (ringcc/backend.py, _grad_waits_last: an
+# inductor post-grad pass, or aot_eager's backward compiler), so the backward's later kernels
+# are issued between them: the bucket travels while the rest of the backward computes. One
+# synchronous all-reduce would make the compute stream wait for the transfer before the next
+# backward kernel. The ops are opaque to inductor (it does not see collectives in them, so it
+# neither reorders nor serialises them), and every rank runs them in the graph's order: the
+# same collectives in the same order on every rank. Run eagerly the wait follows the start at
+# once.
 _PENDING: dict[int, tuple] = {}
-_NEXT_TOKEN = [0]
+_TOKENS = itertools.count(1)
 
 
 @torch.library.custom_op("ringcc::grad_all_reduce_start", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
@@ -175,7 +178,7 @@ def grad_all_reduce_start(grads: list[torch.Tensor], group_name: str, world_size
     group, _, _ = _group_from(group_name, world_size)
     flat = torch.cat([g.reshape(-1) for g in grads])
     work = dist.all_reduce(flat, group=group, async_op=True) if group is not None else None
-    token = _NEXT_TOKEN[0] = _NEXT_TOKEN[0] + 1
+    token = next(_TOKENS)
     _PENDING[token] = (work, flat)
     return torch.tensor(token, dtype=torch.int64)
 
