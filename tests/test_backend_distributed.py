@@ -155,6 +155,9 @@ def case_ranks_disagree(rank, world):
     return None
 
 
+# the first call's agreement check in make test: test_ranks_with_different_ring_settings_fail_at_the_first_call
+# (a compiled model) and test_rank_mismatch_names_the_differing_sites (the message)
+@pytest.mark.soak
 def test_ranks_compiling_differently_fail_at_the_first_call_instead_of_hanging(pools):
     messages = pools(2).run(case_ranks_disagree, timeout=120)
     for m in messages:

@@ -75,8 +75,12 @@ def test_offline_rewrite_main_single_process(tmp_path, capsys):
     assert os.path.exists(tmp_path / "program.pt2") and "2/2 attention sites rewritten" in out
 
 
-@pytest.mark.parametrize("factory,verdict", [("exact_ring", True), ("dilated", True), ("sharded_logits", True),
-                                             ("full_logits", False)])
+# exact_ring, dilated and full_logits through the same CLI in make test: test_planner.py's
+# test_cli_exact_ring_example_is_linear_and_json_round_trips, test_cli_dilated_example_is_linear and
+# test_cli_full_length_logits_example_names_the_gather
+@pytest.mark.parametrize("factory,verdict", [pytest.param("exact_ring", True, marks=pytest.mark.soak),
+                                             pytest.param("dilated", True, marks=pytest.mark.soak), ("sharded_logits", True),
+                                             pytest.param("full_logits", False, marks=pytest.mark.soak)])
 def test_plan_model_verdicts(tmp_path, capsys, factory, verdict):
     path = tmp_path / "plan.json"
     # n = 1024 and n / p = 512 equal no model dim: the dilated factory traces with static sizes

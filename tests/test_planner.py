@@ -419,7 +419,9 @@ def _planned_and_measured(m: nn.Module, x: torch.Tensor, inner: str) -> tuple[in
     return planned, measured
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor", "eager"])
+# inductor in the soak tier: the plan is the same graph's as under aot_eager (which make test
+# checks within 7%), and inductor only allocates less
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.soak), "eager"])
 def test_compiled_training_step_stays_within_its_plan_on_cpu(inner):
     """A stack compiled by the backend: the plan (saved activations freed after their last use
     in backward, weights' new gradients returned at the end) bounds the measured peak, within
@@ -549,11 +551,13 @@ def test_cli_device_cuda_plans_the_gpu_kernels_from_a_cpu_trace(tmp_path, monkey
     assert cuda["verdict"] is True and all(a != b for a, b in zip(ws_nccl, ws_cuda))
 
 
-def test_cli_full_length_logits_example_names_the_gather(tmp_path):
+def test_cli_full_length_logits_example_names_the_gather(tmp_path, capsys):
     data = _plan_example(tmp_path, "full_logits")
     assert data["verdict"] is False
     (culprit,) = data["culprits"]
+    assert culprit["name"] == "gather_default"  # every rank holds the gathered [b, n, vocab] logits
     assert culprit["growth"] == "n (not divided by p)" and "plan_model.py:" in culprit["location"]
+    assert capsys.readouterr().out.splitlines()[1].startswith("verdict: peak memory per rank is NOT O(n/p)")
     assert sympy.sympify(culprit["size"], locals={"n": n}) == 2 * 8000 * 4 * n  # [b, n, vocab] fp32
 
 

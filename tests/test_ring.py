@@ -97,7 +97,8 @@ def _ring_bf16_errors(rank, world, is_causal, layout, h, g, window, padded=False
     return max(errs), lse_err(lse, sh(ref_lse.detach()))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# p = 3 in the soak tier (p = 4, where a rank may hold a block with no visible key, stays)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak), 4])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_bf16_matches_reference(pools, world, is_causal, layout):
@@ -292,7 +293,8 @@ def case_ring_head_chunks(rank, world, is_causal, layout, h, g, padded, window, 
         return case_ring(rank, world, is_causal, layout, h, g, 10, padded, window)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+# p = 3 and 4 in the soak tier (test_ring_matches_reference runs every p in make test)
+@pytest.mark.parametrize("world", [1, 2, *(pytest.param(p, marks=pytest.mark.soak) for p in (3, 4))])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("budget", sorted(HEAD_CHUNK_BUDGETS))
