@@ -310,7 +310,8 @@ class CopyEngineRing:
         box = self._box(sum(_align(t.nbytes) for t in tensors))
         seq = box.seq + 1
         views, offsets = box.layout(seq % 2, key)
-        self.bytes_sent += sum(t.nbytes for t in tensors)
+        if not _capturing():  # (as RingComm: a capture sends nothing; replays are not counted)
+            self.bytes_sent += sum(t.nbytes for t in tensors)
         self._queued = (box, seq, tensors, offsets)
         return list(views)
 

@@ -41,10 +41,11 @@ from . import comm as C
 #   graphs first (_compat.release_before_destroy), and so does the interpreter's exit.
 #   `ringcc.release_graphs()` releases them at any time; a later call captures again.
 # RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
-# the host bounds the step), on (every call that qualifies), off. On 2 x H200 (16 heads, fwd+bwd,
-# benchmarks/RESULTS.md) graphs take 4K tokens per GPU from 24-37% of one GPU's rate to 54-70%
-# back to back; at 8K the copy-engine ring without graphs is faster back to back (90% against 83%
-# causal), its copies costing no SMs where NCCL's kernels take some.
+# the host bounds the step), on (every call that qualifies), off. On 4 x H200 (16 heads, fwd+bwd,
+# benchmarks/RESULTS.md) graphs take one layer at 4K tokens per GPU from 30-57% of one GPU's rate
+# to 67-80% back to back (42-66% on NCCL, whose kernels hold SMs beside the attention kernels),
+# and a compiled 8-layer step from 61 to 45 ms; at 8K per GPU that step is faster without them
+# (the host is ahead there, and graphs add their input and output copies).
 
 SETTING = "RINGCC_RING_GRAPHS"
 CHOICES = ("auto", "on", "off")
