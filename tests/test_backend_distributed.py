@@ -446,3 +446,46 @@ def test_gradient_all_reduce_overlaps_the_backward(pools, inner):
         assert len(rings) == 2 and len(starts) == len(waits) > 2, names
         assert starts[0] < rings[0], names  # a bucket travels during the attention backward
         assert min(waits) > max(starts) and min(waits) > max(rings), names
+
+
+def case_hop_home_overlaps_the_query_projection(rank, world):
+    """Note [The last hop home]: in a compiled backward each ring backward's home op (which waits
+    for the last dK/dV hop) comes after the matmuls that need only dQ (the query projection's
+    backward), and before the next ring op; the gradients equal eager's. Returns the backward's
+    ring ops and matmuls in call order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name.startswith("ringcc::ring_attention") or name in ("aten::mm", "aten::addmm"):
+                self.names.append(name.split("::")[1].split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ref, model = shard_models.build("llama"), shard_models.build("llama")
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager"))
+    inputs = shard_models.batch("llama", 24)
+    loss = compiled(*inputs)[0]
+    with Calls() as calls:
+        loss.backward()
+    ref(*inputs)[0].backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-5)
+    return calls.names
+
+
+def test_the_last_hop_home_travels_during_the_query_projection_backward(pools):
+    for names in pools(2).run(case_hop_home_overlaps_the_query_projection, timeout=300):
+        rings = [i for i, n in enumerate(names) if n == "ring_attention_backward"]
+        homes = [i for i, n in enumerate(names) if n == "ring_attention_backward_home"]
+        assert len(rings) == len(homes) == 2, names
+        for ring, home, nxt in zip(rings, homes, rings[1:] + [len(names)]):
+            assert ring < home < nxt, names
+            # dQ's two matmuls (the projection's input and weight gradients) run before the home op
+            assert names[ring + 1:home].count("mm") >= 2, names
