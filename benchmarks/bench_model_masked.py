@@ -21,10 +21,6 @@ travels; `at-once` waits right after each bucket's start, as a synchronous all-r
     torchrun --nproc-per-node 2 benchmarks/bench_model_masked.py --inner inductor --layers 8 \
         --lengths 8192 --cases unmasked --grad-waits last at-once
 
-`--homes late at-once` compares where each ring backward's last dK/dV hop is waited for (Note [The
-last hop home] in runtime/ops.py); with `--qkv separate` (one projection each for q, k and v, as
-in Llama) dQ's matmuls run while the hop travels.
-
 Each cell: --warmup steps (the first compiles), then the median of --reps forward+backward
 steps (CUDA events on GPU, after a barrier), slowest rank.
 """
@@ -44,7 +40,6 @@ import torch.nn.functional as F
 
 import dist_setup
 import ringcc
-from ringcc import _compat
 
 CASES = ("unmasked", "key padding")
 GRAD_WAITS = ("last", "at-once")
@@ -61,27 +56,19 @@ def _waits_at_once(graph: torch.fx.Graph) -> None:
 
 BACKEND = importlib.import_module("ringcc.backend")  # the module (ringcc.backend is its function)
 PLACEMENTS = {"last": BACKEND._grad_waits_last, "at-once": _waits_at_once}
-# Where each ring backward's last dK/dV hop is waited for (Note [The last hop home] in
-# runtime/ops.py): after the nodes that need only dQ (ringcc), or right after the ring (as eager).
-HOMES = {"late": BACKEND._homes_late, "at-once": lambda graph: None}
 
 
 class Layer(nn.Module):
-    def __init__(self, d: int, h: int, qkv: str = "fused"):
+    def __init__(self, d: int, h: int):
         super().__init__()
         self.h = h
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        # one projection for q, k and v (GPT-2), or one each (Llama): then dQ's matmuls need
-        # neither dK nor dV
-        self.qkv = nn.Linear(d, 3 * d) if qkv == "fused" else None
-        self.q, self.k, self.v = (None,) * 3 if qkv == "fused" else (nn.Linear(d, d) for _ in range(3))
-        self.proj = nn.Linear(d, d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x, mask):
         b, n, d = x.shape
-        h = self.ln1(x)
-        q, k, v = self.qkv(h).split(d, dim=2) if self.qkv is not None else (self.q(h), self.k(h), self.v(h))
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (t.view(b, n, self.h, d // self.h).transpose(1, 2) for t in (q, k, v))
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -92,9 +79,9 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, d: int, h: int, layers: int, qkv: str = "fused"):
+    def __init__(self, d: int, h: int, layers: int):
         super().__init__()
-        self.layers = nn.ModuleList([Layer(d, h, qkv) for _ in range(layers)])
+        self.layers = nn.ModuleList([Layer(d, h) for _ in range(layers)])
 
     def forward(self, x, pad):
         n = x.shape[1]
@@ -121,12 +108,12 @@ def _count_key_run_gathers():
     return count
 
 
-def cell(case: str, n_local: int, waits: str, homes: str, args, device, dtype, gathers) -> dict:
+def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> dict:
     world = dist.get_world_size()
-    BACKEND._grad_waits_last, BACKEND._homes_late = PLACEMENTS[waits], HOMES[homes]
+    BACKEND._grad_waits_last = PLACEMENTS[waits]
     n = n_local * world
     torch.manual_seed(0)
-    model = Model(args.heads * args.head_dim, args.heads, args.layers, args.qkv).to(device, dtype)
+    model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner)))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, n, args.heads * args.head_dim, generator=gen).to(device, dtype)
@@ -151,7 +138,7 @@ def cell(case: str, n_local: int, waits: str, homes: str, args, device, dtype, g
     every = [None] * world
     dist.all_gather_object(every, (ms, counts))
     torch._dynamo.reset()
-    return dict(case=case, grad_waits=waits, homes=homes, qkv=args.qkv, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
+    return dict(case=case, grad_waits=waits, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
                 ms_per_rank=[e[0] for e in every], key_run_gathers_per_step=statistics.median(counts),
                 warmup_s=warm_s)
 
@@ -162,39 +149,30 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--grad-waits", nargs="+", default=["last"], choices=GRAD_WAITS,
                     help="where the gradient all-reduce waits: last (ringcc) and/or at-once (synchronous)")
-    ap.add_argument("--homes", nargs="+", default=["late"], choices=HOMES,
-                    help="where each ring backward's last hop is waited for: late (ringcc) and/or at-once "
-                         "(right after the ring); repeat to alternate, e.g. late at-once late at-once")
-    ap.add_argument("--qkv", default="fused", choices=("fused", "separate"),
-                    help="one projection for q, k and v (GPT-2), or one each (Llama)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1
     device, dtype = dist_setup.start(args.smoke)
-    # The placements are swapped into the backend's module; the caches would hand every cell the
-    # artifact compiled for the first.
-    _compat.disable_compile_caches()
     gathers = _count_key_run_gathers()
     rows = []
     for n_local in args.lengths:
         for case in args.cases:
             for waits in args.grad_waits:
-                for homes in args.homes:
-                    rows.append(cell(case, n_local, waits, homes, args, device, dtype, gathers))
-                    if dist.get_rank() == 0:
-                        r = rows[-1]
-                        print(f"{case:12s} waits {waits:8s} homes {homes:8s} n_local={n_local:6d}: {r['ms']:9.2f} ms, "
-                              f"{r['key_run_gathers_per_step']} key-run all-gathers per step", flush=True)
+                rows.append(cell(case, n_local, waits, args, device, dtype, gathers))
+                if dist.get_rank() == 0:
+                    r = rows[-1]
+                    print(f"{case:12s} waits {waits:8s} n_local={n_local:6d}: {r['ms']:9.2f} ms, "
+                          f"{r['key_run_gathers_per_step']} key-run all-gathers per step", flush=True)
     info = None
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)"
         info = dict(label=args.label, device=name, torch=torch.__version__, rows=rows)
         print(f"\n{args.label or 'this tree'}: {args.layers}-layer causal transformer, h={args.heads}, "
-              f"d={args.head_dim}, qkv {args.qkv}, p={dist.get_world_size()}, {dtype}, inner={args.inner}, {name}")
-        print(f"{'case':12s} {'grad waits':>10s} {'homes':>8s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
+              f"d={args.head_dim}, p={dist.get_world_size()}, {dtype}, inner={args.inner}, {name}")
+        print(f"{'case':12s} {'grad waits':>10s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
         for r in rows:
-            print(f"{r['case']:12s} {r['grad_waits']:>10s} {r['homes']:>8s} {r['n_local']:10d} {r['ms']:9.2f} "
+            print(f"{r['case']:12s} {r['grad_waits']:>10s} {r['n_local']:10d} {r['ms']:9.2f} "
                   f"{r['key_run_gathers_per_step']:12}")
     dist_setup.finish(info, args.json)
     return 0

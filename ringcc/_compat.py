@@ -471,15 +471,6 @@ def release_before_destroy(release) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-def disable_compile_caches() -> None:
-    """No compiled artifact is loaded from inductor's caches in this process: a benchmark that
-    compiles one graph under several pass placements (whose cache keys name the passes, not the
-    functions a benchmark swaps in) compiles each anew."""
-    from torch._inductor import config as inductor_config
-
-    inductor_config.force_disable_caches = True
-
-
 def post_grad_pass(fn, source_file: str, then=None):
     """An inductor post-grad pass (config.post_grad_custom_post_pass) that calls fn(graph), then
     `then` (a pass already set), keyed for inductor's cache by `source_file`'s contents."""

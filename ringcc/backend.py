@@ -223,40 +223,6 @@ def _grad_waits_last(graph: torch.fx.Graph) -> None:
         out.prepend(node)
 
 
-def _homes_late(graph: torch.fx.Graph) -> None:
-    """Moves each ring backward's home op (Note [The last hop home] in runtime/ops.py) down past
-    the nodes after it that do not need its result, up to the next ringcc op that runs a ring
-    (exclusive): those nodes are issued while the hop travels. Nodes that need the result keep
-    their order after it."""
-    home = torch.ops.ringcc.ring_attention_backward_home.default
-    for node in [n for n in graph.nodes if n.target is home]:
-        needs, free = {node}, []
-        cursor = node.next
-        while cursor.op != "output" and not _runs_a_ring(cursor):
-            if any(a in needs for a in cursor.all_input_nodes):
-                needs.add(cursor)
-            else:
-                free.append(cursor)
-            cursor = cursor.next
-        for n in free:
-            node.prepend(n)
-
-
-def _runs_a_ring(node: torch.fx.Node) -> bool:
-    """A ringcc op that sends over the ring transport (the others' collectives go through the
-    process group in the graph's order on every rank, which an in-flight hop does not disturb)."""
-    r = torch.ops.ringcc
-    return node.op == "call_function" and node.target in (
-        r.ring_attention.default, r.ring_attention_backward.default, r.ring_attention_backward_home.default,
-        r.dilated_attention.default, r.dilated_attention_backward.default)
-
-
-def _backward_passes(graph: torch.fx.Graph) -> None:
-    """The backend's passes over a compiled backward graph: hops home late, gradient waits last."""
-    _homes_late(graph)
-    _grad_waits_last(graph)
-
-
 def _inner(gm, example_inputs, config: Config):
     if config.inner == "eager":
         return gm.forward
@@ -264,7 +230,7 @@ def _inner(gm, example_inputs, config: Config):
         from torch._dynamo.backends.common import aot_autograd
 
         def backward(bw, inputs):
-            _backward_passes(bw.graph)
+            _grad_waits_last(bw.graph)
             bw.recompile()
             return _compat.boxed_graph(bw, inputs)
 
@@ -274,8 +240,8 @@ def _inner(gm, example_inputs, config: Config):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    passes = _compat.post_grad_pass(_backward_passes, __file__, then=inductor_config.post_grad_custom_post_pass)
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": passes})
+    waits_last = _compat.post_grad_pass(_grad_waits_last, __file__, then=inductor_config.post_grad_custom_post_pass)
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": waits_last})
 
 
 def ringcc_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

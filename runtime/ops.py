@@ -7,7 +7,6 @@ reuse an artifact compiled for one p at another). The rank is read at run time.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -200,22 +199,6 @@ def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, wind
     return out, lse
 
 
-# Note [The last hop home]
-# A ring backward ends with the hop that brings each block's dK/dV sum home (Note [Ring
-# attention schedule]): no kernel of the op is left to run beside it. So the backward is two
-# ops. ring_attention_backward issues that hop and returns dQ and a token;
-# ring_attention_backward_home(token, k, v) waits for the hop and returns (dK, dV). Run eagerly,
-# one follows the other at once. In a compiled backward the backend moves each home op down
-# past every node that does not need its result, up to the next ring op (ringcc/backend.py,
-# _homes_late): the kernels that need only dQ (the query projection's backward) are issued
-# while the hop travels. No other ring may run between the two: rings share the transport, and
-# its batches are waited for in the order they were sent. The pass keeps that order, and the
-# hops in flight wait in _HOMES, oldest first. A hop whose home op never ran (a backward that
-# raised in between) is waited for and dropped by the next ring backward, so the transport
-# stays in step.
-_HOMES: collections.deque = collections.deque()
-
-
 @torch.library.custom_op("ringcc::ring_attention_backward", mutates_args=())
 def ring_attention_backward_op(
     dout: torch.Tensor,
@@ -234,11 +217,7 @@ def ring_attention_backward_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dQ, a token for ring_attention_backward_home, which returns dK and dV: Note [The last
-    hop home])."""
-    while _HOMES:  # a hop whose home op never ran
-        _HOMES.popleft()()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
@@ -246,42 +225,22 @@ def ring_attention_backward_op(
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
 
-        dq, dk, dv = graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
-                                 workspace.chunk_rule_settings(), schedule_settings()), backward,
-                                (dout, q, k, v, out, lse, slopes), setup.group)
-        _HOMES.append(lambda: (dk, dv))
-    else:
-        dq, land = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, defer_home=True)
-        _HOMES.append(land)
-    return dq.contiguous(), q.new_empty(0)
+        return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
+                           workspace.chunk_rule_settings(), schedule_settings()), backward,
+                          (dout, q, k, v, out, lse, slopes), setup.group)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
       key_runs=None, softcap=0.0, alibi_slopes=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(0)
-
-
-@torch.library.custom_op("ringcc::ring_attention_backward_home", mutates_args=())
-def ring_attention_backward_home_op(token: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dK, dV) of the oldest ring backward whose hop home is in flight (Note [The last hop
-    home]); k and v: that backward's, for their shapes."""
-    if not _HOMES:
-        raise RuntimeError("ringcc::ring_attention_backward_home called with no ring backward in flight: each "
-                           "ringcc::ring_attention_backward is followed by one home op, with no other ring op between")
-    dk, dv = _HOMES.popleft()()
-    if dk.shape != k.shape or dv.shape != v.shape:
-        raise RuntimeError(f"ringcc::ring_attention_backward_home: the ring backward in flight made dK {tuple(dk.shape)}"
-                           f" and dV {tuple(dv.shape)}, but this home op was given k {tuple(k.shape)} and v "
-                           f"{tuple(v.shape)}: the home ops ran out of their ring backwards' order")
-    return dk.contiguous(), dv.contiguous()
-
-
-@ring_attention_backward_home_op.register_fake
-def _(token, k, v):
     cf = torch.contiguous_format
-    return torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf)
+    return (
+        torch.empty_like(q, memory_format=cf),
+        torch.empty_like(k, memory_format=cf),
+        torch.empty_like(v, memory_format=cf),
+    )
 
 
 def _ring_setup_context(ctx, inputs, output):
@@ -302,9 +261,8 @@ def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
         return (None,) * 13
     q, k, v, key_valid, out, lse, key_runs, slopes = ctx.saved_tensors
-    dq, token = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                           slopes)
-    dk, dv = ring_attention_backward_home_op(token, k, v)
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
+                                            slopes)
     return (dq, dk, dv) + (None,) * 10
 
 

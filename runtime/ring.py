@@ -629,17 +629,13 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None,
-                  defer_home: bool = False):
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
     key_runs table: Note [Key runs per mask]).
 
     Per chunk of heads (Note [Head chunks]); the dK/dV accumulators travel one hop behind
     the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]);
-    sums as in Note [Fewer passes]. With `defer_home` returns (dq, land) instead: the last hop
-    home is issued, not waited for, and land() waits for it and returns (dk, dv), so the caller
-    can issue other work first (Note [The last hop home]); nothing else may use the ring's
-    transport until land() is called."""
+    sums as in Note [Fewer passes]."""
     b, h, s, d = q.shape
     g = k.shape[1]
     adt = kernels.acc_dtype(q.dtype)
@@ -754,20 +750,13 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
             dq = torch.zeros(q_c.shape, dtype=q.dtype, device=q.device)
         finish(0, hq, dq)
         del dq, dk_acc, dv_acc, steps
-    arrived = None
-    if home is not None:  # the last chunk's hop home: nothing left in this op to overlap it with
+    if home is not None:  # the last chunk's hop home: nothing left to overlap it with
         arrived = comm.send_recv(home[1])
         comm.commit()
-
-    def land():
-        if arrived is not None:
-            comm.wait()
-            finish(1, home[0], arrived[0], borrowed)
-            finish(2, home[0], arrived[1], borrowed)
-        return (done[1], done[2]) if whole else tuple(full_out[1:])
-
-    dq = done[0] if whole else full_out[0]
-    return (dq, land) if defer_home else (dq, *land())
+        comm.wait()
+        finish(1, home[0], arrived[0], borrowed)
+        finish(2, home[0], arrived[1], borrowed)
+    return (done[0], done[1], done[2]) if whole else tuple(full_out)
 
 
 def resolve_world(group, what: str = "ringcc") -> tuple[object, int, int]:

@@ -375,15 +375,12 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
     with a padding mask all-gathers its key-runs table once per training step (not per layer:
     Note [Key runs per mask]); unmasked, never. Both placements of the gradient all-reduce's
-    waits run, with the ring backwards' hops home waited for at once, in a model with a projection
-    each for q, k and v."""
-    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--grad-waits", "last", "at-once",
-                                "--homes", "at-once", "--qkv", "separate")
+    waits run."""
+    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--grad-waits", "last", "at-once")
     assert rec["device"] == "cpu (smoke, gloo)"
-    assert [(r["case"], r["grad_waits"], r["homes"], r["qkv"], r["layers"], r["key_run_gathers_per_step"])
-            for r in rec["rows"]] == [
-        ("unmasked", "last", "at-once", "separate", 2, 0), ("unmasked", "at-once", "at-once", "separate", 2, 0),
-        ("key padding", "last", "at-once", "separate", 2, 1), ("key padding", "at-once", "at-once", "separate", 2, 1)]
+    assert [(r["case"], r["grad_waits"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
+        ("unmasked", "last", 2, 0), ("unmasked", "at-once", 2, 0), ("key padding", "last", 2, 1),
+        ("key padding", "at-once", 2, 1)]
     assert all(r["ms"] > 0 for r in rec["rows"])
 
 
