@@ -599,6 +599,10 @@ METHODS: dict[str, Method] = {
     # The same ring never replayed from CUDA graphs (the default captures short shards:
     # Note [Ring graphs] in runtime/graphs.py).
     "ring-zigzag-nographs": Method(ring_method("zigzag", False, graphs="off"), "ring", "multi", cpu=True),
+    # Every call replayed from CUDA graphs: on the copy-engine ring, and on NCCL send/recv.
+    "ring-zigzag-graphs": Method(ring_method("zigzag", False, graphs="on"), "ring", "multi", cpu=True),
+    "ring-zigzag-graphs-nccl": Method(ring_method("zigzag", False, transport="nccl", graphs="on"), "ring", "multi",
+                                      cpu=True),
     "ring-zigzag-nocomm": Method(ring_method("zigzag", True), "ring-nocomm", "multi", cpu=True),
     "ring-contiguous-nocomm": Method(ring_method("contiguous", True), "ring-nocomm", "multi", cpu=True),
     "dilated": Method(dilated_method, "dilated", "any", cpu=True),

@@ -109,9 +109,17 @@ class RingComm:
 #   FREE   set by rank+1 to j once we may write batch j into its slot.
 # commit(j) on the side stream: wait for the compute issued so far (it made the tensors sent
 # and finished with our slot j % 2, which held batch j-2: read by the step before, forwarded
-# by batch j-1); write FREE=j into rank-1; wait for our FREE >= j; copy into rank+1's slot;
-# write READY=j into rank+1. wait(j) on the compute stream: READY >= j, then the side stream
-# (our copies have read their sources, so the allocator may reuse them).
+# by batch j-1); write FREE=j into rank-1; wait for our FREE >= j, then set it back to 0; copy
+# into rank+1's slot; write READY=j into rank+1. wait(j) on the compute stream: READY >= j,
+# then set it back to 0, then the side stream (our copies have read their sources, so the
+# allocator may reuse them).
+# A flag is consumed (set back to 0) by the one who waited on it, before anything that lets a
+# neighbour write it again: rank+1 writes FREE=j+1 only after its wait for our READY=j, which
+# we write after consuming FREE=j; rank-1 writes READY=j+1 only after our FREE=j+1, which our
+# commit(j+1) writes after our wait(j). So a flag holds 0 between batches, and a wait compares
+# with a batch number that the flag reaches only when that batch is signalled. That is what a
+# CUDA graph needs: its replays wait for and write the batch numbers of its capture, again and
+# again, in a receive area of its own (`OwnArea`, Note [Ring graphs] in graphs.py).
 # Received tensors are views of the slot: valid until batch j+2 is committed, so a caller
 # that keeps one longer copies it (`borrows_buffers`).
 # The copy engines are shared: a same-dtype copy on the kernels' stream is a memcpy too, and
@@ -236,7 +244,9 @@ def comm_buffer_bytes(device: torch.device | None = None) -> int:
     idx = None if device is None or device.type != "cuda" else _cuda_index(device)
     if device is not None and idx is None:
         return 0  # no receive areas off CUDA
-    return sum(b.nbytes for (_, i), b in _MAILBOXES.items() if b.outside_allocator and (idx is None or i == idx))
+    shared = sum(b.nbytes for (_, i), b in _MAILBOXES.items() if b.outside_allocator and (idx is None or i == idx))
+    own = sum(a.nbytes for a in list(_OWN_AREAS) if idx is None or _cuda_index(a.device) == idx)
+    return shared + own
 
 
 def transport_info(group, device: torch.device) -> dict:
@@ -266,8 +276,9 @@ class CopyEngineRing:
 
     borrows_buffers = True
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, area: "OwnArea | None" = None):
         self.group, self.device = group, device
+        self._area = area  # a captured ring op's own receive area (None: the group's, `_mailbox`)
         self.bytes_sent = 0
         self._queued = None
         self._inflight = None
@@ -282,7 +293,12 @@ class CopyEngineRing:
     def reserve(self, nbytes: list[int]) -> None:
         """Size the receive area for batches of tensors of these byte sizes now (collective),
         so that it does not grow in the middle of a ring."""
-        _mailbox(self.group, self.device, sum(_align(n) for n in nbytes))
+        self._box(sum(_align(n) for n in nbytes))
+
+    def _box(self, slot_bytes: int) -> "_Mailbox":
+        if self._area is not None:
+            return self._area.get(slot_bytes)
+        return _mailbox(self.group, self.device, slot_bytes)
 
     def send_recv(self, tensors, recv_buffers=None) -> list[torch.Tensor]:
         if recv_buffers is not None:
@@ -291,10 +307,11 @@ class CopyEngineRing:
             raise RuntimeError("CopyEngineRing.send_recv called while a batch is queued or in flight; call wait() first")
         tensors = [t.contiguous() for t in tensors]
         key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        box = _mailbox(self.group, self.device, sum(_align(t.nbytes) for t in tensors))
+        box = self._box(sum(_align(t.nbytes) for t in tensors))
         seq = box.seq + 1
         views, offsets = box.layout(seq % 2, key)
-        self.bytes_sent += sum(t.nbytes for t in tensors)
+        if not _capturing():  # (as RingComm: a capture sends nothing; replays are not counted)
+            self.bytes_sent += sum(t.nbytes for t in tensors)
         self._queued = (box, seq, tensors, offsets)
         return list(views)
 
@@ -312,6 +329,7 @@ class CopyEngineRing:
                 d.order(side, box.last_stream, box.to_side)  # a ring before this one ran on another stream
             d.write(side, box.prev_free_addr, seq)
             d.wait_geq(side, box.free_addr, seq)
+            d.write(side, box.free_addr, 0)  # consumed (Note [Copy-engine ring])
             base = box.next_ptr + box.HEADER + (seq % 2) * box.slot_bytes
             for t, off in zip(tensors, offsets):
                 nbytes = t.nbytes // 2 if self._half_fp32 and t.dtype == torch.float32 else t.nbytes
@@ -331,6 +349,7 @@ class CopyEngineRing:
         with torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             box.driver.wait_geq(compute, box.ready_addr, seq)
+            box.driver.write(compute, box.ready_addr, 0)  # consumed (Note [Copy-engine ring])
             box.driver.order(compute, box.side, box.to_compute)
         box.last_stream = compute
         self._inflight = None
@@ -343,18 +362,73 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class OwnArea:
+    """The receive area of one captured ring op (Note [Ring graphs] in graphs.py): a graph bakes
+    in the area's addresses and batch numbers, so no other ring may use it or grow it. Sized by
+    the op's eager run before the capture (collective, like `_mailbox`); under capture it must
+    already fit."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device, self.box = group, device, None
+        _OWN_AREAS.add(self)
+
+    def get(self, slot_bytes: int) -> _Mailbox:
+        if self.box is not None and self.box.slot_bytes >= slot_bytes:
+            return self.box
+        if _capturing():
+            have = 0 if self.box is None else self.box.slot_bytes
+            raise RuntimeError(f"ringcc: a captured ring op asked for receive slots of {slot_bytes} bytes; its eager run "
+                               f"sized them at {have}. Set RINGCC_RING_GRAPHS=off on every rank to run it without graphs")
+        self.release()
+        self.box = _Mailbox(self.group, self.device, slot_bytes)
+        return self.box
+
+    def before_capture(self) -> None:
+        """The eager run is done: the capture's first commit orders after nothing outside it."""
+        torch.cuda.synchronize(self.device)
+        if self.box is not None:
+            self.box.last_stream = None
+
+    def release(self) -> None:
+        """Free the area (collective: every rank at the same call, as graphs are dropped)."""
+        if self.box is not None:
+            torch.cuda.synchronize(self.device)  # our copies into the neighbours' areas are done
+            _barrier(self.group, self.device)  # and theirs into ours
+            self.box = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.box is None or not self.box.outside_allocator else self.box.nbytes
+
+
+_OWN_AREAS: weakref.WeakSet = weakref.WeakSet()
 _FORCE_PROCESS_GROUP = [False]
+_GRAPH_AREA: list = [None]
 
 
 @contextlib.contextmanager
-def process_group_transport():
-    """Rings made inside use the process group's send/recv (what a CUDA graph can hold:
-    Note [Ring graphs] in graphs.py)."""
-    before, _FORCE_PROCESS_GROUP[0] = _FORCE_PROCESS_GROUP[0], True
+def graph_transport(area: OwnArea | None):
+    """Rings made inside run as a CUDA graph can hold them (Note [Ring graphs] in graphs.py):
+    the copy-engine ring in `area`, or with no area the process group's send/recv."""
+    before = _FORCE_PROCESS_GROUP[0], _GRAPH_AREA[0]
+    _FORCE_PROCESS_GROUP[0], _GRAPH_AREA[0] = area is None, area
     try:
         yield
     finally:
-        _FORCE_PROCESS_GROUP[0] = before
+        _FORCE_PROCESS_GROUP[0], _GRAPH_AREA[0] = before
+
+
+def graph_area(group, device: torch.device) -> OwnArea | None:
+    """A receive area for a captured ring op over `group` when the copy-engine ring may carry it
+    (the setting allows it and every rank can run it: collective on first use), else None."""
+    if device.type != "cuda" or transport_setting() == "nccl":
+        return None
+    usable = _copy_engine_usable(group, device)
+    if usable is not True:
+        if transport_setting() == "copy-engine":
+            raise RuntimeError(f"RINGCC_RING_TRANSPORT=copy-engine: {usable}; set it to nccl or auto")
+        return None
+    return OwnArea(group, device)
 
 
 def transport_setting() -> str:
@@ -405,11 +479,14 @@ def ring_comm(group, members, device: torch.device):
     the default, falls back to the process group with a warning; =copy-engine raises instead),
     else RingComm."""
     setting = transport_setting()
+    if device.type == "cuda" and members is None and _GRAPH_AREA[0] is not None:
+        return CopyEngineRing(group, device, _GRAPH_AREA[0])  # a ring op being captured, in its own area
     if device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or _FORCE_PROCESS_GROUP[0]):
-        # The batch numbers would be baked into the graph and its replays would race: NCCL
-        # send/recv, which CUDA graphs capture, instead.
+        # A capture of the caller's: the group's area would be baked into the graph, which
+        # other rings use and may grow. NCCL send/recv, which CUDA graphs capture, instead.
         if setting == "copy-engine":
-            raise RuntimeError("RINGCC_RING_TRANSPORT=copy-engine cannot run under CUDA graph capture; use auto or nccl")
+            raise RuntimeError("RINGCC_RING_TRANSPORT=copy-engine cannot run under a CUDA graph capture of the "
+                               "caller's; use auto or nccl")
         return RingComm(group, members=members)
     if setting == "nccl" or device.type != "cuda" or members is not None:
         if setting == "copy-engine" and (device.type != "cuda" or members is not None):

@@ -21,26 +21,31 @@ from . import comm as C
 # those blocks run compiled flex_attention, whose compilation a capture cannot hold) is captured once
 # per call signature into a CUDA graph; each later call copies its inputs into the graph's,
 # replays it (one launch) and copies the outputs out, so calls never share output storage.
-# - Under capture the transfers go through NCCL send/recv, which graphs hold (the copy-engine
-#   ring signals with batch numbers that a graph would bake in: comm.ring_comm). The call
-#   that captures runs eagerly over NCCL first: that warms the communicator (it cannot be made
-#   under capture) and gives the call its result.
+# - The transfers are the copy-engine ring's (Note [Copy-engine ring] in comm.py) in a receive
+#   area of the graph's own (comm.OwnArea): its peer copies and stream flags are graph nodes,
+#   its flags are consumed by their waiters, so every replay waits for and writes the batch
+#   numbers of the capture, and no other ring writes the area or grows it. Where the copy-engine
+#   ring is unusable (or RINGCC_RING_TRANSPORT=nccl), NCCL send/recv, which graphs hold too.
+#   The call that captures runs eagerly first, on the same transport: that sizes the area (or
+#   warms the communicator; neither can be made under capture) and gives the call its result.
 # - Every rank captures at the same call (the signature is the same on every rank: the ring
 #   ops' call checks) and the ranks agree that capture succeeded (one all-reduce per signature)
 #   before any replays, so a failure on one rank raises on all of them instead of leaving the
 #   others to replay into a ring that never turns.
 # - Each graph keeps its own memory pool: its inputs, outputs and intermediates (a few shards'
-#   worth: the op's transient workspace, held between calls). At most MAX_GRAPHS signatures
-#   are kept; the oldest goes first, at the same call on every rank.
+#   worth: the op's transient workspace, held between calls), and its receive area (two slots
+#   of its largest batch). At most MAX_GRAPHS signatures are kept; the oldest goes first, at
+#   the same call on every rank.
 # - A live graph holding NCCL kernels makes destroy_process_group wait forever
 #   (pytorch/pytorch#115388): from the first capture on, destroy_process_group releases the
 #   graphs first (_compat.release_before_destroy), and so does the interpreter's exit.
 #   `ringcc.release_graphs()` releases them at any time; a later call captures again.
 # RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
-# the host bounds the step), on (every call that qualifies), off. On 2 x H200 (16 heads, fwd+bwd,
-# benchmarks/RESULTS.md) graphs take 4K tokens per GPU from 24-37% of one GPU's rate to 54-70%
-# back to back; at 8K the copy-engine ring without graphs is faster back to back (90% against 83%
-# causal), its copies costing no SMs where NCCL's kernels take some.
+# the host bounds the step), on (every call that qualifies), off. On 4 x H200 (16 heads, fwd+bwd,
+# benchmarks/RESULTS.md) graphs take one layer at 4K tokens per GPU from 30-57% of one GPU's rate
+# to 67-80% back to back (42-66% on NCCL, whose kernels hold SMs beside the attention kernels),
+# and a compiled 8-layer step from 61 to 45 ms; at 8K per GPU that step is faster without them
+# (the host is ahead there, and graphs add their input and output copies).
 
 SETTING = "RINGCC_RING_GRAPHS"
 CHOICES = ("auto", "on", "off")
@@ -65,7 +70,7 @@ def wanted(q: torch.Tensor, key_valid, key_runs, window: int, softcap: float = 0
         return False
     if choice == "off" or torch.cuda.is_current_stream_capturing():
         return False  # (under a capture of the caller's, the ring is captured there)
-    if C.transport_setting() == "copy-engine" or os.environ.get("RINGCC_SKIP_COMM", "0") != "0":
+    if os.environ.get("RINGCC_SKIP_COMM", "0") != "0":
         return False
     return choice == "on" or q.shape[0] * q.shape[1] * q.shape[2] <= AUTO_MAX_ROWS
 
@@ -75,10 +80,11 @@ def _meta(t):
 
 
 class _Replay:
-    """One captured ring op: its input and output tensors, and the graph between them."""
+    """One captured ring op: its input and output tensors, the graph between them, and its
+    receive area (None: NCCL)."""
 
-    def __init__(self, inputs, graph, outputs):
-        self.inputs, self.graph, self.outputs = inputs, graph, outputs
+    def __init__(self, inputs, graph, outputs, area):
+        self.inputs, self.graph, self.outputs, self.area = inputs, graph, outputs, area
 
     def __call__(self, args):
         for static, a in zip(self.inputs, args):
@@ -89,13 +95,16 @@ class _Replay:
 
 
 def _capture(fn, args, group):
-    """(this call's result, run eagerly over NCCL, which warms it for the capture; the _Replay
-    captured after it), once every rank of `group` has captured."""
-    with C.process_group_transport():
+    """(this call's result, run eagerly on the graph's transport, which sizes or warms it for the
+    capture; the _Replay captured after it), once every rank of `group` has captured."""
+    area = None if group is None or dist.get_world_size(group) < 2 else C.graph_area(group, args[0].device)
+    with C.graph_transport(area):
         first = fn(*args)
         inputs = [None if a is None else a.clone() for a in args]
         graph = torch.cuda.CUDAGraph()
         error = outputs = None
+        if area is not None:
+            area.before_capture()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 outputs = fn(*inputs)
@@ -110,7 +119,7 @@ def _capture(fn, args, group):
     if error is not None:
         raise RuntimeError(f"ringcc: capturing the ring op in a CUDA graph failed: {type(error).__name__}: "
                            f"{error}; set {SETTING}=off on every rank to run it without graphs") from error
-    return first, _Replay(inputs, graph, outputs)
+    return first, _Replay(inputs, graph, outputs, area)
 
 
 def run(key: tuple, fn, args: tuple, group):
@@ -122,7 +131,9 @@ def run(key: tuple, fn, args: tuple, group):
         _GRAPHS.move_to_end(key)
         return replay(args)
     if len(_GRAPHS) >= MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
+        _, oldest = _GRAPHS.popitem(last=False)
+        if oldest.area is not None:
+            oldest.area.release()  # (every rank drops the same graph at the same call)
     if not _INSTALLED:
         _compat.release_before_destroy(clear)
         atexit.register(clear)

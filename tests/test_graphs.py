@@ -48,3 +48,15 @@ def test_destroy_process_group_releases_first(monkeypatch):
         destroy()
         assert not dist.is_initialized()
     assert calls == [True, "second", True, "second"]
+
+
+@pytest.mark.parametrize("transport,device", [("nccl", "cuda"), ("auto", "cpu"), ("copy-engine", "cpu")])
+def test_graphs_take_no_receive_area_of_their_own_off_the_copy_engine_ring(monkeypatch, transport, device):
+    """A graph gets its own receive area only for the copy-engine ring (Note [Ring graphs]): with
+    RINGCC_RING_TRANSPORT=nccl, or off CUDA, it keeps the process group's send/recv, decided
+    without a collective or a CUDA call."""
+    from ringcc.runtime import comm
+
+    monkeypatch.setenv("RINGCC_RING_TRANSPORT", transport)
+    monkeypatch.setattr(comm, "_copy_engine_usable", lambda *a: pytest.fail("asked the group"))
+    assert comm.graph_area(object(), torch.device(device)) is None

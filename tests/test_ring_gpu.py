@@ -171,17 +171,18 @@ def test_copy_engine_ring_matches_nccl(pools, world, is_causal, layout, g):
 @pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
-def test_ring_graphs_match_the_ring_without_them(pools, world, is_causal, layout):
-    """RINGCC_RING_GRAPHS=on against off over NCCL (the graphs' transport): the same schedule
-    and kernels, replayed from a CUDA graph (Note [Ring graphs])."""
-    for mismatched in pools(world, "nccl").run(case_over_nccl, case_settings_agree, is_causal, layout, 2, SHAPES,
-                                               "RINGCC_RING_GRAPHS", ("off", "on")):
+@pytest.mark.parametrize("transport", ["copy-engine", "nccl"])
+def test_ring_graphs_match_the_ring_without_them(pools, world, is_causal, layout, transport):
+    """RINGCC_RING_GRAPHS=on against off on each transport: the same schedule and kernels,
+    replayed from a CUDA graph (Note [Ring graphs]); the copy-engine graphs in areas of their own."""
+    for mismatched in pools(world, "nccl").run(case_over, transport, case_settings_agree, is_causal, layout, 2,
+                                               SHAPES, "RINGCC_RING_GRAPHS", ("off", "on")):
         assert mismatched == []
 
 
-def case_over_nccl(rank, world, case, *args):
-    """`case` with the ring's transfers through NCCL send/recv."""
-    os.environ["RINGCC_RING_TRANSPORT"] = "nccl"
+def case_over(rank, world, transport, case, *args):
+    """`case` with the ring's transfers on `transport` (RINGCC_RING_TRANSPORT)."""
+    os.environ["RINGCC_RING_TRANSPORT"] = transport
     try:
         return case(rank, world, *args)
     finally:
@@ -217,9 +218,11 @@ def case_graph_replays(rank, world, is_causal):
 
 
 @pytest.mark.skipif(not WORLDS, reason="needs >= 2 CUDA devices")
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_ring_graphs_replay_each_calls_inputs(pools, is_causal):
-    for captured, errs, distinct in pools(2, "nccl").run(case_over_nccl, case_graph_replays, is_causal):
+@pytest.mark.parametrize("transport", ["copy-engine", "nccl"])
+def test_ring_graphs_replay_each_calls_inputs(pools, world, is_causal, transport):
+    for captured, errs, distinct in pools(world, "nccl").run(case_over, transport, case_graph_replays, is_causal):
         assert captured == 2 and distinct == 3 and max(errs) < 1e-2, (captured, errs, distinct)
 
 
