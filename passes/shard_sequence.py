@@ -2050,11 +2050,13 @@ def refresh_fakes(gm: torch.fx.GraphModule) -> None:
 
 def _fresh(shape, args, kwargs) -> torch.Tensor:
     """A fresh contiguous fake tensor of `shape` with the dtype and device of args[0], needing
-    grad where an input does."""
+    grad where an input does: then, as the op's own result, not a leaf (the graph may update it
+    in place, which autograd refuses on a leaf that requires grad)."""
     x = args[0]
     grad = torch.is_grad_enabled() and any(
         a.requires_grad for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-    return torch.empty(tuple(shape), dtype=x.dtype, device=x.device, requires_grad=grad)
+    val = torch.empty(tuple(shape), dtype=x.dtype, device=x.device, requires_grad=grad)
+    return val.clone() if grad else val
 
 
 def _is_matmul(node: torch.fx.Node) -> bool:

@@ -540,3 +540,26 @@ def test_refreshed_batched_matmul_stays_symbolic(target):
     assert out.shape[:2] == (2, 4) and isinstance(out.shape[2], torch.SymInt) and str(out.shape[2]) == str(pos.shape[2])
     assert out.is_contiguous()
     assert mode.shape_env.guards == [], mode.shape_env.guards
+
+
+def test_a_refreshed_linear_that_needs_grad_may_be_updated_in_place():
+    """refresh_fakes makes a linear's result directly; where it needs grad it is, as the real
+    op's result, not a leaf, so a graph that updates it in place (Falcon's fused query/key/value
+    projection) refreshes without autograd's leaf error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringcc.passes.shard_sequence import refresh_fakes
+
+    mode = FakeTensorMode()
+    x = mode.from_tensor(torch.randn(2, 8, 4))
+    w = mode.from_tensor(torch.nn.Parameter(torch.randn(6, 4)))
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("x"), graph.placeholder("w")
+    a.meta["example_value"], b.meta["example_value"] = x, w
+    y = graph.call_function(torch.nn.functional.linear, (a, b))
+    z = graph.call_method("mul_", (y, 2))
+    graph.output(z)
+    refresh_fakes(torch.fx.GraphModule(torch.nn.Module(), graph))
+    out = y.meta["example_value"]
+    assert out.shape == (2, 8, 6) and out.requires_grad and not out.is_leaf
+    assert z.meta["example_value"].requires_grad
