@@ -39,7 +39,8 @@ from . import comm as C
 # - A live graph holding NCCL kernels makes destroy_process_group wait forever
 #   (pytorch/pytorch#115388): from the first capture on, destroy_process_group releases the
 #   graphs first (_compat.release_before_destroy), and so does the interpreter's exit.
-#   `ringcc.release_graphs()` releases them at any time; a later call captures again.
+#   `ringcc.release_graphs()` releases them at any time, called on every rank (a later call
+#   captures again, which is collective).
 # RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
 # the host bounds the step), on (every call that qualifies), off. On 4 x H200 (16 heads, fwd+bwd,
 # benchmarks/RESULTS.md) graphs take one layer at 4K tokens per GPU from 30-57% of one GPU's rate
@@ -143,8 +144,9 @@ def run(key: tuple, fn, args: tuple, group):
 
 
 def clear() -> None:
-    """Drop every captured ring op and the memory its graph holds (after the GPU is done
-    with them)."""
+    """Drop every captured ring op and the memory its graph holds, its receive area included
+    (after the GPU is done with them). Call it on every rank: the next call captures again,
+    collectively."""
     if _GRAPHS:
         torch.cuda.synchronize()
         _GRAPHS.clear()
