@@ -168,6 +168,12 @@ class _Mailbox:
         torch.cuda.synchronize(device)
         _barrier(group, device)  # every area is zeroed before any neighbour writes a flag
 
+    def quiesce(self) -> None:
+        """Returns once no copy into or out of this area is in flight on any rank (collective),
+        so it may be freed."""
+        torch.cuda.synchronize(self.device)  # our copies into the neighbours' areas are done
+        _barrier(self.group, self.device)  # and theirs into ours
+
     @property
     def nbytes(self) -> int:
         return self.buf.numel()
@@ -225,8 +231,7 @@ def _mailbox(group, device: torch.device, slot_bytes: int) -> _Mailbox:
     if box is not None and box.slot_bytes >= slot_bytes:
         return box
     if box is not None:
-        torch.cuda.synchronize(device)  # our copies into the neighbours' old areas are done
-        _barrier(group, device)  # and theirs into ours
+        box.quiesce()
         del _MAILBOXES[key], box
     box = _MAILBOXES[key] = _Mailbox(group, device, slot_bytes)
     return box
@@ -266,8 +271,7 @@ def release_comm_buffers() -> None:
     """Free the copy-engine receive areas (collective over each area's group: call it on every
     rank, with no ring in flight). The next ring allocates them again."""
     for box in list(_MAILBOXES.values()):
-        torch.cuda.synchronize(box.device)
-        _barrier(box.group, box.device)  # no neighbour still copies into it
+        box.quiesce()
     _MAILBOXES.clear()
 
 
@@ -392,8 +396,7 @@ class OwnArea:
     def release(self) -> None:
         """Free the area (collective: every rank at the same call, as graphs are dropped)."""
         if self.box is not None:
-            torch.cuda.synchronize(self.device)  # our copies into the neighbours' areas are done
-            _barrier(self.group, self.device)  # and theirs into ours
+            self.box.quiesce()
             self.box = None
 
     @property
@@ -420,15 +423,12 @@ def graph_transport(area: OwnArea | None):
 
 def graph_area(group, device: torch.device) -> OwnArea | None:
     """A receive area for a captured ring op over `group` when the copy-engine ring may carry it
-    (the setting allows it and every rank can run it: collective on first use), else None."""
-    if device.type != "cuda" or transport_setting() == "nccl":
+    (the setting allows it and every rank can run it: collective on first use), else None (as
+    ring_comm decides: `_copy_engine`)."""
+    setting = transport_setting()
+    if device.type != "cuda" or setting == "nccl":
         return None
-    usable = _copy_engine_usable(group, device)
-    if usable is not True:
-        if transport_setting() == "copy-engine":
-            raise RuntimeError(f"RINGCC_RING_TRANSPORT=copy-engine: {usable}; set it to nccl or auto")
-        return None
-    return OwnArea(group, device)
+    return OwnArea(group, device) if _copy_engine(group, device, setting) else None
 
 
 def transport_setting() -> str:
@@ -493,16 +493,23 @@ def ring_comm(group, members, device: torch.device):
             raise ValueError("RINGCC_RING_TRANSPORT=copy-engine needs CUDA tensors and a whole-group ring; "
                              f"got device {device} and ring members {members}; use auto or nccl")
         return RingComm(group, members=members)
+    return CopyEngineRing(group, device) if _copy_engine(group, device, setting) else RingComm(group, members=members)
+
+
+def _copy_engine(group, device: torch.device, setting: str) -> bool:
+    """Whether a whole-group CUDA ring may take the copy engines (setting auto or copy-engine):
+    where they are unusable, copy-engine raises and auto falls back with a warning (once per
+    group)."""
     usable = _copy_engine_usable(group, device)
     if usable is True:
-        return CopyEngineRing(group, device)
+        return True
     if setting == "copy-engine":
         raise RuntimeError(f"RINGCC_RING_TRANSPORT=copy-engine: {usable}; set it to nccl or auto")
     if group not in _WARNED:
         _WARNED.add(group)
         warnings.warn(f"ringcc: ring transfers go through the process group: copy-engine ring unusable: {usable}",
-                      stacklevel=2)
-    return RingComm(group, members=members)
+                      stacklevel=3)
+    return False
 
 
 _WARNED: weakref.WeakSet = weakref.WeakSet()
