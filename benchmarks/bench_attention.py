@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--maxlen-cap-gib", type=float, default=0.0,
                     help="search the largest length under this per-GPU allocator cap (GiB; 0 = the whole "
                          "device), the same for every p: keeps O(n^2) probes short")
+    ap.add_argument("--trace-dir", default=None,
+                    help="where profiled cells keep rank 0's chrome trace (gzipped; benchmarks/timeline.py reads it)")
     ap.add_argument("--profile", default="", help="METHOD@N,...: also profile one iteration of those cells "
                     "(top kernels by device time, rank 0, into the log and the JSON)")
     ap.add_argument("--out", default="bench_out", help="report folder (results.json, table.txt, PNGs, RESULTS.md)")
@@ -817,16 +819,18 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
                comm_source=source, notes=bench.notes)
     if (cell.method, cell.n) in env.args.profile_cells:
         try:
-            rec["profile"] = profile_table(step, env)
+            rec["profile"] = profile_table(step, env, f"{cell.method}_{cell.attn}_{'causal' if cell.causal else 'full'}_n{cell.n}_{mode}")
         except Exception as e:  # noqa: BLE001 - a profiler problem must not void the measurement
             rec["profile"] = f"profiler failed: {type(e).__name__}: {e}"
         env.log(f"profile of {cell.method} n={cell.n} {mode} (rank 0):\n{rec['profile']}")
     return rec
 
 
-def profile_table(step: Callable[[], None], env: Env, rows: int = 20) -> str:
+def profile_table(step: Callable[[], None], env: Env, name: str, rows: int = 20) -> str:
     """Top ops of one iteration by self device time (CPU time on CPU): where the time goes, and
-    whether communication kernels run beside the attention kernels or add to them."""
+    whether communication kernels run beside the attention kernels or add to them. On CUDA also
+    the step's timeline (benchmarks/timeline.py: busy time per stream and family, the attention
+    stream's longest gaps); rank 0's chrome trace is kept in --trace-dir."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
@@ -835,7 +839,25 @@ def profile_table(step: Callable[[], None], env: Env, rows: int = 20) -> str:
         step()
         env.barrier()
     key = "self_device_time_total" if env.cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    if not env.cuda or env.rank != 0:
+        return table
+    import gzip
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import timeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        summary = timeline.format_summary(timeline.summarize(timeline.load(raw)))
+        if env.args.trace_dir:
+            Path(env.args.trace_dir).mkdir(parents=True, exist_ok=True)
+            with open(raw, "rb") as src, gzip.open(Path(env.args.trace_dir) / f"{name}.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return f"{table}\n{summary}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -1634,7 +1656,7 @@ def report(paths: list[Path], out: Path, results_md: str | None) -> str:
 
 
 PHASE_FLAGS = ["score_mod", "lengths", "dilated_lengths", "dilated_base", "causal", "methods", "p1_methods", "reps", "target_seconds",
-               "max_iter_seconds", "nccl_timeout", "profile"]
+               "max_iter_seconds", "nccl_timeout", "profile", "trace_dir"]
 PHASE_WEIGHT = {1: 0.32, 2: 0.18, 4: 0.5}  # share of the remaining budget, by world size
 
 
@@ -1642,6 +1664,8 @@ def phase_argv(args) -> list[str]:
     argv = ["--attn", ",".join(args.attn), "--modes", ",".join(args.modes)]
     for name in PHASE_FLAGS:
         v = getattr(args, name)
+        if v is None:
+            continue
         argv += [f"--{name.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, list) else str(v)]
     return argv + (["--smoke"] if args.smoke else [])
 

@@ -124,7 +124,7 @@ class RingComm:
 # that keeps one longer copies it (`borrows_buffers`).
 # The copy engines are shared: a same-dtype copy on the kernels' stream is a memcpy too, and
 # may wait behind these peer copies; the ring makes its own copies with kernels
-# (`ring.copy_by_kernel`, measured there).
+# (`merge.copy_by_kernel`, measured there).
 
 
 class _Mailbox:

@@ -1,5 +1,5 @@
-"""Two elementwise kernels of the ring's sums, written in Triton: the LSE merge and the widening
-add (Note [Fewer passes] in ring.py). Each is one pass over its operands, like the kernels
+"""The elementwise kernels of the ring's sums, written in Triton: the LSE merge, the widening add and
+the copy (Note [Fewer passes] in ring.py). Each is one pass over its operands, like the kernels
 inductor generates for the same code, but launched for a few µs of host time: a compiled torch
 function costs the host 190-350 µs per call on CUDA, and at 16K tokens per GPU the forward's
 host issues its steps barely ahead of the GPU (host time measured per call site).
@@ -74,15 +74,18 @@ if triton is not None:
 
     @triton.jit
     def _add_kernel(a, b, d, H, L, D, a_b, a_h, a_l, b_b, b_h, b_l, d_b, d_h, d_l,
-                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_B: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         bi, hi = bh // H, bh % H
         rows = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
         cols = tl.arange(0, BLOCK_D)
         mask = (rows < L)[:, None] & (cols < D)[None, :]
         xa = tl.load(a + bi * a_b + hi * a_h + rows[:, None] * a_l + cols[None, :], mask=mask, other=0.0)
-        xb = tl.load(b + bi * b_b + hi * b_h + rows[:, None] * b_l + cols[None, :], mask=mask, other=0.0)
-        y = xa.to(tl.float32) + xb.to(tl.float32)
+        if HAS_B:
+            xb = tl.load(b + bi * b_b + hi * b_h + rows[:, None] * b_l + cols[None, :], mask=mask, other=0.0)
+            y = xa.to(tl.float32) + xb.to(tl.float32)
+        else:  # a copy: every value as it is (converted once, to d's dtype)
+            y = xa
         tl.store(d + bi * d_b + hi * d_h + rows[:, None] * d_l + cols[None, :], y.to(d.dtype.element_ty), mask=mask)
 
 
@@ -116,13 +119,23 @@ def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
 
 
 def add(dst, a, b) -> None:
-    """dst <- a + b in fp32, stored in dst's dtype; dst may be a. Shapes [b, h, L, d]."""
+    """dst <- a + b in fp32, stored in dst's dtype; dst may be a. Shapes [b, h, L, d]; any of the
+    dtypes `available` takes, mixed (an fp32 accumulator plus a bf16 block, say)."""
+    _add(dst, a, b)
+
+
+def copy(dst, src) -> None:
+    """dst <- src, converted to dst's dtype (same dtype: bit for bit). Shapes [b, h, L, d]."""
+    _add(dst, src, None)
+
+
+def _add(dst, a, b) -> None:
     B, h, L, D = dst.shape
     if dst.numel() == 0:
         return
     block_l, block_d = _blocks(D)
     with _on(dst.device):
         _add_kernel[(B * h, triton.cdiv(L, block_l))](
-            a, b, dst, h, L, D, *a.stride()[:3], *b.stride()[:3], *dst.stride()[:3],
-            BLOCK_L=block_l, BLOCK_D=block_d)
+            a, a if b is None else b, dst, h, L, D, *a.stride()[:3], *(a if b is None else b).stride()[:3],
+            *dst.stride()[:3], BLOCK_L=block_l, BLOCK_D=block_d, HAS_B=b is not None)
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import kernels
 from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
-from .merge import add_into, merge_
+from .merge import add_into, copy_by_kernel, merge_
 
 
 @dataclass(frozen=True)
@@ -280,19 +280,6 @@ def _skip_comm() -> bool:
     return os.environ.get("RINGCC_SKIP_COMM", "0") == "1"
 
 
-def copy_by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), as an elementwise kernel on CUDA. A same-dtype copy would be a memcpy,
-    done by the copy engines that also carry the ring's peer copies (Note [Copy-engine ring]),
-    so it may wait behind them. A/B on one 4 x H200 machine (copy-engine ring, default
-    chunks): 16K tokens per GPU causal 32.45 -> 31.58 ms, 64K per GPU
-    non-causal 924.93 -> 920.61 ms. x * 1 is exact for every number (-0.0 included); a NaN
-    stays a NaN."""
-    if dst.is_cuda and dst.dtype == src.dtype and dst.dtype.is_floating_point:
-        torch.mul(src, 1, out=dst)
-    else:
-        dst.copy_(src)
-
-
 def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
     """(query-head slice, K/V-head slice) per chunk of `kv_chunk` K/V heads (0: one chunk)."""
     kv_chunk = kv_chunk or g
@@ -319,7 +306,9 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # Between the kernel calls the ring runs memory-bound passes over each head chunk (dQ/dK/dV
 # sums, merges, casts): they took 1.0-1.15 ms of a 14 ms step at 16K tokens per GPU, p = 2
 # (profiled, by kernel family), 0.4-0.46 ms with the rules below and the merge and the
-# add of two bf16 operands as Triton kernels (fused.py). The rules, all exact:
+# add of two bf16 operands as Triton kernels (fused.py). Every add and copy of the ring takes
+# those kernels on CUDA (merge.add_into, merge.copy_by_kernel): torch's kernels for an fp32 plus
+# a bf16 operand, or for a strided row range, are unvectorized. The rules, all exact:
 # - A partial result that holds one block only (the first block's out, or its dQ/dK/dV) stays
 #   in the kernel's output dtype: widening it would add no information. It is widened inside
 #   the pass that adds the next block (merge.add_into / merge_), not by a copy of its own; the

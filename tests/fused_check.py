@@ -3,7 +3,8 @@ test (tests/test_ring_gpu.py) and the CPU one through Triton's interpreter (test
 
 On the views the ring makes (a head-chunk slice with a row range, a block output, an fp32
 accumulator merged in place, the output written in the input dtype), with rows that saw no key
-(lse = -inf): the merge within fp32 rounding, the widening add bit for bit."""
+(lse = -inf): the merge within fp32 rounding, the widening add (two blocks, or an fp32
+accumulator and a block) and the copy (same dtype, widening, narrowing) bit for bit."""
 
 import torch
 
@@ -43,4 +44,14 @@ def check(device: str, dtypes, ds=(24,)) -> None:
                 fused.add(dst_full[:, 1:4, 5:30], oa, ob)
                 assert torch.equal(dst_full[:, 1:4, 5:30], (oa.float() + ob.float()).to(dst_dtype))
                 assert float(dst_full[:, 0].abs().sum()) == 0 and float(dst_full[:, :, :5].abs().sum()) == 0
+                acc = (full_o.float() * 1.7)[:, 1:4, 5:30]  # an fp32 accumulator plus a block, mixed dtypes
+                fused.add(dst_full[:, 1:4, 5:30], acc, ob)
+                assert torch.equal(dst_full[:, 1:4, 5:30], (acc + ob.float()).to(dst_dtype))
+                for src in (oa, acc):  # the copy: same dtype, widened or narrowed, into a strided view
+                    dst_full.zero_()
+                    fused.copy(dst_full[:, 1:4, 5:30], src)
+                    want = src.to(dst_dtype)
+                    bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
+                    assert torch.equal(dst_full[:, 1:4, 5:30].contiguous().view(bits), want.contiguous().view(bits))
+                    assert float(dst_full[:, 0].abs().sum()) == 0 and float(dst_full[:, :, :5].abs().sum()) == 0
     assert not fused.available((torch.empty(2, 3, 4, 8, dtype=torch.float64, device=device),))  # fp64: torch's

@@ -415,3 +415,34 @@ def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
         assert "parameter gradients: 0 all-reduced over the sequence group, 9 scaled by p" in " ".join(block["notes"])
     assert "parameter gradients: 0 all-reduced over the sequence group, 4 scaled by p" in " ".join(head["notes"])
     assert head["gathers"] == [] and "ringcc" in proc.stdout
+
+
+def test_timeline_summary_of_a_trace(tmp_path):
+    """benchmarks/timeline.py on a small chrome trace: busy time per stream and family, the
+    attention stream's idle time and its longest gap with the events around it."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import timeline
+
+    ev = lambda name, ts, dur, stream, cat="kernel": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                                       "args": {"stream": stream}}
+    trace = {"traceEvents": [
+        ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 0.0, 100.0, 7),
+        ev("_merge_kernel", 100.0, 10.0, 7),
+        ev("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 150.0, 200.0, 7),  # a 40 µs gap before it
+        ev("Memcpy PtoP (Device -> Device)", 20.0, 60.0, 21, "gpu_memcpy"),
+        ev("Memcpy PtoP (Device -> Device)", 60.0, 40.0, 21, "gpu_memcpy"),  # overlaps the first: busy once
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 500.0},  # host events are left out
+    ]}
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    s = timeline.summarize(timeline.load(path))
+    assert s["main"] == 7 and s["span_us"] == 350.0
+    assert s["streams"][7]["busy_us"] == 310.0 and s["idle_us"] == 40.0
+    assert s["streams"][7]["by_family"] == {"attention": 300.0, "ring passes": 10.0}
+    assert s["streams"][21]["busy_us"] == 80.0 and s["streams"][21]["by_family"] == {"peer copies": 100.0}
+    assert s["gap_count"] == 1 and s["gaps"][0][:2] == (110.0, 40.0) and s["gaps"][0][2] == "_merge_kernel"
+    text = timeline.format_summary(s)
+    assert "idle 0.040 ms" in text and "gap    40.0 µs" in text
