@@ -73,9 +73,13 @@ if triton is not None:
         tl.store(ld + bi * ld_b + hi * ld_h + rows, lse.to(ld.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def _add_kernel(a, b, d, H, L, D, a_b, a_h, a_l, b_b, b_h, b_l, d_b, d_h, d_l,
-                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_B: tl.constexpr):
+    def _add_kernel(a, b, d, a2, b2, d2, BH, H, L, D, a_b, a_h, a_l, b_b, b_h, b_l, d_b, d_h, d_l,
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
+        if PAIR:  # programs [BH, 2 BH) sum the second triple (same shapes, dtypes and strides)
+            if bh >= BH:
+                a, b, d = a2, b2, d2
+                bh -= BH
         bi, hi = bh // H, bh % H
         rows = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
         cols = tl.arange(0, BLOCK_D)
@@ -118,10 +122,12 @@ def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
             BLOCK_L=block_l, BLOCK_D=block_d)
 
 
-def add(dst, a, b) -> None:
+def add(dst, a, b, pair=None) -> None:
     """dst <- a + b in fp32, stored in dst's dtype; dst may be a. Shapes [b, h, L, d]; any of the
-    dtypes `available` takes, mixed (an fp32 accumulator plus a bf16 block, say)."""
-    _add(dst, a, b)
+    dtypes `available` takes, mixed (an fp32 accumulator plus a bf16 block, say). `pair`: a second
+    (dst, a, b) summed in the same launch (dK and dV) when its shapes, dtypes and strides are
+    those of the first, else in a launch of its own."""
+    _add(dst, a, b, pair)
 
 
 def copy(dst, src) -> None:
@@ -129,13 +135,23 @@ def copy(dst, src) -> None:
     _add(dst, src, None)
 
 
-def _add(dst, a, b) -> None:
+def _meta(*ts):
+    return tuple((t.shape, t.dtype, t.stride()) for t in ts)
+
+
+def _add(dst, a, b, pair=None) -> None:
+    if pair is not None and _meta(dst, a, b) != _meta(*pair):
+        _add(dst, a, b)
+        _add(*pair)
+        return
     B, h, L, D = dst.shape
     if dst.numel() == 0:
         return
+    has_b = b is not None
+    b = a if b is None else b  # (a copy reads a only)
+    d2, a2, b2 = (dst, a, b) if pair is None else pair
     block_l, block_d = _blocks(D)
     with _on(dst.device):
-        _add_kernel[(B * h, triton.cdiv(L, block_l))](
-            a, a if b is None else b, dst, h, L, D, *a.stride()[:3], *(a if b is None else b).stride()[:3],
-            *dst.stride()[:3], BLOCK_L=block_l, BLOCK_D=block_d, HAS_B=b is not None)
-
+        _add_kernel[(B * h * (1 if pair is None else 2), triton.cdiv(L, block_l))](
+            a, b, dst, a2, b2, d2, B * h, h, L, D, *a.stride()[:3], *b.stride()[:3], *dst.stride()[:3],
+            BLOCK_L=block_l, BLOCK_D=block_d, HAS_B=has_b, PAIR=pair is not None)

@@ -85,30 +85,32 @@ def merge_(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     _merge_compiled(out_dst, lse_dst, out_acc, lse_acc, out_blk, lse_blk)
 
 
-def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def add_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pair=None) -> None:
     """dst <- a + b, summed in the accumulator dtype (fp32; fp64 for fp64) whatever the dtypes of
     a, b (the kernels' bf16 or the accumulator's) and dst (the accumulator's, or the input's
-    for the last addition); dst may be a. One pass: on CUDA the Triton kernel (fused.py), which
+    for the last addition); dst may be a. `pair`: a second (dst, a, b), summed alike (dK with
+    dV: on CUDA in the same launch). One pass: on CUDA the Triton kernel (fused.py), which
     widens each operand as it loads it (torch's add of an fp32 and a bf16 operand runs its
     unvectorized mixed-dtype kernel, about twice as long on H200; a compiled torch function
     would cost the host 100-200 µs per call); elsewhere torch.add widens the other operand
     inside its kernel when one is in the accumulator dtype, and two operands in the input dtype
     take two passes, the first widening a."""
-    adt = acc_dtype(torch.promote_types(a.dtype, b.dtype))
-    if _triton((dst, a, b)):
+    if _triton((dst, a, b)) and (pair is None or _triton(pair)):
         try:
-            fused.add(dst, a, b)
+            fused.add(dst, a, b, pair)
             return
         except Exception as e:  # noqa: BLE001 - a Triton failure: torch's ops instead
             _triton_failed(e)
-    if a.dtype == adt or b.dtype == adt:
-        x, y = (a, b) if a.dtype == adt else (b, a)  # fp addition commutes exactly
-        torch.add(x, y, out=dst)  # computed in adt (the common dtype), stored in dst's
-    elif dst.dtype == adt:
-        copy_by_kernel(dst, a)
-        dst.add_(b)
-    else:
-        torch.add(a.to(adt), b, out=dst)
+    for dst, a, b in [(dst, a, b)] + ([] if pair is None else [pair]):
+        adt = acc_dtype(torch.promote_types(a.dtype, b.dtype))
+        if a.dtype == adt or b.dtype == adt:
+            x, y = (a, b) if a.dtype == adt else (b, a)  # fp addition commutes exactly
+            torch.add(x, y, out=dst)  # computed in adt (the common dtype), stored in dst's
+        elif dst.dtype == adt:
+            copy_by_kernel(dst, a)
+            dst.add_(b)
+        else:
+            torch.add(a.to(adt), b, out=dst)
 
 
 def copy_by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:

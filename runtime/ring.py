@@ -574,29 +574,39 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         del st
 
 
-def _accumulate(acc, blk, reg, shape, adt, dst=None):
-    """The running sum acc + blk, blk at region `reg` of `shape`. acc: None (nothing yet), one
+def _accumulate(accs, blks, reg, shape, adt, dsts=None) -> list:
+    """The running sums acc + blk of each (acc, blk) pair (dQ alone, or dK with dV: their adds in
+    one launch, merge.add_into), blk at region `reg` of `shape`. acc: None (nothing yet), one
     block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]). Without
-    dst returns the new running sum: the block itself when it is the first and covers the whole
+    dst a sum's new running value is the block itself when it is the first and covers the whole
     shape, acc updated in place when it is an accumulator, else a new one. With dst (the last
-    addition) the sum goes there in dst's dtype, in the same pass; returns dst."""
+    addition) the sum goes there in dst's dtype, in the same pass. Returns the sums, in order."""
     full = _covers(reg, shape)
-    if acc is None:
-        if full and dst is None:
-            return blk
+    out, adds = [], []
+    for acc, blk, dst in zip(accs, blks, dsts or [None] * len(accs)):
+        if acc is None:
+            if full and dst is None:
+                out.append(blk)
+                continue
+            if dst is None:
+                dst = torch.zeros(shape, dtype=adt, device=blk.device)
+            else:
+                for part in _outside(reg, shape):
+                    _at(dst, part).zero_()
+            copy_by_kernel(_at(dst, reg), blk)
+            out.append(dst)
+            continue
         if dst is None:
-            dst = torch.zeros(shape, dtype=adt, device=blk.device)
-        else:
-            for part in _outside(reg, shape):
-                _at(dst, part).zero_()
-        copy_by_kernel(_at(dst, reg), blk)
-        return dst
-    if dst is None:
-        dst = acc if acc.dtype == adt else torch.empty(shape, dtype=adt, device=blk.device)
-    if dst is not acc:
-        _copy_outside(dst, acc, reg)
-    add_into(_at(dst, reg), _at(acc, reg), blk)
-    return dst
+            dst = acc if acc.dtype == adt else torch.empty(shape, dtype=adt, device=blk.device)
+        if dst is not acc:
+            _copy_outside(dst, acc, reg)
+        adds.append((_at(dst, reg), _at(acc, reg), blk))
+        out.append(dst)
+    if adds:
+        add_into(*adds[0], pair=adds[1] if len(adds) > 1 else None)
+        for extra in adds[2:]:
+            add_into(*extra)
+    return out
 
 
 def _carry(acc, step: int, adt, wide_first: bool = False):
@@ -690,8 +700,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                     mod=mods.of(st.src, c),
                 )
                 last = last_step and i == len(st.calls) - 1 and dq is not None  # dQ complete: the output
-                dq = _accumulate(dq, dq_b, _region(c, b), q_c.shape, adt,
-                                 out_slice(0, hq, q_c.shape, q.dtype) if last else None)
+                (dq,) = _accumulate([dq], [dq_b], _region(c, b), q_c.shape, adt,
+                                    [out_slice(0, hq, q_c.shape, q.dtype)] if last else None)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use
             # Wait for this step's batch only now, so it overlaps this step's kernels. It brings
@@ -717,8 +727,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                     else:
                         dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
                 keys = _region(c, b, keys=True)
-                dk_acc = _accumulate(dk_acc, dk_b, keys, kv_shape, adt, dk_dst)
-                dv_acc = _accumulate(dv_acc, dv_b, keys, kv_shape, adt, dv_dst)
+                dk_acc, dv_acc = _accumulate([dk_acc, dv_acc], [dk_b, dv_b], keys, kv_shape, adt,
+                                             None if dk_dst is None else [dk_dst, dv_dst])
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
                 dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)

@@ -4,7 +4,7 @@ test (tests/test_ring_gpu.py) and the CPU one through Triton's interpreter (test
 On the views the ring makes (a head-chunk slice with a row range, a block output, an fp32
 accumulator merged in place, the output written in the input dtype), with rows that saw no key
 (lse = -inf): the merge within fp32 rounding, the widening add (two blocks, or an fp32
-accumulator and a block) and the copy (same dtype, widening, narrowing) bit for bit."""
+accumulator and a block) a pair of adds in one launch, and the copy (same dtype, widening, narrowing) bit for bit."""
 
 import torch
 
@@ -47,6 +47,15 @@ def check(device: str, dtypes, ds=(24,)) -> None:
                 acc = (full_o.float() * 1.7)[:, 1:4, 5:30]  # an fp32 accumulator plus a block, mixed dtypes
                 fused.add(dst_full[:, 1:4, 5:30], acc, ob)
                 assert torch.equal(dst_full[:, 1:4, 5:30], (acc + ob.float()).to(dst_dtype))
+                dst2 = torch.zeros_like(dst_full)  # a pair in one launch: dK with dV
+                acc2, ob2 = (full_o.float() * -0.85)[:, 1:4, 5:30], ob * 3
+                assert fused._meta(dst_full[:, 1:4, 5:30], acc, ob) == fused._meta(dst2[:, 1:4, 5:30], acc2, ob2)
+                fused.add(dst_full[:, 1:4, 5:30], acc, ob, pair=(dst2[:, 1:4, 5:30], acc2, ob2))
+                assert torch.equal(dst_full[:, 1:4, 5:30], (acc + ob.float()).to(dst_dtype))
+                assert torch.equal(dst2[:, 1:4, 5:30], (acc2 + ob2.float()).to(dst_dtype))
+                assert float(dst2[:, 0].abs().sum()) == 0 and float(dst2[:, :, :5].abs().sum()) == 0
+                fused.add(dst2[:, 1:4, 5:30], oa, ob, pair=(dst_full[:, 1:4, 5:30], acc, ob))  # unlike: two launches
+                assert torch.equal(dst2[:, 1:4, 5:30], (oa.float() + ob.float()).to(dst_dtype))
                 for src in (oa, acc):  # the copy: same dtype, widened or narrowed, into a strided view
                     dst_full.zero_()
                     fused.copy(dst_full[:, 1:4, 5:30], src)

@@ -734,26 +734,32 @@ def _regions(ranges):
 def test_accumulate_equals_fp32_sum_narrowed_once(ranges, final):
     """ring._accumulate (Note [Fewer passes]: one block kept in its own dtype, widening inside the
     next addition, the last addition writing the input dtype) gives bit for bit what an fp32
-    accumulator summed in the same order and narrowed once gives, regions of batch rows too."""
+    accumulator summed in the same order and narrowed once gives, regions of batch rows too;
+    two sums at once (dK with dV) each as alone."""
     from ringcc.runtime.ring import _accumulate
 
     shape = (3, 2, 8, 4)
     blocks = _blocks(len(ranges), shape, _regions(ranges))
-    ref = torch.zeros(shape)
-    for blk, (b0, b1, r0, r1) in blocks:
-        ref[b0:b1, :, r0:r1] += blk.float()
-    acc = None
-    for i, (blk, reg) in enumerate(blocks):
+    twins = [(blk * -2, reg) for blk, reg in blocks]  # exact in bf16
+    refs = [torch.zeros(shape), torch.zeros(shape)]
+    for ref, blks in zip(refs, (blocks, twins)):
+        for blk, (b0, b1, r0, r1) in blks:
+            ref[b0:b1, :, r0:r1] += blk.float()
+    acc, pair = None, [None, None]
+    for i, ((blk, reg), (twin, _)) in enumerate(zip(blocks, twins)):
         last = final and i == len(blocks) - 1 and acc is not None
-        dst = torch.full(shape, float("nan"), dtype=torch.bfloat16) if last else None
-        acc = _accumulate(acc, blk, reg, shape, torch.float32, dst)
+        nan = lambda: torch.full(shape, float("nan"), dtype=torch.bfloat16)  # noqa: E731
+        dst, dsts = (nan(), [nan(), nan()]) if last else (None, None)
+        (acc,) = _accumulate([acc], [blk], reg, shape, torch.float32, None if dst is None else [dst])
+        pair = _accumulate(pair, [blk, twin], reg, shape, torch.float32, dsts)
         if last:
-            assert acc is dst
+            assert acc is dst and pair[0] is dsts[0] and pair[1] is dsts[1]
     if len(blocks) == 1 and ranges[0] == (0, 8):
         assert acc is blocks[0][0]  # one block covering every row: no pass at all
-    assert torch.equal(acc.to(torch.bfloat16), ref.to(torch.bfloat16))
-    if acc.dtype == torch.float32:
-        assert torch.equal(acc, ref)
+    for got, ref in ((acc, refs[0]), (pair[0], refs[0]), (pair[1], refs[1])):
+        assert torch.equal(got.to(torch.bfloat16), ref.to(torch.bfloat16))
+        if got.dtype == torch.float32:
+            assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("ranges", [[(0, 8), (0, 8)], [(0, 8), (4, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 8)],
