@@ -2,10 +2,10 @@
 
     python benchmarks/timeline.py TRACE.json[.gz] [--png TIMELINE.png]
 
-Prints, per stream, the time its kernels and copies are busy within the step's span (from the
-first GPU event to the last), the busy time by family (attention kernels; the ring's passes:
-merges, adds, copies; peer copies; NCCL; other), and the longest idle gaps of the busiest
-stream, each with the events before and after it: what the attention kernels wait for. With
+Prints the time the compute (every kernel but NCCL's, on any stream) is busy and idle within the
+step, its longest idle gaps, each with the events before and after it (what the attention
+kernels wait for), and per stream the busy time by family (attention kernels; the ring's
+passes: merges, adds, copies; peer copies; NCCL; other). With
 --png (matplotlib), a picture of the same: one row per stream, colored by family.
 bench_attention.py --profile prints this summary for each profiled cell.
 """
@@ -18,8 +18,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-FAMILIES = ("attention", "ring passes", "graph copies", "peer copies", "nccl", "other")
-COLORS = {"attention": "tab:blue", "ring passes": "tab:orange", "graph copies": "tab:purple",
+FAMILIES = ("attention", "ring passes", "local copies", "peer copies", "nccl", "other")
+COLORS = {"attention": "tab:blue", "ring passes": "tab:orange", "local copies": "tab:purple",
           "peer copies": "tab:green", "nccl": "tab:red", "other": "tab:gray"}
 
 
@@ -27,7 +27,7 @@ def family(ev: dict) -> str:
     name, cat = ev.get("name", ""), ev.get("cat", "")
     low = name.lower()
     if cat == "gpu_memcpy":
-        return "peer copies" if "ptop" in low or "peer" in low else "graph copies"
+        return "peer copies" if "ptop" in low or "peer" in low else "local copies"
     if "nccl" in low:
         return "nccl"
     if "sdpa" in low or "flash" in low or "fmha" in low or "cudnn" in low:
@@ -61,37 +61,45 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def summarize(evs: list[dict], gaps: int = 6, min_gap_us: float = 10.0) -> dict:
-    """{span_us, streams: {stream: {busy_us, by_family}}, main, gaps: [(start_us, length_us, before, after)]}."""
+    """{span_us, streams: {stream: {busy_us, by_family}}, compute_busy_us, idle_us, gaps: [(start_us,
+    length_us, before, after)], gap_count, gap_total_us}. The compute is every kernel and memset
+    but NCCL's and the peer copies, on any stream (a CUDA graph's replay spreads its kernels over
+    several); its idle time is the span's time when none of them runs, and its gaps are those
+    stretches, each with the event that ended before it and the one that started after it."""
     if not evs:
-        return {"span_us": 0.0, "streams": {}, "main": None, "gaps": []}
+        return {"span_us": 0.0, "streams": {}, "compute_busy_us": 0.0, "idle_us": 0.0, "gaps": [],
+                "gap_count": 0, "gap_total_us": 0.0}
     t0 = min(e["ts"] for e in evs)
     t1 = max(e["ts"] + e["dur"] for e in evs)
-    per: dict = defaultdict(lambda: {"busy_us": 0.0, "by_family": defaultdict(float), "events": []})
+    per: dict = defaultdict(lambda: {"by_family": defaultdict(float), "spans": []})
     for e in evs:
         s = per[e["stream"]]
         s["by_family"][family(e)] += e["dur"]
-        s["events"].append(e)
-    for s in per.values():
-        s["busy_us"] = sum(b - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in s["events"]]))
-    main = max(per, key=lambda k: per[k]["by_family"].get("attention", 0.0) + 1e-3 * per[k]["busy_us"])
-    order = sorted(per[main]["events"], key=lambda e: e["ts"])
+        s["spans"].append((e["ts"], e["ts"] + e["dur"]))
+    compute = sorted((e for e in evs if family(e) not in ("peer copies", "nccl") and e["cat"] != "gpu_memcpy"),
+                     key=lambda e: e["ts"])
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in compute])
     found = []
-    for prev, nxt in zip(order, order[1:]):
-        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
-        if gap >= min_gap_us:
-            found.append((prev["ts"] + prev["dur"] - t0, gap, prev["name"][:48], nxt["name"][:48]))
+    for (a0, a1), (b0, _) in zip(busy, busy[1:]):
+        if b0 - a1 >= min_gap_us:
+            before = max((e for e in compute if e["ts"] + e["dur"] <= a1 + 1e-6), key=lambda e: e["ts"] + e["dur"])
+            after = next(e for e in compute if e["ts"] >= b0 - 1e-6)
+            found.append((a1 - t0, b0 - a1, before["name"][:48], after["name"][:48]))
     found.sort(key=lambda g: -g[1])
-    return {"span_us": t1 - t0, "streams": {k: {"busy_us": v["busy_us"], "by_family": dict(v["by_family"])}
-                                            for k, v in per.items()},
-            "main": main, "gaps": found[:gaps], "idle_us": (t1 - t0) - per[main]["busy_us"],
-            "gap_count": len(found), "gap_total_us": sum(g[1] for g in found)}
+    compute_busy = sum(b - a for a, b in busy)
+    return {"span_us": t1 - t0,
+            "streams": {k: {"busy_us": sum(b - a for a, b in _union(v["spans"])), "by_family": dict(v["by_family"])}
+                        for k, v in per.items()},
+            "compute_busy_us": compute_busy, "idle_us": (busy[-1][1] - busy[0][0]) - compute_busy if busy else 0.0,
+            "gaps": found[:gaps], "gap_count": len(found), "gap_total_us": sum(g[1] for g in found)}
 
 
 def format_summary(s: dict) -> str:
     if not s["streams"]:
         return "timeline: no GPU events"
-    lines = [f"timeline (rank 0): span {s['span_us'] / 1e3:.3f} ms; the attention stream ({s['main']}) idle "
-             f"{s['idle_us'] / 1e3:.3f} ms, {s['gap_count']} gaps of >= 10 µs ({s['gap_total_us'] / 1e3:.3f} ms)"]
+    lines = [f"timeline (rank 0): span {s['span_us'] / 1e3:.3f} ms; compute busy {s['compute_busy_us'] / 1e3:.3f} ms, "
+             f"idle {s['idle_us'] / 1e3:.3f} ms between its first and last kernel, in {s['gap_count']} gaps of "
+             f">= 10 µs ({s['gap_total_us'] / 1e3:.3f} ms)"]
     for k, v in sorted(s["streams"].items(), key=lambda kv: -kv[1]["busy_us"]):
         fams = ", ".join(f"{f} {v['by_family'][f] / 1e3:.3f}" for f in FAMILIES if v["by_family"].get(f))
         lines.append(f"  stream {k}: busy {v['busy_us'] / 1e3:.3f} ms ({fams} ms)")
@@ -108,19 +116,19 @@ def plot(evs: list[dict], png: str | Path, title: str = "") -> None:
 
     t0 = min(e["ts"] for e in evs)
     streams = sorted({e["stream"] for e in evs}, key=str)
-    fig, ax = plt.subplots(figsize=(14, 0.6 * len(streams) + 1.5))
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(streams) + 2.0))
     for row, st in enumerate(streams):
         for fam in FAMILIES:
             bars = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in evs if e["stream"] == st and family(e) == fam]
             if bars:
-                ax.broken_barh(bars, (row - 0.4, 0.8), color=COLORS[fam], label=fam if row == 0 or True else None)
+                ax.broken_barh(bars, (row - 0.4, 0.8), color=COLORS[fam], label=fam)
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
-    ax.legend(seen.values(), seen.keys(), loc="upper right", ncol=len(seen), fontsize=8)
+    fig.legend(seen.values(), seen.keys(), loc="lower center", ncol=len(seen), fontsize=8)
     ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
     ax.set_xlabel("ms from the step's first GPU event")
     ax.set_title(title or "one profiled step, rank 0")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.4 / fig.get_figheight(), 1, 1))  # the legend's row below the axes
     fig.savefig(png, dpi=110)
     plt.close(fig)
 

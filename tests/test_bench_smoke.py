@@ -419,7 +419,7 @@ def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
 
 def test_timeline_summary_of_a_trace(tmp_path):
     """benchmarks/timeline.py on a small chrome trace: busy time per stream and family, the
-    attention stream's idle time and its longest gap with the events around it."""
+    compute's idle time and its longest gap with the events around it."""
     import gzip
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -439,10 +439,10 @@ def test_timeline_summary_of_a_trace(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
     s = timeline.summarize(timeline.load(path))
-    assert s["main"] == 7 and s["span_us"] == 350.0
-    assert s["streams"][7]["busy_us"] == 310.0 and s["idle_us"] == 40.0
+    assert s["span_us"] == 350.0 and s["compute_busy_us"] == 310.0 and s["idle_us"] == 40.0
+    assert s["streams"][7]["busy_us"] == 310.0
     assert s["streams"][7]["by_family"] == {"attention": 300.0, "ring passes": 10.0}
     assert s["streams"][21]["busy_us"] == 80.0 and s["streams"][21]["by_family"] == {"peer copies": 100.0}
     assert s["gap_count"] == 1 and s["gaps"][0][:2] == (110.0, 40.0) and s["gaps"][0][2] == "_merge_kernel"
     text = timeline.format_summary(s)
-    assert "idle 0.040 ms" in text and "gap    40.0 µs" in text
+    assert "idle 0.040 ms" in text and "gap    40.0 µs" in text and "before cudnn_generated" in text
