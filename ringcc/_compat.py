@@ -272,6 +272,15 @@ class CudaDriver:
         self._check(self._wait_event(later, event, 0), "cuStreamWaitEvent")
 
 
+def on_device(device: torch.device):
+    """The CUDA device's context when it is not the current one, else nothing: Triton launches and
+    raw driver calls on stream 0 act on the current device, and entering torch.cuda.device
+    costs the host two device switches per call."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about `cycles` GPU clock cycles (torch.cuda._sleep):
     benchmarks use it to let the host run ahead of the GPU."""

@@ -326,7 +326,7 @@ class CopyEngineRing:
         d, side = box.driver, box.side
         # The driver calls take raw stream handles: 0, the default stream, means the current
         # device's, so the device is made current for them.
-        with torch.cuda.device(self.device):
+        with _compat.on_device(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             d.order(side, compute, box.to_side)
             if box.last_stream is not None and box.last_stream != compute:
@@ -350,7 +350,7 @@ class CopyEngineRing:
         if self._inflight is None:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
         box, seq, _sources = self._inflight
-        with torch.cuda.device(self.device):
+        with _compat.on_device(self.device):
             compute = torch.cuda.current_stream(self.device).cuda_stream
             box.driver.wait_geq(compute, box.ready_addr, seq)
             box.driver.write(compute, box.ready_addr, 0)  # consumed (Note [Copy-engine ring])

@@ -13,10 +13,11 @@ destination's dtype; `available()` is False where Triton or CUDA is missing and 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
+
+from ringcc import _compat
 
 try:
     import triton
@@ -99,13 +100,6 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, 4096 // block_d), block_d
 
 
-def _on(device: torch.device):
-    """The device's context when it is not the current one (Triton launches on the current)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
     """(out_d, lse_d) <- LSE merge of (out_a, lse_a) and (out_b, lse_b); out_d may be out_a and
     lse_d lse_a (in place). Shapes [b, h, L, d] and [b, h, L]."""
@@ -115,7 +109,7 @@ def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
     block_l, block_d = _blocks(D)
     s4 = [t.stride() for t in (out_a, out_b, out_d)]
     s3 = [t.stride() for t in (lse_a, lse_b, lse_d)]
-    with _on(out_d.device):
+    with _compat.on_device(out_d.device):
         _merge_kernel[(b * h, triton.cdiv(L, block_l))](
             out_a, lse_a, out_b, lse_b, out_d, lse_d, h, L, D,
             *(x for s in s4 for x in s[:3]), *(x for s in s3 for x in s[:2]),
@@ -151,7 +145,7 @@ def _add(dst, a, b, pair=None) -> None:
     b = a if b is None else b  # (a copy reads a only)
     d2, a2, b2 = (dst, a, b) if pair is None else pair
     block_l, block_d = _blocks(D)
-    with _on(dst.device):
+    with _compat.on_device(dst.device):
         _add_kernel[(B * h * (1 if pair is None else 2), triton.cdiv(L, block_l))](
             a, b, dst, a2, b2, d2, B * h, h, L, D, *a.stride()[:3], *b.stride()[:3], *dst.stride()[:3],
             BLOCK_L=block_l, BLOCK_D=block_d, HAS_B=has_b, PAIR=pair is not None)

@@ -142,6 +142,8 @@ class RingSetup:
         length, src, device): they cost host time, and the positions one copy to the device.
         Cut calls are not cached (runs change with every batch's padding): their window masks
         are slices of the cached ones."""
+        if not self.window and keys is None:
+            return list(self._plain_calls(n_local, src))
         groups = [(0, None, (0, n_local))] if keys is None else _row_groups(keys)
         if not self.window:
             return [(replace(part, b0=b0, b1=b1), None)
@@ -152,6 +154,12 @@ class RingSetup:
         return [(replace(part, b0=b0, b1=b1),
                  None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
                 for b0, b1, (lo, hi) in groups for c, m in calls for part in clip_calls([c], lo, hi)]
+
+    # Cached on the method as _window_calls below: the plain calls are decided on the host per
+    # step (tens of µs of Python) and are the same at every step of every call of this length.
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def _plain_calls(self, n_local: int, src: int) -> tuple[tuple[BlockCall, None], ...]:
+        return tuple((c, None) for c in self.calls(n_local, src))
 
     # Cached on the method: setups are frozen, few, and shared by every call. Entries hold O(n)
     # device positions and their flex tiles, so the cache keeps a few lengths' worth (p entries
