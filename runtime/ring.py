@@ -123,13 +123,7 @@ class RingSetup:
     softcap: float = 0.0
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
-        per = chunks_per_rank(self.layout)
-        return plan_block(
-            local_chunks(self.rank, self.world, self.layout),
-            local_chunks(src, self.world, self.layout),
-            n_local // per,
-            self.is_causal,
-        )
+        return list(_block_calls(self.rank, self.world, self.layout, self.is_causal, n_local, src))
 
     def masked_calls(self, n_local: int, src: int, device, keys: tuple[tuple[int, int], ...] | None = None
                      ) -> list[tuple[BlockCall, "WindowMask | None"]]:
@@ -143,7 +137,7 @@ class RingSetup:
         Cut calls are not cached (runs change with every batch's padding): their window masks
         are slices of the cached ones."""
         if not self.window and keys is None:
-            return list(self._plain_calls(n_local, src))
+            return [(c, None) for c in self.calls(n_local, src)]
         groups = [(0, None, (0, n_local))] if keys is None else _row_groups(keys)
         if not self.window:
             return [(replace(part, b0=b0, b1=b1), None)
@@ -154,12 +148,6 @@ class RingSetup:
         return [(replace(part, b0=b0, b1=b1),
                  None if m is None else m.sub(part.q0 - c.q0, part.q1 - c.q0, part.k0 - c.k0, part.k1 - c.k0))
                 for b0, b1, (lo, hi) in groups for c, m in calls for part in clip_calls([c], lo, hi)]
-
-    # Cached on the method as _window_calls below: the plain calls are decided on the host per
-    # step (tens of µs of Python) and are the same at every step of every call of this length.
-    @functools.lru_cache(maxsize=256)  # noqa: B019
-    def _plain_calls(self, n_local: int, src: int) -> tuple[tuple[BlockCall, None], ...]:
-        return tuple((c, None) for c in self.calls(n_local, src))
 
     # Cached on the method: setups are frozen, few, and shared by every call. Entries hold O(n)
     # device positions and their flex tiles, so the cache keeps a few lengths' worth (p entries
@@ -187,6 +175,16 @@ class RingSetup:
                 out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
                                                              self.is_causal, qs, ks)))
         return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_calls(rank: int, world: int, layout: Layout, is_causal: bool, n_local: int, src: int) -> tuple[BlockCall, ...]:
+    """RingSetup.calls, cached: the same at every step of every call of this length, and decided
+    on the host in tens of µs of Python per step. Keyed by plain values, not the setup: a cache
+    holding a setup would hold its process group (ops._SETUPS says why it must not)."""
+    per = chunks_per_rank(layout)
+    return tuple(plan_block(local_chunks(rank, world, layout), local_chunks(src, world, layout), n_local // per,
+                            is_causal))
 
 
 def _row_groups(keys: tuple[tuple[int, int], ...]) -> list[tuple[int, int | None, tuple[int, int]]]:
