@@ -446,3 +446,21 @@ def test_timeline_summary_of_a_trace(tmp_path):
     assert s["gap_count"] == 1 and s["gaps"][0][:2] == (110.0, 40.0) and s["gaps"][0][2] == "_merge_kernel"
     text = timeline.format_summary(s)
     assert "idle 0.040 ms" in text and "gap    40.0 µs" in text and "before cudnn_generated" in text
+
+
+@pytest.mark.soak
+def test_ring_host_benchmark_times_the_ring_functions(tmp_path):
+    """bench_ring_host.py end to end on CPU (gloo, p = 2, smoke sizes): every rank's GPU (here
+    wall) and host time per fwd+bwd, and the host's time inside the ring's functions, which the
+    forward and the backward enclose."""
+    proc, rec = _torchrun_smoke("bench_ring_host.py", tmp_path)
+    assert rec["device"] == "cpu (smoke, gloo)" and rec["world"] == 2 and rec["causal"]
+    assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1]
+    for r in rec["ranks"]:
+        f = r["functions"]
+        assert r["gpu_ms"] > 0 and r["host_ms"] > 0
+        assert f["ring forward"][1] == 1 and f["ring backward"][1] == 1  # once per fwd+bwd
+        assert f["RingComm.commit"][1] == 4  # p = 2: one batch in the forward, three in the backward
+        inside = sum(f[k][0] for k in ("kernels.block_fwd", "kernels.block_bwd"))
+        assert 0 < inside < f["ring forward"][0] + f["ring backward"][0] <= r["host_ms"]
+    assert "host" in proc.stdout and "ring._accumulate" in proc.stdout
