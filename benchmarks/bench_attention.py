@@ -831,35 +831,21 @@ def profile_table(step: Callable[[], None], env: Env, name: str, rows: int = 20)
     whether communication kernels run beside the attention kernels or add to them. On CUDA also
     the step's timeline (benchmarks/timeline.py: busy time per stream and family, the attention
     stream's longest gaps); rank 0's chrome trace is kept in --trace-dir."""
-    from torch.profiler import ProfilerActivity, profile
+    if not env.cuda:
+        from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
-    env.barrier()
-    with profile(activities=acts) as prof:
-        step()
         env.barrier()
-    key = "self_device_time_total" if env.cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=rows)
-    if not env.cuda or env.rank != 0:
-        return table
-    import gzip
-    import shutil
-    import tempfile
-
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+            env.barrier()
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
     here = str(Path(__file__).parent)
     if here not in sys.path:  # (loaded by path, as the tests do, the folder is not on it)
         sys.path.insert(0, here)
     import timeline
 
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        summary = timeline.format_summary(timeline.summarize(timeline.load(raw)))
-        if env.args.trace_dir:
-            Path(env.args.trace_dir).mkdir(parents=True, exist_ok=True)
-            with open(raw, "rb") as src, gzip.open(Path(env.args.trace_dir) / f"{name}.json.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-    return f"{table}\n{summary}"
+    trace = Path(env.args.trace_dir) / f"{name}.json.gz" if env.args.trace_dir else None
+    return timeline.profile_step(step, env.barrier, trace, rank0=env.rank == 0, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ travels; `at-once` waits right after each bucket's start, as a synchronous all-r
         --lengths 8192 --cases unmasked --grad-waits last at-once
 
 Each cell: --warmup steps (the first compiles), then the median of --reps forward+backward
-steps (CUDA events on GPU, after a barrier), slowest rank.
+steps (CUDA events on GPU, after a barrier), slowest rank. `--trace-dir DIR` then profiles one
+more step: where its GPU time goes by kernel family, and the compute's idle gaps (timeline.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 import dist_setup
 import ringcc
+import timeline
 
 CASES = ("unmasked", "key padding")
 GRAD_WAITS = ("last", "at-once")
@@ -135,12 +137,18 @@ def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> d
         times.append(dist_setup.timed(step, device))
         counts.append(gathers[0] - before)
     ms = statistics.median(times)
+    timeline_text = None
+    if args.trace_dir and device.type == "cuda":
+        trace = f"{args.trace_dir}/model_{case.replace(' ', '_')}_{waits}_{n_local}_p{world}.json.gz"
+        timeline_text = timeline.profile_step(step, dist.barrier, trace, rank0=dist.get_rank() == 0)
+        if dist.get_rank() == 0:
+            print(f"profile of one step ({case}, {n_local} tokens per GPU, rank 0):\n{timeline_text}", flush=True)
     every = [None] * world
     dist.all_gather_object(every, (ms, counts))
     torch._dynamo.reset()
     return dict(case=case, grad_waits=waits, n_local=n_local, n=n, p=world, layers=args.layers, ms=max(e[0] for e in every),
                 ms_per_rank=[e[0] for e in every], key_run_gathers_per_step=statistics.median(counts),
-                warmup_s=warm_s)
+                warmup_s=warm_s, profile=timeline_text)
 
 
 def main() -> None:
@@ -150,6 +158,8 @@ def main() -> None:
     ap.add_argument("--grad-waits", nargs="+", default=["last"], choices=GRAD_WAITS,
                     help="where the gradient all-reduce waits: last (ringcc) and/or at-once (synchronous)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
+    ap.add_argument("--trace-dir", default=None, help="CUDA: after the timed steps profile one more: rank 0 prints "
+                    "its top ops and timeline (timeline.py) and keeps the chrome trace here")
     args = ap.parse_args()
     if args.smoke:
         args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1

@@ -5,9 +5,10 @@
 Prints the time the compute (every kernel but NCCL's, on any stream) is busy and idle within the
 step, its longest idle gaps, each with the events before and after it (what the attention
 kernels wait for), and per stream the busy time by family (attention kernels; the ring's
-passes: merges, adds, copies; peer copies; NCCL; other). With
+passes: merges, adds, copies; matmuls; inductor's kernels; peer copies; NCCL; other). With
 --png (matplotlib), a picture of the same: one row per stream, colored by family.
-bench_attention.py --profile prints this summary for each profiled cell.
+bench_attention.py --profile and bench_model_masked.py --trace-dir print this summary for each
+profiled cell or step (`profile_step`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-FAMILIES = ("attention", "ring passes", "local copies", "peer copies", "nccl", "other")
-COLORS = {"attention": "tab:blue", "ring passes": "tab:orange", "local copies": "tab:purple",
-          "peer copies": "tab:green", "nccl": "tab:red", "other": "tab:gray"}
+FAMILIES = ("attention", "ring passes", "matmul", "inductor", "local copies", "peer copies", "nccl", "other")
+COLORS = {"attention": "tab:blue", "ring passes": "tab:orange", "matmul": "tab:olive", "inductor": "tab:cyan",
+          "local copies": "tab:purple", "peer copies": "tab:green", "nccl": "tab:red", "other": "tab:gray"}
+_MATMUL = ("gemm", "nvjet", "cutlass", "xmma", "cublas")
 
 
 def family(ev: dict) -> str:
@@ -34,6 +36,10 @@ def family(ev: dict) -> str:
         return "attention"
     if low.startswith("_merge_kernel") or low.startswith("_add_kernel") or "elementwise" in low or cat == "gpu_memset":
         return "ring passes"
+    if any(m in low for m in _MATMUL):
+        return "matmul"
+    if low.startswith("triton_"):  # inductor's generated kernels (the model's pointwise and reductions)
+        return "inductor"
     return "other"
 
 
@@ -106,6 +112,33 @@ def format_summary(s: dict) -> str:
     for start, gap, before, after in s["gaps"]:
         lines.append(f"  gap {gap:7.1f} µs at {start / 1e3:7.3f} ms: after {before} / before {after}")
     return "\n".join(lines)
+
+
+def profile_step(step, barrier, trace: str | Path | None = None, rank0: bool = True, rows: int = 20) -> str:
+    """Profile one call of step() between two calls of barrier(): the top ops by self device
+    time and, on rank 0 (`rank0`), this module's summary of the step's timeline; the chrome
+    trace is kept gzipped at `trace` when given (rank 0)."""
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        barrier()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows)
+    if not rank0:
+        return table
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        summary = format_summary(summarize(load(raw)))
+        if trace:
+            Path(trace).parent.mkdir(parents=True, exist_ok=True)
+            with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return f"{table}\n{summary}"
 
 
 def plot(evs: list[dict], png: str | Path, title: str = "") -> None:

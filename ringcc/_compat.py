@@ -281,6 +281,17 @@ def on_device(device: torch.device):
     return contextlib.nullcontext()
 
 
+def current_raw_stream(device: torch.device) -> int:
+    """The raw handle of the current stream of a CUDA device (its index, or the current device's
+    when it has none), without making a torch.cuda.Stream object (a few µs of host time each):
+    the private call inductor's generated code uses, else the public way."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    return get(index)
+
+
 def cuda_spin(cycles: int) -> None:
     """Keep the current CUDA stream busy for about `cycles` GPU clock cycles (torch.cuda._sleep):
     benchmarks use it to let the host run ahead of the GPU."""

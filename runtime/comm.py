@@ -327,7 +327,7 @@ class CopyEngineRing:
         # The driver calls take raw stream handles: 0, the default stream, means the current
         # device's, so the device is made current for them.
         with _compat.on_device(self.device):
-            compute = torch.cuda.current_stream(self.device).cuda_stream
+            compute = _compat.current_raw_stream(self.device)
             d.order(side, compute, box.to_side)
             if box.last_stream is not None and box.last_stream != compute:
                 d.order(side, box.last_stream, box.to_side)  # a ring before this one ran on another stream
@@ -351,7 +351,7 @@ class CopyEngineRing:
             raise RuntimeError("CopyEngineRing.wait called without a committed batch")
         box, seq, _sources = self._inflight
         with _compat.on_device(self.device):
-            compute = torch.cuda.current_stream(self.device).cuda_stream
+            compute = _compat.current_raw_stream(self.device)
             box.driver.wait_geq(compute, box.ready_addr, seq)
             box.driver.write(compute, box.ready_addr, 0)  # consumed (Note [Copy-engine ring])
             box.driver.order(compute, box.side, box.to_compute)

@@ -63,4 +63,22 @@ def check(device: str, dtypes, ds=(24,)) -> None:
                     bits = {2: torch.int16, 4: torch.int32}[want.element_size()]
                     assert torch.equal(dst_full[:, 1:4, 5:30].contiguous().view(bits), want.contiguous().view(bits))
                     assert float(dst_full[:, 0].abs().sum()) == 0 and float(dst_full[:, :, :5].abs().sum()) == 0
+            # Launched again, a kernel comes from the kept compiled ones (Note [Direct launches]);
+            # an operand whose address is not 16-byte aligned takes a kernel of its own.
+            flat = rnd(2 * 3 * 25 * d + 8).to(dt)
+            for off in (0, 1, 0, 1, 8):
+                x = flat[off:off + 2 * 3 * 25 * d].view(2, 3, 25, d)
+                y = (x * 0.5).float()
+                for dst_dtype in (torch.float32, dt):
+                    got = torch.full((2, 3, 25, d), float("nan"), device=device, dtype=dst_dtype)
+                    fused.add(got, y, x)
+                    assert torch.equal(got, (y + x.float()).to(dst_dtype)), (off, dst_dtype)
+                    fused.copy(got, x)
+                    assert torch.equal(got, x.to(dst_dtype)), (off, dst_dtype)
+                got_o, got_l = torch.empty_like(y), torch.empty(2, 3, 25, device=device)
+                la2 = rnd(2, 3, 25)
+                fused.merge(got_o, got_l, x, la2, y, la2)  # equal lse: the mean of the two
+                assert torch.allclose(got_o, (x.float() + y) / 2, atol=1e-5, rtol=1e-5), off
+    if device == "cuda":  # several kernels kept: at least aligned and unaligned operands apart
+        assert not fused._ADD.direct or len(fused._ADD.kernels) >= 2
     assert not fused.available((torch.empty(2, 3, 4, 8, dtype=torch.float64, device=device),))  # fp64: torch's
