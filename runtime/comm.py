@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ringcc import _compat
+from . import merge
 
 
 # Config(timeout=...) per group, for the ring's point-to-point waits: gloo's send/recv keep the
@@ -66,7 +67,7 @@ class RingComm:
             raise RuntimeError("RingComm.send_recv called while a batch is in flight; call wait() first")
         out = []
         for i, t in enumerate(tensors):
-            t = t.contiguous()
+            t = merge.contiguous(t)
             buf = torch.empty_like(t) if recv_buffers is None else recv_buffers[i]
             # Distinct tags keep gloo's matching unambiguous when several tensors go to one peer.
             self._ops.append(dist.P2POp(dist.isend, t, self.send_to, self.group, tag=self._tag))
@@ -309,7 +310,7 @@ class CopyEngineRing:
             raise ValueError("CopyEngineRing receives into its own areas; recv_buffers is not supported")
         if self._queued is not None or self._inflight is not None:
             raise RuntimeError("CopyEngineRing.send_recv called while a batch is queued or in flight; call wait() first")
-        tensors = [t.contiguous() for t in tensors]
+        tensors = [merge.contiguous(t) for t in tensors]
         key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         box = self._box(sum(_align(t.nbytes) for t in tensors))
         seq = box.seq + 1

@@ -143,6 +143,18 @@ def copy_by_kernel(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t when it is contiguous, else a contiguous copy made by `copy_by_kernel`: a [b, h, L, d]
+    view of a [b, L, h, d] projection (the ring's K/V and dout as models hand them over) takes
+    the Triton copy, where Tensor.contiguous() runs torch's unvectorized strided copy (48 µs for
+    32 MiB of bf16 on H200, 56 times in a profiled 8-layer step at 8K tokens per GPU)."""
+    if t.is_contiguous():
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    copy_by_kernel(out, t)
+    return out
+
+
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable merge of several partial results (used where gradients flow through
     the mixing weights, e.g. dilated branches)."""

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import kernels
 from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
-from .merge import add_into, copy_by_kernel, merge_
+from .merge import add_into, contiguous, copy_by_kernel, merge_
 
 
 @dataclass(frozen=True)
@@ -652,7 +652,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
-    dout, out = dout.contiguous(), out.contiguous()
+    dout, out = contiguous(dout), contiguous(out)
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     # some rank's own block is cut, or split by batch rows: more than one call (_carry)
@@ -691,7 +691,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         k_c, v_c = k[:, hk], v[:, hk]
         mods = _Mods(setup, slopes, s, hq.start)
         if use_comm and not whole:
-            k_c, v_c = k_c.contiguous(), v_c.contiguous()  # sent as they are
+            k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
                             runs=runs)
