@@ -43,17 +43,26 @@ def family(ev: dict) -> str:
     return "other"
 
 
-def load(path: str | Path) -> list[dict]:
-    """The trace's GPU events (kernels, copies, memsets) with ts/dur in µs."""
+def _events(path: str | Path) -> list[dict]:
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         trace = json.load(f)
-    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
-           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
+def load(path: str | Path) -> list[dict]:
+    """The trace's GPU events (kernels, copies, memsets) with ts/dur in µs."""
+    evs = [e for e in _events(path) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     for e in evs:
         e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
     return evs
+
+
+def profiler_stalls_us(path: str | Path) -> float:
+    """Host time the profiler itself took inside the step (CUPTI's "Activity Buffer Request"): the
+    GPU may idle behind it, so gaps up to this long can be the profiler's, not the step's."""
+    return sum(e["dur"] for e in _events(path) if "Activity Buffer Request" in e.get("name", ""))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -100,12 +109,17 @@ def summarize(evs: list[dict], gaps: int = 6, min_gap_us: float = 10.0) -> dict:
             "gaps": found[:gaps], "gap_count": len(found), "gap_total_us": sum(g[1] for g in found)}
 
 
-def format_summary(s: dict) -> str:
+def format_summary(s: dict, stalls_us: float = 0.0) -> str:
+    """The summary as text; `stalls_us`: the profiler's own host time in the step
+    (profiler_stalls_us), named when there is any."""
     if not s["streams"]:
         return "timeline: no GPU events"
     lines = [f"timeline (rank 0): span {s['span_us'] / 1e3:.3f} ms; compute busy {s['compute_busy_us'] / 1e3:.3f} ms, "
              f"idle {s['idle_us'] / 1e3:.3f} ms between its first and last kernel, in {s['gap_count']} gaps of "
              f">= 10 µs ({s['gap_total_us'] / 1e3:.3f} ms)"]
+    if stalls_us:
+        lines.append(f"  the profiler's own host stalls (Activity Buffer Request): {stalls_us / 1e3:.3f} ms; gaps "
+                     "behind them are the profiler's")
     for k, v in sorted(s["streams"].items(), key=lambda kv: -kv[1]["busy_us"]):
         fams = ", ".join(f"{f} {v['by_family'][f] / 1e3:.3f}" for f in FAMILIES if v["by_family"].get(f))
         lines.append(f"  stream {k}: busy {v['busy_us'] / 1e3:.3f} ms ({fams} ms)")
@@ -133,7 +147,7 @@ def profile_step(step, barrier, trace: str | Path | None = None, rank0: bool = T
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        summary = format_summary(summarize(load(raw)))
+        summary = format_summary(summarize(load(raw)), profiler_stalls_us(raw))
         if trace:
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
@@ -173,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
     evs = load(args.trace)
-    print(format_summary(summarize(evs)))
+    print(format_summary(summarize(evs), profiler_stalls_us(args.trace)))
     if args.png:
         plot(evs, args.png, args.title)
         print(f"wrote {args.png}")

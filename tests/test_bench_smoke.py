@@ -419,7 +419,8 @@ def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
 
 def test_timeline_summary_of_a_trace(tmp_path):
     """benchmarks/timeline.py on a small chrome trace: busy time per stream and family, the
-    compute's idle time and its longest gap with the events around it."""
+    compute's idle time and its longest gap with the events around it, the profiler's own host
+    stalls."""
     import gzip
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -434,18 +435,25 @@ def test_timeline_summary_of_a_trace(tmp_path):
         ev("Memcpy PtoP (Device -> Device)", 20.0, 60.0, 21, "gpu_memcpy"),
         ev("Memcpy PtoP (Device -> Device)", 60.0, 40.0, 21, "gpu_memcpy"),  # overlaps the first: busy once
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0.0, "dur": 500.0},  # host events are left out
+        {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "ts": 105.0, "dur": 45.0},
+        ev("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopB_NNT", 400.0, 30.0, 9),
+        ev("triton_poi_fused_gelu_view_3", 430.0, 5.0, 9),
     ]}
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
     s = timeline.summarize(timeline.load(path))
-    assert s["span_us"] == 350.0 and s["compute_busy_us"] == 310.0 and s["idle_us"] == 40.0
+    assert s["span_us"] == 435.0 and s["compute_busy_us"] == 345.0 and s["idle_us"] == 90.0
     assert s["streams"][7]["busy_us"] == 310.0
     assert s["streams"][7]["by_family"] == {"attention": 300.0, "ring passes": 10.0}
+    assert s["streams"][9]["by_family"] == {"matmul": 30.0, "inductor": 5.0}
     assert s["streams"][21]["busy_us"] == 80.0 and s["streams"][21]["by_family"] == {"peer copies": 100.0}
-    assert s["gap_count"] == 1 and s["gaps"][0][:2] == (110.0, 40.0) and s["gaps"][0][2] == "_merge_kernel"
-    text = timeline.format_summary(s)
-    assert "idle 0.040 ms" in text and "gap    40.0 µs" in text and "before cudnn_generated" in text
+    assert s["gap_count"] == 2 and s["gaps"][0][:2] == (350.0, 50.0)  # the longest first
+    assert s["gaps"][1][:2] == (110.0, 40.0) and s["gaps"][1][2] == "_merge_kernel"
+    assert timeline.profiler_stalls_us(path) == 45.0
+    text = timeline.format_summary(s, timeline.profiler_stalls_us(path))
+    assert "idle 0.090 ms" in text and "gap    40.0 µs" in text and "before cudnn_generated" in text
+    assert "the profiler's own host stalls (Activity Buffer Request): 0.045 ms" in text
 
 
 @pytest.mark.soak
