@@ -32,7 +32,7 @@ def family(ev: dict) -> str:
         return "peer copies" if "ptop" in low or "peer" in low else "local copies"
     if "nccl" in low:
         return "nccl"
-    if "sdpa" in low or "flash" in low or "fmha" in low or "cudnn" in low:
+    if "sdpa" in low or "flash" in low or "fmha" in low or "cudnn" in low or "flex_attention" in low:
         return "attention"
     if low.startswith("_merge_kernel") or low.startswith("_add_kernel") or "elementwise" in low or cat == "gpu_memset":
         return "ring passes"
@@ -60,9 +60,16 @@ def load(path: str | Path) -> list[dict]:
 
 
 def profiler_stalls_us(path: str | Path) -> float:
-    """Host time the profiler itself took inside the step (CUPTI's "Activity Buffer Request"): the
-    GPU may idle behind it, so gaps up to this long can be the profiler's, not the step's."""
-    return sum(e["dur"] for e in _events(path) if "Activity Buffer Request" in e.get("name", ""))
+    """Host time the profiler itself took within the step's GPU span (CUPTI's "Activity Buffer
+    Request"): the GPU may idle behind it, so gaps up to this long can be the profiler's, not
+    the step's."""
+    evs = _events(path)
+    gpu = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return 0.0
+    t0, t1 = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
+    return sum(max(0.0, min(e["ts"] + e["dur"], t1) - max(e["ts"], t0)) for e in evs
+               if "Activity Buffer Request" in e.get("name", ""))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

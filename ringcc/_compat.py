@@ -281,6 +281,37 @@ def on_device(device: torch.device):
     return contextlib.nullcontext()
 
 
+def triton_direct_launch() -> bool:
+    """Whether Triton's compiled kernels can be launched as its own launch path does in
+    Triton 3.4 and later (`triton_launch`): the CUDA backend, and `triton.knobs` (earlier
+    launchers took other arguments). Note [Direct launches] in runtime/fused.py."""
+    import triton
+
+    try:
+        return hasattr(triton, "knobs") and triton.runtime.driver.active.get_current_target().backend == "cuda"
+    except Exception:  # noqa: BLE001 - no active driver: Triton's own path decides what to do
+        return False
+
+
+def triton_device_and_stream() -> tuple[int, int]:
+    """(current device, its current stream's raw handle), as Triton's launch path reads them."""
+    import triton
+
+    drv = triton.runtime.driver.active
+    device = drv.get_current_device()
+    return device, drv.get_current_stream(device)
+
+
+def triton_launch(kernel, grid, stream: int, args) -> None:
+    """Launch a compiled Triton kernel (what `jit_fn[grid](*args)` returned) on a 2-D grid with
+    every argument, constexprs included, as Triton's JITFunction.run does."""
+    import triton
+
+    hooks = triton.knobs.runtime
+    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+               kernel.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+
+
 def current_raw_stream(device: torch.device) -> int:
     """The raw handle of the current stream of a CUDA device (its index, or the current device's
     when it has none), without making a torch.cuda.Stream object (a few µs of host time each):

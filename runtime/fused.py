@@ -38,15 +38,15 @@ def available(outs: tuple[torch.Tensor, ...], lses: tuple[torch.Tensor, ...] = (
     shape = outs[0].shape
     if len(shape) != 4:
         return False
-    for t in outs:
-        if t.shape != shape or t.dtype not in _DTYPES or not (t.is_cuda or _INTERPRET) or (t.stride(3) != 1 and shape[3] != 1):
-            return False
-    if lses:
-        rows = shape[:3]
-        for t in lses:
-            if t.shape != rows or t.dtype not in _DTYPES or not (t.is_cuda or _INTERPRET) or t.stride(2) != 1 and rows[2] != 1:
-                return False
-    return True
+    rows = shape[:3]
+    return all(_fits(t, shape, 3) for t in outs) and all(_fits(t, rows, 2) for t in lses)
+
+
+def _fits(t: torch.Tensor, shape, last: int) -> bool:
+    """t has this shape, a dtype the kernels take, a unit stride on its last dimension (or
+    size 1 there), and lives on CUDA (or the interpreter runs)."""
+    return (t.shape == shape and t.dtype in _DTYPES and (t.is_cuda or _INTERPRET)
+            and (t.stride(last) == 1 or shape[last] == 1))
 
 
 # Triton's CPU interpreter (CPU tensors too; tests), which Triton itself reads when the kernels
@@ -116,63 +116,53 @@ def _blocks(D: int) -> tuple[int, int]:
 
 # Note [Direct launches]
 # Triton's launch path (`kernel[grid](...)`) binds the arguments, works out their specialization
-# (dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16) and looks the
-# compiled kernel up on every call: 31 µs of host time per launch on the H200 machines' hosts,
-# against 12 µs for the compiled kernel's own launcher (measured per call, one process). The
-# ring launches a dozen of these kernels per step, and at 8K tokens per GPU its host is barely
-# ahead of the GPU. So each kernel here is launched once through Triton's path, which compiles
-# it, and the compiled kernel is then kept under a key that is at least as fine as Triton's
-# specialization: the device, every tensor's dtype and whether its address is 16-byte aligned,
-# and every integer's value class (1, divisible by 16, within int32) or its value (constexprs).
-# Later calls with the same key launch the kept kernel as Triton's own path would (same
-# launcher, grid, stream, launch hooks and arguments). Where that launcher is not there (the
-# interpreter; a Triton whose compiled kernels launch otherwise) every call takes Triton's path.
+# (dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16, int32 or
+# int64) and looks the compiled kernel up on every call: 31 µs of host time per launch on the
+# H200 machines' hosts, against 12 µs for the compiled kernel's own launcher (one process,
+# results/2026-11-28_4xH200_launch_probe.txt). The ring launches a dozen of these kernels per
+# step, and at 8K tokens per GPU its host is barely ahead of the GPU. So each kernel here is
+# launched once through Triton's path, which compiles it, and the compiled kernel is then kept
+# under a key at least as fine as Triton's specialization on the CUDA backend: the device,
+# every tensor's dtype and whether its address is 16-byte aligned, every integer's type and
+# value class (1, divisible by 16, within int32), and the constexprs' values. Later calls with
+# the same key launch the kept kernel as Triton's own path would (_compat.triton_launch: same
+# launcher, grid, stream, launch hooks and arguments). Triton's compile options (debug,
+# instrumentation) are not in the key: they are fixed for a process here. Where Triton's
+# launcher differs (the interpreter, another backend, a Triton without `knobs`) every call
+# takes Triton's path.
 
 
 class _Launcher:
-    """`kernel[grid](*args)`, args in the kernel's order (constexprs included, positionally),
-    through the kept compiled kernel when there is one (Note [Direct launches])."""
+    """`kernel[grid](*args)`, args in the kernel's order (constexprs last, `n_constexpr` >= 1 of
+    them, positionally), through the kept compiled kernel when there is one (Note [Direct
+    launches])."""
 
     def __init__(self, fn, n_constexpr: int):
         self.fn, self.n_constexpr = fn, n_constexpr
         self.kernels: dict = {}
-        self.direct = not _INTERPRET
+        self.direct = None  # whether kept kernels are launched: decided at the first call
 
     def __call__(self, grid, *args) -> None:
+        if self.direct is None:
+            self.direct = not _INTERPRET and _compat.triton_direct_launch()
         if not self.direct:
             self.fn[grid](*args)
             return
-        drv = triton.runtime.driver.active
-        device = drv.get_current_device()
-        key = (device, args[-self.n_constexpr:], *(_spec(a) for a in args[:-self.n_constexpr]))
+        device, stream = _compat.triton_device_and_stream()
+        split = len(args) - self.n_constexpr
+        key = (device, args[split:], *(_spec(a) for a in args[:split]))
         k = self.kernels.get(key)
         if k is None:
-            k = self.fn[grid](*args)  # compiles when new; launched here
-            if getattr(k, "packed_metadata", None) is None or not hasattr(k, "launch_metadata"):
-                self.direct = False
-            else:
-                self.kernels[key] = k
+            self.kernels[key] = self.fn[grid](*args)  # compiled when new, and launched
             return
-        stream = drv.get_current_stream(device)
-        enter, leave = _hooks()
-        k.run(grid[0], grid[1], 1, stream, k.function, k.packed_metadata, k.launch_metadata(grid, stream, *args),
-              enter, leave, *args)
+        _compat.triton_launch(k, grid, stream, args)
 
 
 def _spec(a):
+    """The part of an argument Triton specializes on (a superset of it)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    return a == 1, a % 16 == 0, -2**31 <= a < 2**31
-
-
-def _hooks():
-    """Triton's launch hooks, as its own launch path passes them."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    from triton.compiler import CompiledKernel
-
-    return CompiledKernel.launch_enter_hook, CompiledKernel.launch_exit_hook
+    return type(a), a == 1, a % 16 == 0, -2**31 <= a < 2**31
 
 
 if triton is not None:
@@ -207,16 +197,12 @@ def copy(dst, src) -> None:
     _add(dst, src, None)
 
 
-def _meta(*ts):
-    return tuple((t.shape, t.dtype, t.stride()) for t in ts)
-
-
 def _alike(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.dtype == y.dtype and x.stride() == y.stride() and x.shape == y.shape
 
 
 def _add(dst, a, b, pair=None) -> None:
-    if pair is not None and not (_alike(dst, pair[0]) and _alike(a, pair[1]) and (b is None or _alike(b, pair[2]))):
+    if pair is not None and not (_alike(dst, pair[0]) and _alike(a, pair[1]) and _alike(b, pair[2])):
         _add(dst, a, b)
         _add(*pair)
         return

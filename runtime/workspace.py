@@ -37,7 +37,7 @@ chunks (and the measured schedules) do not depend on the transport.
 Other ops with a backward workspace: `pow` (two input-sized temporaries).
 
 Head chunks (Note [Head chunks] in ring.py): when the whole-heads workspace exceeds the
-budget (RINGCC_RING_WORKSPACE_MIB, or by default 384 MiB + 3/4 of the bytes of q, k, v and
+budget (RINGCC_RING_WORKSPACE_MIB, or by default 320 MiB + 3/4 of the bytes of q, k, v and
 the output), the ring runs once per chunk of K/V heads,
 the largest divisor of the K/V head count whose workspace fits (else one K/V head), and the
 buffers above are those of one chunk. The forward, which sends K/V only, may take larger
@@ -318,14 +318,15 @@ def smaller_kv_chunks(g: int) -> list[int]:
 
 
 def default_ring_budget(q: TensorSize, k: TensorSize):
-    """The default head-chunk budget: 384 MiB plus three quarters of the bytes of q, k, v and
+    """The default head-chunk budget: 320 MiB plus three quarters of the bytes of q, k, v and
     the output, so the ring's scratch stays a fraction of the attention's own tensors at long
-    lengths. On 4 x H200 (MHA h=16, bf16) it picks whole heads at 8K tokens per GPU, 8 of 16
-    heads per chunk at 16K and 2 at 64K. At 8K and 16K per GPU fewer, larger chunks were as fast
-    or faster in every measured cell (8K causal back to back: 85.7-89.5% of the 1-GPU kernel's
-    rate with whole heads against 83.6-85.4% with the 8-head chunks of a 256 MiB floor, three
-    runs), for 0.25-0.35 GiB more per rank (benchmarks/RESULTS.md)."""
-    return 384 * 2**20 + sympy.Rational(3, 4) * (2 * q.nbytes + 2 * k.nbytes)
+    lengths. On 4 x H200 (MHA h=16, bf16) it picks whole heads at 8K tokens per GPU, 4 of 16
+    heads per chunk at 16K and 2 at 64K. At 8K per GPU whole heads ran the causal layer at
+    84.8-89.5% of the 1-GPU kernel's rate back to back (four runs) against 83.6-85.4% with
+    8-head chunks, for 0.26 GiB more per rank; at 16K per GPU 8-head chunks were at most 1.4%
+    faster than 4-head ones, for 0.34 GiB more, so the budget stops short of them
+    (benchmarks/RESULTS.md)."""
+    return 320 * 2**20 + sympy.Rational(3, 4) * (2 * q.nbytes + 2 * k.nbytes)
 
 
 DILATED_BUDGET_FLOOR = 4 * 2**30

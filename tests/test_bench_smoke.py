@@ -438,6 +438,8 @@ def test_timeline_summary_of_a_trace(tmp_path):
         {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "ts": 105.0, "dur": 45.0},
         ev("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopB_NNT", 400.0, 30.0, 9),
         ev("triton_poi_fused_gelu_view_3", 430.0, 5.0, 9),
+        ev("triton_tem_fused_flex_attention_0", 435.0, 0.0, 9),
+        {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "ts": 900.0, "dur": 50.0},  # after the step
     ]}
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
@@ -446,7 +448,7 @@ def test_timeline_summary_of_a_trace(tmp_path):
     assert s["span_us"] == 435.0 and s["compute_busy_us"] == 345.0 and s["idle_us"] == 90.0
     assert s["streams"][7]["busy_us"] == 310.0
     assert s["streams"][7]["by_family"] == {"attention": 300.0, "ring passes": 10.0}
-    assert s["streams"][9]["by_family"] == {"matmul": 30.0, "inductor": 5.0}
+    assert s["streams"][9]["by_family"] == {"matmul": 30.0, "inductor": 5.0, "attention": 0.0}
     assert s["streams"][21]["busy_us"] == 80.0 and s["streams"][21]["by_family"] == {"peer copies": 100.0}
     assert s["gap_count"] == 2 and s["gaps"][0][:2] == (350.0, 50.0)  # the longest first
     assert s["gaps"][1][:2] == (110.0, 40.0) and s["gaps"][1][2] == "_merge_kernel"

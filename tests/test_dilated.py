@@ -140,7 +140,7 @@ def test_dilated_head_chunk_rule_and_formula():
     """The rule picks the largest head chunk whose workspace fits the budget, the planner's
     formula gives that chunk's workspace, and a 0 budget never chunks. MHA h=16 bf16 at 512K
     tokens per rank (LongNet at 1M, p = 2): about 16 GiB of fp32 dQ/dK/dV accumulators with all
-    heads against a 6.25 GiB budget."""
+    heads against a 6.31 GiB budget."""
     n, world = 1 << 20, 2
     ws, rs = [2048, 8192, 32768, 131072, 524288, n], [1, 2, 4, 8, 16, 32]
     spec = ringcc.DilatedSpec(ws, rs)
