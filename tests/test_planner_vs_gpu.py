@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from ringcc import planner
+from ringcc.runtime import workspace
 from ringcc.planner_cli import trace_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +31,16 @@ COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_planne
 MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_masked_math_p4.json"
 # p = 2 on a 4 x H200 machine, on the runtime that lets go of a sent accumulator
 P2_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_p2.json"
+
+
+@pytest.fixture
+def floor_of_the_records(monkeypatch):
+    """The default head-chunk budget as it was when the recorded runs below were made (a
+    256 MiB floor; workspace.RING_BUDGET_FLOOR), so that the plans choose the chunks that ran."""
+    monkeypatch.setattr(workspace, "RING_BUDGET_FLOOR", 256 * 2**20)
+    workspace._ring_kv_chunks.cache_clear()
+    yield
+    workspace._ring_kv_chunks.cache_clear()
 
 
 def _replan(monkeypatch, record: Path, model: str, p: int, trace_len: int | None = None):
@@ -70,7 +81,7 @@ def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
 # the attention layer in the soak tier: its copy-engine step bytes at p = 2 in make test are
 # test_copy_engine_plan_matches_the_allocator_at_p2's, the receive area the llama case's
 @pytest.mark.parametrize("model", [pytest.param("attention", marks=pytest.mark.soak), "llama"])
-def test_plan_matches_a_copy_engine_run(monkeypatch, model):
+def test_plan_matches_a_copy_engine_run(monkeypatch, floor_of_the_records, model):
     """The planned receive area is the one the run allocated (up to the alignment the formula
     adds as a bound: 256 bytes per tensor and slot)."""
     monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
@@ -85,7 +96,7 @@ def test_plan_matches_a_copy_engine_run(monkeypatch, model):
         assert got <= area <= got + 2 * 4 * 256, (model, r["n"], area, r["ring_transport"])
 
 
-def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
+def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch, floor_of_the_records):
     """Masked blocks on CUDA (a window of 2048 and key padding: the math path in row chunks cut
     to their keys) at p = 4: the plan is at least what the GPU allocated, and at most 1.6x. It
     is traced at 16384 tokens, so that the window is shorter than a shard (traced shorter, the
@@ -99,7 +110,7 @@ def test_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
     assert all(1.0 <= x <= 1.6 for x in ratios.values()), ratios
 
 
-def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
+def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch, floor_of_the_records):
     """Masked blocks on flex_attention (Note [Flex blocks]) at p = 2: the plan bounds what the GPU
     allocated, by at most 1.3x. At 16K, rank 1's peak
     (memory_snapshot.py) holds the dK/dV accumulator it had sent
@@ -114,7 +125,7 @@ def test_flex_masked_plan_bounds_the_recorded_gpu_measurement(monkeypatch):
     assert all(1.0 <= x <= 1.3 for x in ratios.values()), ratios
 
 
-def test_copy_engine_plan_matches_the_allocator_at_p2(monkeypatch):
+def test_copy_engine_plan_matches_the_allocator_at_p2(monkeypatch, floor_of_the_records):
     """The attention layer at p = 2 on the copy-engine ring, measured on the runtime that lets go
     of a sent accumulator once the transport holds it: the plan equals the
     allocator's step bytes at 16K, 32K and 64K tokens to within a few hundred bytes (the
