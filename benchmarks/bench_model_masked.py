@@ -24,6 +24,9 @@ travels; `at-once` waits right after each bucket's start, as a synchronous all-r
 Each cell: --warmup steps (the first compiles), then the median of --reps forward+backward
 steps (CUDA events on GPU, after a barrier), slowest rank. `--trace-dir DIR` then profiles one
 more step: where its GPU time goes by kernel family, and the compute's idle gaps (timeline.py).
+`--one-gpu` then runs each case on rank 0's device alone at the whole length (ringcc over a group
+of one rank, as `--nproc-per-node 1` would) while the other ranks wait: the speed-up over one
+device from one job on one machine.
 """
 
 from __future__ import annotations
@@ -151,6 +154,38 @@ def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> d
                 warmup_s=warm_s, profile=timeline_text)
 
 
+def one_device(case: str, n_local: int, args, device, dtype, solo) -> dict | None:
+    """Rank 0 alone runs the same model at the whole length (n_local * p tokens) on its device,
+    compiled with ringcc over `solo` (a group of rank 0 only: p = 1), as `--nproc-per-node 1`
+    would; the other ranks wait. Rank 0 returns the row (median of --reps steps after --warmup),
+    the others None."""
+    world = dist.get_world_size()
+    row = None
+    if dist.get_rank() == 0:
+        n = n_local * world
+        torch.manual_seed(0)
+        model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
+        compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner, group=solo)))
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(1, n, args.heads * args.head_dim, generator=gen).to(device, dtype)
+        pad = None
+        if case == "key padding":
+            pad = torch.zeros(1, n, dtype=torch.bool, device=device)
+            pad[:, n - n // 8:] = True
+
+        def step():
+            compiled(x, pad).backward()
+
+        for _ in range(args.warmup):
+            step()
+        ms = statistics.median(dist_setup.timed(step, device, barrier=False) for _ in range(args.reps))
+        torch._dynamo.reset()
+        row = dict(case=case, grad_waits="-", n_local=n, n=n, p=1, layers=args.layers, ms=ms, ms_per_rank=[ms],
+                   key_run_gathers_per_step=0, one_device_of=world)
+    dist.barrier()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     dist_setup.model_arguments(ap, lengths=[4096, 16384], layers=4, reps=7)
@@ -158,6 +193,9 @@ def main() -> None:
     ap.add_argument("--grad-waits", nargs="+", default=["last"], choices=GRAD_WAITS,
                     help="where the gradient all-reduce waits: last (ringcc) and/or at-once (synchronous)")
     ap.add_argument("--label", default="", help="a name for this tree in the JSON")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="also run each case on rank 0's device alone at the whole length, in the same job (the "
+                         "speed-up over one device, measured in one run)")
     ap.add_argument("--trace-dir", default=None, help="CUDA: after the timed steps profile one more: rank 0 prints "
                     "its top ops and timeline (timeline.py) and keeps the chrome trace here")
     args = ap.parse_args()
@@ -165,6 +203,7 @@ def main() -> None:
         args.lengths, args.layers, args.heads, args.head_dim, args.reps, args.warmup = [16], 2, 2, 8, 2, 1
     device, dtype = dist_setup.start(args.smoke)
     gathers = _count_key_run_gathers()
+    solo = dist.new_group([0]) if args.one_gpu else None  # (every rank makes the group)
     rows = []
     for n_local in args.lengths:
         for case in args.cases:
@@ -174,15 +213,23 @@ def main() -> None:
                     r = rows[-1]
                     print(f"{case:12s} waits {waits:8s} n_local={n_local:6d}: {r['ms']:9.2f} ms, "
                           f"{r['key_run_gathers_per_step']} key-run all-gathers per step", flush=True)
+            if args.one_gpu:
+                row = one_device(case, n_local, args, device, dtype, solo)
+                if row is not None:
+                    rows.append(row)
+                    fastest = min(r["ms"] for r in rows if r["p"] > 1 and r["case"] == case and r["n_local"] == n_local)
+                    row["speedup_of_best"] = row["ms"] / fastest
+                    print(f"{case:12s} one device, {row['n']:6d} tokens: {row['ms']:9.2f} ms; speed-up "
+                          f"{row['speedup_of_best']:.2f}x", flush=True)
     info = None
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)"
         info = dict(label=args.label, device=name, torch=torch.__version__, rows=rows)
         print(f"\n{args.label or 'this tree'}: {args.layers}-layer causal transformer, h={args.heads}, "
               f"d={args.head_dim}, p={dist.get_world_size()}, {dtype}, inner={args.inner}, {name}")
-        print(f"{'case':12s} {'grad waits':>10s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
+        print(f"{'case':12s} {'p':>2s} {'grad waits':>10s} {'tokens/GPU':>10s} {'step ms':>9s} {'gathers/step':>12s}")
         for r in rows:
-            print(f"{r['case']:12s} {r['grad_waits']:>10s} {r['n_local']:10d} {r['ms']:9.2f} "
+            print(f"{r['case']:12s} {r['p']:2d} {r['grad_waits']:>10s} {r['n_local']:10d} {r['ms']:9.2f} "
                   f"{r['key_run_gathers_per_step']:12}")
     dist_setup.finish(info, args.json)
     return 0

@@ -375,13 +375,17 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
     """bench_model_masked.py end to end on CPU (gloo, p = 2, smoke sizes): the compiled model
     with a padding mask all-gathers its key-runs table once per training step (not per layer:
     Note [Key runs per mask]); unmasked, never. Both placements of the gradient all-reduce's
-    waits run."""
-    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--grad-waits", "last", "at-once")
+    waits run, and with --one-gpu each case on rank 0 alone at the whole length."""
+    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--grad-waits", "last", "at-once", "--one-gpu")
     assert rec["device"] == "cpu (smoke, gloo)"
-    assert [(r["case"], r["grad_waits"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
-        ("unmasked", "last", 2, 0), ("unmasked", "at-once", 2, 0), ("key padding", "last", 2, 1),
-        ("key padding", "at-once", 2, 1)]
+    assert [(r["case"], r["p"], r["grad_waits"], r["layers"], r["key_run_gathers_per_step"]) for r in rec["rows"]] == [
+        ("unmasked", 2, "last", 2, 0), ("unmasked", 2, "at-once", 2, 0), ("unmasked", 1, "-", 2, 0),
+        ("key padding", 2, "last", 2, 1), ("key padding", 2, "at-once", 2, 1), ("key padding", 1, "-", 2, 0)]
     assert all(r["ms"] > 0 for r in rec["rows"])
+    for one in (r for r in rec["rows"] if r["p"] == 1):
+        ring = [r["ms"] for r in rec["rows"] if r["p"] == 2 and r["case"] == one["case"]]
+        assert one["n"] == 2 * 16 and one["speedup_of_best"] == pytest.approx(one["ms"] / min(ring))
+    assert "speed-up" in proc.stdout
 
 
 @pytest.mark.soak
