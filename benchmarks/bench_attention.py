@@ -819,7 +819,8 @@ def measure(bench: Bench, cell: Cell, mode: str, env: Env) -> dict:
                comm_source=source, notes=bench.notes)
     if (cell.method, cell.n) in env.args.profile_cells:
         try:
-            rec["profile"] = profile_table(step, env, f"{cell.method}_{cell.attn}_{'causal' if cell.causal else 'full'}_n{cell.n}_{mode}")
+            name = f"{cell.method}_{cell.attn}_{'causal' if cell.causal else 'full'}_n{cell.n}_{mode}"
+            rec["profile"] = profile_table(step, env, name)
         except Exception as e:  # noqa: BLE001 - a profiler problem must not void the measurement
             rec["profile"] = f"profiler failed: {type(e).__name__}: {e}"
         env.log(f"profile of {cell.method} n={cell.n} {mode} (rank 0):\n{rec['profile']}")

@@ -113,13 +113,12 @@ def _count_key_run_gathers():
     return count
 
 
-def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> dict:
-    world = dist.get_world_size()
-    BACKEND._grad_waits_last = PLACEMENTS[waits]
-    n = n_local * world
+def training_step(case: str, n: int, args, device, dtype, group=None):
+    """One forward+backward of the model at n tokens, compiled with ringcc over `group` (None:
+    WORLD), with the case's padding mask."""
     torch.manual_seed(0)
     model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
-    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner)))
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner, group=group)))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, n, args.heads * args.head_dim, generator=gen).to(device, dtype)
     pad = None
@@ -130,6 +129,14 @@ def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> d
     def step():
         compiled(x, pad).backward()
 
+    return step
+
+
+def cell(case: str, n_local: int, waits: str, args, device, dtype, gathers) -> dict:
+    world = dist.get_world_size()
+    BACKEND._grad_waits_last = PLACEMENTS[waits]
+    n = n_local * world
+    step = training_step(case, n, args, device, dtype)
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         step()
@@ -163,19 +170,7 @@ def one_device(case: str, n_local: int, args, device, dtype, solo) -> dict | Non
     row = None
     if dist.get_rank() == 0:
         n = n_local * world
-        torch.manual_seed(0)
-        model = Model(args.heads * args.head_dim, args.heads, args.layers).to(device, dtype)
-        compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=args.inner, group=solo)))
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(1, n, args.heads * args.head_dim, generator=gen).to(device, dtype)
-        pad = None
-        if case == "key padding":
-            pad = torch.zeros(1, n, dtype=torch.bool, device=device)
-            pad[:, n - n // 8:] = True
-
-        def step():
-            compiled(x, pad).backward()
-
+        step = training_step(case, n, args, device, dtype, group=solo)
         for _ in range(args.warmup):
             step()
         ms = statistics.median(dist_setup.timed(step, device, barrier=False) for _ in range(args.reps))

@@ -20,9 +20,9 @@ layout; --full for non-causal. On CPU the host waits for every kernel, so host m
 from __future__ import annotations
 
 import argparse
-import os
 import collections
 import functools
+import os
 import time
 
 import torch

@@ -51,25 +51,34 @@ def _events(path: str | Path) -> list[dict]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
 
 
-def load(path: str | Path) -> list[dict]:
-    """The trace's GPU events (kernels, copies, memsets) with ts/dur in µs."""
-    evs = [e for e in _events(path) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    for e in evs:
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def read(path: str | Path) -> tuple[list[dict], float]:
+    """From one parse of the trace: its GPU events (kernels, copies, memsets, each with its
+    "stream"; ts/dur in µs), and the host time the profiler itself took within their span
+    (CUPTI's "Activity Buffer Request"): the GPU may idle behind it, so gaps up to this long can
+    be the profiler's, not the step's."""
+    evs = _events(path)
+    gpu = [e for e in evs if e.get("cat") in _GPU_CATEGORIES]
+    for e in gpu:
         e["stream"] = (e.get("args") or {}).get("stream", e.get("tid"))
-    return evs
+    if not gpu:
+        return gpu, 0.0
+    t0, t1 = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
+    stalls = sum(max(0.0, min(e["ts"] + e["dur"], t1) - max(e["ts"], t0)) for e in evs
+                 if "Activity Buffer Request" in e.get("name", ""))
+    return gpu, stalls
+
+
+def load(path: str | Path) -> list[dict]:
+    """The trace's GPU events (`read`)."""
+    return read(path)[0]
 
 
 def profiler_stalls_us(path: str | Path) -> float:
-    """Host time the profiler itself took within the step's GPU span (CUPTI's "Activity Buffer
-    Request"): the GPU may idle behind it, so gaps up to this long can be the profiler's, not
-    the step's."""
-    evs = _events(path)
-    gpu = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        return 0.0
-    t0, t1 = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
-    return sum(max(0.0, min(e["ts"] + e["dur"], t1) - max(e["ts"], t0)) for e in evs
-               if "Activity Buffer Request" in e.get("name", ""))
+    """The profiler's own host stalls within the trace's GPU span (`read`)."""
+    return read(path)[1]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -154,7 +163,8 @@ def profile_step(step, barrier, trace: str | Path | None = None, rank0: bool = T
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        summary = format_summary(summarize(load(raw)), profiler_stalls_us(raw))
+        evs, stalls = read(raw)
+        summary = format_summary(summarize(evs), stalls)
         if trace:
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
@@ -193,8 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None)
     ap.add_argument("--title", default="")
     args = ap.parse_args(argv)
-    evs = load(args.trace)
-    print(format_summary(summarize(evs), profiler_stalls_us(args.trace)))
+    evs, stalls = read(args.trace)
+    print(format_summary(summarize(evs), stalls))
     if args.png:
         plot(evs, args.png, args.title)
         print(f"wrote {args.png}")

@@ -184,27 +184,23 @@ def merge(out_d, lse_d, out_a, lse_a, out_b, lse_b) -> None:
                *(x for s in s4 for x in s[:3]), *(x for s in s3 for x in s[:2]), block_l, block_d)
 
 
-def add(dst, a, b, pair=None) -> None:
-    """dst <- a + b in fp32, stored in dst's dtype; dst may be a. Shapes [b, h, L, d]; any of the
-    dtypes `available` takes, mixed (an fp32 accumulator plus a bf16 block, say). `pair`: a second
-    (dst, a, b) summed in the same launch (dK and dV) when its shapes, dtypes and strides are
-    those of the first, else in a launch of its own."""
-    _add(dst, a, b, pair)
-
-
 def copy(dst, src) -> None:
     """dst <- src, converted to dst's dtype (same dtype: bit for bit). Shapes [b, h, L, d]."""
-    _add(dst, src, None)
+    add(dst, src, None)
 
 
 def _alike(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.dtype == y.dtype and x.stride() == y.stride() and x.shape == y.shape
 
 
-def _add(dst, a, b, pair=None) -> None:
+def add(dst, a, b, pair=None) -> None:
+    """dst <- a + b in fp32, stored in dst's dtype; dst may be a (b None: the copy). Shapes
+    [b, h, L, d]; any of the dtypes `available` takes, mixed (an fp32 accumulator plus a bf16
+    block, say). `pair`: a second (dst, a, b) summed in the same launch (dK and dV) when its
+    shapes, dtypes and strides are those of the first, else in a launch of its own."""
     if pair is not None and not (_alike(dst, pair[0]) and _alike(a, pair[1]) and _alike(b, pair[2])):
-        _add(dst, a, b)
-        _add(*pair)
+        add(dst, a, b)
+        add(*pair)
         return
     B, h, L, D = dst.shape
     if dst.numel() == 0:

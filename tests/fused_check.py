@@ -49,7 +49,8 @@ def check(device: str, dtypes, ds=(24,)) -> None:
                 assert torch.equal(dst_full[:, 1:4, 5:30], (acc + ob.float()).to(dst_dtype))
                 dst2 = torch.zeros_like(dst_full)  # a pair in one launch: dK with dV
                 acc2, ob2 = (full_o.float() * -0.85)[:, 1:4, 5:30], ob * 3
-                assert all(fused._alike(x, y) for x, y in zip((dst_full[:, 1:4, 5:30], acc, ob), (dst2[:, 1:4, 5:30], acc2, ob2)))
+                first, second = (dst_full[:, 1:4, 5:30], acc, ob), (dst2[:, 1:4, 5:30], acc2, ob2)
+                assert all(fused._alike(x, y) for x, y in zip(first, second))
                 fused.add(dst_full[:, 1:4, 5:30], acc, ob, pair=(dst2[:, 1:4, 5:30], acc2, ob2))
                 assert torch.equal(dst_full[:, 1:4, 5:30], (acc + ob.float()).to(dst_dtype))
                 assert torch.equal(dst2[:, 1:4, 5:30], (acc2 + ob2.float()).to(dst_dtype))
