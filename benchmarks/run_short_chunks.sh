@@ -15,6 +15,7 @@
 #   OUT=/tmp/o STAGES=attention PATCH=benchmarks/results/2026-11-28_own_block_head_split.patch \
 #       bash benchmarks/run_short_chunks.sh
 set -u
+if [ -n "${PATCH:-}" ]; then PATCH=$(realpath "$PATCH") || exit 2; fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT="${OUT:-$ROOT/short_out}"
@@ -46,7 +47,7 @@ NAMES=("tree")
 if [ -n "${PATCH:-}" ]; then
   rm -rf /tmp/ringcc_patched && mkdir -p /tmp/ringcc_patched
   tar -C "$ROOT" --exclude=.git --exclude=.venv -cf - . | tar -C /tmp/ringcc_patched -xf -
-  (cd /tmp/ringcc_patched && git apply "$ROOT/$PATCH" 2>/dev/null || patch -p1 <"$ROOT/$PATCH") || exit 1
+  (cd /tmp/ringcc_patched && git apply "$PATCH" 2>/dev/null || patch -p1 <"$PATCH") || exit 1
   TREES+=(/tmp/ringcc_patched)
   NAMES+=("patched")
   echo "patch: $PATCH"

@@ -478,3 +478,28 @@ def test_ring_host_benchmark_times_the_ring_functions(tmp_path):
         inside = sum(f[k][0] for k in ("kernels.block_fwd", "kernels.block_bwd"))
         assert 0 < inside < f["ring forward"][0] + f["ring backward"][0] <= r["host_ms"]
     assert "host" in proc.stdout and "ring._accumulate" in proc.stdout
+
+
+@pytest.mark.soak
+def test_short_chunk_launcher_alternates_a_patched_tree(tmp_path):
+    """benchmarks/run_short_chunks.sh end to end on CPU (SMOKE=1: gloo, p = 2, tiny sizes) with a
+    patch: the single-device baseline once, then the ring's cells and the compiled step on the tree
+    and on the patched copy, each run importing its own tree, all in the archive."""
+    patch = tmp_path / "marker.patch"
+    patch.write_text("--- a/runtime/__init__.py\n+++ b/runtime/__init__.py\n@@ -1,2 +1,3 @@\n"
+                     + "".join(" " + line + "\n" for line in (ROOT / "runtime" / "__init__.py").read_text().splitlines()[:2])
+                     + "+PATCHED = True\n")
+    env = dict(os.environ, SMOKE="1", ROUNDS="1", OUT=str(tmp_path / "out"), PATCH=str(patch), OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_short_chunks.sh")], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trees = [line.split("ringcc from ")[1] for line in proc.stdout.splitlines() if line.startswith("ringcc from ")]
+    assert trees[0].startswith(str(ROOT)) and any(t.startswith("/tmp/ringcc_patched") for t in trees), trees
+    assert trees[-1].startswith(str(ROOT)), trees  # the tree's own install is back at the end
+    assert (tmp_path / "out" / "short.tgz").is_file()
+    work = tmp_path / "out" / "short"
+    for name in ("tree", "patched"):
+        assert " ring-zigzag " in (work / f"report_{name}_1" / "table.txt").read_text()
+        rows = json.loads((work / f"step_{name}_1.json").read_text())["rows"]
+        assert {r["p"] for r in rows} == ({1, 2} if name == "tree" else {2}), rows
