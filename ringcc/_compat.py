@@ -522,7 +522,38 @@ def release_before_destroy(release) -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-def post_grad_pass(fn, source_file: str, then=None):
+def aot_autograd(**kwargs):
+    """Dynamo's AOTAutograd backend maker (torch._dynamo.backends.common, private; present in
+    torch 2.11 and 2.13), e.g. aot_autograd(fw_compiler=..., bw_compiler=...)."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def compile_with_inductor(gm, example_inputs, graph_pass, source_file: str):
+    """Inductor's compile_fx of `gm`, with graph_pass(graph) run as a post-grad pass before any
+    post-grad pass already configured (torch._inductor, private)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    post = _post_grad_pass(graph_pass, source_file, then=inductor_config.post_grad_custom_post_pass)
+    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post})
+
+
+def pytree():
+    """torch.utils._pytree (private; tree_flatten, tree_unflatten, tree_map)."""
+    from torch.utils import _pytree
+
+    return _pytree
+
+
+def tensor_base_attributes() -> dict:
+    """The attributes of torch._C.TensorBase (the C class under torch.Tensor: most of its methods
+    and operators), by name."""
+    return dict(vars(torch._C.TensorBase))
+
+
+def _post_grad_pass(fn, source_file: str, then=None):
     """An inductor post-grad pass (config.post_grad_custom_post_pass) that calls fn(graph), then
     `then` (a pass already set), keyed for inductor's cache by `source_file`'s contents."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files

@@ -227,8 +227,6 @@ def _inner(gm, example_inputs, config: Config):
     if config.inner == "eager":
         return gm.forward
     if config.inner == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-
         def backward(bw, inputs):
             _grad_waits_last(bw.graph)
             bw.recompile()
@@ -236,12 +234,8 @@ def _inner(gm, example_inputs, config: Config):
 
         # boxed: the backward frees each saved activation after its last use, as inductor's does
         # (the memory plan assumes it: Note [Memory plan], 3)
-        return aot_autograd(fw_compiler=_compat.boxed_graph, bw_compiler=backward)(gm, example_inputs)
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
-
-    waits_last = _compat.post_grad_pass(_grad_waits_last, __file__, then=inductor_config.post_grad_custom_post_pass)
-    return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": waits_last})
+        return _compat.aot_autograd(fw_compiler=_compat.boxed_graph, bw_compiler=backward)(gm, example_inputs)
+    return _compat.compile_with_inductor(gm, example_inputs, _grad_waits_last, __file__)
 
 
 def ringcc_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):

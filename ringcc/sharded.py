@@ -50,8 +50,6 @@ So activations cross FSDP2's block boundaries as shards, in both directions.
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree
-from torch.utils._pytree import tree_map
 
 from ringcc import _compat
 from ringcc.runtime import layout as L
@@ -153,7 +151,7 @@ def _full(x):
 
 
 def _on_full(func, args, kwargs):
-    args, kwargs = tree_map(_full, (args, kwargs))
+    args, kwargs = _compat.pytree().tree_map(_full, (args, kwargs))
     return func(*args, **kwargs)
 
 
@@ -174,15 +172,17 @@ def _post_backward_on_shards(register):
     """FSDP2's post-backward registration applied to the shards of sharded inputs: its identity
     function's outputs are this rank's rows, wrapped again (Note [Sharded outputs under FSDP2])."""
 
+    tree = _compat.pytree()
+
     def registration(args, kwargs):
-        flat, spec = _pytree.tree_flatten((args, kwargs))
+        flat, spec = tree.tree_flatten((args, kwargs))
         sharded = {i: x for i, x in enumerate(flat) if isinstance(x, SequenceSharded)}
         if not sharded:
             return register(args, kwargs)
-        args, kwargs = _pytree.tree_unflatten([sharded[i].local if i in sharded else x for i, x in enumerate(flat)], spec)
+        args, kwargs = tree.tree_unflatten([sharded[i].local if i in sharded else x for i, x in enumerate(flat)], spec)
         args, kwargs = register(args, kwargs)
-        flat, spec = _pytree.tree_flatten((args, kwargs))
-        return _pytree.tree_unflatten([sharded[i].with_local(x) if i in sharded else x for i, x in enumerate(flat)], spec)
+        flat, spec = tree.tree_flatten((args, kwargs))
+        return tree.tree_unflatten([sharded[i].with_local(x) if i in sharded else x for i, x in enumerate(flat)], spec)
 
     return registration
 
@@ -212,7 +212,7 @@ _NOT_METHODS = {"__getattribute__", "__setattr__", "__delattr__", "__dir__", "__
                 "__sizeof__", "__format__", "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__",
                 "__index__", "__int__", "__float__", "__complex__", "__iter__", "__contains__", "__len__",
                 "register_hook", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
-for _name, _attr in {**vars(torch._C.TensorBase), **vars(torch.Tensor)}.items():  # public methods, operators
+for _name, _attr in {**_compat.tensor_base_attributes(), **vars(torch.Tensor)}.items():  # public methods, operators
     if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(SequenceSharded)
             and (not _name.startswith("_") or _name.startswith("__"))
             and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "function")):

@@ -43,11 +43,11 @@ from .merge import copy_by_kernel
 #   `ringcc.release_graphs()` releases them at any time, called on every rank (a later call
 #   captures again, which is collective).
 # RINGCC_RING_GRAPHS: auto (captures calls of at most AUTO_MAX_ROWS rows b * h * n_local, where
-# the host bounds the step), on (every call that qualifies), off. On 4 x H200 (16 heads, fwd+bwd,
-# benchmarks/RESULTS.md) graphs take one layer at 4K tokens per GPU from 23-52% of one GPU's rate
-# to 68-84% back to back (on NCCL, whose kernels hold SMs beside the attention kernels, they
-# gained less), and a compiled 8-layer step from 61 to 45 ms; at 8K per GPU that step is no
-# faster with them (the host is ahead there, and graphs add their input and output copies).
+# the host bounds the step), on (every call that qualifies), off. On 4 x H200 (16 heads,
+# benchmarks/RESULTS.md, "Short chunks") one layer at 4K tokens per GPU runs with graphs at
+# 69.6% (causal) and 80-83% (non-causal) of one GPU's rate back to back, and they take a compiled
+# 8-layer step from 61 to 45 ms; at 8K per GPU that step is no faster with them (the host is
+# ahead there, and graphs add their input and output copies).
 
 SETTING = "RINGCC_RING_GRAPHS"
 CHOICES = ("auto", "on", "off")
