@@ -30,8 +30,8 @@ if [ "$SMOKE" = 1 ]; then
   SM="--smoke"; LENGTHS=""; P=2; BASE=sdpa-math
   STAGES="${STAGES/tests/}"
 else
-  SM=""; BASE=sdpa-cudnn; LENGTHS="--lengths 16384,32768,65536 --attn mha --modes fwdbwd --causal both --reps 5"
-  LENGTHS="${LENGTHS/16384,32768,65536/$((4096 * P)),$((8192 * P)),$((16384 * P))}"
+  SM=""; BASE=sdpa-cudnn
+  LENGTHS="--lengths $((4096 * P)),$((8192 * P)),$((16384 * P)) --attn mha --modes fwdbwd --causal both --reps 5"
 fi
 date -u
 git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "(no git metadata: the tree as copied)"

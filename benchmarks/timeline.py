@@ -71,16 +71,6 @@ def read(path: str | Path) -> tuple[list[dict], float]:
     return gpu, stalls
 
 
-def load(path: str | Path) -> list[dict]:
-    """The trace's GPU events (`read`)."""
-    return read(path)[0]
-
-
-def profiler_stalls_us(path: str | Path) -> float:
-    """The profiler's own host stalls within the trace's GPU span (`read`)."""
-    return read(path)[1]
-
-
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):
@@ -127,7 +117,7 @@ def summarize(evs: list[dict], gaps: int = 6, min_gap_us: float = 10.0) -> dict:
 
 def format_summary(s: dict, stalls_us: float = 0.0) -> str:
     """The summary as text; `stalls_us`: the profiler's own host time in the step
-    (profiler_stalls_us), named when there is any."""
+    (`read`), named when there is any."""
     if not s["streams"]:
         return "timeline: no GPU events"
     lines = [f"timeline (rank 0): span {s['span_us'] / 1e3:.3f} ms; compute busy {s['compute_busy_us'] / 1e3:.3f} ms, "

@@ -55,6 +55,7 @@ from ringcc import _compat
 from ringcc.runtime import layout as L
 from ringcc.runtime.ops import gather_op
 
+_TREE = _compat.pytree()  # tree_map, tree_flatten, tree_unflatten (on __torch_function__'s path)
 
 class SequenceSharded(torch.Tensor):
     """A sequence-sharded graph output (Note [Sharded outputs]): global metadata, this rank's
@@ -151,7 +152,7 @@ def _full(x):
 
 
 def _on_full(func, args, kwargs):
-    args, kwargs = _compat.pytree().tree_map(_full, (args, kwargs))
+    args, kwargs = _TREE.tree_map(_full, (args, kwargs))
     return func(*args, **kwargs)
 
 
@@ -172,17 +173,15 @@ def _post_backward_on_shards(register):
     """FSDP2's post-backward registration applied to the shards of sharded inputs: its identity
     function's outputs are this rank's rows, wrapped again (Note [Sharded outputs under FSDP2])."""
 
-    tree = _compat.pytree()
-
     def registration(args, kwargs):
-        flat, spec = tree.tree_flatten((args, kwargs))
+        flat, spec = _TREE.tree_flatten((args, kwargs))
         sharded = {i: x for i, x in enumerate(flat) if isinstance(x, SequenceSharded)}
         if not sharded:
             return register(args, kwargs)
-        args, kwargs = tree.tree_unflatten([sharded[i].local if i in sharded else x for i, x in enumerate(flat)], spec)
+        args, kwargs = _TREE.tree_unflatten([sharded[i].local if i in sharded else x for i, x in enumerate(flat)], spec)
         args, kwargs = register(args, kwargs)
-        flat, spec = tree.tree_flatten((args, kwargs))
-        return tree.tree_unflatten([sharded[i].with_local(x) if i in sharded else x for i, x in enumerate(flat)], spec)
+        flat, spec = _TREE.tree_flatten((args, kwargs))
+        return _TREE.tree_unflatten([sharded[i].with_local(x) if i in sharded else x for i, x in enumerate(flat)], spec)
 
     return registration
 

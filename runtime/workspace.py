@@ -323,8 +323,8 @@ RING_BUDGET_FLOOR = 320 * 2**20  # the default budget's constant part (default_r
 def default_ring_budget(q: TensorSize, k: TensorSize):
     """The default head-chunk budget: RING_BUDGET_FLOOR (320 MiB) plus three quarters of the
     bytes of q, k, v and the output, so the ring's scratch stays a fraction of the attention's
-    own tensors at long lengths. On 4 x H200 (MHA h=16, bf16) it picks whole heads at 8K tokens per GPU, 4 of 16
-    heads per chunk at 16K and 2 at 64K. At 8K per GPU whole heads ran the causal layer back to
+    own tensors at long lengths. On 4 x H200 (MHA h=16, bf16) it picks whole heads at 8K tokens
+    per GPU, 4 of 16 heads per chunk at 16K and 2 at 64K. At 8K per GPU whole heads ran the causal layer back to
     back 0.4-6.9% faster than 8-head chunks in the same call (three calls), at 84.8-89.5% of the
     1-GPU kernel's rate, for 0.26 GiB more per rank; at 16K per GPU 8-head chunks were at most
     1.4% faster than 4-head ones, for 0.34 GiB more, so the budget stops short of them

@@ -448,7 +448,8 @@ def test_timeline_summary_of_a_trace(tmp_path):
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(trace, f)
-    s = timeline.summarize(timeline.load(path))
+    evs, stalls = timeline.read(path)
+    s = timeline.summarize(evs)
     assert s["span_us"] == 435.0 and s["compute_busy_us"] == 345.0 and s["idle_us"] == 90.0
     assert s["streams"][7]["busy_us"] == 310.0
     assert s["streams"][7]["by_family"] == {"attention": 300.0, "ring passes": 10.0}
@@ -456,8 +457,8 @@ def test_timeline_summary_of_a_trace(tmp_path):
     assert s["streams"][21]["busy_us"] == 80.0 and s["streams"][21]["by_family"] == {"peer copies": 100.0}
     assert s["gap_count"] == 2 and s["gaps"][0][:2] == (350.0, 50.0)  # the longest first
     assert s["gaps"][1][:2] == (110.0, 40.0) and s["gaps"][1][2] == "_merge_kernel"
-    assert timeline.profiler_stalls_us(path) == 45.0
-    text = timeline.format_summary(s, timeline.profiler_stalls_us(path))
+    assert stalls == 45.0
+    text = timeline.format_summary(s, stalls)
     assert "idle 0.090 ms" in text and "gap    40.0 µs" in text and "before cudnn_generated" in text
     assert "the profiler's own host stalls (Activity Buffer Request): 0.045 ms" in text
 
