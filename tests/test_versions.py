@@ -100,3 +100,31 @@ def test_release_tuple_reads_release_strings():
     assert release_tuple("5") == (5, 0, 0)
     with pytest.raises(ValueError, match="cannot read a release from transformers' version 'main'"):
         release_tuple("main")
+
+
+def test_release_table_has_a_column_per_release(tmp_path):
+    """docs/compatibility.md's release section from per-release rows: one column per release,
+    each run's sites, exactness and density, the skip reasons below, and the zoo's own matrix
+    (zoo.py --matrix) rewritten with the section kept."""
+    ok = dict(loss=1e-7, grad=4e-7, worst="w", graphs=1, rewritten=[2], skipped=[0], skip_reasons=[], gathers=[],
+              linear=True, culprits=[], seconds=1.0)
+    dense = dict(ok, rewritten=[0], skipped=[2], linear=False, skip_reasons=["unliftable_mask: x.py:1: vmap"])
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    (rows / "4.57.1.json").write_text(json.dumps({"llama": {"loss_inside": dense, "padded": dense}}))
+    (rows / "5.24.0.json").write_text(json.dumps({"llama": {"loss_inside": ok, "padded": ok},
+                                                   "gpt2": "RuntimeError: boom"}))
+    out = tmp_path / "compatibility.md"
+    out.write_text("# Compatibility matrix\n\n| zoo |\n")
+    zoo.write_release_table(str(rows), ("4.57.1", "5.17.0", "5.24.0"), str(out))
+    text = out.read_text()
+    assert text.startswith("# Compatibility matrix\n\n| zoo |\n\n" + zoo.RELEASES_HEADING)
+    assert "| architecture | transformers 4.57.1 | transformers 5.17.0 | transformers 5.24.0 |" in text
+    assert ("| llama | loss_inside: 0/2, padded: 0/2; exact; dense | - | "
+            "loss_inside: 2/2, padded: 2/2; exact; O(n/p) |") in text
+    assert "| gpt2 | - | - | run failed |" in text
+    assert "transformers 4.57.1:\n\n- llama: unliftable_mask: x.py:1: vmap" in text
+    assert "transformers 5.24.0:\n\n- gpt2: RuntimeError: boom" in text
+    kept = zoo._with_release_section("# Compatibility matrix\n\n| new zoo |\n", str(out))
+    assert kept.startswith("# Compatibility matrix\n\n| new zoo |\n\n" + zoo.RELEASES_HEADING)
+    assert kept.endswith(text.split(zoo.RELEASES_HEADING, 1)[1])
