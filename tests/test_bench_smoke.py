@@ -389,6 +389,26 @@ def test_compiled_model_benchmark_counts_one_key_runs_gather_per_step(tmp_path):
 
 
 @pytest.mark.soak
+def test_compiled_model_benchmark_amp_compares_four_steps(tmp_path):
+    """bench_model_masked.py --model hf-llama --amp both --plain (CPU, gloo, p = 2, smoke sizes):
+    every case with bf16 (here fp32) weights and with fp32 weights under bf16 autocast, ringcc at
+    p = 2 and on one device, plain torch.compile on one device; every ringcc graph rewrites both
+    sites, and the targets of issue 53 are computed from the one-device rows."""
+    proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--model", "hf-llama", "--cases", "unmasked",
+                                "--amp", "both", "--plain", "--one-gpu")
+    assert rec["model"] == "hf-llama"
+    assert [(r["p"], r["compiler"], r["amp"]) for r in rec["rows"]] == [
+        (2, "ringcc", False), (1, "ringcc", False), (1, "plain", False),
+        (2, "ringcc", True), (1, "ringcc", True), (1, "plain", True)]
+    assert all(r["sites"] == "2/2" for r in rec["rows"] if r["compiler"] == "ringcc")
+    (t,) = rec["amp_targets"]
+    one = {(r["compiler"], r["amp"]): r["ms"] for r in rec["rows"] if r["p"] == 1}
+    assert t["speedup_over_plain"] == pytest.approx(one["plain", True] / one["ringcc", True])
+    assert t["budget_ms"] == pytest.approx(one["ringcc", False] + one["plain", True] - one["plain", False])
+    assert "target >= 1.5x" in proc.stdout
+
+
+@pytest.mark.soak
 def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
     """bench_checkpoint.py end to end on CPU (gloo, p = 2, smoke sizes): in "recompute" mode the
     report says the regions were checkpointed again and the plan holds less than "inline"."""
