@@ -360,12 +360,12 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert all(r["verdict"] for r in rows)
 
 
-def _torchrun_smoke(script: str, tmp_path, *extra: str):
+def _torchrun_smoke(script: str, tmp_path, *extra: str, timeout: float = 240):
     """benchmarks/<script> --smoke [extra] under torchrun at p = 2 (gloo): (the process, its JSON record)."""
     out = tmp_path / "record.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "benchmarks" / script), "--smoke", "--json", str(out), *extra],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -395,7 +395,7 @@ def test_compiled_model_benchmark_amp_compares_four_steps(tmp_path):
     p = 2 and on one device, plain torch.compile on one device; every ringcc graph rewrites both
     sites, and the targets of issue 53 are computed from the one-device rows."""
     proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--model", "hf-llama", "--cases", "unmasked",
-                                "--amp", "both", "--plain", "--one-gpu")
+                                "--amp", "both", "--plain", "--one-gpu", timeout=900)
     assert rec["model"] == "hf-llama"
     assert [(r["p"], r["compiler"], r["amp"]) for r in rec["rows"]] == [
         (2, "ringcc", False), (1, "ringcc", False), (1, "plain", False),
