@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench_attention.py"
@@ -421,18 +422,21 @@ def test_checkpoint_benchmark_restores_regions_and_plans_less(tmp_path):
 
 
 @pytest.mark.soak
-def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path):
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_fsdp_benchmark_trains_the_same_model_as_one_device(tmp_path, amp):
     """bench_fsdp.py end to end on CPU (gloo, p = 2, smoke sizes): FSDP2 + ringcc and the one-device
-    run train the same model on the same tokens (equal losses after the same steps); ringcc shards
-    the blocks and the head (no gather in the head) and scales every gradient share for FSDP2's
-    mean over both ranks; causal context parallel needs CUDA and is recorded as skipped."""
-    proc, rec = _torchrun_smoke("bench_fsdp.py", tmp_path)
-    assert rec["device"] == "cpu (smoke, gloo)"
+    run train the same model on the same tokens (equal losses after the same steps; within bf16
+    rounding with --amp, fp32 parameters under bf16 autocast); ringcc shards the blocks and the
+    head (no gather in the head) and scales every gradient share for FSDP2's mean over both
+    ranks; causal context parallel needs CUDA and is recorded as skipped."""
+    proc, rec = _torchrun_smoke("bench_fsdp.py", tmp_path, *(["--amp"] if amp else []))
+    assert rec["device"] == "cpu (smoke, gloo)" and rec["amp"] == amp
     rows = {r["method"]: r for r in rec["records"]}
     assert rows["cp"]["status"].startswith("skipped")
     ring, one = rows["ringcc"], rows["single"]
     assert ring["status"] == one["status"] == "ok" and ring["tokens_per_s"] > 0 and one["tokens_per_s"] > 0
-    assert ring["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert ring["loss"] == pytest.approx(one["loss"], rel=1e-2 if amp else 1e-5)
+    assert one["notes"]["compute"] == str(torch.bfloat16 if amp else torch.float32)
     *blocks, head = ring["notes"]["reports"]  # the first block from plain inputs, the others handed shards
     assert 1 <= len(blocks) <= 2, blocks
     for block in blocks:
