@@ -87,3 +87,16 @@ def fp64_judge(got, eager, ref) -> dict:
         norm = float(r.norm()) or 1.0
         out[i] = (float((g - r).norm()) / norm, float((e - r).norm()) / norm)
     return out
+
+
+FP64_SLACK = 1.25  # how much further from fp64 than eager a run may be (its rounding order differs)
+# A distance below which any run counts as close (a 16th of bf16's rounding unit 2^-8): a scalar
+# such as the loss can land nearer fp64 than bf16 rounding accounts for, by luck, in eager.
+FP64_FLOOR = 2.0 ** -12
+
+
+def fp64_excess(judged: dict, slack: float = FP64_SLACK, floor: float = FP64_FLOOR) -> list[str]:
+    """The parts of an fp64_judge result where the run is further from fp64 than `slack` times
+    eager's distance and than `floor` (empty: as close as eager)."""
+    return [f"part {part}: {got:.3e} from fp64, eager {eager:.3e}" for part, (got, eager) in judged.items()
+            if not got <= max(slack * eager, floor)]

@@ -171,6 +171,9 @@ ZOO: list[Arch] = [
 ]
 BY_NAME = {a.name: a for a in ZOO}
 CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
+# the core architectures under CPU bf16 autocast with fp32 weights (`run_amp`; no MoE: grouped
+# matmul takes no fp64 reference)
+AMP = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo2", "gpt2", "opt", "bert", "roberta")
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,6 +278,49 @@ def run_arch(rank: int, world: int, name: str, patterns=None, inner: str = "aot_
             seconds=time.perf_counter() - t0,
         )
     return results
+
+
+def run_amp(rank: int, world: int, name: str, inner: str = "aot_eager") -> dict:
+    """`name`'s loss inside under torch.autocast("cpu", bfloat16), fp32 weights, on this rank:
+    ringcc and eager under the same autocast judged against an fp64 reference, no autocast
+    (parity.fp64_judge: the loss and the whole gradient); the sites and which parameters got a
+    gradient."""
+    import copy
+
+    import ringcc
+    from parity import fp64_judge
+
+    arch = BY_NAME[name]
+    torch.manual_seed(0)
+    eager = arch.factory().train()
+    ref, model = copy.deepcopy(eager).double(), copy.deepcopy(eager)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=inner)))
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    runs = []
+    for m, fn, amp in ((ref, ref, False), (eager, eager, True), (model, compiled, True)):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = _call(arch, fn, "loss_inside", _inputs(arch), {})
+        loss.backward()
+        runs.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
+    reports = ringcc.reports()
+    return dict(judged=fp64_judge(runs[2], runs[1], runs[0]),
+                rewritten=sum(len(r.rewritten) for r in reports), skipped=sum(len(r.skipped) for r in reports),
+                skip_reasons=sorted({f"{s.reason.value}: {s.detail}" for r in reports for s in r.skipped}),
+                no_grad=[sorted(k for k, g in run[1].items() if g is None) for run in runs[1:]])
+
+
+def check_amp(arch: Arch, res: dict) -> list[str]:
+    """What differs from the zoo's expectations under autocast (empty: as expected)."""
+    from parity import fp64_excess
+
+    bad = fp64_excess(res["judged"])
+    if (res["rewritten"], res["skipped"]) != (arch.sites, arch.skipped):
+        bad.append(f"sites rewritten {res['rewritten']}, skipped {res['skipped']} (expected {arch.sites}, "
+                   f"{arch.skipped}) {res['skip_reasons']}")
+    if res["no_grad"][0] != res["no_grad"][1]:
+        bad.append(f"parameters without a gradient: eager {res['no_grad'][0]}, ringcc {res['no_grad'][1]}")
+    return bad
 
 
 class _CompiledBase:
