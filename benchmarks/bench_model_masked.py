@@ -112,7 +112,7 @@ def hf_llama(smoke: bool) -> nn.Module:
         cfg.rope_parameters = dict(rope, rope_theta=500000.0)
     else:
         cfg.rope_theta, cfg.rope_scaling = 500000.0, rope
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").train()
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
 
 
 class Model(nn.Module):
