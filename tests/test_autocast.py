@@ -227,6 +227,7 @@ def case_grad_scaler(rank, world):
     return runs
 
 
+@pytest.mark.soak
 def test_fp16_grad_scaler_skips_the_steps_eager_skips(pools):
     for runs in pools(2).run(case_grad_scaler, timeout=600):
         assert runs["eager"]["taken"] == [False, True, False]
