@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ringcc import _compat
 
-from . import kernels
+from . import amp, kernels
 from . import layout as L
 from .comm import group_extremes
 from . import graphs, workspace
@@ -267,6 +267,7 @@ def _ring_backward(ctx, dout, dlse):
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+amp.register_autocast("ring_attention")  # Note [Attention under autocast] in amp.py
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,6 +501,7 @@ def ring_attention(
     adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
     """
     name, world, _ = _group_args(group, "ring_attention")
+    q, k, v = amp.cast_qkv(q, k, v)  # SDPA's autocast policy (Note [Attention under autocast])
     try:  # every rank agrees on the call before any raises (_check_same_call)
         _check_inputs(q, k, v, key_padding_mask)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
