@@ -53,7 +53,7 @@ import torch
 
 from ringcc import _compat
 from ringcc.runtime import layout as L
-from ringcc.runtime.ops import gather_op
+from ringcc.runtime.ops import gather_op, shard_op
 
 _TREE = _compat.pytree()  # tree_map, tree_flatten, tree_unflatten (on __torch_function__'s path)
 
@@ -71,12 +71,16 @@ class SequenceSharded(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
                 front: int = 0, back: int = 0, outer: int = 1):
+        # one autograd function from `.local` to the wrapper (Note [Sharded outputs and autograd])
+        return _FromLocal.apply(local, (cls, seq_dim, group_name, world_size, layout, front, back, outer))
+
+    @classmethod
+    def _make(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
+              front: int, back: int, outer: int) -> "SequenceSharded":
         shape = list(local.shape)
         shape[seq_dim] = (shape[seq_dim] // outer * world_size - front - back) * outer
         strides = torch.empty(shape, device="meta").stride()
-        self = _compat.make_wrapper_subclass(
-            cls, shape, strides=strides, dtype=local.dtype, device=local.device,
-            requires_grad=local.requires_grad)
+        self = _compat.make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype, device=local.device)
         self.local, self.seq_dim, self.seq_layout = local, seq_dim, layout
         self._comm = (group_name, world_size)
         self.front, self.back, self.outer = front, back, outer
@@ -145,6 +149,32 @@ class SequenceSharded(torch.Tensor):
         raise TypeError(
             f"ringcc: {func} reached a SequenceSharded output below torch's Python API; call "
             f".full_tensor() first (the gathered value, with autograd) or use .local (this rank's rows)")
+
+
+class _FromLocal(torch.autograd.Function):
+    """`.local` -> its SequenceSharded wrapper (Note [Sharded outputs and autograd]): the wrapper's
+    own gradient, a cotangent of the global value, reaches `.local` as this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, local, meta):
+        cls, seq_dim, group_name, world_size, layout, front, back, outer = meta
+        ctx.layout = (seq_dim, (group_name, world_size), layout, front, back, outer)
+        return cls._make(local, *meta[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _rows(grad, *ctx.layout), None
+
+
+def _rows(grad, dim: int, comm: tuple[str, int], layout: str, front: int, back: int, outer: int) -> torch.Tensor:
+    """This rank's rows of a cotangent of a wrapper's global value: the backward of its gather
+    (rows outside the window get zeros)."""
+    if outer > 1:
+        grad, dim = grad.unflatten(dim, (outer, -1)), dim + 1
+    if front or back:
+        grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - dim) + [front, back])
+    rows = shard_op(grad.contiguous(), dim, *comm, layout)
+    return rows.flatten(dim - 1, dim) if outer > 1 else rows
 
 
 def _full(x):
