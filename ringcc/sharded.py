@@ -36,13 +36,26 @@ when the layouts and lengths agree (`handoff_gathers`): no rows move. Dynamo mod
 as a plain Python object and cannot call a C method on it (`x.float()`, `x.mean(-1)`), so every
 Tensor method is also a Python method of the class, which dynamo inlines.
 
+Note [Sharded outputs and autograd]
+Every path from a use of the wrapper to `.local` is one autograd function in each direction:
+- a torch op reads the gathered value, `ringcc::gather` of `.local` (backward: this rank's rows
+  of the cotangent); a graph that reads the wrapper traces that gather and takes the shard as is;
+- the wrapper itself is the output of `_FromLocal` applied to `.local`, so it is no leaf: code
+  that records the wrapper as it is (`autograd.Function.apply` records its tensor inputs, as
+  FSDP2's post-backward identity does on a block's inputs, without any __torch_function__ call)
+  hands its gradient, a cotangent of the global value, to `_FromLocal`'s backward, which keeps
+  this rank's rows (the gather's backward again; rows outside the window get zeros).
+So no gradient stops at the wrapper, whichever hook, wrapper or rewrap sits between two uses.
+
 Note [Sharded outputs under FSDP2]
 FSDP2 touches each block's inputs and outputs outside the graphs, and each touch would gather:
 - its pre-backward hook, `output.register_hook(state._pre_backward)`, only needs to fire when
   the output's gradient arrives; it is registered on `.local`, whose gradient arrives then;
 - its post-backward identity function, applied to a block's inputs, must see the tensors the
   block reads; it is applied to the shards, which are wrapped again (`fsdp_hooks_take_shards`,
-  called by the backend when it compiles a graph of an FSDP2 module);
+  called by the backend when it compiles a graph of an FSDP2 module). Applied to the wrapper
+  itself (a tree the registration does not reach), its output is the gathered value and its
+  gradient reaches the shard through the wrapper (Note [Sharded outputs and autograd]);
 - its input cast reads `torch.is_floating_point` and `.dtype`: metadata.
 So activations cross FSDP2's block boundaries as shards, in both directions.
 """
