@@ -245,6 +245,7 @@ _METADATA = {
     _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, torch.is_floating_point,
     torch.is_complex, torch.numel,
     _T._base.__get__,  # None: the wrapper is no view (FSDP2 checks module outputs for views)
+    _T.grad_fn.__get__, _T.is_leaf.__get__,  # the wrapper's own: _FromLocal's (Note [Sharded outputs and autograd])
 }
 
 

@@ -57,9 +57,13 @@ def _name(name: str) -> str:
     return name
 
 
-def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside):
+def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside, shard_registration=True):
     """One training step of the cell; (loss error, {param: gradient error relative to its largest
-    entry, floored at 1e-3}, eager's parameters with a gradient, ours, the gathers)."""
+    entry, floored at 1e-3}, eager's parameters with a gradient, ours, the gathers).
+    shard_registration=False: FSDP2's post-backward identity is applied to the SequenceSharded
+    inputs themselves (ringcc's registration on the shards left out)."""
+    import sys
+
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -116,9 +120,16 @@ def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside)
     step = torch.compile(model, backend=backend) if route == "model" else model
     ringcc.reset_reports()
     mine = slice(dp_rank * B, (dp_rank + 1) * B)
-    with eager_gathers() as gathered:
-        loss = loss_of(step, ids[mine], labels[mine])
-        loss.backward()
+    backend_module = sys.modules["ringcc.backend"]
+    take_shards = backend_module.fsdp_hooks_take_shards
+    if not shard_registration:
+        backend_module.fsdp_hooks_take_shards = lambda module: None
+    try:
+        with eager_gathers() as gathered:
+            loss = loss_of(step, ids[mine], labels[mine])
+            loss.backward()
+    finally:
+        backend_module.fsdp_hooks_take_shards = take_shards
     total = loss.detach().clone()
     dist.all_reduce(total, group=device_mesh.get_group("dp"))
     errs, have = {}, set()
@@ -134,8 +145,9 @@ def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside)
     return float((total / 2 - ref_loss).abs()), errs, want, have, gathers
 
 
-def check(results, route, loss_inside):
-    eager_reads = 0 if route == "model" and loss_inside else 1  # the head's input, or the logits
+def check(results, route, loss_inside, between_blocks=0):
+    # the head's input, or the logits; and between_blocks gathers of a block's input
+    eager_reads = (0 if route == "model" and loss_inside else 1) + between_blocks
     for rank, (loss_err, errs, want, have, gathers) in enumerate(results):
         assert have == want, (rank, sorted(want - have), sorted(have - want))
         assert loss_err < 1e-5, (rank, loss_err)
@@ -185,3 +197,11 @@ def test_composition(pools, cell):
 def test_composition_soak(pools, cell):
     engine, route, config, tied, checkpoint, loss_inside = SOAK_CELLS[cell]
     check(pools(4).run(case_cell, *SOAK_CELLS[cell], timeout=600), route, loss_inside)
+
+
+def test_a_gradient_that_reaches_a_block_input_wrapper_reaches_its_shards(pools):
+    """FSDP2's post-backward identity function applied to the wrapper itself (an autograd.Function
+    records its inputs as they are) gathers block 1's input and hands its gradient to block 0's
+    shards (Note [Sharded outputs and autograd]): every parameter gets its gradient."""
+    cell = ("fsdp_dp", "blocks_before", "mesh", False, False, True)
+    check(pools(4).run(case_cell, *cell, False, timeout=600), "blocks_before", True, between_blocks=1)

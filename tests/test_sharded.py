@@ -68,6 +68,7 @@ def test_a_function_that_records_the_wrapper_itself_sends_its_gradient_to_the_sh
 
     local = torch.randn(2, 6, 3, requires_grad=True)
     x = sharded(local * 1, front=1, back=0)
+    assert not x.is_leaf and type(x.grad_fn).__name__ == "_FromLocalBackward" and not x._full
     y = Identity.apply(x)
     w = torch.randn(2, 5, 3)
     torch.testing.assert_close(y, local[:, 1:])
