@@ -157,8 +157,8 @@ class SequenceSharded(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Every torch-level call goes through __torch_function__ and sees the gathered value;
-        # reaching the dispatcher with the wrapper itself means autograd recorded the wrapper,
-        # whose gradient would never reach the shard: refuse rather than compute wrong gradients.
+        # reaching the dispatcher with the wrapper itself means a kernel would read a tensor
+        # that has no data: refuse rather than compute a wrong value.
         raise TypeError(
             f"ringcc: {func} reached a SequenceSharded output below torch's Python API; call "
             f".full_tensor() first (the gathered value, with autograd) or use .local (this rank's rows)")
