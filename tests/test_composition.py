@@ -118,7 +118,10 @@ def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside,
     if route == "blocks_wrapped":
         for i, block in enumerate(inner.blocks):
             inner.blocks[i] = torch.compile(block, backend=backend)
-    step = torch.compile(model, backend=backend) if route == "model" else model
+    if route.startswith("model"):  # model_dynamic: the sizes and the wrappers' ints symbolic
+        step = torch.compile(model, backend=backend, dynamic=True if route == "model_dynamic" else None)
+    else:
+        step = model
     ringcc.reset_reports()
     mine = slice(dp_rank * B, (dp_rank + 1) * B)
     backend_module = sys.modules["ringcc.backend"]
@@ -148,7 +151,7 @@ def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside,
 
 def check(results, route, loss_inside, between_blocks=0):
     # the head's input, or the logits; and between_blocks gathers of a block's input
-    eager_reads = (0 if route == "model" and loss_inside else 1) + between_blocks
+    eager_reads = (0 if route.startswith("model") and loss_inside else 1) + between_blocks
     for rank, (loss_err, errs, want, have, gathers) in enumerate(results):
         assert have == want, (rank, sorted(want - have), sorted(have - want))
         assert loss_err < 1e-5, (rank, loss_err)
@@ -173,6 +176,8 @@ SOAK_CELLS = {
     "fsdp_dp-blocks_after-mesh": ("fsdp_dp", "blocks_after", "mesh", False, False, True),
     "fsdp_dp-blocks_wrapped-group": ("fsdp_dp", "blocks_wrapped", "group", False, False, True),
     "fsdp_dp-model-mesh": ("fsdp_dp", "model", "mesh", False, False, True),
+    # the head's graph reads the last block's wrapper, whose dim dynamo traces as a SymInt
+    "fsdp_dp-model_dynamic-mesh": ("fsdp_dp", "model_dynamic", "mesh", False, False, True),
     "fsdp_dp-model-tied": ("fsdp_dp", "model", "mesh", True, False, True),
     "fsdp_dp-blocks_before-tied-ac": ("fsdp_dp", "blocks_before", "mesh", True, True, True),
     "fsdp_dp-model-loss_outside": ("fsdp_dp", "model", "mesh", False, False, False),
