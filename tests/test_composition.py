@@ -149,10 +149,11 @@ def case_cell(rank, world, engine, route, config, tied, checkpoint, loss_inside,
     return float((total / 2 - ref_loss).abs()), errs, want, have, gathers
 
 
-def check(results, route, loss_inside, between_blocks=0):
+def check(results, route, loss_inside, between_blocks=0, known=""):
     # the head's input, or the logits; and between_blocks gathers of a block's input
     eager_reads = (0 if route.startswith("model") and loss_inside else 1) + between_blocks
     for rank, (loss_err, errs, want, have, gathers) in enumerate(results):
+        gathers = [g for g in gathers if not (known and known in g)]
         assert have == want, (rank, sorted(want - have), sorted(have - want))
         assert loss_err < 1e-5, (rank, loss_err)
         bad = {n: e for n, e in errs.items() if not e < 1e-5}
@@ -191,6 +192,11 @@ SOAK_CELLS = {
     "ddp-model-ac": ("ddp", "model", "mesh", False, True, True),
 }
 
+# gathers a cell records that are not between blocks, with the reason shard_sequence gives: under
+# dynamic=True the loss's flattened logits [b * n, V] have a symbolic b, and a graph output with
+# symbolic batch rows merged into its sequence dim is gathered (O(n) logits, exact)
+KNOWN_GATHERS = {"fsdp_dp-model_dynamic-mesh": "batch rows merged into its sequence dim"}
+
 
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_composition(pools, cell):
@@ -202,7 +208,7 @@ def test_composition(pools, cell):
 @pytest.mark.parametrize("cell", list(SOAK_CELLS))
 def test_composition_soak(pools, cell):
     engine, route, config, tied, checkpoint, loss_inside = SOAK_CELLS[cell]
-    check(pools(4).run(case_cell, *SOAK_CELLS[cell], timeout=600), route, loss_inside)
+    check(pools(4).run(case_cell, *SOAK_CELLS[cell], timeout=600), route, loss_inside, known=KNOWN_GATHERS.get(cell, ""))
 
 
 def test_a_gradient_that_reaches_a_block_input_wrapper_reaches_its_shards(pools):
