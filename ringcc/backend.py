@@ -21,6 +21,7 @@ from ringcc import _compat
 from ringcc.config import Config, timeout_delta
 from ringcc.passes.base import PassContext
 from ringcc.passes.pipeline import run_pipeline
+from ringcc.releases import check_transformers_release
 from ringcc.report import GraphReport, record
 from ringcc.runtime.comm import group_extremes, set_timeout
 from ringcc.runtime.ops import checks_every_call, schedule_settings
@@ -103,6 +104,7 @@ def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
+    check_transformers_release(gm)
     world, name = _world(config)
     report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
     ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
