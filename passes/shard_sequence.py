@@ -470,6 +470,8 @@ class Sharder:
                     raise _Unclosed(f"{a.name} is in a rank-local order ({why})")
                 raise ValueError(f"ringcc cannot run {node.format_node()} on a sharded tuple ({why})")
         val = fake(node)
+        if isinstance(val, (tuple, list)):  # (values, indices) of cummax, sort, ...
+            return tuple(self._gathered_state(v, gathered) if isinstance(v, torch.Tensor) else None for v in val)
         return self._gathered_state(val, gathered) if isinstance(val, torch.Tensor) else None
 
     def _gathered_state(self, val: torch.Tensor, gathered: list[tuple[torch.fx.Node, Seq]]) -> State:

@@ -411,6 +411,38 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
+# Note [Input checksum]
+# Every rank of a sequence group must be called with the same data: each computes its own
+# tokens of one sequence, and ranks fed different batches return rank 0's first part joined
+# to rank 1's second part, with no error. The check is a checksum of each data input,
+# computed on its device and compared in the collective that compares the shapes, so it adds
+# no host sync. Each element's bits (as an integer of its width) are summed in int64 with an
+# odd weight from their position (2i + 1), wrapping: one differing element always changes the
+# sum, and so does swapping two tokens. Tensors of more than _CHECKSUM_ROW_ELEMENTS elements
+# are summed per row of their last dim first (their features), then weighted per row, so no
+# temporary of their size is made (rows swapped still change the sum; features swapped within
+# a row do not). The code is kept to 62 bits, so that its negation (group_extremes) does not
+# overflow.
+_CHECKSUM_ROW_ELEMENTS = 1 << 22
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def content_code(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 62-bit checksum of `tensors`' values as a 0-d int64 tensor on their device, with no host
+    sync (Note [Input checksum]); None for no tensors."""
+    code = None
+    for t in tensors:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        bits = t.view(_INT_OF_WIDTH[t.element_size()])
+        width = t.shape[-1] if t.numel() > _CHECKSUM_ROW_ELEMENTS and t.dim() > 1 else 1
+        rows = bits.reshape(-1, width).sum(-1, dtype=torch.int64) if width > 1 else bits.reshape(-1).to(torch.int64)
+        weights = torch.arange(1, 2 * rows.numel(), 2, dtype=torch.int64, device=rows.device)
+        one = (rows * weights).sum()
+        code = one if code is None else code * 1000003 + one
+    return None if code is None else code & ((1 << 62) - 1)
+
+
 def checks_every_call(cuda: bool) -> bool:
     """Whether `_check_same_call` runs on every call: always on CPU; on CUDA only at debug level
     DETAIL (TORCH_DISTRIBUTED_DEBUG=DETAIL when torch.distributed is imported, or
