@@ -24,7 +24,7 @@ from ringcc.passes.discover_sequence import handoff_gathers
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.report import GraphReport, record
 from ringcc.runtime.comm import group_extremes, set_timeout
-from ringcc.runtime.ops import content_code, schedule_settings
+from ringcc.runtime.ops import SAME_BATCH_REMEDY, content_code, schedule_settings
 from ringcc.runtime.ring import check_no_launcher
 from ringcc.sharded import fsdp_hooks_take_shards, wrap_outputs
 
@@ -119,7 +119,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):
         return compiled  # nothing to agree on (offline rewrites for Config(world_size=...) too)
-    decisions += schedule_settings()  # the runtime settings that shape the ring's schedule too
+    # the runtime settings that shape the ring's schedule, and when inputs are compared (a rank
+    # that compares alone would wait in the collective)
+    decisions += [*schedule_settings(), f"check_inputs={config.check_inputs}"]
     return _checked_first_call(compiled, decisions, config, report.graph, data)
 
 
@@ -184,15 +186,6 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
-
-
-SAME_BATCH_REMEDY = (
-    "Every rank of a sequence group computes its own part of one sequence, so every rank of the group "
-    "must be fed the same batch (as eager code on one device would be). A DistributedSampler, HF Trainer "
-    "or accelerate gives each rank its own batch by default. With data parallelism, build a DeviceMesh "
-    "(dp x cp), compile with Config(mesh=mesh, axis='cp'), and shard the data over dp only: "
-    "DistributedSampler(dataset, num_replicas=mesh['dp'].size(), rank=mesh['dp'].get_local_rank()); "
-    "docs/sharp-edges.md shows it for a plain loop and for HF Trainer / accelerate")
 
 
 def check_same_inputs(inputs, group, graph: str = "graph", data: tuple[int, ...] = ()) -> None:

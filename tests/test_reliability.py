@@ -302,6 +302,25 @@ def test_a_sampler_over_dp_only_matches_eager_on_a_mesh(pools):
     _check_batches(pools(4).run(case_batches, (2, 2), timeout=600))
 
 
+def case_functional_batches(rank, world):
+    """ringcc.shard_sequence of a full input drawn per rank: an error on every rank; the same
+    input: this rank's rows."""
+    same = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0))
+    mine = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        ringcc.shard_sequence(mine, 1)
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    return outcome, tuple(ringcc.shard_sequence(same, 1).shape)
+
+
+def test_functional_shard_of_different_inputs_raises_on_every_rank(pools):
+    for rank, (outcome, shape) in enumerate(pools(2).run(case_functional_batches, timeout=120)):
+        assert "shard_sequence full inputs of different values" in outcome and "same batch" in outcome, outcome
+        assert shape == (2, 4, 4), rank
+
+
 def case_check_cost(rank, world):
     """Per call of a compiled graph on CUDA: the time of the input check (the data's checksum,
     the shapes' code, one all-reduce and host sync), alone and as the slowdown of a GPU-bound
