@@ -288,7 +288,7 @@ def case_tiny_moe(rank, world, variant):
                                      pytest.param({"escape": True}, marks=pytest.mark.soak)],
                          ids=["own_tokens", "group_limited", "unruled", "index_ops", "masked", "gathered"])
 def test_moe_dispatch_matches_eager(pools, variant):
-    for rank, errs in enumerate(pools(2).run(case_tiny_moe, variant)):
+    for rank, errs in enumerate(pools(2).run(case_tiny_moe, variant, timeout=600)):
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, f"rank {rank}: {worst[0]} differs from eager by {worst[1]:.2e}"
 
