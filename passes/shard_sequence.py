@@ -446,11 +446,14 @@ class Sharder:
         """Run `node` on full values: gather its sharded inputs. A node that writes a gathered
         input in place (`x[i] = v`) writes the gathered copy: the later readers of the shard
         read that copy instead."""
+        gathered = [(a, self.state[a]) for a in node.all_input_nodes
+                    if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
             if isinstance(st, Partial):
                 node.replace_input_with(a, self.materialize(a))
             elif isinstance(st, Seq) and st.sharded:
+                gathered.append((a, st))
                 full = self.gather(a, st, why)
                 node.replace_input_with(a, full)
                 if writes_in_place(node, full):
@@ -467,7 +470,20 @@ class Sharder:
                     raise _Unclosed(f"{a.name} is in a rank-local order ({why})")
                 raise ValueError(f"ringcc cannot run {node.format_node()} on a sharded tuple ({why})")
         val = fake(node)
-        return self.seq_of_size(val) if isinstance(val, torch.Tensor) else None
+        if isinstance(val, (tuple, list)):  # (values, indices) of cummax, sort, ...
+            return tuple(self._gathered_state(v, gathered) if isinstance(v, torch.Tensor) else None for v in val)
+        return self._gathered_state(val, gathered) if isinstance(val, torch.Tensor) else None
+
+    def _gathered_state(self, val: torch.Tensor, gathered: list[tuple[torch.fx.Node, Seq]]) -> State:
+        """The replicated state of an op run on full inputs: the sequence dim of a full
+        (gathered or replicated) input that the output keeps at the same place and size (an op
+        over [b*n, E] rows that keeps the b*n rows), else the output's one dim of size n. A
+        full-length value left without a state would read as a table without a sequence (a
+        weight), whose rows a shard's own indices would then pick from all n tokens."""
+        for a, st in gathered:
+            if st.dim < val.dim() and _eq(val.shape[st.dim], fake(a).shape[st.dim]):
+                return replace(st, sharded=False, start=sympy.Integer(0), index=None)
+        return self.seq_of_size(val)
 
     def _outputs(self, node: torch.fx.Node) -> None:
         """Sharded outputs leave the graph as shards, each with its window in
@@ -1359,6 +1375,35 @@ def attention_rule(w: Sharder, node):
     return (seq, seq)
 
 
+def index_along_rule(w: Sharder, node):
+    """gather / scatter / scatter_add along a dim other than the sequence, with the index (and
+    a source tensor) holding the same tokens as the input at the same dim: each token's row
+    reads or writes its own row only (a router's `scores.gather(1, topk_idx)`,
+    `mask.scatter_(1, group_idx, 1)`): token-local. A write in place into a replicated value
+    with a sharded index is run on full values: a shard of it would take the write away from
+    its later readers."""
+    x, index = node.args[0], _arg(node, 2, "index")
+    src = _arg(node, 3, "src")
+    tensors = [a for a in (x, index, src) if _is_tensor_node(a)]
+    nd = fake(x).dim()
+    dim = _norm_dim(_arg(node, 1, "dim"), nd)
+    seqs = [w.state.get(a) for a in tensors]
+    dims = {st.dim for st in seqs if isinstance(st, Seq)}
+    if len(dims) != 1 or any(fake(a).dim() != nd for a in tensors):
+        raise Fallback("sequence dims of the input and its index disagree")
+    d = dims.pop()
+    if d == dim:
+        raise Fallback("indexes along the sequence")
+    if any(not _eq(fake(a).shape[d], fake(x).shape[d]) for a in tensors):
+        raise Fallback("the index holds other tokens than the input")
+    st_x = w.state.get(x)
+    in_place = writes_in_place(node, x)
+    if in_place and not (isinstance(st_x, Seq) and st_x.sharded) and \
+            any(isinstance(st, Seq) and st.sharded for st in seqs):
+        raise Fallback("writes a replicated value in place at sharded indices")
+    return _elementwise(w, node, tensors, cheap=in_place or not fake(node).is_floating_point())
+
+
 def one_run_keys_rule(w: Sharder, node):
     """ringcc::one_run_keys checks a whole padding mask, the same on every rank (Note [Counted
     positions] in canonicalize_attention.py): a mask that arrives sharded is gathered first."""
@@ -1446,6 +1491,8 @@ RULES: dict[str, Rule] = {
     "mean": Rule(reduce_rule, unary=True),
     "logsumexp": Rule(reduce_rule, unary=True),  # token-local over a feature dim (a chunked loss)
     "cross_entropy": Rule(cross_entropy_rule),
+    # per-token indexing along a feature dim (routers)
+    **{name: Rule(index_along_rule) for name in ("gather", "scatter", "scatter_", "scatter_add", "scatter_add_")},
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),

@@ -377,10 +377,10 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "r
 _CHECKED_LENGTHS: set[tuple[str, int, str]] = set()
 
 # Runtime settings that shape the ring's schedule (head chunks, whether and how transfers
-# happen; the kernel choice enters the head-chunk rule through its GQA workspace): ranks that
-# disagree on them would wait for each other forever.
+# happen; the kernel choice enters the head-chunk rule through its GQA workspace), and when
+# inputs are compared across ranks: ranks that disagree on them would wait for each other forever.
 SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RING_TRANSPORT",
-                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA", "RINGCC_RING_GRAPHS")
+                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA", "RINGCC_RING_GRAPHS", "RINGCC_CHECK_INPUTS")
 
 
 def schedule_settings() -> tuple[str, ...]:
@@ -410,6 +410,38 @@ def _crc(text: str) -> int:
     import zlib
 
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+# Note [Input checksum]
+# Every rank of a sequence group must be called with the same data: each computes its own
+# tokens of one sequence, and ranks fed different batches return rank 0's first part joined
+# to rank 1's second part, with no error. The check is a checksum of each data input,
+# computed on its device and compared in the collective that compares the shapes, so it adds
+# no host sync. Each element's bits (as an integer of its width) are summed in int64 with an
+# odd weight from their position (2i + 1), wrapping: one differing element always changes the
+# sum, and so does swapping two tokens. Tensors of more than _CHECKSUM_ROW_ELEMENTS elements
+# are summed per row of their last dim first (their features), then weighted per row, so no
+# temporary of their size is made (rows swapped still change the sum; features swapped within
+# a row do not). The code is kept to 62 bits, so that its negation (group_extremes) does not
+# overflow.
+_CHECKSUM_ROW_ELEMENTS = 1 << 22
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def content_code(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 62-bit checksum of `tensors`' values as a 0-d int64 tensor on their device, with no host
+    sync (Note [Input checksum]); None for no tensors."""
+    code = None
+    for t in tensors:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        bits = t.view(_INT_OF_WIDTH[t.element_size()])
+        width = t.shape[-1] if t.numel() > _CHECKSUM_ROW_ELEMENTS and t.dim() > 1 else 1
+        rows = bits.reshape(-1, width).sum(-1, dtype=torch.int64) if width > 1 else bits.reshape(-1).to(torch.int64)
+        weights = torch.arange(1, 2 * rows.numel(), 2, dtype=torch.int64, device=rows.device)
+        one = (rows * weights).sum()
+        code = one if code is None else code * 1000003 + one
+    return None if code is None else code & ((1 << 62) - 1)
 
 
 def checks_every_call(cuda: bool) -> bool:
@@ -547,12 +579,49 @@ def _seq_dim(x, dim: int) -> int:
 
 
 def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
-    """This rank's shard of the full-length `x` along `dim` (differentiable)."""
+    """This rank's shard of the full-length `x` along `dim` (differentiable). Every rank of the
+    group must pass the same `x`: the ranks compare its shape and checksum first (Note [Input
+    checksum]; at every call, or once per shape under RINGCC_CHECK_INPUTS=first_call; not while
+    dynamo traces, where the compiled graph's own check runs)."""
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group, "shard_sequence")
     dim = _seq_dim(x, dim)
     L.check_length(x.shape[dim], world, lay)
+    if world > 1 and not torch.compiler.is_compiling():
+        _check_same_data(x, group, name)
     return shard_op(x, dim, name, world, lay.value)
+
+
+SAME_BATCH_REMEDY = (
+    "Every rank of a sequence group computes its own part of one sequence, so every rank of the group "
+    "must be fed the same batch (as eager code on one device would be). A DistributedSampler, HF Trainer "
+    "or accelerate gives each rank its own batch by default. With data parallelism, build a DeviceMesh "
+    "(dp x cp), shard the sequence over cp (Config(mesh=mesh, axis='cp'), or group=mesh.get_group('cp')) "
+    "and the data over dp only: DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+    "rank=mesh['dp'].get_local_rank()); docs/sharp-edges.md shows it for a plain loop and for HF Trainer / "
+    "accelerate")
+_CHECKED_DATA: set[tuple[str, tuple]] = set()
+
+
+def _check_same_data(x: torch.Tensor, group, group_name: str) -> None:
+    """The full input of shard_sequence is the same on every rank of the group (shape and
+    checksum, one all-reduce)."""
+    from ringcc.config import Config
+
+    key = (group_name, tuple(x.shape))
+    if Config.from_options().check_inputs == "first_call" and key in _CHECKED_DATA:
+        return
+    shape = _crc(str(tuple(x.shape)) + str(x.dtype))
+    device = torch.device("cuda", torch.cuda.current_device()) if x.is_cuda else torch.device("cpu")
+    (lo, hi), (content_lo, content_hi) = group_extremes([shape, content_code([x.detach()]).to(device)],
+                                                        group, device)
+    if lo != hi or content_lo != content_hi:
+        what = "shapes or dtypes" if lo != hi else "values"
+        raise ValueError(f"ranks passed shard_sequence full inputs of different {what} (this rank: "
+                         f"{tuple(x.shape)} {x.dtype}). {SAME_BATCH_REMEDY}")
+    if len(_CHECKED_DATA) >= 4096:  # every rank clears at the same call (they made the same ones)
+        _CHECKED_DATA.clear()
+    _CHECKED_DATA.add(key)
 
 
 def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):

@@ -56,6 +56,7 @@ class Arch:
     patterns_p4: tuple[str, ...] = ("loss_inside", "ce_outside")  # the patterns run at p > 2
     why: str = ""  # where not O(n/p) or not exact: the op and why (the matrix shows it)
     padded_skipped: int | None = None  # sites skipped in the padded pattern, where it differs (then not O(n/p))
+    inner: str = "aot_eager"  # the compiler ringcc hands the rewritten graph to
 
 
 def _no_dropout(cfg):
@@ -88,6 +89,7 @@ def _hf_default_attention(config_cls: str, **kwargs):
 
 
 _MOE = dict(num_experts_per_tok=2)
+_GROUPED = dict(n_routed_experts=8, moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1, **_MOE)
 
 
 def _config(config_cls: str, auto: str, **kwargs):
@@ -153,6 +155,19 @@ ZOO: list[Arch] = [
                                   shared_expert_intermediate_size=64, **_MOE)),
     Arch("qwen3_moe", _llama_like("Qwen3MoeConfig", num_experts=4, moe_intermediate_size=32, head_dim=8, **_MOE)),
     Arch("olmoe", _llama_like("OlmoeConfig", num_experts=4, **_MOE)),
+    # group-limited routing (scatter_, gather, topk(sorted=False)) and a hybrid of gated delta-net
+    # and attention layers; torch.compile(backend="aot_eager") of Qwen3-Next fails without ringcc too
+    Arch("glm4_moe", _llama_like("Glm4MoeConfig", **_GROUPED)),
+    Arch("deepseek_v3", _llama_like("DeepseekV3Config", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                    qk_nope_head_dim=4, v_head_dim=8, **_GROUPED), linear=False,
+         why="DeepSeek-V3's expand_kv writes k_nope and k_rot into a new_empty tensor with copy_: run on gathered "
+             "tokens"),
+    Arch("qwen3_next", _llama_like("Qwen3NextConfig", num_experts=4, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32, head_dim=8, linear_num_value_heads=4,
+                                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                   layer_types=["linear_attention", "full_attention"], **_MOE),
+         sites=1, linear=False, inner="inductor",
+         why="the gated delta-net's causal conv1d and chunked recurrence mix the sequence: run on gathered tokens"),
     Arch("bert", _config("BertConfig", "AutoModelForMaskedLM", **_BERT), kind="encoder", worlds=(2, 4)),
     Arch("roberta", _config("RobertaConfig", "AutoModelForMaskedLM", **dict(_BERT, max_position_embeddings=130)),
          kind="encoder"),
@@ -239,11 +254,12 @@ def _grad_errors(model, ref) -> dict[str, float]:
     return errs
 
 
-def run_arch(rank: int, world: int, name: str, patterns=None, inner: str = "aot_eager") -> dict:
+def run_arch(rank: int, world: int, name: str, patterns=None, inner: str | None = None) -> dict:
     """Every pattern of `name` on this rank: errors against eager and the report facts."""
     import ringcc
 
     arch = BY_NAME[name]
+    inner = inner or arch.inner
     torch.manual_seed(0)
     ref = arch.factory().train()
     torch.manual_seed(0)
