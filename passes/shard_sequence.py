@@ -633,10 +633,24 @@ def pointwise(cheap: bool):
         # costing 4n bytes on every rank.
         # Likewise a floating-point value changing dtype (x.float() on bf16 activations) or
         # cloned: a new full-length tensor on every rank, so it is sliced first.
-        is_cheap = not fake(node).is_floating_point() or (
+        is_cheap = not _is_float(fake(node)) or (
             cheap and not _newly_float(node, tensors) and not _float_copy(node, tensors))
         return _elementwise(w, node, tensors, is_cheap)
     return fn
+
+
+def _is_float(t) -> bool:
+    """Floating point or complex (Llama 4's rotary): per-token values, never cheap."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def complex_view_rule(w: Sharder, node):
+    """view_as_complex / view_as_real: the trailing pair of reals <-> one complex number; the
+    sequence dim, never that pair, keeps its index."""
+    st = w.state[node.args[0]]
+    if st.dim >= fake(node).dim():
+        raise Fallback("the sequence dim is the real/imaginary pair")
+    return st
 
 
 def _float_copy(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:
@@ -1423,6 +1437,10 @@ RULES: dict[str, Rule] = {
     "repeat": Rule(repeat_rule, unary=True),
     "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
     "cumsum": Rule(cumsum_rule, unary=True),
+    # complex rotary (Llama 4): views between reals and complex numbers, polar coordinates
+    "view_as_complex": Rule(complex_view_rule, unary=True),
+    "view_as_real": Rule(complex_view_rule, unary=True),
+    "polar": Rule(pointwise(cheap=False)),
     "transpose": Rule(transpose_rule, unary=True),
     "swapaxes": Rule(transpose_rule, unary=True),
     "t": Rule(t_rule, unary=True),
