@@ -1675,6 +1675,16 @@ def rows_getitem(w: Sharder, node):
         return w.state[x][index]
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
+    st = w.state.get(x)
+    items = index if isinstance(index, tuple) else (index,)
+    if isinstance(st, Seq) and all(i is Ellipsis or isinstance(i, slice) for i in items):
+        # features sliced, rows untouched (gpt-oss's gate_up[..., ::2]): the rows keep their state
+        nd, cut = fake(x).dim(), items.index(Ellipsis) if Ellipsis in items else len(items)
+        tail = len(items) - cut - 1  # items after the Ellipsis index the last dims
+        at_rows = items[st.dim] if st.dim < cut else \
+            items[st.dim - nd] if Ellipsis in items and st.dim >= nd - tail else slice(None)
+        if at_rows == slice(None):
+            return st
     return _take_rows(w, x, index)
 
 

@@ -169,3 +169,56 @@ def test_compiled_sinks_and_mla_match_eager(pools, name, world):
         assert gathers == [], gathers
         if name == "sinks":
             assert sites[0][1]["sinks"], sites
+
+
+def test_opcheck_with_sinks_and_a_value_head_dim():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 8, 12, generator=gen), torch.randn(1, 2, 8, 12, generator=gen)
+    v, sinks = torch.randn(1, 2, 8, 8, generator=gen), torch.randn(4, generator=gen)
+    q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
+    torch.library.opcheck(torch.ops.ringcc.ring_attention.default, (q, k, v, None, True, 0.3, "", 1, "contiguous"),
+                          {"sinks": sinks})
+
+
+# ---------------------------------------------------------------------------------------
+# nothing silent: every attention-like op is in the report, a dense site warns
+
+
+class DropoutAttention(torch.nn.Module):
+    """SDPA with attention dropout in training: a site the ring cannot take (kept dense)."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True).sum()
+
+
+def test_a_dense_site_warns_once_and_strict_raises():
+    q = torch.randn(1, 2, 16, 8)
+    ringcc.reset_reports()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning) as got:
+        torch.compile(DropoutAttention(), backend=ringcc.backend(inner="eager"))(q, q, q)
+    lines = [str(w.message) for w in got if str(w.message).startswith("ringcc:")]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "1 of 1 attention site(s)" in lines[0] and "left dense" in lines[0] and "O(n) memory per rank" in lines[0]
+    assert "sdpa at test_sinks_mla.py:" in lines[0] and "dropout" in lines[0], lines[0]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Config\(strict=True\) but 1 attention site\(s\) were not rewritten"):
+        torch.compile(DropoutAttention(), backend=ringcc.backend(inner="eager", strict=True))(q, q, q)
+
+
+def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
+    from graphs import dynamo_graph, make_ctx
+    from ringcc.passes.canonicalize_attention import canonicalize_attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def f(q, k, v):
+        flex = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j))
+        s = (q @ k.transpose(-1, -2)).sin()  # scores through an op the matcher does not read
+        return flex.sum() + (torch.softmax(s, -1) @ v).sum()
+
+    q = torch.randn(1, 2, 16, 8)
+    gm = dynamo_graph(f, q, q, q)
+    ctx = make_ctx()
+    canonicalize_attention(gm, ctx)
+    got = sorted((s.form, s.decision.value, s.reason.value) for s in ctx.report.sites)
+    assert got == [("flex", "skipped", "other"), ("manual", "skipped", "other")], ctx.report.sites
