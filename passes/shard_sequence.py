@@ -644,6 +644,36 @@ def _is_float(t) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def new_factory_rule(w: Sharder, node):
+    """x.new_empty(sizes) (new_zeros, new_ones, new_full) with x's sequence length at x's
+    sequence dim (DeepSeek-V3's key states, filled by copies into slices): the same factory at
+    the rank's rows."""
+    x, out = node.args[0], fake(node)
+    st = w.state[x]
+    if not st.sharded:
+        return w.seq_of_size(out)
+    if not (w.full(st) and _eq(st.outer, 1) and st.order is None and out.dim() > st.dim
+            and _eq(expr(out.shape[st.dim]), expr(fake(x).shape[st.dim]))):
+        raise Fallback("a new tensor whose sequence dim is not its source's")
+    args = list(node.args)
+    sized = len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+    sizes = list(args[1]) if sized else args[1:1 + out.dim()]
+    if len(sizes) != out.dim():
+        raise Fallback("unexpected size list")
+    sizes[st.dim] = int(w.N) // w.p if w.N.is_Integer else w.new(operator.floordiv, w.size(w.N), w.p)
+    node.args = (x, tuple(sizes), *args[2:]) if sized else (x, *sizes, *args[1 + out.dim():])
+    return Seq(st.dim, st.length, sharded=True)
+
+
+def copy_rule(w: Sharder, node):
+    """dst.copy_(src): elementwise into dst, which must be a shard (a write into a slice of a
+    replicated value would land in a copy)."""
+    st = w.state.get(node.args[0])
+    if not (isinstance(st, Seq) and st.sharded):
+        raise Fallback("copies a shard into a value that is not one")
+    return _elementwise(w, node, [a for a in node.all_input_nodes if _is_tensor_node(a)], False)
+
+
 def complex_view_rule(w: Sharder, node):
     """view_as_complex / view_as_real: the trailing pair of reals <-> one complex number; the
     sequence dim, never that pair, keeps its index."""
@@ -1406,7 +1436,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "p
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp", "floor", "ceil", "round", "trunc")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1437,6 +1467,8 @@ RULES: dict[str, Rule] = {
     "repeat": Rule(repeat_rule, unary=True),
     "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
     "cumsum": Rule(cumsum_rule, unary=True),
+    "copy_": Rule(copy_rule),
+    **{name: Rule(new_factory_rule, creates=True) for name in ("new_empty", "new_zeros", "new_ones", "new_full")},
     # complex rotary (Llama 4): views between reals and complex numbers, polar coordinates
     "view_as_complex": Rule(complex_view_rule, unary=True),
     "view_as_real": Rule(complex_view_rule, unary=True),

@@ -118,22 +118,37 @@ class SinkAttention(torch.nn.Module):
 
 
 class MlaAttention(torch.nn.Module):
-    """DeepSeek-V3's attention shapes in miniature: q/k head dim 12 (a rotary and a plain part), a
-    value head dim of 8, SDPA with is_causal."""
+    """DeepSeek-V3's attention shapes in miniature: a q/k head dim of 12 (8 plain features and 4
+    rotary ones shared by the heads, rotated as complex numbers as Llama 4 does, the key states
+    written into a new_empty by two copies as DeepSeek-V3's expand_kv does), a value head dim of
+    8, SDPA with is_causal."""
 
-    def __init__(self, hidden=32, heads=4, qk_dim=12, v_dim=8):
+    def __init__(self, hidden=32, heads=4, nope=8, rot=4, v_dim=8):
         super().__init__()
-        self.h, self.dq, self.dv = heads, qk_dim, v_dim
-        self.q = torch.nn.Linear(hidden, heads * qk_dim)
-        self.kv = torch.nn.Linear(hidden, heads * (qk_dim + v_dim))
+        self.h, self.nope, self.rot, self.dv = heads, nope, rot, v_dim
+        self.q = torch.nn.Linear(hidden, heads * (nope + rot))
+        self.kv = torch.nn.Linear(hidden, heads * (nope + v_dim))
+        self.k_rot = torch.nn.Linear(hidden, rot)
         self.o = torch.nn.Linear(heads * v_dim, hidden)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, rot, 2).float() / rot))
         self.register_buffer("proj", torch.randn(hidden, hidden))
+
+    def rotate(self, x, cis):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * cis).flatten(-2).type_as(x)
 
     def forward(self, x):
         b, n, _ = x.shape
-        q = self.q(x).view(b, n, self.h, self.dq).transpose(1, 2)
-        k, v = self.kv(x).view(b, n, self.h, self.dq + self.dv).transpose(1, 2).split([self.dq, self.dv], -1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dq ** -0.5)
+        freqs = torch.outer(torch.arange(n).float(), self.inv_freq)
+        cis = torch.polar(torch.ones_like(freqs), freqs)  # [n, rot / 2]
+        q = self.q(x).view(b, n, self.h, self.nope + self.rot).transpose(1, 2)
+        q = torch.cat([q[..., :self.nope], self.rotate(q[..., self.nope:], cis)], -1)
+        k_nope, v = self.kv(x).view(b, n, self.h, self.nope + self.dv).transpose(1, 2).split([self.nope, self.dv], -1)
+        k_rot = self.rotate(self.k_rot(x).view(b, 1, n, self.rot), cis).expand(-1, self.h, -1, -1)
+        k = k_nope.new_empty(b, self.h, n, self.nope + self.rot)
+        k[..., :self.nope].copy_(k_nope)
+        k[..., self.nope:].copy_(k_rot)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=(self.nope + self.rot) ** -0.5)
         return (self.o(out.transpose(1, 2).reshape(b, n, -1)) @ self.proj).pow(2).mean()
 
 
