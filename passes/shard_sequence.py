@@ -902,7 +902,12 @@ def repeat_rule(w: Sharder, node):
     st = w.state[x]
     sizes, _ = _sizes_arg(node)
     d = st.dim + len(sizes) - fake(x).dim()
-    if not (isinstance(sizes[d], int) and sizes[d] == 1):
+    r = sizes[d]
+    if isinstance(r, int) and r > 1 and st.order is None and (not st.sharded or w.full(st)):
+        # r tiles of the whole sequence, (tile, outer, token) along d: one more batch-like dim in
+        # front of the tokens (Llama 4's experts each read every token)
+        return replace(st.at(d), outer=st.outer * r)
+    if not (isinstance(r, int) and r == 1):
         raise Fallback("repeats along the sequence")
     return st.at(d)
 
