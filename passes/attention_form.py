@@ -281,17 +281,25 @@ class CountedPositions:
 
 @dataclass
 class ScoreMods:
-    """Score modifiers lifted from a site (runtime/kernels.py, Note [Score modifiers]):
-    softcap c: s -> c * tanh(s / c) of the scaled scores; alibi_slopes: a graph value of one
-    slope per query head, [h] (bias slope[h] * (j - i) in global positions); alibi_counted:
-    where the bias's positions count a padding mask's valid tokens (None: an arange)."""
+    """What a site's softmax does that SDPA cannot say: score modifiers (runtime/kernels.py,
+    Note [Score modifiers]) and attention sinks. softcap c: s -> c * tanh(s / c) of the scaled
+    scores; alibi_slopes: a graph value of one slope per query head, [h] (bias
+    slope[h] * (j - i) in global positions); alibi_counted: where the bias's positions count a
+    padding mask's valid tokens (None: an arange); sinks: a graph value of one sink logit per
+    query head, [h], in every row's softmax denominator (Note [Attention sinks] in
+    runtime/ops.py)."""
 
     softcap: Optional[float] = None
     alibi_slopes: Optional[torch.fx.Node] = None
     alibi_counted: Optional[CountedPositions] = None
+    sinks: Optional[torch.fx.Node] = None
+
+    def any(self) -> bool:
+        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
 
     def spec(self) -> dict:
-        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name}
+        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name,
+                "sinks": None if self.sinks is None else self.sinks.name}
 
 
 @dataclass

@@ -649,10 +649,54 @@ def pointwise(cheap: bool):
         # costing 4n bytes on every rank.
         # Likewise a floating-point value changing dtype (x.float() on bf16 activations) or
         # cloned: a new full-length tensor on every rank, so it is sliced first.
-        is_cheap = not fake(node).is_floating_point() or (
+        is_cheap = not _is_float(fake(node)) or (
             cheap and not _newly_float(node, tensors) and not _float_copy(node, tensors))
         return _elementwise(w, node, tensors, is_cheap)
     return fn
+
+
+def _is_float(t) -> bool:
+    """Floating point or complex (Llama 4's rotary): per-token values, never cheap."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def new_factory_rule(w: Sharder, node):
+    """x.new_empty(sizes) (new_zeros, new_ones, new_full) with x's sequence length at x's
+    sequence dim (DeepSeek-V3's key states, filled by copies into slices): the same factory at
+    the rank's rows."""
+    x, out = node.args[0], fake(node)
+    st = w.state[x]
+    if not st.sharded:
+        return w.seq_of_size(out)
+    if not (w.full(st) and _eq(st.outer, 1) and st.order is None and out.dim() > st.dim
+            and _eq(expr(out.shape[st.dim]), expr(fake(x).shape[st.dim]))):
+        raise Fallback("a new tensor whose sequence dim is not its source's")
+    args = list(node.args)
+    sized = len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+    sizes = list(args[1]) if sized else args[1:1 + out.dim()]
+    if len(sizes) != out.dim():
+        raise Fallback("unexpected size list")
+    sizes[st.dim] = int(w.N) // w.p if w.N.is_Integer else w.new(operator.floordiv, w.size(w.N), w.p)
+    node.args = (x, tuple(sizes), *args[2:]) if sized else (x, *sizes, *args[1 + out.dim():])
+    return Seq(st.dim, st.length, sharded=True)
+
+
+def copy_rule(w: Sharder, node):
+    """dst.copy_(src): elementwise into dst, which must be a shard (a write into a slice of a
+    replicated value would land in a copy)."""
+    st = w.state.get(node.args[0])
+    if not (isinstance(st, Seq) and st.sharded):
+        raise Fallback("copies a shard into a value that is not one")
+    return _elementwise(w, node, [a for a in node.all_input_nodes if _is_tensor_node(a)], False)
+
+
+def complex_view_rule(w: Sharder, node):
+    """view_as_complex / view_as_real: the trailing pair of reals <-> one complex number; the
+    sequence dim, never that pair, keeps its index."""
+    st = w.state[node.args[0]]
+    if st.dim >= fake(node).dim():
+        raise Fallback("the sequence dim is the real/imaginary pair")
+    return st
 
 
 def _float_copy(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:
@@ -874,7 +918,12 @@ def repeat_rule(w: Sharder, node):
     st = w.state[x]
     sizes, _ = _sizes_arg(node)
     d = st.dim + len(sizes) - fake(x).dim()
-    if not (isinstance(sizes[d], int) and sizes[d] == 1):
+    r = sizes[d]
+    if isinstance(r, int) and r > 1 and st.order is None and (not st.sharded or w.full(st)):
+        # r tiles of the whole sequence, (tile, outer, token) along d: one more batch-like dim in
+        # front of the tokens (Llama 4's experts each read every token)
+        return replace(st.at(d), outer=st.outer * r)
+    if not (isinstance(r, int) and r == 1):
         raise Fallback("repeats along the sequence")
     return st.at(d)
 
@@ -1437,7 +1486,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "p
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp", "floor", "ceil", "round", "trunc")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1468,6 +1517,12 @@ RULES: dict[str, Rule] = {
     "repeat": Rule(repeat_rule, unary=True),
     "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
     "cumsum": Rule(cumsum_rule, unary=True),
+    "copy_": Rule(copy_rule),
+    **{name: Rule(new_factory_rule, creates=True) for name in ("new_empty", "new_zeros", "new_ones", "new_full")},
+    # complex rotary (Llama 4): views between reals and complex numbers, polar coordinates
+    "view_as_complex": Rule(complex_view_rule, unary=True),
+    "view_as_real": Rule(complex_view_rule, unary=True),
+    "polar": Rule(pointwise(cheap=False)),
     "transpose": Rule(transpose_rule, unary=True),
     "swapaxes": Rule(transpose_rule, unary=True),
     "t": Rule(t_rule, unary=True),
@@ -1704,6 +1759,16 @@ def rows_getitem(w: Sharder, node):
         return w.state[x][index]
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
+    st = w.state.get(x)
+    items = index if isinstance(index, tuple) else (index,)
+    if isinstance(st, Seq) and all(i is Ellipsis or isinstance(i, slice) for i in items):
+        # features sliced, rows untouched (gpt-oss's gate_up[..., ::2]): the rows keep their state
+        nd, cut = fake(x).dim(), items.index(Ellipsis) if Ellipsis in items else len(items)
+        tail = len(items) - cut - 1  # items after the Ellipsis index the last dims
+        at_rows = items[st.dim] if st.dim < cut else \
+            items[st.dim - nd] if Ellipsis in items and st.dim >= nd - tail else slice(None)
+        if at_rows == slice(None):
+            return st
     return _take_rows(w, x, index)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import warnings
 import zlib
 
 import torch
@@ -104,6 +105,21 @@ def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
 
 
+def _warn_dense(report: GraphReport, config: Config) -> None:
+    """One warning line on rank 0 of the sequence group for a graph with attention sites left
+    dense: which sites and why (Config(strict=True) raises in the pipeline instead)."""
+    skipped = report.skipped
+    if not skipped or (dist.is_available() and dist.is_initialized()
+                       and dist.get_rank(sequence_group(config)) != 0):
+        return
+    sites = "; ".join(f"{s.form} at {s.location}: {s.reason.value}" + (f" ({s.detail})" if s.detail else "")
+                      for s in skipped)
+    warnings.warn(f"ringcc: {len(skipped)} of {len(report.sites)} attention site(s) of {report.graph} left dense, "
+                  f"each costing O(n) memory per rank (the whole sequence's keys on every rank): {sites}. "
+                  "ringcc.last_report() has the details; Config(strict=True) makes this an error",
+                  stacklevel=2)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     check_transformers_release(gm)
     world, name = _world(config)
@@ -114,6 +130,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     gm = run_pipeline(gm, ctx)
     _plan(gm, ctx)
     record(report)
+    _warn_dense(report, config)
     compiled = _inner(gm, example_inputs, config)
     if ctx.scratch.get("sharded_outputs"):
         fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards

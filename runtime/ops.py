@@ -22,6 +22,7 @@ from . import amp, kernels
 from . import layout as L
 from .comm import group_extremes
 from . import graphs, workspace
+from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
 
 # ---------------------------------------------------------------------------------------
@@ -89,6 +90,20 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
 
 # ---------------------------------------------------------------------------------------
 # ring attention
+
+# Note [Attention sinks]
+# gpt-oss gives each head h a learned logit sink[h] that joins every row's softmax denominator
+# and carries no value: P_ij = exp(s_ij - lse'), lse' = log(sum_j exp(s_ij) + exp(sink[h])). It is
+# not a mask and not a score modifier: it is one more block of one key with a zero value, merged
+# once per row through the LSE after the ring (merge.merge_sinks): lse' = logaddexp(lse, sink[h]),
+# out' = out * exp(lse - lse'). The op returns (out', lse').
+# Backward: with the sink's column in the softmax, dP_sink = dO . 0 = 0, so
+# D = sum_j P_ij dP_ij = rowsum(dO * O') as without a sink, and dS_ij = P_ij (dP_ij - D) is what
+# the ring's backward computes from the global (out', lse'): dq, dk, dv need nothing new. The
+# sink's own gradient is dS at its column, P_sink (0 - D), summed over the rows:
+# dsink[h] = -sum_{b, i} exp(sink[h] - lse'_bhi) * rowsum(dO * O')_bhi (merge.sink_grad). Each
+# rank holds its own query rows, so this is its share: the shares are summed over the ranks as
+# for any parameter used by sharded ops (passes/sync_param_grads.py in the compiled path).
 
 
 @torch.library.custom_op("ringcc::key_runs", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
@@ -165,19 +180,31 @@ def ring_attention_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
+    _check_sinks(sinks, q)
     if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
             return out.contiguous(), lse.contiguous()
 
-        return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
-                           workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes), setup.group)
-    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
+        out, lse = graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
+                               workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes),
+                              setup.group)
+    else:
+        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
+    if sinks is not None:  # Note [Attention sinks]
+        out, lse = merge_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
+
+
+def _check_sinks(sinks, q):
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float [heads={q.shape[1]}] tensor (one sink logit per query head); got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _slopes(alibi_slopes, q):
@@ -192,9 +219,9 @@ def _slopes(alibi_slopes, q):
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None):
+      alibi_slopes=None, sinks=None):
     adt = kernels.acc_dtype(q.dtype)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=adt)
     return out, lse
 
@@ -218,6 +245,8 @@ def ring_attention_backward_op(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ring attention given its (out, lse) (with sinks: the merged ones, which is
+    all the ring's backward needs: Note [Attention sinks])."""
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
@@ -244,12 +273,13 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes = inputs
+    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks = \
+        inputs
     if slopes is not None and slopes.requires_grad:
         raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
                          "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
@@ -259,11 +289,12 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 13
-    q, k, v, key_valid, out, lse, key_runs, slopes = ctx.saved_tensors
+        return (None,) * 14
+    q, k, v, key_valid, out, lse, key_runs, slopes, sinks = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
                                             slopes)
-    return (dq, dk, dv) + (None,) * 10
+    dsinks = None if sinks is None or not ctx.needs_input_grad[13] else sink_grad(dout, out, lse, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks,)
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -346,12 +377,13 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "r
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op} takes float16, bfloat16, float32 or float64 q/k/v; got {q.dtype}")
     b, h, s, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, heads and length (v's head dim may differ); got k "
+                         f"{tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
         raise ValueError(
-            f"k/v must be [batch={b}, kv_heads, n_local={s}, head_dim={d}] to match q {tuple(q.shape)}; "
-            f"got {tuple(k.shape)}"
+            f"k must be [batch={b}, kv_heads, n_local={s}, head_dim={d}] and v [batch={b}, kv_heads, "
+            f"n_local={s}, v_head_dim] to match q {tuple(q.shape)}; got k {tuple(k.shape)}"
         )
     if h % k.shape[1]:
         raise ValueError(
@@ -402,7 +434,8 @@ def call_signature(op: str, q, k, **args) -> str:
     if torch.compiler.is_compiling():
         return ""
     b, h, _, d = q.shape
-    return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, " + \
+    dv = args.pop("v_head_dim", d)
+    return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, v head dim {dv}, " + \
         ", ".join(f"{name}={args[name]!r}" for name in sorted(args)) + ")"
 
 
@@ -515,7 +548,7 @@ def _check_same_call(n_local: int, group, call: str = "", device=None, error: Ex
 def ring_attention(
     q, k, v, *, is_causal: bool = False, scale: float | None = None, key_padding_mask=None,
     group=None, layout: str = "contiguous", return_lse: bool = False, window: int | None = None,
-    softcap: float | None = None, alibi_slopes=None,
+    softcap: float | None = None, alibi_slopes=None, sinks=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -531,6 +564,10 @@ def ring_attention(
     Score modifiers (Note [Score modifiers] in kernels.py), applied to the scaled scores s
     before the mask: softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a [h] tensor,
     adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
+    v may have its own head dim dv (MLA): out is [b, h, n_local, dv]. sinks: optional float [h],
+    one logit per query head added to every row's softmax denominator with no value (gpt-oss;
+    Note [Attention sinks]); its gradient is this rank's share, to be summed over the ranks as
+    the gradients of the weights that made q, k and v are.
     """
     name, world, _ = _group_args(group, "ring_attention")
     q, k, v = amp.cast_qkv(q, k, v)  # SDPA's autocast policy (Note [Attention under autocast])
@@ -545,6 +582,12 @@ def ring_attention(
             got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
             raise ValueError(f"alibi_slopes must be a float tensor [heads={q.shape[1]}] (one slope per query head) or "
                              f"None; got {got}")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],)
+                                  or not sinks.is_floating_point() or sinks.device != q.device):
+            got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor)
+                   else type(sinks).__name__)
+            raise ValueError(f"sinks must be a float tensor [heads={q.shape[1]}] on {q.device} (one sink logit per "
+                             f"query head) or None; got {got}")
         lay = L.parse_layout(layout)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     except (TypeError, ValueError) as e:
@@ -553,7 +596,8 @@ def ring_attention(
     s = q.shape[2]
     _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None), q.device)
+        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None,
+        sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
@@ -562,7 +606,7 @@ def ring_attention(
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs, float(softcap or 0.0), alibi_slopes)
+                                 runs, float(softcap or 0.0), alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 

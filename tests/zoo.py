@@ -158,7 +158,7 @@ ZOO: list[Arch] = [
     # group-limited routing (scatter_, gather, topk(sorted=False)) and a hybrid of gated delta-net
     # and attention layers; torch.compile(backend="aot_eager") of Qwen3-Next fails without ringcc too
     Arch("glm4_moe", _llama_like("Glm4MoeConfig", **_GROUPED)),
-    Arch("deepseek_v3", _llama_like("DeepseekV3Config", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+    Arch("deepseek_v3_grouped", _llama_like("DeepseekV3Config", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                                     qk_nope_head_dim=4, v_head_dim=8, **_GROUPED), linear=False,
          why="DeepSeek-V3's expand_kv writes k_nope and k_rot into a new_empty tensor with copy_: run on gathered "
              "tokens"),
@@ -168,6 +168,25 @@ ZOO: list[Arch] = [
                                    layer_types=["linear_attention", "full_attention"], **_MOE),
          sites=1, linear=False, inner="inductor",
          why="the gated delta-net's causal conv1d and chunked recurrence mix the sequence: run on gathered tokens"),
+    # 2026's families in their default configurations: attention sinks with sliding-window layers
+    # and experts (gpt-oss, eager attention), MLA with a value head dim of its own and experts
+    # (DeepSeek-V3), chunked attention layers and complex rotary (Llama 4)
+    Arch("gpt_oss", _hf_default_attention("GptOssConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                          max_position_embeddings=128), worlds=(2, 4)),
+    Arch("deepseek_v3", _hf_default_attention("DeepseekV3Config", vocab_size=VOCAB, hidden_size=32,
+                                              intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
+                                              qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128),
+         worlds=(2, 4)),
+    Arch("llama4", _hf_default_attention("Llama4TextConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                         intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                         attention_chunk_size=8, max_position_embeddings=128), sites=4,
+         worlds=(2, 4)),
     Arch("bert", _config("BertConfig", "AutoModelForMaskedLM", **_BERT), kind="encoder", worlds=(2, 4)),
     Arch("roberta", _config("RobertaConfig", "AutoModelForMaskedLM", **dict(_BERT, max_position_embeddings=130)),
          kind="encoder"),
