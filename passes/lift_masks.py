@@ -48,6 +48,7 @@ from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.
 from .attention_form import (MASK_META, MODS_META, SITE_META, SKIP_META, Builder, CountedPositions, LiftedMask,
                              SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size,
                              static_float, static_int)
+from . import extract_mask
 from .base import PassContext, PassResult, written_between
 
 PASS = "lift_masks"
@@ -75,6 +76,8 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 lifted = (SkipReason.OTHER, _not_counted(counted, "the site has no key padding"))
         else:
             lifted = _lift(gm, node, call, key_nodes, counted)
+            if isinstance(lifted, str) and counted is None:
+                lifted = _extract(node, call, lifted)
         if isinstance(lifted, str):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, lifted)
             continue
@@ -300,6 +303,22 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
     elif counted is not None:
         return SkipReason.OTHER, _not_counted(counted, "the site has no key padding")
     return lifted
+
+
+def _extract(sdpa: torch.fx.Node, call: SdpaCall, why_not_lifted: str) -> Union[LiftedMask, str]:
+    """The site's mask as a function (Note [Mask extraction] in extract_mask.py), for a mask
+    the structured spec does not say; or why not."""
+    qv, kv = fake(call.q), fake(call.k)
+    if qv.dim() != 4 or kv.dim() != 4:
+        return why_not_lifted
+    try:
+        got = extract_mask.extract(call.attn_mask, (qv.shape[-2], kv.shape[-2]), bool(call.is_causal))
+    except extract_mask.Unextractable as e:
+        return str(e)
+    if len(got.inputs) > _ring_ops.MASK_TENSORS:
+        return (f"the mask function reads {len(got.inputs)} per-token tensors "
+                f"({', '.join(n.name for n in got.inputs)}); the ring op takes at most {_ring_ops.MASK_TENSORS}")
+    return LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
 
 
 def _not_counted(counted: CountedPositions, why: str) -> str:

@@ -108,8 +108,9 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
     if MODS_META in node.meta:
         return SkipReason.UNSUPPORTED_MASK, "score modifiers (soft-cap, ALiBi) with dilation: the dilated op takes none"
-    if lifted.key_valid is not None or lifted.window is not None:
-        what = "key padding" if lifted.key_valid is not None else "a sliding window"
+    if lifted.key_valid is not None or lifted.window is not None or lifted.fn is not None:
+        what = "key padding" if lifted.key_valid is not None else "a sliding window" if lifted.window is not None \
+            else "a mask function"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
     if n is None:
@@ -157,6 +158,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
         mods = node.meta.get(MODS_META)
         extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap),
                                                              ("alibi_slopes", mods.alibi_slopes)) if v is not None}
+        if lifted.fn is not None:  # Note [Mask functions] in runtime/maskfn.py
+            extra.update(mask_fn=lifted.fn.text, **{f"mask_t{i}": t for i, t in enumerate(lifted.fn_inputs)})
         op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
                     ctx.group_name, ctx.world_size, layout, *window, **extra)
     else:

@@ -21,7 +21,7 @@ from ringcc import _compat
 from . import kernels
 from . import layout as L
 from .comm import group_extremes
-from . import graphs, workspace
+from . import graphs, maskfn, workspace
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
 
 # ---------------------------------------------------------------------------------------
@@ -165,19 +165,50 @@ def ring_attention_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
             return out.contiguous(), lse.contiguous()
 
         return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes), setup.group)
-    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
+    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes, fn)
     return out.contiguous(), lse.contiguous()
+
+
+# The tensors a mask function reads travel as the op's mask_t0..mask_t3 (a list of tensors
+# cannot be an optional argument of a custom op's schema).
+MASK_TENSORS = 4
+
+
+def _mask_fn(text: str, slots, q, window: int):
+    """(MaskFn, its tensors) of the op's mask function (Note [Mask functions] in maskfn.py), or None."""
+    inputs = tuple(t for t in slots if t is not None)
+    if not text:
+        if inputs:
+            raise ValueError(f"ring_attention got {len(inputs)} mask tensors (mask_t0..) but no mask_fn")
+        return None
+    fn = maskfn.parse(text)
+    if len(inputs) != fn.n_tensors or any(t is None for t in slots[:fn.n_tensors]):
+        raise ValueError(f"the mask function reads {fn.n_tensors} tensors, as mask_t0..mask_t{fn.n_tensors - 1}; "
+                         f"ring_attention got {[t is not None for t in slots]}")
+    if window:
+        raise ValueError(f"ring_attention takes a window or a mask function, not both (window={window}); write the "
+                         "window into the function (q - kv < window)")
+    for i, t in enumerate(inputs):
+        if t.device != q.device:
+            raise ValueError(f"mask_inputs[{i}] is on {t.device}, q on {q.device}")
+    return fn, inputs
 
 
 def _slopes(alibi_slopes, q):
@@ -192,7 +223,7 @@ def _slopes(alibi_slopes, q):
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None):
+      alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None):
     adt = kernels.acc_dtype(q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -217,24 +248,31 @@ def ring_attention_backward_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
 
         return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
                           (dout, q, k, v, out, lse, slopes), setup.group)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, fn)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
-      key_runs=None, softcap=0.0, alibi_slopes=None):
+      key_runs=None, softcap=0.0, alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None,
+      mask_t3=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -244,14 +282,16 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes = inputs
+    (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes,
+     mask_fn, *mask_inputs) = inputs
     if slopes is not None and slopes.requires_grad:
         raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
                          "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, *mask_inputs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.softcap = softcap
+    ctx.mask_fn = mask_fn
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
     ctx.set_materialize_grads(False)
@@ -259,11 +299,11 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 13
-    q, k, v, key_valid, out, lse, key_runs, slopes = ctx.saved_tensors
+        return (None,) * 18
+    q, k, v, key_valid, out, lse, key_runs, slopes, *mask_inputs = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                            slopes)
-    return (dq, dk, dv) + (None,) * 10
+                                            slopes, ctx.mask_fn, *mask_inputs)
+    return (dq, dk, dv) + (None,) * 15
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)

@@ -1,0 +1,294 @@
+"""Masks read as functions (runtime/maskfn.py, passes/extract_mask.py): the text form, extraction
+from hand-written mask subgraphs (checked against the mask eager code computes), and ring
+attention under those functions at p = 1..4 against eager SDPA (outputs, every gradient, and
+which parameters have one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from graphs import dynamo_graph, run
+
+import ringcc
+from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
+from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.runtime import maskfn
+
+PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks)]
+
+DOC_TEXT = """maskfn v1 tensors=1
+%0 = load t0 b q
+%1 = load t0 b kv
+%2 = eq %0 %1
+%3 = le kv q
+%4 = and %2 %3
+return %4"""
+
+
+# ---------------------------------------------------------------------------------------
+# the text form
+
+
+def test_text_round_trips_and_evaluates_at_any_broadcast_shape():
+    fn = maskfn.parse(DOC_TEXT)
+    assert fn.text == DOC_TEXT and maskfn.parse(fn.text) is fn  # parsed once per text
+    assert fn.indices == {"b", "q", "kv"} and fn.roles == {0: {"q", "kv"}}
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    i = torch.arange(8)
+    dense = fn(torch.zeros(1, 1, 1, 1, dtype=torch.long), 0, i[None, None, :, None], i[None, None, None, :], (doc,))
+    want = (doc[0, :, None] == doc[0, None, :]) & (i[None, :] <= i[:, None])
+    assert torch.equal(dense[0, 0], want)
+    # scalar tensors, as flex_attention's vmap hands a mask_mod
+    assert bool(fn(torch.tensor(0), torch.tensor(0), torch.tensor(4), torch.tensor(2), (doc,)))
+    assert not bool(fn(torch.tensor(0), torch.tensor(0), torch.tensor(5), torch.tensor(4), (doc,)))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("%0 = le kv q\nreturn %0", "starts with 'maskfn v1"),
+    ("maskfn v1 tensors=0\n%0 = frob kv q\nreturn %0", "unknown op 'frob'"),
+    ("maskfn v1 tensors=0\n%0 = le kv %3\nreturn %0", "not an earlier line"),
+    ("maskfn v1 tensors=1\n%0 = load t1 b q\nreturn %0", "the function has 1 tensors"),
+    ("maskfn v1 tensors=0\n%0 = le kv\nreturn %0", "le takes 2 operands"),
+])
+def test_malformed_text_is_an_error_that_says_what_is_wrong(text, match):
+    with pytest.raises(ValueError, match=match):
+        maskfn.parse(text)
+
+
+def test_classify_counts_blocks_and_tiles():
+    fn = maskfn.parse("maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2")
+    doc = torch.zeros(1, 512, dtype=torch.long)
+    doc[:, 256:] = 1
+    pos = torch.arange(512)
+    maskfn.reset_stats()
+    # queries 256.. against keys 0..255: another document, empty
+    assert maskfn.classify(maskfn.FnMask(fn, (doc,), pos[256:], pos[:256], 1, 1), False) == "empty"
+    assert maskfn.classify(maskfn.FnMask(fn, (doc,), pos[:256], pos[:256], 1, 1), True) == "full"
+    assert maskfn.classify(maskfn.FnMask(fn, (doc,), pos[128:384], pos[:256], 1, 1), False) == "partial"
+    s = maskfn.STATS
+    assert (s["empty"], s["full"], s["partial"]) == (1, 1, 1)
+    # tiles of allowed pairs: the empty block's 4; the diagonal block's upper tile empty, lower
+    # one full, the two on the diagonal partial; the partial block's rows 128..255 see document
+    # 0 (2 full tiles), rows 256..383 none (2 empty tiles)
+    assert (s["tiles_empty"], s["tiles_full"], s["tiles_partial"]) == (4 + 1 + 2, 1 + 2, 2)
+    assert s["pairs"] == 0 + (256 * 257 // 2) + 128 * 256
+
+
+# ---------------------------------------------------------------------------------------
+# extraction: the function equals the mask eager code computes, on every input
+
+
+def _ar(n):
+    return torch.arange(n)
+
+
+def _doc_ids(pos):
+    return (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+
+
+def documents(q, pos, valid):
+    i = _ar(q.shape[2])
+    d = _doc_ids(pos)
+    return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None])
+
+
+def documents_window(q, pos, valid):
+    i = _ar(q.shape[2])
+    d = _doc_ids(pos)
+    near = (i[:, None] - i[None, :]) < 3
+    return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None]) & near
+
+
+def documents_additive(q, pos, valid):
+    d = _doc_ids(pos)
+    n = q.shape[2]
+    m = torch.full((q.shape[0], 1, n, n), float("-inf")).triu(1)
+    return m.masked_fill(d[:, None, :, None] != d[:, None, None, :], float("-inf"))
+
+
+def chunked(q, pos, valid):
+    i = _ar(q.shape[2])
+    return (i[:, None] // 4 == i[None, :] // 4) & (i[None, :] <= i[:, None])
+
+
+def prefix_lm(q, pos, valid):
+    i = _ar(q.shape[2])
+    return (i[None, :] <= i[:, None]) | (i[None, :] < 5)
+
+
+def left_padding_causal(q, pos, valid):
+    i = _ar(q.shape[2])
+    return torch.where((i[None, :] <= i[:, None]) & valid[:, None, None, :].bool(), 0.0, float("-inf"))
+
+
+def bidirectional_padding(q, pos, valid):
+    return valid[:, None, None, :].bool().expand(-1, 1, q.shape[2], -1)
+
+
+def position_causal(q, pos, valid):
+    """Causality read from the position ids themselves (restarting positions: within a document)."""
+    d = _doc_ids(pos)
+    return (pos[:, None, None, :] <= pos[:, None, :, None]) & (d[:, None, :, None] == d[:, None, None, :])
+
+
+MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
+                                 left_padding_causal, bidirectional_padding, position_causal)}
+N = 16
+
+
+def mask_inputs(b=2, n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cuts = [[0, 5, 8, n], [0, 2, 11, n]][:b]
+    pos = torch.cat([torch.cat([torch.arange(e - s) for s, e in zip(c, c[1:])])[None] for c in cuts])
+    valid = torch.ones(b, n, dtype=torch.long)
+    valid[0, :3] = 0  # left padding
+    valid[1, n - 4:] = 0  # right padding
+    return torch.randn(b, 4, n, 8, generator=g), pos, valid
+
+
+def _site(gm):
+    (node,) = [n for n in gm.graph.nodes if is_sdpa(n)]
+    return node
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_extracted_function_equals_the_eager_mask(name):
+    build = MASKS[name]
+    q, pos, valid = mask_inputs()
+
+    def f(q, pos, valid):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=build(q, pos, valid))
+
+    gm, example = dynamo_graph(f, q, pos, valid, with_inputs=True)
+    values = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n] = super().run_node(n)
+            return values[n]
+
+    run(gm, PASSES)
+    Record(gm).run(*example)  # the values of the graph's nodes, those the passes added too
+    node = _site(gm)
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    lifted = node.meta[MASK_META]
+    want = build(q, pos, valid)
+    want = want if want.dtype == torch.bool else want == 0
+    want = want.expand(q.shape[0], 1, N, N)
+    i = torch.arange(N)
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    got = torch.ones(q.shape[0], 1, N, N, dtype=torch.bool)
+    if lifted.fn is not None:
+        got = got & lifted.fn(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), i[None, None, :, None],
+                              i[None, None, None, :], tuple(values[t] for t in lifted.fn_inputs))
+    if lifted.causal:
+        got = got & (i[None, :] <= i[:, None])
+    if lifted.window is not None:
+        d = i[:, None] - i[None, :]
+        got = got & ((d < lifted.window) if lifted.causal else (d.abs() < lifted.window))
+    if lifted.key_valid is not None:
+        got = got & values[lifted.key_valid][:, None, None, :]
+    assert torch.equal(got, want)
+
+
+def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
+    q, _, _ = mask_inputs()
+    table = torch.rand(N, N) > 0.5
+
+    gm = dynamo_graph(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, table)
+    run(gm, PASSES)
+    reason, detail = _site(gm).meta[SKIP_META]
+    assert "a query and a key dim whose values are data" in detail
+
+
+def test_an_additive_bias_is_a_score_modifier_not_a_mask():
+    q, pos, _ = mask_inputs()
+
+    def f(q, pos):
+        i = _ar(q.shape[2])
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] // 3 == i[:, None] // 3).float() * 0.5)
+
+    gm = dynamo_graph(f, q, pos)
+    run(gm, PASSES)
+    _, detail = _site(gm).meta[SKIP_META]
+    assert "a score bias, not a mask" in detail
+
+
+# ---------------------------------------------------------------------------------------
+# ring attention under mask functions, against eager
+
+
+class MaskedAttention(nn.Module):
+    """One attention layer whose mask is `MASKS[name]`, built in the forward from the inputs."""
+
+    def __init__(self, name: str, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.name, self.h, self.g, self.dh = name, h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, pos, valid):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        mask = MASKS[self.name](q, pos, valid)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_ring_parity(rank, world, name, n, layout):
+    torch.manual_seed(0)
+    ref, model = MaskedAttention(name), MaskedAttention(name)
+    model.load_state_dict(ref.state_dict())
+    _, pos, valid = mask_inputs(n=n)
+    x = torch.randn(2, n, 32)
+    proj = torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True,
+                                                                         layout=layout)))
+    ringcc.reset_reports()
+    maskfn.reset_stats()
+    out = compiled(x, pos, valid)
+    (out * proj).sum().backward()
+    r = ref(x, pos, valid)
+    (r * proj).sum().backward()
+    rep = ringcc.last_report()
+    errs = {"out": float((out - r).abs().max())}
+    grads = {}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        grads[pname] = (p.grad is None, rp.grad is None)
+        if p.grad is not None and rp.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    sites = [(s.decision.value, "function" in (s.mask or {})) for s in rep.sites]
+    return errs, grads, sites, bool(rep.plan.verdict), [g.why for g in rep.gathers], dict(maskfn.STATS)
+
+
+def _check_parity(results, name):
+    for errs, grads, sites, verdict, gathers, stats in results:
+        assert all(a == b for a, b in grads.values()), grads  # the same parameters have a gradient
+        assert max(errs.values()) < 2e-5, errs
+        assert [s[0] for s in sites] == ["rewritten"], sites
+        assert verdict and not gathers, (verdict, gathers)
+        if any(has_fn for _, has_fn in sites):
+            assert stats.get("partial", 0) + stats.get("full", 0) > 0, stats
+
+
+# the default tier: a few cases at p = 2; the whole matrix at p = 1..4 under soak
+FAST = [("documents", "contiguous"), ("chunked", "zigzag"), ("left_padding_causal", "contiguous")]
+
+
+@pytest.mark.parametrize("name, layout", FAST)
+def test_ring_attention_under_mask_functions_p2(pools, name, layout):
+    _check_parity(pools(2).run(case_ring_parity, name, 16, layout, timeout=300), name)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_ring_attention_under_mask_functions_matrix(pools, world, name):
+    for layout in ("contiguous", "zigzag"):
+        n = 2 * world * 4
+        _check_parity(pools(world).run(case_ring_parity, name, n, layout, timeout=600), name)
