@@ -601,7 +601,12 @@ def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extract
             what = "values the graph does not fix" if values is None else f"the values {bad[:4]}"
             raise Unextractable(f"an additive mask with {what}: a score bias, not a mask of 0 and -inf")
         expr = _op("eq", expr, _c(0.0))
-    _check_loads(expr, walk.leaves)
+    return _finish(expr, walk.leaves, is_causal)
+
+
+def _finish(expr: tuple, leaves: list, is_causal: bool) -> Extracted:
+    """The causal flag split off (Note [Mask extraction]) and the rest as a MaskFn."""
+    _check_loads(expr, leaves)
     conj = _conjuncts(expr)
     causal = is_causal or any(_is_causal(c) for c in conj)
     rest = [c for c in conj if not _is_causal(c)]
@@ -614,7 +619,36 @@ def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extract
     for c in rest[1:]:
         body = _op("and", body, c)
     fn, used = _emit(body)
-    return Extracted(fn, [walk.leaves[k] for k in used], causal)
+    return Extracted(fn, [leaves[k] for k in used], causal)
+
+
+def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths: tuple) -> Extracted:
+    """The function of a flex_attention site's mask_mod subgraph (dynamo's HOP carries it as a
+    graph of 0-d ops over its placeholders b, h, q_idx, kv_idx and the mask_mod's other buffers,
+    which are the site's `buffers` in the outer graph)."""
+    walk = _Walk(seq_lengths)
+    holders = [n for n in mask_mod.graph.nodes if n.op == "placeholder"]
+    if len(holders) != 4 + len(buffers):
+        raise Unextractable(f"a mask_mod with {len(holders)} inputs for 4 indices and {len(buffers)} buffers")
+    for node, name in zip(holders, INDEX_NAMES):
+        walk.memo[node] = Val(("i", name), ())
+    outer = dict(zip(holders[4:], buffers))
+    (ret,) = [n for n in mask_mod.graph.nodes if n.op == "output"]
+    res = ret.args[0]
+    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+    val = walk.eval(res)
+    if not isinstance(val, Val):
+        return Extracted(None, [], False) if bool(val) else _always_false()
+    if val.axes:
+        raise Unextractable("a mask_mod whose value is not a scalar")
+    return _finish(val.expr, [outer.get(n, n) for n in walk.leaves], False)
+
+
+def _always_false():
+    raise Unextractable("the mask is always false")
+
+
+INDEX_NAMES = ("b", "h", "q", "kv")
 
 
 def _check_loads(expr: tuple, leaves: list, seen: Optional[set] = None) -> None:

@@ -54,7 +54,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 # with its key mask when nothing else reads it: a one_run_keys check (Note
                 # [Counted positions]) guards only the sites it feeds
                 lifted = node.meta.get(MASK_META)
-                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes, lifted and lifted.key_valid])
+                mods = node.meta.get(MODS_META)
+                erase_dead(gm, [canonical_out, mods and mods.alibi_slopes, lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -174,7 +175,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
         user_out, canonical_out = node.meta[REPLACES_META]
         user_out.replace_all_uses_with(out if canonical_out is node else canonical_out)
+        call = user_out.args[0] if user_out.target is operator.getitem else None
         erase_dead(gm, [user_out])
+        if (call is not None and call.target is torch.ops.higher_order.flex_attention and not call.users
+                and call in set(gm.graph.nodes)):
+            gm.graph.erase_node(call)  # a flex_attention site's call (passes/lift_masks.py: _flex_site)
     return op
 
 

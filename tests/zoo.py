@@ -11,6 +11,8 @@ ranks against single-process eager and returns what the tests assert on:
   SequenceSharded output, gathered when read: Note [Sharded outputs]);
 - projection: a fixed random projection of the base model's `last_hidden_state`, outside;
 - padded: right padding with an attention mask (padded labels ignored), loss inside;
+- packed (not in PATTERNS: run by the tests that name it): packed documents (PACKED_DOCS),
+  position ids restarting per document, use_cache=False, no attention mask, loss inside;
 - left_padded (not in PATTERNS: run by the tests that name it): left padding, cross-entropy
   outside over the valid tokens' logits (the padded tokens attend to no key: their rows are
   not eager's, and the one before the first token would predict it in a loss inside).
@@ -169,6 +171,20 @@ ZOO: list[Arch] = [
                          num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection"),
          linear=False, why=_VISION_WHY),
 ]
+# Packed documents (padding-free packing, as TRL's DataCollatorWithFlattening feeds it): position
+# ids restarting at each document, no attention mask, use_cache=False (HF builds the document
+# mask only without a cache). The site's mask is a function of the position ids and the
+# documents' ids (Note [Mask functions] in runtime/maskfn.py).
+ZOO.append(Arch("gemma3", _llama_like("Gemma3TextConfig", head_dim=8, sliding_window=8),
+                patterns=("loss_inside", "ce_outside", "projection")))
+PACKED = ("llama", "qwen3", "mistral", "gemma3", "mixtral")
+PACKED_DOCS = ((10, 6, 8), (3, 21))  # document lengths per batch row (N tokens each)
+
+
+def _packed_positions() -> torch.Tensor:
+    return torch.tensor([[i for length in row for i in range(length)] for row in PACKED_DOCS])
+
+
 BY_NAME = {a.name: a for a in ZOO}
 CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
 
@@ -215,6 +231,8 @@ def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
         mask[1, -PAD:] = 0
         labels = labels.masked_fill(mask == 0, -100)
         return model(**{data: x}, attention_mask=mask, labels=labels).loss
+    if pattern == "packed":
+        return model(**{data: x}, position_ids=_packed_positions(), use_cache=False, labels=labels).loss
     if pattern == "left_padded":
         mask = torch.ones_like(x)
         mask[1, :PAD] = 0
