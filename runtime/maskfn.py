@@ -23,10 +23,12 @@ the function enters the schema, the rank fingerprint (the report's mask spec hol
 and the program `ringcc rewrite` saves. At run time the text is parsed once per distinct text
 (`parse`, cached) and evaluated with torch on index tensors of any broadcastable shapes:
 [b, 1, rows, 1] x [1, 1, 1, keys] for a block of the ring (`FnMask`), or scalar tensors
-under flex_attention's vmap (`mask_mod`). The runtime classifies each ring block by the
-function (`classify`): a block it empties is skipped, a block it fills runs the unmasked
-kernel, a partial block runs the masked kernel with the function as its mask. The passes
-extract the function from the graph (passes/extract_mask.py).
+under flex_attention's vmap. The runtime splits each ring block by the function (`split`): a
+block it empties is skipped (no kernel), a block it fills runs the unmasked kernel (the fused
+cuDNN / flash / CPU flash kernels), and a partial block is cut into stripes of rows whose runs of
+tiles are empty (no call), full (unmasked calls) or partial (masked calls, the function as their
+mask: the exact math path, or the CPU kernel with the mask). The passes extract the function
+from the graph (passes/extract_mask.py) or take it from a flex_attention call's mask_mod.
 """
 
 from __future__ import annotations
@@ -231,6 +233,7 @@ class FnMask:
     heads: int
     b0: int = 0
     h0: int = 0
+    causal: bool = False  # also key position <= query position (a causal diagonal's sub-call)
 
     def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
         dev = self.q_pos.device
@@ -242,13 +245,15 @@ class FnMask:
         m = self.fn(b, h, q, k, self.tensors)
         if not isinstance(m, torch.Tensor):
             m = torch.tensor(bool(m), device=dev)
+        if self.causal:
+            m = m & (k <= q)
         shape = (self.batch if "b" in ind else 1, self.heads if "h" in ind else 1, q.shape[2], k.shape[3])
         return m.to(torch.bool).expand(shape)
 
     def sub(self, r0: int, r1: int, c0: int, c1: int, b0: int = 0, b1: int | None = None) -> "FnMask":
         b1 = self.batch if b1 is None else b1
         return FnMask(self.fn, self.tensors, self.q_pos[r0:r1], self.k_pos[c0:c1], b1 - b0, self.heads, self.b0 + b0,
-                      self.h0)
+                      self.h0, self.causal)
 
     def row_chunk(self, keys: int) -> int:
         ind = self.fn.indices
@@ -256,35 +261,72 @@ class FnMask:
         return max(1, EVAL_ELEMENTS // per_row)
 
 
-def classify(mask: FnMask, causal: bool, count_tiles: bool = True) -> str:
-    """"empty", "full" or "partial": whether the function allows no pair of the call, every pair
-    the call's own causal diagonal allows (the kernel applies that one), or some, in any batch
-    row and head. Evaluated in chunks of rows (no [rows, keys] mask of the whole block at once);
-    with `count_tiles` the block's TILE x TILE tiles of allowed pairs (function and diagonal)
-    are counted in STATS as empty, full or partial."""
+SPLIT_ROWS = 512  # query rows per stripe of a partial block's calls (a multiple of TILE)
+
+
+def split(mask: FnMask) -> tuple[str, list]:
+    """The block call of `mask` (the function at its rows and keys, its causal flag folded in as
+    key position <= query position) by what the function allows: ("empty", []), ("full", []) when
+    it allows every pair (with `mask.causal`: every pair of the causal diagonal), or
+    ("partial", calls): per stripe of SPLIT_ROWS rows, the runs of TILE-key tiles that are all
+    allowed (unmasked calls), partly allowed (masked calls: the function as their mask) and none
+    (no call); stripes with the same runs share their calls. A call is (r0, r1, c0, c1, masked).
+    Evaluated in chunks of rows (never the [rows, keys] mask of a whole large block); every
+    block and tile is counted in STATS."""
     lq, lk = mask.q_pos.shape[0], mask.k_pos.shape[0]
-    step = max(TILE, mask.row_chunk(lk) // TILE * TILE)
-    some = every = None
-    pairs = 0
+    kt = -(-lk // TILE)
+    step = max(SPLIT_ROWS, mask.row_chunk(lk) // SPLIT_ROWS * SPLIT_ROWS)
+    somes, everys = [], []
+    cover, pairs = True, 0
+    pad = torch.nn.functional.pad
     for r0 in range(0, lq, step):
         r1 = min(lq, r0 + step)
-        fm = mask.rows(r0, r1)
-        m, outside = fm, None
-        if causal:
-            band = torch.arange(r0, r1, device=fm.device)[:, None] >= torch.arange(lk, device=fm.device)[None, :]
-            m, outside = fm & band, ~band
-        flat = m.reshape(-1, r1 - r0, lk)  # [b*h, rows, keys]
-        per_row = m.any(1)  # [b or 1, rows, keys]: a pair allowed in some head
+        m = mask.rows(r0, r1)  # [b or 1, h or 1, rows, keys], the diagonal folded in
+        if mask.causal:  # the function alone on the diagonal's pairs: does it leave any out?
+            plain = FnMask(mask.fn, mask.tensors, mask.q_pos, mask.k_pos, mask.batch, mask.heads, mask.b0, mask.h0)
+            band = mask.k_pos[None, :] <= mask.q_pos[r0:r1, None]
+            cover = cover and bool((plain.rows(r0, r1) | ~band).all())
+        else:
+            cover = cover and bool(m.all())
+        per_row = m.any(1)  # a pair allowed in some head
         pairs += int(per_row.sum()) * (1 if per_row.shape[0] > 1 else mask.batch)
-        if count_tiles:
-            _count_tiles(flat)
-        s, e = bool(flat.any()), bool((fm if outside is None else fm | outside).all())
-        some = s if some is None else some or s
-        every = e if every is None else every and e
-    state = "empty" if not some else "full" if every else "partial"
-    STATS[state] += 1
+        flat = m.reshape(-1, r1 - r0, lk).any(0) if m.shape[0] * m.shape[1] > 1 else m[0, 0]
+        full = m.reshape(-1, r1 - r0, lk).all(0) if m.shape[0] * m.shape[1] > 1 else m[0, 0]
+        rows_pad = -(-(r1 - r0) // SPLIT_ROWS) * SPLIT_ROWS - (r1 - r0)
+        s_ = pad(flat, (0, kt * TILE - lk, 0, rows_pad), value=False).view(-1, SPLIT_ROWS, kt, TILE)
+        e_ = pad(full, (0, kt * TILE - lk), value=True)
+        e_ = pad(e_, (0, 0, 0, rows_pad), value=True).view(-1, SPLIT_ROWS, kt, TILE)
+        somes.append(s_.any(3).any(1))
+        everys.append(e_.all(3).all(1))
+        _count_tiles(m.reshape(-1, r1 - r0, lk))
+    some, every = torch.cat(somes).cpu(), torch.cat(everys).cpu()
     STATS["pairs"] += pairs
-    return state
+    if not bool(some.any()):
+        STATS["empty"] += 1
+        return "empty", []
+    if cover:
+        STATS["full"] += 1
+        return "full", []
+    STATS["partial"] += 1
+    calls, last = [], None
+    for si in range(some.shape[0]):
+        runs, state, start = [], None, 0
+        for t in range(kt + 1):
+            st = None if t == kt else ("full" if every[si, t] else "partial" if some[si, t] else "empty")
+            if st != state:
+                if state in ("full", "partial"):
+                    runs.append((start * TILE, min(lk, t * TILE), state == "partial"))
+                state, start = st, t
+        r0, r1 = si * SPLIT_ROWS, min(lq, (si + 1) * SPLIT_ROWS)
+        if last is not None and last[1] == runs:
+            last[0][1] = r1
+            continue
+        last = ([r0, r1], runs)
+        calls.append(last)
+    out = [(r0, r1, c0, c1, masked) for (r0, r1), runs in calls for c0, c1, masked in runs]
+    STATS["calls_masked"] += sum(1 for c in out if c[4])
+    STATS["calls_unmasked"] += sum(1 for c in out if not c[4])
+    return "partial", out
 
 
 def _count_tiles(flat: torch.Tensor) -> None:

@@ -555,10 +555,13 @@ class FnBlocks:
                 raise AssertionError("a window mask with a mask function (the op takes one of them)")
             b0, b1 = c.rows(self.batch)
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
-                              b0, self.h0)
-            state = maskfn.classify(m, c.causal)
-            if state != "empty":
-                out.append((c, None if state == "full" else m))
+                              b0, self.h0, c.causal)
+            state, parts = maskfn.split(m)
+            if state == "full":
+                out.append((c, None))
+            for r0, r1, k0, k1, masked in parts:  # rows and keys of the call: the diagonal is in the mask
+                part = BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, False, c.b0, c.b1)
+                out.append((part, m.sub(r0, r1, k0, k1) if masked else None))
         return out
 
 
