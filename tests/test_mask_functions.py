@@ -306,3 +306,107 @@ def test_ring_attention_under_mask_functions_matrix(pools, world, name):
     for layout in ("contiguous", "zigzag"):
         n = 2 * world * 10  # no model dim (32) equals n: the plan reads dims of size n as n
         _check_parity(pools(world).run(case_ring_parity, name, n, layout, timeout=600), name, n)
+
+
+# ---------------------------------------------------------------------------------------
+# flex_attention sites: the mask_mod is the function
+
+
+class FlexDocAttention(nn.Module):
+    """Attention through flex_attention with a document mask_mod (user code), or through SDPA with
+    the same mask written densely (the reference: flex has no backward on CPU)."""
+
+    def __init__(self, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.h, self.g, self.dh = h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, block_mask=None, dense=None):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        if block_mask is not None:
+            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_flex_user(rank, world, n):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ringcc import _compat
+
+    torch.manual_seed(0)
+    ref, model = FlexDocAttention(), FlexDocAttention()
+    model.load_state_dict(ref.state_dict())
+    _, pos, _ = mask_inputs(n=n)
+    doc = _doc_ids(pos)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
+    i = torch.arange(n)
+    dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    x, proj = torch.randn(2, n, 32), torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():  # dynamo traces flex's entry, which refuses CPU training
+        out = compiled(x, block_mask)
+    (out * proj).sum().backward()
+    r = ref(x, dense=dense)
+    (r * proj).sum().backward()
+    rep = ringcc.last_report()
+    errs = {"out": float((out - r).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    return errs, [(s.form, s.decision.value, s.mask) for s in rep.sites], bool(rep.plan.verdict), len(rep.gathers)
+
+
+def test_flex_attention_site_with_a_document_mask_mod_p2(pools):
+    for errs, sites, verdict, gathers in pools(2).run(case_flex_user, 40, timeout=300):
+        assert max(errs.values()) < 2e-5, errs
+        ((form, decision, mask),) = sites
+        assert (form, decision, mask["causal"]) == ("flex", "rewritten", True), sites
+        assert "load t0 b q" in mask["function"] and verdict and gathers == 0
+
+
+def case_flex_hf(rank, world):
+    """HF Llama with attn_implementation="flex_attention" on packed documents against the same
+    weights under SDPA, eager."""
+    import zoo
+
+    from ringcc import _compat
+
+    torch.manual_seed(0)
+    ref = zoo.BY_NAME["llama"].factory().train()
+    model = zoo.BY_NAME["llama"].factory().train()
+    model.load_state_dict(ref.state_dict())
+    model.config._attn_implementation = "flex_attention"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N), generator=gen)
+    pos = zoo._packed_positions()
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():
+        loss = compiled(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    ref_loss.backward()
+    errs = zoo._grad_errors(model, ref)
+    errs["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    sites = [(s.form, s.decision.value) for r in ringcc.reports() for s in r.sites]
+    return errs, sites
+
+
+@pytest.mark.soak
+def test_hf_flex_attention_path_with_packed_documents_p2(pools):
+    for errs, sites in pools(2).run(case_flex_hf, timeout=900):
+        assert max(errs.values()) < 1e-5, errs
+        assert sites == [("flex", "rewritten")] * 2, sites
