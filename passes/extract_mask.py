@@ -254,9 +254,12 @@ class _Walk:
                     (isinstance(s, int) and s == 1)]
         if len(seq_dims) > 1:
             raise Unextractable(
-                f"the mask reads {node.name} ({node.op} {getattr(node.target, '__name__', node.target)}, shape "
-                f"{tuple(v.shape)}), a tensor with a query and a key dim whose values are data, not computed from "
-                "positions and per-token values in the graph")
+                f"a stored [query, key] mask tensor ({node.name}, {node.op} "
+                f"{getattr(node.target, '__name__', node.target)}, shape {tuple(v.shape)}): a tensor with a query "
+                "and a key dim whose values are data, not computed from positions and per-token values in the graph; "
+                "build the mask from positions and per-token values (e.g. torch.arange(n)[:, None] >= "
+                "torch.arange(n)[None, :], doc[:, :, None] == doc[:, None, :]), use flex_attention with a mask_mod, "
+                "or pass is_causal=True")
         if node not in self.leaves:
             self.leaves.append(node)
         k = self.leaves.index(node)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from graphs import dynamo_graph, run
+from graphs import dynamo_graph, lifted_dense, node_values, run
 
 import ringcc
 from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
@@ -165,34 +165,13 @@ def test_extracted_function_equals_the_eager_mask(name):
         return F.scaled_dot_product_attention(q, q, q, attn_mask=build(q, pos, valid))
 
     gm, example = dynamo_graph(f, q, pos, valid, with_inputs=True)
-    values = {}
-
-    class Record(torch.fx.Interpreter):
-        def run_node(self, n):
-            values[n] = super().run_node(n)
-            return values[n]
-
     run(gm, PASSES)
-    Record(gm).run(*example)  # the values of the graph's nodes, those the passes added too
+    values = node_values(gm, *example)  # the values of the graph's nodes, those the passes added too
     node = _site(gm)
     assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
-    lifted = node.meta[MASK_META]
     want = build(q, pos, valid)
-    want = want if want.dtype == torch.bool else want == 0
-    want = want.expand(q.shape[0], 1, N, N)
-    i = torch.arange(N)
-    b = torch.arange(q.shape[0])[:, None, None, None]
-    got = torch.ones(q.shape[0], 1, N, N, dtype=torch.bool)
-    if lifted.fn is not None:
-        got = got & lifted.fn(b, torch.zeros(1, 1, 1, 1, dtype=torch.long), i[None, None, :, None],
-                              i[None, None, None, :], tuple(values[t] for t in lifted.fn_inputs))
-    if lifted.causal:
-        got = got & (i[None, :] <= i[:, None])
-    if lifted.window is not None:
-        d = i[:, None] - i[None, :]
-        got = got & ((d < lifted.window) if lifted.causal else (d.abs() < lifted.window))
-    if lifted.key_valid is not None:
-        got = got & values[lifted.key_valid][:, None, None, :]
+    want = (want if want.dtype == torch.bool else want == 0).expand(q.shape[0], 1, N, N)
+    got = lifted_dense(node.meta[MASK_META], values, q.shape[0], N)
     assert torch.equal(got, want)
 
 
@@ -203,7 +182,7 @@ def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
     gm = dynamo_graph(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, table)
     run(gm, PASSES)
     reason, detail = _site(gm).meta[SKIP_META]
-    assert "a query and a key dim whose values are data" in detail
+    assert "a stored [query, key] mask tensor" in detail and "a query and a key dim whose values are data" in detail
 
 
 def test_an_additive_bias_is_a_score_modifier_not_a_mask():
