@@ -339,7 +339,10 @@ config (decoders keep `use_cache=True` in training), compiled with `backend="rin
 (inner compiler aot_eager) on {world} gloo ranks (CPU) and compared with single-process eager.
 Patterns: loss inside (`labels=`), cross-entropy outside on `out.logits`, a random projection
 of `last_hidden_state` outside, right padding with an attention mask (vision models: the
-first three). Outputs are returned sharded (docs/outputs.md).
+first three). Outputs are returned sharded (docs/outputs.md). Packed documents (the decoders
+named in the column): position ids restarting per document, `use_cache=False`, no attention
+mask, loss inside; sites rewritten / found, the planner's verdict, and the loss and every
+gradient against eager (their errors are in the max gradient error column).
 
 - sites: attention sites rewritten / found (over the graphs of a pattern);
 - O(n/p): the memory planner's verdict for every graph of every pattern;
@@ -353,16 +356,22 @@ first three). Outputs are returned sharded (docs/outputs.md).
 
 def matrix(rows: dict[str, dict], world: int) -> str:
     lines = [HEADER.format(world=world, tol=TOL),
-             "| architecture | kind | sites | O(n/p) | exact | max gradient error | not O(n/p) because |",
-             "|---|---|---|---|---|---|---|"]
+             "| architecture | kind | sites | O(n/p) | exact | max gradient error | packed documents | "
+             "not O(n/p) because |",
+             "|---|---|---|---|---|---|---|---|"]
     for arch in ZOO:
         res = rows.get(arch.name)
         if res is None:
-            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | not run in this generation |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | - | not run in this generation |")
             continue
         if isinstance(res, str):
-            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | run failed: {res} |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | - | run failed: {res} |")
             continue
+        packed = res.get("packed")
+        packed = "-" if packed is None else (
+            f"{sum(packed['rewritten'])}/{sum(packed['rewritten']) + sum(packed['skipped'])}, "
+            f"{'O(n/p)' if packed['linear'] else 'not O(n/p)'}, "
+            f"{'exact' if packed['loss'] < TOL and packed['grad'] < TOL else 'not exact'}")
         sites = sorted({f"{sum(r['rewritten'])}/{sum(r['rewritten']) + sum(r['skipped'])}" for r in res.values()})
         linear = all(r["linear"] for r in res.values())
         verdict = "yes" if linear else "no"
@@ -373,7 +382,7 @@ def matrix(rows: dict[str, dict], world: int) -> str:
             sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
         worst = max(r["grad"] for r in res.values())
         lines.append(f"| {arch.name} | {arch.kind} | {', '.join(sites)} | {verdict} | "
-                     f"{'yes' if exact else 'no'} | {worst:.1e} | {'; '.join(why) or '-'} |")
+                     f"{'yes' if exact else 'no'} | {worst:.1e} | {packed} | {'; '.join(why) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -403,7 +412,8 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                rows[arch.name] = pool.run(run_arch, arch.name, timeout=900)[0]
+                patterns = arch.patterns + (("packed",) if arch.name in PACKED else ())
+                rows[arch.name] = pool.run(run_arch, arch.name, patterns, timeout=900)[0]
             except Exception as e:  # noqa: BLE001 - a failing architecture is a row of the matrix
                 rows[arch.name] = str(e).strip().splitlines()[-1][:200]
             print(f"{arch.name}: {time.perf_counter() - t0:.0f} s "
