@@ -219,6 +219,23 @@ def reset_stats() -> None:
     STATS.clear()
 
 
+def balance(group=None) -> float:
+    """The ring's load balance under mask functions since the last `reset_stats`: the largest
+    rank's count of allowed (query, key) pairs over the mean of the ranks of `group` (1.0:
+    balanced; one all-reduce pair, every rank must call it)."""
+    import torch.distributed as dist
+
+    mine = float(STATS["pairs"])
+    if not dist.is_available() or not dist.is_initialized():
+        return 1.0
+    t = torch.tensor([mine, mine], dtype=torch.float64)
+    top, total = t[:1].clone(), t[1:].clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(total, group=group)
+    mean = float(total) / dist.get_world_size(group)
+    return float(top) / mean if mean else 1.0
+
+
 @dataclass(frozen=True)
 class FnMask:
     """The mask of one block call: the function at the global positions of the call's rows

@@ -244,6 +244,9 @@ def case_ring_parity(rank, world, name, n, layout):
     r = ref(x, pos, valid)
     (r * proj).sum().backward()
     rep = ringcc.last_report()
+    want = MASKS[name](x.view(2, n, 4, 8).transpose(1, 2), pos, valid)
+    want = (want if want.dtype == torch.bool else want == 0).expand(2, 1, n, n)
+    stats = dict(maskfn.STATS, dense_pairs=int(want.sum()), balance=maskfn.balance())
     errs = {"out": float((out - r).abs().max())}
     grads = {}
     for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
@@ -251,7 +254,7 @@ def case_ring_parity(rank, world, name, n, layout):
         if p.grad is not None and rp.grad is not None:
             errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
     sites = [(s.decision.value, "function" in (s.mask or {})) for s in rep.sites]
-    return errs, grads, sites, bool(rep.plan.verdict), [g.why for g in rep.gathers], dict(maskfn.STATS)
+    return errs, grads, sites, bool(rep.plan.verdict), [g.why for g in rep.gathers], stats
 
 
 def _check_parity(results, name, n):
@@ -265,6 +268,10 @@ def _check_parity(results, name, n):
             total[key] = total.get(key, 0) + value
     if any(has_fn for _, has_fn in results[0][2]):
         assert total.get("partial", 0) + total.get("full", 0) > 0, total
+        # every allowed pair computed once in forward and once in backward, over the ranks
+        assert total["pairs"] == 2 * results[0][5]["dense_pairs"], total
+        pairs = [r[5].get("pairs", 0) for r in results]
+        assert abs(results[0][5]["balance"] - max(pairs) / (sum(pairs) / len(pairs))) < 1e-9
         if n >= 32 and name.startswith("documents"):
             # runs of whole tiles take the unmasked kernel, empty tiles none
             assert total.get("calls_unmasked", 0) > 0 and total.get("tiles_empty", 0) > 0, total
