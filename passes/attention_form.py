@@ -304,13 +304,21 @@ class ScoreMods:
 
 @dataclass
 class LiftedMask:
-    """A mask understood structurally: allowed(b, i, j) = causal? (j <= i) and
-    window? (|i - j| < window) and key_valid[b, j]. `key_valid` is a bool [b, n] node."""
+    """A mask understood: allowed(b, h, i, j) = causal? (j <= i) and window? (|i - j| < window)
+    and key_valid[b, j] and fn(b, h, i, j). `key_valid` is a bool [b, n] node; `fn` a mask
+    function (runtime/maskfn.py, Note [Mask functions]) reading the whole-length tensors
+    `fn_inputs` (graph nodes), extracted from the graph (passes/extract_mask.py)."""
 
     causal: bool = False
     window: Optional[int] = None
     key_valid: Optional[torch.fx.Node] = None
+    fn: Any = None
+    fn_inputs: tuple = ()
 
     def spec(self) -> dict:
-        return {"causal": self.causal, "window": self.window,
-                "key_padding": None if self.key_valid is None else self.key_valid.name}
+        out = {"causal": self.causal, "window": self.window,
+               "key_padding": None if self.key_valid is None else self.key_valid.name}
+        if self.fn is not None:
+            out["function"] = self.fn.text.replace("\n", "; ")
+            out["function_inputs"] = [n.name for n in self.fn_inputs]
+        return out

@@ -61,8 +61,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 # with its key mask when nothing else reads it: a one_run_keys check (Note
                 # [Counted positions]) guards only the sites it feeds
                 lifted = node.meta.get(MASK_META)
-                mods = node.meta[MODS_META]
-                erase_dead(gm, [canonical_out, mods.alibi_slopes, mods.sinks, lifted and lifted.key_valid])
+                mods = node.meta.get(MODS_META)
+                erase_dead(gm, [canonical_out, mods and mods.alibi_slopes, mods and mods.sinks,
+                                lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -139,8 +140,9 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
                                              "takes none")
     if not same_size(q.shape[3], fake(SdpaCall.of(node).v).shape[3]):
         return SkipReason.SHAPE, "a value head dim of its own with dilation: the dilated op takes v with q's head dim"
-    if lifted.key_valid is not None or lifted.window is not None:
-        what = "key padding" if lifted.key_valid is not None else "a sliding window"
+    if lifted.key_valid is not None or lifted.window is not None or lifted.fn is not None:
+        what = "key padding" if lifted.key_valid is not None else "a sliding window" if lifted.window is not None \
+            else "a mask function"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
     if n is None:
@@ -193,6 +195,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
         mods = node.meta.get(MODS_META)
         extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi_slopes),
                                                              ("sinks", mods.sinks)) if v is not None}
+        if lifted.fn is not None:  # Note [Mask functions] in runtime/maskfn.py
+            extra.update(mask_fn=lifted.fn.text, **{f"mask_t{i}": t for i, t in enumerate(lifted.fn_inputs)})
         with below:
             op = b.call(RING_OP, q, k, v, lifted.key_valid, lifted.causal, scale,
                         ctx.group_name, ctx.world_size, layout, *window, **extra)
@@ -210,7 +214,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
         user_out, canonical_out = node.meta[REPLACES_META]
         user_out.replace_all_uses_with(out if canonical_out is node else canonical_out)
+        call = user_out.args[0] if user_out.target is operator.getitem else None
         erase_dead(gm, [user_out])
+        if (call is not None and call.target is torch.ops.higher_order.flex_attention and not call.users
+                and call in set(gm.graph.nodes)):
+            gm.graph.erase_node(call)  # a flex_attention site's call (passes/lift_masks.py: _flex_site)
     return op
 
 

@@ -1410,6 +1410,16 @@ def attention_rule(w: Sharder, node):
         key_valid = w.new(torch.ones, (w.size(fake(q).shape[0]), w.size(w.n)), dtype=torch.bool)
         w.state[key_valid] = Seq(1, w.n)
         _set_arg(node, spec["key_valid"], "key_valid", key_valid)
+    for t in (node.kwargs.get(f"mask_t{i}") for i in range(4)):
+        if t is None:
+            continue
+        # Note [Mask functions] in runtime/maskfn.py: read whole at global positions, replicated
+        st = w.state.get(t)
+        if isinstance(st, Seq) and st.sharded:
+            raise Fallback(f"mask function input {t.name} computed on shards")
+        if padded:
+            raise ValueError(f"attention site {node.name} at {location(node)}: its mask is a function of per-token "
+                             "values, which Config(pad=True) does not pad; use a length divisible by the layout")
     if key_valid is not None:
         st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
         if st.sharded:

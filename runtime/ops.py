@@ -21,7 +21,7 @@ from ringcc import _compat
 from . import amp, kernels
 from . import layout as L
 from .comm import group_extremes
-from . import graphs, workspace
+from . import graphs, maskfn, workspace
 from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
 
@@ -181,12 +181,18 @@ def ring_attention_op(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
     _check_sinks(sinks, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
             return out.contiguous(), lse.contiguous()
@@ -195,7 +201,7 @@ def ring_attention_op(
                                workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes),
                               setup.group)
     else:
-        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
+        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes, fn)
     if sinks is not None:  # Note [Attention sinks]
         out, lse = merge_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
@@ -205,6 +211,31 @@ def _check_sinks(sinks, q):
     if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
         raise ValueError(f"sinks must be a float [heads={q.shape[1]}] tensor (one sink logit per query head); got "
                          f"{sinks.dtype} {tuple(sinks.shape)}")
+
+
+# The tensors a mask function reads travel as the op's mask_t0..mask_t3 (a list of tensors
+# cannot be an optional argument of a custom op's schema).
+MASK_TENSORS = 4
+
+
+def _mask_fn(text: str, slots, q, window: int):
+    """(MaskFn, its tensors) of the op's mask function (Note [Mask functions] in maskfn.py), or None."""
+    inputs = tuple(t for t in slots if t is not None)
+    if not text:
+        if inputs:
+            raise ValueError(f"ring_attention got {len(inputs)} mask tensors (mask_t0..) but no mask_fn")
+        return None
+    fn = maskfn.parse(text)
+    if len(inputs) != fn.n_tensors or any(t is None for t in slots[:fn.n_tensors]):
+        raise ValueError(f"the mask function reads {fn.n_tensors} tensors, as mask_t0..mask_t{fn.n_tensors - 1}; "
+                         f"ring_attention got {[t is not None for t in slots]}")
+    if window:
+        raise ValueError(f"ring_attention takes a window or a mask function, not both (window={window}); write the "
+                         "window into the function (q - kv < window)")
+    for i, t in enumerate(inputs):
+        if t.device != q.device:
+            raise ValueError(f"mask_inputs[{i}] is on {t.device}, q on {q.device}")
+    return fn, inputs
 
 
 def _slopes(alibi_slopes, q):
@@ -219,7 +250,7 @@ def _slopes(alibi_slopes, q):
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None, sinks=None):
+      alibi_slopes=None, sinks=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None):
     adt = kernels.acc_dtype(q.dtype)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -244,26 +275,33 @@ def ring_attention_backward_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ring attention given its (out, lse) (with sinks: the merged ones, which is
     all the ring's backward needs: Note [Attention sinks])."""
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
 
         return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
                           (dout, q, k, v, out, lse, slopes), setup.group)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, fn)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
-      key_runs=None, softcap=0.0, alibi_slopes=None):
+      key_runs=None, softcap=0.0, alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None,
+      mask_t3=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -273,15 +311,16 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks = \
-        inputs
+    (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks,
+     mask_fn, *mask_inputs) = inputs
     if slopes is not None and slopes.requires_grad:
         raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
                          "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.softcap = softcap
+    ctx.mask_fn = mask_fn
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
     ctx.set_materialize_grads(False)
@@ -289,12 +328,12 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 14
-    q, k, v, key_valid, out, lse, key_runs, slopes, sinks = ctx.saved_tensors
+        return (None,) * 19
+    q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                            slopes)
+                                            slopes, ctx.mask_fn, *mask_inputs)
     dsinks = None if sinks is None or not ctx.needs_input_grad[13] else sink_grad(dout, out, lse, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks,)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks,) + (None,) * 5
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)

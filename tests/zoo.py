@@ -11,6 +11,8 @@ ranks against single-process eager and returns what the tests assert on:
   SequenceSharded output, gathered when read: Note [Sharded outputs]);
 - projection: a fixed random projection of the base model's `last_hidden_state`, outside;
 - padded: right padding with an attention mask (padded labels ignored), loss inside;
+- packed (not in PATTERNS: run by the tests that name it): packed documents (PACKED_DOCS),
+  position ids restarting per document, use_cache=False, no attention mask, loss inside;
 - left_padded (not in PATTERNS: run by the tests that name it): left padding, cross-entropy
   outside over the valid tokens' logits (the padded tokens attend to no key: their rows are
   not eager's, and the one before the first token would predict it in a loss inside).
@@ -206,6 +208,20 @@ ZOO: list[Arch] = [
                          num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection"),
          linear=False, why=_VISION_WHY),
 ]
+# Packed documents (padding-free packing, as TRL's DataCollatorWithFlattening feeds it): position
+# ids restarting at each document, no attention mask, use_cache=False (HF builds the document
+# mask only without a cache). The site's mask is a function of the position ids and the
+# documents' ids (Note [Mask functions] in runtime/maskfn.py).
+ZOO.append(Arch("gemma3", _llama_like("Gemma3TextConfig", head_dim=8, sliding_window=8),
+                patterns=("loss_inside", "ce_outside", "projection")))
+PACKED = ("llama", "qwen3", "mistral", "gemma3", "mixtral")
+PACKED_DOCS = ((10, 6, 8), (3, 21))  # document lengths per batch row (N tokens each)
+
+
+def _packed_positions() -> torch.Tensor:
+    return torch.tensor([[i for length in row for i in range(length)] for row in PACKED_DOCS])
+
+
 BY_NAME = {a.name: a for a in ZOO}
 CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
 
@@ -252,6 +268,8 @@ def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
         mask[1, -PAD:] = 0
         labels = labels.masked_fill(mask == 0, -100)
         return model(**{data: x}, attention_mask=mask, labels=labels).loss
+    if pattern == "packed":
+        return model(**{data: x}, position_ids=_packed_positions(), use_cache=False, labels=labels).loss
     if pattern == "left_padded":
         mask = torch.ones_like(x)
         mask[1, :PAD] = 0
@@ -359,7 +377,10 @@ config (decoders keep `use_cache=True` in training), compiled with `backend="rin
 (inner compiler aot_eager) on {world} gloo ranks (CPU) and compared with single-process eager.
 Patterns: loss inside (`labels=`), cross-entropy outside on `out.logits`, a random projection
 of `last_hidden_state` outside, right padding with an attention mask (vision models: the
-first three). Outputs are returned sharded (docs/outputs.md).
+first three). Outputs are returned sharded (docs/outputs.md). Packed documents (the decoders
+named in the column): position ids restarting per document, `use_cache=False`, no attention
+mask, loss inside; sites rewritten / found, the planner's verdict, and the loss and every
+gradient against eager (their errors are in the max gradient error column).
 
 - sites: attention sites rewritten / found (over the graphs of a pattern);
 - O(n/p): the memory planner's verdict for every graph of every pattern;
@@ -373,16 +394,22 @@ first three). Outputs are returned sharded (docs/outputs.md).
 
 def matrix(rows: dict[str, dict], world: int) -> str:
     lines = [HEADER.format(world=world, tol=TOL),
-             "| architecture | kind | sites | O(n/p) | exact | max gradient error | not O(n/p) because |",
-             "|---|---|---|---|---|---|---|"]
+             "| architecture | kind | sites | O(n/p) | exact | max gradient error | packed documents | "
+             "not O(n/p) because |",
+             "|---|---|---|---|---|---|---|---|"]
     for arch in ZOO:
         res = rows.get(arch.name)
         if res is None:
-            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | not run in this generation |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | - | not run in this generation |")
             continue
         if isinstance(res, str):
-            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | run failed: {res} |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | - | run failed: {res} |")
             continue
+        packed = res.get("packed")
+        packed = "-" if packed is None else (
+            f"{sum(packed['rewritten'])}/{sum(packed['rewritten']) + sum(packed['skipped'])}, "
+            f"{'O(n/p)' if packed['linear'] else 'not O(n/p)'}, "
+            f"{'exact' if packed['loss'] < TOL and packed['grad'] < TOL else 'not exact'}")
         sites = sorted({f"{sum(r['rewritten'])}/{sum(r['rewritten']) + sum(r['skipped'])}" for r in res.values()})
         linear = all(r["linear"] for r in res.values())
         verdict = "yes" if linear else "no"
@@ -393,7 +420,7 @@ def matrix(rows: dict[str, dict], world: int) -> str:
             sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
         worst = max(r["grad"] for r in res.values())
         lines.append(f"| {arch.name} | {arch.kind} | {', '.join(sites)} | {verdict} | "
-                     f"{'yes' if exact else 'no'} | {worst:.1e} | {'; '.join(why) or '-'} |")
+                     f"{'yes' if exact else 'no'} | {worst:.1e} | {packed} | {'; '.join(why) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -495,7 +522,8 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                rows[arch.name] = pool.run(run_arch, arch.name, timeout=900)[0]
+                patterns = arch.patterns + (("packed",) if arch.name in PACKED else ())
+                rows[arch.name] = pool.run(run_arch, arch.name, patterns, timeout=900)[0]
             except Exception as e:  # noqa: BLE001 - a failing architecture is a row of the matrix
                 rows[arch.name] = str(e).strip().splitlines()[-1][:200]
             print(f"{arch.name}: {time.perf_counter() - t0:.0f} s "
