@@ -282,7 +282,8 @@ def case_tiny_moe(rank, world, variant):
     return _errors(ref, model, out.detach(), ref_out.detach())
 
 
-@pytest.mark.parametrize("variant", [{}, {"group_limited": True}, {"unruled": True},
+@pytest.mark.parametrize("variant", [{}, {"group_limited": True},
+                                     pytest.param({"unruled": True}, marks=pytest.mark.soak),
                                      pytest.param({"index_ops": True}, marks=pytest.mark.soak),
                                      pytest.param({"masked": True}, marks=pytest.mark.soak),
                                      pytest.param({"escape": True}, marks=pytest.mark.soak)],
