@@ -1,0 +1,93 @@
+"""Differential fuzzing: random small programs (tests/fuzz_programs.py) compiled with ringcc on
+gloo ranks, against eager on every rank.
+
+A program passes when, on every rank, the returned value, what eager code reads from it and
+every gradient (parameters and the input) equal eager's and the same parameters get a
+gradient; or when every rank stops with a ringcc ValueError/RuntimeError that names one of
+the program's ops. Anything else fails: a wrong value, a missing or extra gradient, an
+internal error, ranks that disagree, a hang (the pool's timeout).
+
+make test runs a few programs at p = 2 (fixed examples); the soak tier draws many more at
+p = 1..4 (FUZZ_EXAMPLES sets how many). Each failure found becomes a named regression test
+below, with its minimal program.
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
+
+import fuzz_programs as fp
+
+TIMEOUT = 240.0  # seconds per program on every rank (compiles on 2 shared cores)
+
+
+def verdict(prog: dict, results: list[dict]) -> str | None:
+    """None if the program passes (see the module docstring), else why it fails."""
+    kinds = {r["kind"] for r in results}
+    if kinds == {"exact"}:
+        return None
+    if kinds == {"invalid"}:
+        return "invalid"
+    if kinds == {"error"}:
+        names = fp.names_of(prog)
+        bad = [(rank, r) for rank, r in enumerate(results)
+               if not (r["ringcc"] and any(name in r["msg"] for name in names))]
+        if not bad:
+            return None
+        rank, r = bad[0]
+        return (f"rank {rank} raised {r['type']} that is not a ringcc error naming one of {sorted(names)}: "
+                f"{r['msg'][:1500]}\n{r['where']}")
+    lines = []
+    for rank, r in enumerate(results):
+        if r["kind"] == "mismatch":
+            lines.append(f"rank {rank}: differs from eager: {r['errors']}; gradients: {r['missing']}; "
+                         f"gathers: {r['report']}")
+        elif r["kind"] == "error":
+            lines.append(f"rank {rank}: {r['type']}: {r['msg'][:1500]}\n{r['where']}")
+        else:
+            lines.append(f"rank {rank}: {r['kind']}")
+    return "\n".join(lines)
+
+
+def run_program(pools, prog: dict) -> str | None:
+    try:
+        results = pools(prog["world"]).run(fp.run_case, prog, timeout=TIMEOUT)
+    except TimeoutError as e:
+        return f"hang: {e}"
+    except RuntimeError as e:  # a rank died outside run_case's own handling
+        return f"crash: {e}"
+    return verdict(prog, results)
+
+
+def check(pools, prog: dict) -> None:
+    why = run_program(pools, prog)
+    if why == "invalid":
+        return
+    assert why is None, f"program {prog!r}\n{why}"
+
+
+def _fuzz(pools, prog):
+    why = run_program(pools, prog)
+    assume(why != "invalid")
+    assert why is None, f"program {prog!r}\n{why}"
+
+
+# -- fast tier: fixed examples at p = 2 -------------------------------------------------------
+
+@settings(max_examples=5, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(prog=fp.programs(st, worlds=(2,), max_ops=3, pad=False))
+def test_fuzz_fast(pools, prog):
+    _fuzz(pools, prog)
+
+
+# -- soak tier: many programs at p = 1..4, shrunk on failure -----------------------------------
+
+@pytest.mark.soak
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(prog=fp.programs(st, worlds=(1, 2, 3, 4), max_ops=5))
+def test_fuzz_soak(pools, prog):
+    _fuzz(pools, prog)
