@@ -91,3 +91,29 @@ def test_fuzz_fast(pools, prog):
 @given(prog=fp.programs(st, worlds=(1, 2, 3, 4), max_ops=5))
 def test_fuzz_soak(pools, prog):
     _fuzz(pools, prog)
+
+
+# -- regression tests: the minimal programs of the failures the fuzzer found -------------------
+
+def _prog(ops, n=8, d=8, b=2, world=2, out="h", tail="all", x_grad=True, pad=False, seed=10):
+    return {"seed": seed, "b": b, "n": n, "d": d, "world": world, "pad": pad, "ops": ops, "out": out, "tail": tail,
+            "x_grad": x_grad}
+
+
+@pytest.mark.parametrize("kind", ["slice", "narrow"])
+def test_one_token_of_a_shard_broadcasts_over_the_sequence(pools, kind):
+    """h * tanh(h[:, 1:2]) on a shard: the one token is selected, not a window of the shard's
+    rows multiplied row by row (Note [One-token windows])."""
+    check(pools, _prog([["linear", {}], ["select_token", {"index": 1, "kind": kind}]], n=4, d=12))
+
+
+def test_token_shift_pads_with_one_token(pools):
+    """RWKV's token shift, torch.cat([zeros_like(h[:, :1]), h[:, :-1]], 1), on a shard."""
+    check(pools, _prog([["mlp", {"norm": False}], ["shift", {"kind": "cat"}]], d=4, b=1, tail="last"))
+
+
+@pytest.mark.parametrize("kind", ["iadd", "view_mul_", "narrow_add_", "token_add_"])
+def test_part_of_the_sequence_written_in_place(pools, kind):
+    """h[:, 2:5] += 1, h[:, 2:5].mul_(2), h.narrow(1, 2, 3).add_(1), h[:, 2].add_(1) on a shard
+    write those tokens of h only (Note [Windows written in place])."""
+    check(pools, _prog([["linear", {}], ["set_slice", {"lo": 2, "hi": 5, "kind": kind, "clone": False}]]))
