@@ -119,3 +119,74 @@ def test_part_of_the_sequence_written_in_place(pools, kind):
     """h[:, 2:5] += 1, h[:, 2:5].mul_(2), h.narrow(1, 2, 3).add_(1), h[:, 2].add_(1) on a shard
     write those tokens of h only (Note [Windows written in place])."""
     check(pools, _prog([["linear", {}], ["set_slice", {"lo": 2, "hi": 5, "kind": kind, "clone": False}]]))
+
+
+def case_token_shift_lm(rank, world):
+    """A user's small LM: token and position embeddings, head and loss in eager code, and blocks
+    with RWKV's token shift (each token mixed with the one before it, zeros before the first)
+    followed by causal SDPA and an MLP, each block compiled on its own with ringcc. The loss and
+    every gradient equal eager's, and the same parameters get one."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import ringcc
+
+    class Block(nn.Module):
+        def __init__(self, d, heads):
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.mix = nn.Parameter(torch.rand(d))
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, n, d = x.shape
+            h = self.ln1(x)
+            prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+            h = h * self.mix + prev * (1 - self.mix)
+            q, k, v = self.qkv(h).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class LM(nn.Module):
+        def __init__(self, vocab=50, d=32, heads=4, layers=2, max_len=64):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+            self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, ids, labels):
+            x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(self.ln_f(x))
+            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    torch.manual_seed(0)
+    ref = LM()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        block.compile(backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50, (2, 8 * world), generator=g)
+    labels = torch.randint(0, 50, (2, 8 * world), generator=g)
+    torch._dynamo.reset()
+    loss, want = model(ids, labels), ref(ids, labels)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (grads[name].grad is None), name
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    return True
+
+
+@pytest.mark.soak  # two blocks compiled at p = 2: about a minute on 2 cores
+def test_token_shift_lm_with_blocks_compiled(pools):
+    assert all(pools(2).run(case_token_shift_lm, timeout=TIMEOUT))
