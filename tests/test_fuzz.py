@@ -64,8 +64,6 @@ def run_program(pools, prog: dict) -> str | None:
 
 def check(pools, prog: dict) -> None:
     why = run_program(pools, prog)
-    if why == "invalid":
-        return
     assert why is None, f"program {prog!r}\n{why}"
 
 
@@ -73,6 +71,22 @@ def _fuzz(pools, prog):
     why = run_program(pools, prog)
     assume(why != "invalid")
     assert why is None, f"program {prog!r}\n{why}"
+
+
+def test_verdict_classes():
+    """Exact on every rank, or a ringcc error naming an op on every rank, passes; a wrong value, an
+    error that names no op of the program or is not ringcc's, and ranks that disagree fail."""
+    prog = {"ops": [["scatter", {}]]}
+    exact, named = {"kind": "exact"}, {"kind": "error", "type": "ValueError", "ringcc": True, "where": "",
+                                       "msg": "ringcc cannot run scatter_ on a sharded tuple"}
+    assert verdict(prog, [exact, exact]) is None
+    assert verdict(prog, [named, named]) is None
+    assert verdict(prog, [{"kind": "invalid"}] * 2) == "invalid"
+    assert "differs" in verdict(prog, [{"kind": "mismatch", "errors": {"grad x": 0.3}, "missing": [], "report": []},
+                                       exact])
+    assert "not a ringcc error" in verdict(prog, [dict(named, msg="view size is not compatible")] * 2)
+    assert "not a ringcc error" in verdict(prog, [dict(named, ringcc=False)] * 2)
+    assert verdict(prog, [named, exact]) is not None
 
 
 # -- fast tier: fixed examples at p = 2 -------------------------------------------------------
