@@ -56,8 +56,8 @@ from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import (PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, writes_in_place,
-                   written_between)
+from .base import (PassContext, PassResult, attr_value, is_view, location, op_name, remove_dead, tag,
+                   writes_in_place, written_between, written_through)
 from .canonicalize_attention import MATMUL_FUNCS, MATMUL_METHODS
 from .discover_sequence import attention_nodes, expr, fake, handoff_gathers
 
@@ -340,7 +340,11 @@ class Sharder:
         return x
 
     def localize(self, node: torch.fx.Node, arg: torch.fx.Node, st: Seq, window: Seq | None, pad_value=0):
-        """Replace replicated input `arg` of `node` by its shard."""
+        """Replace replicated input `arg` of `node` by its shard. A node that writes `arg` in
+        place runs on the replicated value instead: a write into the shard, a copy, would not
+        reach `arg` and the values that share its storage."""
+        if writes_in_place(node, arg):
+            raise Fallback("writes a replicated value in place")
         node.replace_input_with(arg, self.shard(arg, st, window, pad_value))
 
     def seq_of_size(self, val: torch.Tensor, along: int | None = None) -> State:
@@ -444,8 +448,8 @@ class Sharder:
 
     def _fallback(self, node: torch.fx.Node, why: str):
         """Run `node` on full values: gather its sharded inputs. A node that writes a gathered
-        input in place (`x[i] = v`) writes the gathered copy: the later readers of the shard
-        read that copy instead."""
+        input in place (`x[i] = v`), itself or through a view it makes of it (`x[:, i] += v`),
+        writes the gathered copy: the later readers of the shard read that copy instead."""
         gathered = [(a, self.state[a]) for a in node.all_input_nodes
                     if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
         for a in list(node.all_input_nodes):
@@ -456,7 +460,7 @@ class Sharder:
                 gathered.append((a, st))
                 full = self.gather(a, st, why)
                 node.replace_input_with(a, full)
-                if writes_in_place(node, full):
+                if writes_in_place(node, full) or (is_view(node) and node.args[0] is full and written_through(node)):
                     full.meta.setdefault("example_value", fake(a))  # the rules read global shapes
                     later, cur = set(), node.next
                     while cur.op != "root":
@@ -1094,15 +1098,16 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
         if i == slice(None):  # the whole dim (routing's top_i[:, 0]): its rows stay
             return st.at(out_d)
         raise Fallback("indexes a dim that merges batch and sequence")
+    if st.sharded and (isinstance(i, int) or (isinstance(i, slice) and i != slice(None))) and written_through(node):
+        # Note [Windows written in place]
+        raise Fallback("a view of part of the sequence written in place")
     if isinstance(i, int):
         if not st.sharded:
             return None
         if not st.length.is_Integer and (i < 0 or not _zero(st.start)):
             raise Fallback("selects a token counted from the end of a symbolic length")
-        token = st.start + (i % st.length if st.length.is_Integer else i)  # a global row
         # pick the token first (one row, replicated), then apply the rest of the index to it
-        sel = w.new(SELECT, x, st.dim, int(token), *w.comm)
-        w.state[sel] = None
+        sel = _select_token(w, x, st, i % st.length if st.length.is_Integer else i, keepdim=False)
         node.args = (sel, tuple(r for k, r in enumerate(expanded) if k != pos))
         w.decisions.append(f"{node.name}: select token {i}")
         return None
@@ -1117,8 +1122,42 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
         raise Fallback("symbolic slice bounds on the sequence")
     new_index = list(expanded)
     new_index[pos] = slice(None)
+    if _eq(hi - lo, 1):  # Note [Windows written in place]
+# A slice of a shard keeps every row of the shard and narrows the window (Note [Sequence
+# state]); the rows outside the window are rows of other tokens of the same storage. A write
+# through that view (`h[:, a:b] += 1`, `h.narrow(1, a, k).mul_(2)`) would write them too, and a
+# selected token (ringcc::seq_select) is a copy that a write would not reach `h` through. So a
+# view of part of the sequence that is written in place is taken from the gathered value, and
+# the later readers of the shard read the gathered value, written (Sharder._fallback).
+
+
+# Note [One-token windows]
+        node.args = (_select_token(w, x, st, lo, keepdim=True), tuple(new_index))
+        w.decisions.append(f"{node.name}: select token {lo}")
+        return None
     node.args = (x, tuple(new_index))
     return Seq(out_d, hi - lo, st.outer, st.start + lo, sharded=True)
+
+
+# Note [One-token windows]
+# A slice or narrow of a shard that keeps one token (`h[:, k:k + 1]`, `h.narrow(1, k, 1)`) has
+# global size 1 along the sequence, which every rule reads as a broadcast, while a window of
+# the shard would still hold n/p rows: `h * h[:, k:k + 1]` would multiply row by row. The token
+# is selected instead (ringcc::seq_select, replicated) with its dim kept: an ordinary value of
+# size 1 there, which broadcasts as in eager.
+
+
+def _select_token(w: Sharder, x: torch.fx.Node, st: Seq, i, keepdim: bool) -> torch.fx.Node:
+    """Token i of the window of sharded x, replicated on every rank (its dim kept or dropped)."""
+    token = sympy.sympify(st.start + i)  # a global row
+    if not token.is_Integer:
+        raise Fallback("selects a token at a symbolic position")
+    sel = w.new(SELECT, x, st.dim, int(token), *w.comm)
+    w.state[sel] = None
+    if keepdim:
+        sel = w.new("unsqueeze", sel, st.dim, method=True)
+        w.state[sel] = None
+    return sel
 
 
 def _slice_bounds(s: slice, length: sympy.Expr):
@@ -1149,6 +1188,12 @@ def narrow_rule(w: Sharder, node):
     start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
     if not (isinstance(start, int) and _eq(st.outer, 1)):
         raise Fallback("narrows the sequence at a symbolic start")
+    if written_through(node):  # Note [Windows written in place]
+        raise Fallback("a view of part of the sequence written in place")
+    if isinstance(length, int) and length == 1:  # Note [One-token windows]
+        node.replace_all_uses_with(_select_token(w, x, st, start % st.length if start < 0 else start, keepdim=True))
+        w.decisions.append(f"{node.name}: select token {start}")
+        return None
     node.replace_all_uses_with(x)
     return Seq(d, expr(length) if not isinstance(length, torch.fx.Node) else expr(fake(length)), st.outer,
                st.start + start, sharded=True)
