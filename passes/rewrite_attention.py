@@ -7,7 +7,8 @@ An accepted site becomes
     out = op[0]            # op[1] is the LSE
 
 (window, a lifted sliding window |i - j| < window, is passed only when there is one; so are
-the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py).
+the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py,
+and attention sinks, sinks=, Note [Attention sinks] in runtime/ops.py).
 
 with k/v carrying their own (GQA) heads. Under autocast q, k and v reach the op through the
 casts SDPA's autocast policy gives them at that site (`q.to(torch.bfloat16)`, ...: Note
@@ -60,7 +61,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 # with its key mask when nothing else reads it: a one_run_keys check (Note
                 # [Counted positions]) guards only the sites it feeds
                 lifted = node.meta.get(MASK_META)
-                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes, lifted and lifted.key_valid])
+                mods = node.meta.get(MODS_META)
+                erase_dead(gm, [canonical_out, mods and mods.alibi_slopes, mods and mods.sinks,
+                                lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -91,8 +94,10 @@ def _check(node: torch.fx.Node, ctx: PassContext, autocast: dict):
         return SkipReason.SHAPE, f"q/k/v must be 4-D [b, h, n, d]; got {shapes}"
     if not same_size(q.shape[2], k.shape[2]):
         return SkipReason.CROSS_ATTENTION, f"query length {q.shape[2]} != key length {k.shape[2]}"
-    if not same_shape(k.shape, v.shape) or not same_size(q.shape[0], k.shape[0]) or not same_size(q.shape[3], k.shape[3]):
-        return SkipReason.SHAPE, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [b,h,n,d]/[b,g,n,d]"
+    if not same_shape(k.shape[:3], v.shape[:3]) or not same_size(q.shape[0], k.shape[0]) \
+            or not same_size(q.shape[3], k.shape[3]):
+        return SkipReason.SHAPE, (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                                  "[b,h,n,d]/[b,g,n,d]/[b,g,n,dv]")
     h, g = static_int(q.shape[1]), static_int(k.shape[1])
     if h is None or g is None or h % g or (h != g and not call.enable_gqa):
         return SkipReason.SHAPE, f"heads q={q.shape[1]} kv={k.shape[1]} (enable_gqa={call.enable_gqa})"
@@ -131,9 +136,13 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
     if MODS_META in node.meta:
-        return SkipReason.UNSUPPORTED_MASK, "score modifiers (soft-cap, ALiBi) with dilation: the dilated op takes none"
-    if lifted.key_valid is not None or lifted.window is not None:
-        what = "key padding" if lifted.key_valid is not None else "a sliding window"
+        return SkipReason.UNSUPPORTED_MASK, ("score modifiers (soft-cap, ALiBi) or sinks with dilation: the dilated op "
+                                             "takes none")
+    if not same_size(q.shape[3], fake(SdpaCall.of(node).v).shape[3]):
+        return SkipReason.SHAPE, "a value head dim of its own with dilation: the dilated op takes v with q's head dim"
+    if lifted.key_valid is not None or lifted.window is not None or lifted.fn is not None:
+        what = "key padding" if lifted.key_valid is not None else "a sliding window" if lifted.window is not None \
+            else "a mask function"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
     if n is None:
@@ -184,8 +193,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     if spec is None:
         window = () if lifted.window is None else (lifted.window,)  # the op's 10th argument, default 0
         mods = node.meta.get(MODS_META)
-        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap),
-                                                             ("alibi_slopes", mods.alibi_slopes)) if v is not None}
+        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi_slopes),
+                                                             ("sinks", mods.sinks)) if v is not None}
+        if lifted.fn is not None:  # Note [Mask functions] in runtime/maskfn.py
+            extra.update(mask_fn=lifted.fn.text, **{f"mask_t{i}": t for i, t in enumerate(lifted.fn_inputs)})
         with below:
             op = b.call(RING_OP, q, k, v, lifted.key_valid, lifted.causal, scale,
                         ctx.group_name, ctx.world_size, layout, *window, **extra)
@@ -203,7 +214,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
         user_out, canonical_out = node.meta[REPLACES_META]
         user_out.replace_all_uses_with(out if canonical_out is node else canonical_out)
+        call = user_out.args[0] if user_out.target is operator.getitem else None
         erase_dead(gm, [user_out])
+        if (call is not None and call.target is torch.ops.higher_order.flex_attention and not call.users
+                and call in set(gm.graph.nodes)):
+            gm.graph.erase_node(call)  # a flex_attention site's call (passes/lift_masks.py: _flex_site)
     return op
 
 

@@ -422,6 +422,9 @@ def dilated_attention(
         if not isinstance(spec, DilatedSpec):
             raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
         _check_inputs(q, k, v, None, op="dilated_attention")
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError(f"dilated_attention takes v with q's head dim {q.shape[-1]}; got v {tuple(v.shape)} "
+                             "(a value head dim of its own runs in ring_attention)")
         lay = L.parse_layout(layout)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     except (TypeError, ValueError) as e:

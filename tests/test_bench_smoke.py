@@ -488,26 +488,8 @@ def test_timeline_summary_of_a_trace(tmp_path):
 
 
 @pytest.mark.soak
-def test_ring_host_benchmark_times_the_ring_functions(tmp_path):
-    """bench_ring_host.py end to end on CPU (gloo, p = 2, smoke sizes): every rank's GPU (here
-    wall) and host time per fwd+bwd, and the host's time inside the ring's functions, which the
-    forward and the backward enclose."""
-    proc, rec = _torchrun_smoke("bench_ring_host.py", tmp_path)
-    assert rec["device"] == "cpu (smoke, gloo)" and rec["world"] == 2 and rec["causal"]
-    assert sorted(r["rank"] for r in rec["ranks"]) == [0, 1]
-    for r in rec["ranks"]:
-        f = r["functions"]
-        assert r["gpu_ms"] > 0 and r["host_ms"] > 0
-        assert f["ring forward"][1] == 1 and f["ring backward"][1] == 1  # once per fwd+bwd
-        assert f["RingComm.commit"][1] == 4  # p = 2: one batch in the forward, three in the backward
-        inside = sum(f[k][0] for k in ("kernels.block_fwd", "kernels.block_bwd"))
-        assert 0 < inside < f["ring forward"][0] + f["ring backward"][0] <= r["host_ms"]
-    assert "host" in proc.stdout and "ring._accumulate" in proc.stdout
-
-
-@pytest.mark.soak
 def test_short_chunk_launcher_alternates_a_patched_tree(tmp_path):
-    """benchmarks/run_short_chunks.sh end to end on CPU (SMOKE=1: gloo, p = 2, tiny sizes) with a
+    """benchmarks/run_gpu.sh short end to end on CPU (SMOKE=1: gloo, p = 2, tiny sizes) with a
     patch: the single-device baseline once, then the ring's cells and the compiled step on the tree
     and on the patched copy, each run importing its own tree, all in the archive."""
     patch = tmp_path / "marker.patch"
@@ -516,7 +498,7 @@ def test_short_chunk_launcher_alternates_a_patched_tree(tmp_path):
                      + "+PATCHED = True\n")
     env = dict(os.environ, SMOKE="1", ROUNDS="1", OUT=str(tmp_path / "out"), PATCH=str(patch), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_short_chunks.sh")], capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_gpu.sh"), "short"], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     trees = [line.split("ringcc from ")[1] for line in proc.stdout.splitlines() if line.startswith("ringcc from ")]
