@@ -600,11 +600,11 @@ def _elementwise(w: Sharder, node: torch.fx.Node, tensors: list[torch.fx.Node], 
     win = window if window is not None else Seq(d, ref.length, ref.outer, sharded=True)
     for a in tensors:
         st = seqs.get(a)
-        if st is not None and a in dims and not st.sharded:
-            if dims[a] != d:
-                continue  # a replicated value whose long dim lines up with a feature dim: not tokens
+        if st is not None and a in dims and not st.sharded and dims[a] == d:
             w.localize(node, a, st, win if window is not None else None, pad_value)
-        elif st is None:
+        elif st is None or (a in dims and not st.sharded):
+            # no sequence state, or a replicated one at another dim (a guess from sizes: a
+            # feature dim equal to n): what lines up with the shard's dim is sliced like it
             _meet(w, node, a, d, out_nd, win, pad_value)
     return Seq(d, win.length, win.outer, win.start, sharded=True)
 

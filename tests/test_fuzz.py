@@ -204,3 +204,10 @@ def case_token_shift_lm(rank, world):
 @pytest.mark.soak  # two blocks compiled at p = 2: about a minute on 2 cores
 def test_token_shift_lm_with_blocks_compiled(pools):
     assert all(pools(2).run(case_token_shift_lm, timeout=TIMEOUT))
+
+
+def test_feature_dim_equal_to_the_length_meets_a_shard(pools):
+    """n = d = p = 4: a statistic over the sequence ([b, d], whose feature dim has n's size)
+    broadcast back onto h; an elementwise op slices every operand along the shard's dim."""
+    check(pools, _prog([["seq_reduce", {"kind": "std", "keepdim": False}], ["view_flat", {"kind": "view"}]],
+                       n=4, d=4, world=4, x_grad=False, seed=233))
