@@ -1,8 +1,9 @@
 """Per-block attention kernels that return (out, lse), and their backward.
 
-Legend: q_bhsd [b, h, Lq, d]; k_bgsd / v_bgsd [b, g, Lk, d] with h % g == 0 (GQA/MQA);
-key_valid_bs [b, Lk] bool (True = key may be attended). lse is natural-log, [b, h, Lq],
-in the accumulator dtype (fp32; fp64 for fp64 inputs).
+Legend: q_bhsd [b, h, Lq, d]; k_bgsd [b, g, Lk, d] and v_bgsd [b, g, Lk, dv] with h % g == 0
+(GQA/MQA; dv may differ from d: Note [Value head dim]); key_valid_bs [b, Lk] bool (True = key
+may be attended). lse is natural-log, [b, h, Lq], in the accumulator dtype (fp32; fp64 for fp64
+inputs). out is [b, h, Lq, dv].
 
 A block is either unmasked, causal on its diagonal (square, top-left aligned: the query and
 key chunks are the same global chunk), optionally key-padded, and optionally restricted by a
@@ -350,7 +351,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
     lse = -inf."""
     dt, h, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
-    out = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
+    out = q_bhsd.new_empty((*q_bhsd.shape[:3], v.shape[-1]))
     lse = torch.empty(q_bhsd.shape[:3], dtype=dt, device=q_bhsd.device)
     for r0, r1 in _row_chunks(q_bhsd, lk, allowed_qk):
         c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
@@ -415,6 +416,43 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     chunks = _row_chunks(q_bhsd, lk)  # its keys are not cut: position jumps do not matter
     return None if len(chunks) == 1 else chunks
 
+# Note [Value head dim]
+# A value head dim dv that differs from the query/key head dim d (MLA: DeepSeek-V3) changes
+# nothing in the algorithm: scores and lse come from q.k, the output and dV have dv features.
+# The exact math path takes it as it is. The fused kernels (aten's CPU flash op, the CUDA
+# flash and cuDNN ops) and flex blocks get the narrower side padded with zero features, which
+# is exact: zero features of q and k add nothing to a score (the scale is passed explicitly),
+# and zero features of v, dO and O add nothing to O, to rowsum(dO * O) or to dP; the result is
+# sliced back (`_padded_dv`).
+
+
+def _padded_dv(q_bhsd, k_bgsd, v_bgsd):
+    """(q, k, v) with the narrower of d (q, k) and dv (v) padded with zero features to the
+    other's width (Note [Value head dim])."""
+    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
+    if dv < d:
+        return q_bhsd, k_bgsd, torch.nn.functional.pad(v_bgsd, (0, d - dv))
+    pad = (0, dv - d)
+    return torch.nn.functional.pad(q_bhsd, pad), torch.nn.functional.pad(k_bgsd, pad), v_bgsd
+
+
+def _fwd_padded(q_bhsd, k_bgsd, v_bgsd, **kw):
+    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
+    out, lse = block_fwd(*_padded_dv(q_bhsd, k_bgsd, v_bgsd), **kw)
+    return (out[..., :dv].contiguous() if dv < d else out), lse
+
+
+def _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, **kw):
+    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
+    q_p, k_p, v_p = _padded_dv(q_bhsd, k_bgsd, v_bgsd)
+    if dv < d:
+        pad = (0, d - dv)
+        dout_bhsd, out_bhsd = torch.nn.functional.pad(dout_bhsd, pad), torch.nn.functional.pad(out_bhsd, pad)
+    dq, dk, dv_ = block_bwd(dout_bhsd, q_p, k_p, v_p, out_bhsd, lse, lse_prepared=True, **kw)
+    if dv < d:
+        return dq, dk, dv_[..., :dv].contiguous()
+    return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv_
+
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
               mod: ScoreMod | None = None):
@@ -424,6 +462,9 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
     mod = None if is_identity(mod) else mod
+    if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _fwd_padded(q_bhsd, k_bgsd, v_bgsd, scale=scale, causal=causal, key_valid_bs=key_valid_bs,
+                           allowed_qk=allowed_qk, mod=mod)
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
@@ -494,6 +535,9 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
     mod = None if is_identity(mod) else mod
+    if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale=scale, causal=causal,
+                           key_valid_bs=key_valid_bs, allowed_qk=allowed_qk, mod=mod)
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 

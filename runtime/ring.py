@@ -370,7 +370,7 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=Non
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
         return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes, fn=fn)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
@@ -499,8 +499,9 @@ class _Mods:
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None,
                         head0: int = 0, fn=None):
     """-> (out in q's dtype, lse) of these heads (from head `head0` of `slopes` on), written
-    into `out`/`lse` where given."""
-    b, h, s, d = q.shape
+    into `out`/`lse` where given. out has v's head dim (Note [Value head dim] in kernels.py)."""
+    b, h, s = q.shape[:3]
+    d = v.shape[-1]
     mods = _Mods(setup, slopes, s, head0)
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
@@ -519,12 +520,12 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
             )
             done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
             if done and dst is None:
-                dst = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(b, h, s, dtype=adt, device=q.device))
+                dst = (q.new_empty((b, h, s, d)), torch.empty(b, h, s, dtype=adt, device=q.device))
             acc = _merge_block(acc, o, l, _region(c, b), (b, h, s, d), adt, dst if done else None)
             del o, l  # not alive at the end
         del st
     if acc is None:  # no key visible to any row
-        acc = (torch.zeros_like(q), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+        acc = (q.new_zeros((b, h, s, d)), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
     if done:
         return acc
     if dst is None:  # the one block's own result (or the sum when the last step had no call)
@@ -625,10 +626,13 @@ def _accumulate(accs, blks, reg, shape, adt, dsts=None) -> list:
     block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]). Without
     dst a sum's new running value is the block itself when it is the first and covers the whole
     shape, acc updated in place when it is an accumulator, else a new one. With dst (the last
-    addition) the sum goes there in dst's dtype, in the same pass. Returns the sums, in order."""
+    addition) the sum goes there in dst's dtype, in the same pass. Returns the sums, in order.
+    `shape`'s last dim is each block's own (dK and dV may differ there: Note [Value head dim] in
+    kernels.py)."""
     full = _covers(reg, shape)
     out, adds = [], []
     for acc, blk, dst in zip(accs, blks, dsts or [None] * len(accs)):
+        shape = (*shape[:-1], blk.shape[-1])
         if acc is None:
             if full and dst is None:
                 out.append(blk)
@@ -681,7 +685,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]);
     sums as in Note [Fewer passes]."""
     b, h, s, d = q.shape
-    g = k.shape[1]
+    g, dv = k.shape[1], v.shape[-1]
     adt = kernels.acc_dtype(q.dtype)
     chunks = head_chunks(h, g, setup.kv_chunk)
     whole = len(chunks) == 1
@@ -695,8 +699,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     wide_first = any(r != (0, s) for rows in runs.values() for r in rows)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
-        kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
-        comm.reserve([kv, kv, acc, acc] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
+        kv, acc = b * g_c * s * k.element_size(), b * g_c * s * torch.finfo(adt).bits // 8
+        comm.reserve([kv * d, kv * dv, acc * d, acc * dv] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
     # Chunks write into the full-size outputs; whole heads return their sums as tensors of their
     # own (a single block's gradient as the kernel returned it: no copy).
     full_out = None if whole else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
@@ -734,7 +738,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                             runs=runs, fn=blocks)
         del k_c, v_c
         for st in steps:
-            kv_shape = st.k.shape
+            kv_shapes = st.k.shape, st.v.shape
             last_step = st.index == world - 1
             kv_grads = []
             for i, (c, allowed) in enumerate(st.calls):
@@ -769,16 +773,16 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                     # would narrow it on arrival: same values, half the bytes of the one hop no
                     # later kernel of this chunk hides) or straight into the outputs.
                     if use_comm:
-                        dk_dst, dv_dst = (torch.empty(kv_shape, dtype=t.dtype, device=q.device) for t in (k, v))
+                        dk_dst, dv_dst = (torch.empty(sh, dtype=t.dtype, device=q.device) for sh, t in zip(kv_shapes, (k, v)))
                     else:
-                        dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
+                        dk_dst, dv_dst = out_slice(1, hk, kv_shapes[0], k.dtype), out_slice(2, hk, kv_shapes[1], v.dtype)
                 keys = _region(c, b, keys=True)
-                dk_acc, dv_acc = _accumulate([dk_acc, dv_acc], [dk_b, dv_b], keys, kv_shape, adt,
+                dk_acc, dv_acc = _accumulate([dk_acc, dv_acc], [dk_b, dv_b], keys, kv_shapes[0], adt,
                                              None if dk_dst is None else [dk_dst, dv_dst])
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
-                dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)
-                dv_acc = torch.zeros_like(dk_acc)
+                dk_acc = torch.zeros(kv_shapes[0], dtype=k.dtype, device=q.device)
+                dv_acc = torch.zeros(kv_shapes[1], dtype=v.dtype, device=q.device)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 with the next batch (it
                 # holds that block next step; after the last step the hop brings it home).
