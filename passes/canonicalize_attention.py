@@ -125,8 +125,9 @@ LINEAR_FUNCS = (F.linear, aten.linear.default, aten.addmm.default, aten.mm.defau
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
-FLEX_TARGETS = tuple(t for t in (getattr(torch.ops.higher_order, "flex_attention", None),
-                                 torch.nn.attention.flex_attention.flex_attention) if t is not None)
+# flex_attention calls left as the Python function (dynamo's higher-order op is a site of
+# lift_masks, which reads its mask_mod as the site's mask function)
+FLEX_TARGETS = (torch.nn.attention.flex_attention.flex_attention,)
 ENCODER_TARGETS = tuple(t for t in (_compat.transformer_encoder_layer_fwd(),
                                     aten._transformer_encoder_layer_fwd.default) if t is not None)
 

@@ -5,8 +5,11 @@ A site's mask is read by a small abstract interpreter (Note [Mask lifting]) into
     allowed(b, i, j) = [j <= i] and [|i - j| < window] and key_valid[b, j]
 
 stored as attention_form.LiftedMask in the SDPA node's meta and as a dict in the report.
-The graph keeps the dense mask until the rewrite pass drops it, so a site that is skipped
-later still runs as written. A mask this pass cannot read is UNLIFTABLE_MASK, with why.
+A mask that is not of that form is read as a function of (b, h, q_idx, kv_idx) instead
+(extract_mask.py, Note [Mask extraction]), and a flex_attention call becomes a site whose mask
+is its mask_mod (`_flex_site`). The graph keeps the dense mask until the rewrite pass drops it,
+so a site that is skipped later still runs as written. A mask this pass cannot read is
+UNLIFTABLE_MASK, with why.
 
 K/V repeated for GQA before the call (repeat_interleave(x, r, dim=1), or HF's
 x[:, :, None].expand(b, g, r, n, d).reshape(b, g * r, n, d); both put head h on kv head

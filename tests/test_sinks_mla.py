@@ -224,6 +224,7 @@ def test_a_dense_site_warns_once_and_strict_raises():
 def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     from graphs import dynamo_graph, make_ctx
     from ringcc.passes.canonicalize_attention import canonicalize_attention
+    from ringcc.passes.lift_masks import lift_masks
     from torch.nn.attention.flex_attention import flex_attention
 
     def f(q, k, v):
@@ -235,5 +236,6 @@ def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     gm = dynamo_graph(f, q, q, q)
     ctx = make_ctx()
     canonicalize_attention(gm, ctx)
+    lift_masks(gm, ctx)  # flex_attention calls are its sites (a score_mod: skipped)
     got = sorted((s.form, s.decision.value, s.reason.value) for s in ctx.report.sites)
-    assert got == [("flex", "skipped", "other"), ("manual", "skipped", "other")], ctx.report.sites
+    assert got == [("flex", "skipped", "unsupported_mask"), ("manual", "skipped", "other")], ctx.report.sites
