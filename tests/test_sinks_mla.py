@@ -237,3 +237,28 @@ def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     canonicalize_attention(gm, ctx)
     got = sorted((s.form, s.decision.value, s.reason.value) for s in ctx.report.sites)
     assert got == [("flex", "skipped", "other"), ("manual", "skipped", "other")], ctx.report.sites
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("dv,padded", [(8, False), (16, False), (8, True)])
+def test_cuda_kernels_with_sinks_and_a_value_head_dim(monkeypatch, kernel, dv, padded):
+    """One CUDA device, bf16: the fused kernels (zero-padded features), and flex for masked
+    blocks, against the fp32 dense reference; sinks' gradient included."""
+    monkeypatch.setenv("RINGCC_CUDA_KERNEL", kernel)
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, n, d = 2, 4, 2, 256, 12
+    q, k = torch.randn(b, h, n, d, generator=gen), torch.randn(b, g, n, d, generator=gen)
+    v, dout, sinks = torch.randn(b, g, n, dv, generator=gen), torch.randn(b, h, n, dv, generator=gen), torch.randn(h, generator=gen)
+    kpm = (torch.rand(b, n, generator=gen) < 0.2) if padded else None
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref_out, _ = dense(*ref[:3], is_causal=True, key_padding_mask=kpm, sinks=ref[3])
+    ref_out.backward(dout)
+    got = [t.cuda().bfloat16().requires_grad_() if i < 3 else t.cuda().requires_grad_() for i, t in enumerate((q, k, v, sinks))]
+    out = ringcc.ring_attention(*got[:3], is_causal=True, sinks=got[3],
+                                key_padding_mask=None if kpm is None else kpm.cuda())
+    out.backward(dout.cuda().bfloat16())
+    for x, want in [(out, ref_out)] + [(a.grad, r.grad) for a, r in zip(got, ref)]:
+        err = float((x.float().cpu() - want).abs().max() / want.abs().max())
+        assert err < 2e-2, err
