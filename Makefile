@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-zoo test-zoo-moe test-zoo-offline test-soak zoo-matrix clean
+.PHONY: setup demo test test-zoo test-zoo-moe test-zoo-offline test-soak test-versions zoo-matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not zoo and not zoo_moe and not zoo_offline and not soak" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not gpu and not zoo and not zoo_moe and not zoo_offline and not soak and not versions" $(PYTEST_ARGS)
 
 test-zoo: $(STAMP)
 	$(PY) -m pytest -q -m "zoo" $(PYTEST_ARGS)
@@ -37,6 +37,11 @@ test-zoo-moe: $(STAMP)
 test-zoo-offline: $(STAMP)
 	$(PY) -m pytest -q -m "zoo_offline" $(PYTEST_ARGS)
 
+# the zoo's core under each tested transformers release (tests/versions.py), each installed into
+# .venv-versions/<release>/ on first use; writes their columns of docs/compatibility.md
+test-versions: $(STAMP)
+	$(PY) tests/versions.py $(if $(PYTEST_ARGS),--pytest-args $(PYTEST_ARGS))
+
 test-soak: $(STAMP)
 	$(PY) -m pytest -q -m "soak and not gpu" $(PYTEST_ARGS)
 
@@ -45,4 +50,4 @@ zoo-matrix: $(STAMP)
 	$(PY) tests/zoo.py --matrix
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-versions build *.egg-info

@@ -35,6 +35,7 @@ import torch
 from ringcc import _compat
 
 from .dtypes import acc_dtype
+from .maskfn import FnMask
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
@@ -152,7 +153,7 @@ def _allowed_rows(allowed_qk, r0: int, r1: int, c0: int = 0, c1: int | None = No
     """Rows [r0, r1), keys [c0, c1) of a position mask: a bool [Lq, Lk] tensor, or an object
     that builds its rows on demand (ring.WindowMask)."""
     if isinstance(allowed_qk, torch.Tensor):
-        return allowed_qk[r0:r1, c0:c1]
+        return allowed_qk[..., r0:r1, c0:c1]
     return allowed_qk.rows(r0, r1, c0, c1)
 
 
@@ -271,7 +272,7 @@ def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
     RINGCC_MASKED_KERNEL=math."""
     return (device.type == "cuda" and dtype in FUSED_CUDA_DTYPES
             and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
-            and not isinstance(allowed_qk, torch.Tensor) and masked_kernel() == "flex")
+            and not isinstance(allowed_qk, (torch.Tensor, FnMask)) and masked_kernel() == "flex")
 
 
 _FLEX_FAILED: dict = {}  # (device, dtype, head dim) -> why flex_attention could not run such blocks
@@ -320,7 +321,9 @@ def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int
     """The bool mask [b or 1, 1, r1 - r0, c1 - c0] (True = attend) of block rows [r0, r1) and
     keys [c0, c1), or None when those rows see every one of those keys."""
     m = _rows_allowed(causal, allowed_qk, r0, r1, c1, device, c0)
-    m = None if m is None else m[None, None]
+    # [rows, keys] (positions alone) or [b or 1, h or 1, rows, keys] (a mask function: maskfn.FnMask)
+    if m is not None and m.dim() == 2:
+        m = m[None, None]
     if key_valid_bs is not None:
         kv = key_valid_bs[:, None, None, c0:c1]
         m = kv if m is None else m & kv

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import kernels, maskfn
 from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
 from .merge import add_into, contiguous, copy_by_kernel, merge_
@@ -361,19 +361,20 @@ def _copy_outside(dst, src, reg) -> None:
         copy_by_kernel(_at(dst, part), _at(src, part))
 
 
-def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None):
+def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None, fn=None):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s]).
     key_runs: the mask's table (Note [Key runs per mask]; None: made here). slopes: ALiBi
-    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py)."""
+    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py). fn: (MaskFn, tensors) or None
+    (Note [Mask functions] in maskfn.py)."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes, fn=fn)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
-                            slopes, hq.start)
+                            slopes, hq.start, fn)
     return out, lse
 
 
@@ -496,7 +497,7 @@ class _Mods:
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None,
-                        head0: int = 0):
+                        head0: int = 0, fn=None):
     """-> (out in q's dtype, lse) of these heads (from head `head0` of `slopes` on), written
     into `out`/`lse` where given. out has v's head dim (Note [Value head dim] in kernels.py)."""
     b, h, s = q.shape[:3]
@@ -506,7 +507,8 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs):
+    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device)
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
             bs = slice(*c.rows(b))
@@ -533,6 +535,37 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     return dst
 
 
+class FnBlocks:
+    """The block calls of a ring under a mask function (Note [Mask functions] in maskfn.py): each
+    call of the block of rank `src` gets the function at the global positions of its rows and
+    keys, and is dropped when the function empties it, kept unmasked when it fills it, and kept
+    with the function as its position mask otherwise. `fn`: (MaskFn, tensors); heads [h0, h0 +
+    heads) of the site, batch of `batch` rows."""
+
+    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device):
+        self.fn, self.tensors = fn
+        self.setup, self.batch, self.heads, self.h0 = setup, batch, heads, h0
+        self.q_pos = global_positions(setup.rank, setup.world, setup.layout, s, device)
+        self.s, self.device = s, device
+
+    def calls(self, calls, src: int):
+        k_pos = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
+        out = []
+        for c, allowed in calls:
+            if allowed is not None:
+                raise AssertionError("a window mask with a mask function (the op takes one of them)")
+            b0, b1 = c.rows(self.batch)
+            m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
+                              b0, self.h0, c.causal)
+            state, parts = maskfn.split(m)
+            if state == "full":
+                out.append((c, None))
+            for r0, r1, k0, k1, masked in parts:  # rows and keys of the call: the diagonal is in the mask
+                part = BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, False, c.b0, c.b1)
+                out.append((part, m.sub(r0, r1, k0, k1) if masked else None))
+        return out
+
+
 class RingStep:
     """One step of the ring: the block held now (K, V, key mask, kernel calls against it).
 
@@ -553,14 +586,15 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, runs=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, runs=None, fn=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
     One batch per step is one rendezvous of the ranks per step. A block from a rank in
     `runs` (its valid keys one run, _key_runs) is held with no key mask, its calls cut to
-    those keys."""
+    those keys. With a mask function (`fn`, a FnBlocks) each call is classified by it
+    (Note [Mask functions] in maskfn.py)."""
     runs = runs or {}
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
@@ -573,9 +607,11 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         # of a strided accumulator, say); this frame lets go of the accumulator itself now.
         send = carry = None
         src = (setup.rank - step) % setup.world
+        calls = setup.masked_calls(s, src, device, runs.get(src))
+        if fn is not None:
+            calls = fn.calls(calls, src)
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
-                      setup.masked_calls(s, src, device, runs.get(src)), comm if recv else None,
-                      recv[n_held:] if carried and recv else None, src)
+                      calls, comm if recv else None, recv[n_held:] if carried and recv else None, src)
         yield st
         st.wait()
         carry = st.carry_out
@@ -641,7 +677,7 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None):
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None, fn=None):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
     key_runs table: Note [Key runs per mask]).
 
@@ -697,8 +733,9 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
+        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device)
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            runs=runs)
+                            runs=runs, fn=blocks)
         del k_c, v_c
         for st in steps:
             kv_shapes = st.k.shape, st.v.shape

@@ -69,3 +69,21 @@ def counting_key_runs():
         yield calls
     finally:
         ops.key_runs_table = ring.key_runs_table = table_fn
+
+
+def fp64_judge(got, eager, ref) -> dict:
+    """Relative L2 distances to an fp64 reference of a lower-precision run (`got`) and of eager
+    under the same precision (`eager`), per part: each argument a tuple of tensors or
+    {name: tensor} dicts (None entries, parameters without a gradient, are left out; a dict
+    part is one vector, the whole gradient). Returns {part: (got_err, eager_err)}."""
+    def flat(x):
+        if isinstance(x, dict):
+            return torch.cat([x[k].detach().double().flatten() for k in sorted(x) if x[k] is not None])
+        return x.detach().double().flatten()
+
+    out = {}
+    for i, (g, e, r) in enumerate(zip(got, eager, ref)):
+        g, e, r = flat(g), flat(e), flat(r)
+        norm = float(r.norm()) or 1.0
+        out[i] = (float((g - r).norm()) / norm, float((e - r).norm()) / norm)
+    return out

@@ -39,3 +39,13 @@ def test_bloom_left_padded(pools):
     results = pools(2).run(zoo.run_arch, "bloom", ("left_padded",), timeout=1200)
     for rank, res in enumerate(results):
         assert zoo.check(zoo.BY_NAME["bloom"], res) == [], (rank, res)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in zoo.CHEAP else pytest.mark.zoo) for n in zoo.PACKED])
+def test_packed_documents(pools, name):
+    """Packed documents (position ids restarting per document, use_cache=False, no attention
+    mask): HF's document mask read as a function, every site rewritten, O(n/p), no gather, the
+    loss and every gradient as eager's (and the same parameters with a gradient)."""
+    for rank, res in enumerate(pools(2).run(zoo.run_arch, name, ("packed",), timeout=1200)):
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)
+        assert res["packed"]["gathers"] == [], (rank, res)

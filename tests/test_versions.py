@@ -1,0 +1,130 @@
+"""The zoo's core under one transformers release: every site rewritten and exact, unpadded and
+padded, at p = 2 (marker `versions`). `make test-versions` (tests/versions.py) runs this file once
+per tested release, each installed in its own folder; run alone, it tests the installed release.
+Each case records its results in out/versions/<release>.json for docs/compatibility.md."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import versions
+import zoo
+
+CORE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "bloom", "bert", "mixtral",
+        "qwen2_moe")
+PATTERNS = ("loss_inside", "padded")
+
+
+@pytest.fixture(scope="module")
+def release():
+    import transformers
+
+    expected = os.environ.get(versions.RELEASE_ENV)
+    assert expected in (None, transformers.__version__), (
+        f"{versions.RELEASE_ENV}={expected} but transformers {transformers.__version__} is imported "
+        f"(from {transformers.__file__})")
+    return transformers.__version__
+
+
+def _record(release: str, name: str, res) -> None:
+    os.makedirs(versions.ROWS, exist_ok=True)
+    path = os.path.join(versions.ROWS, f"{release}.json")
+    rows = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)
+    rows[name] = res
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+@pytest.mark.versions
+@pytest.mark.parametrize("name", CORE)
+def test_core_architecture(pools, release, name):
+    arch = zoo.BY_NAME[name]
+    try:
+        results = pools(2).run(zoo.run_arch, name, PATTERNS, timeout=900)
+    except (RuntimeError, TimeoutError) as e:
+        _record(release, name, str(e).strip().splitlines()[-1][:300])
+        raise
+    _record(release, name, results[0])
+    for rank, res in enumerate(results):
+        assert set(res) == set(PATTERNS)
+        assert zoo.check(arch, res) == [], (release, rank, res)
+
+
+def test_core_names_zoo_architectures():
+    """Every core name is a zoo architecture, and the release list ends with a 5.x and starts at
+    the floor that ringcc checks at compile time (ringcc/releases.py)."""
+    from ringcc.releases import TRANSFORMERS_FLOOR, release_tuple
+
+    assert set(CORE) <= set(zoo.BY_NAME)
+    assert release_tuple(versions.RELEASES[0])[:2] == TRANSFORMERS_FLOOR
+    assert min(release_tuple(r) for r in versions.RELEASES)[:2] == TRANSFORMERS_FLOOR
+
+
+def test_older_transformers_release_is_an_error_at_compile_time(monkeypatch):
+    """An HF model compiled with a transformers release below the floor: a RuntimeError at compile
+    time naming the release and the floor. A model without transformers code compiles as usual
+    under the same release (transformers stays optional)."""
+    import sys
+
+    import torch
+
+    import ringcc
+
+    torch.manual_seed(0)
+    hf = zoo.BY_NAME["llama"].factory()
+    # the module that the check reads: transformers replaces its entry in sys.modules on first use
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.45.2")
+    ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N))
+    backend = ringcc.backend(ringcc.Config(inner="aot_eager"))
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"transformers 4\.45\.2 .*older than 4\.57.*install transformers>=4\.57"):
+        torch.compile(hf, backend=backend)(input_ids=ids, labels=ids)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(plain, backend=backend)(x), plain(x))
+
+
+def test_release_tuple_reads_release_strings():
+    from ringcc.releases import release_tuple
+
+    assert release_tuple("4.57.1") == (4, 57, 1)
+    assert release_tuple("5.0.0.dev0") == (5, 0, 0)
+    assert release_tuple("4.57.0rc1") == (4, 57, 0)
+    assert release_tuple("5") == (5, 0, 0)
+    with pytest.raises(ValueError, match="cannot read a release from transformers' version 'main'"):
+        release_tuple("main")
+
+
+def test_release_table_has_a_column_per_release(tmp_path):
+    """docs/compatibility.md's release section from per-release rows: one column per release,
+    each run's sites, exactness and density, the skip reasons below, and the zoo's own matrix
+    (zoo.py --matrix) rewritten with the section kept."""
+    ok = dict(loss=1e-7, grad=4e-7, worst="w", graphs=1, rewritten=[2], skipped=[0], skip_reasons=[], gathers=[],
+              linear=True, culprits=[], seconds=1.0)
+    dense = dict(ok, rewritten=[0], skipped=[2], linear=False, skip_reasons=["unliftable_mask: x.py:1: vmap"])
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    (rows / "4.57.1.json").write_text(json.dumps({"llama": {"loss_inside": dense, "padded": dense}}))
+    (rows / "5.24.0.json").write_text(json.dumps({"llama": {"loss_inside": ok, "padded": ok},
+                                                   "gpt2": "RuntimeError: boom"}))
+    out = tmp_path / "compatibility.md"
+    out.write_text("# Compatibility matrix\n\n| zoo |\n")
+    zoo.write_release_table(str(rows), ("4.57.1", "5.17.0", "5.24.0"), str(out))
+    text = out.read_text()
+    assert text.startswith("# Compatibility matrix\n\n| zoo |\n\n" + zoo.RELEASES_HEADING)
+    assert "| architecture | transformers 4.57.1 | transformers 5.17.0 | transformers 5.24.0 |" in text
+    assert ("| llama | loss_inside: 0/2, padded: 0/2; exact; dense | - | "
+            "loss_inside: 2/2, padded: 2/2; exact; O(n/p) |") in text
+    assert "| gpt2 | - | - | run failed |" in text
+    assert "transformers 4.57.1:\n\n- llama: unliftable_mask: x.py:1: vmap" in text
+    assert "transformers 5.24.0:\n\n- gpt2: RuntimeError: boom" in text
+    kept = zoo._with_release_section("# Compatibility matrix\n\n| new zoo |\n", str(out))
+    assert kept.startswith("# Compatibility matrix\n\n| new zoo |\n\n" + zoo.RELEASES_HEADING)
+    assert kept.endswith(text.split(zoo.RELEASES_HEADING, 1)[1])
