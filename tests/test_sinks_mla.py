@@ -64,8 +64,8 @@ def case_ring(rank, world, is_causal, layout, g, dv, padded, with_sinks):
     return True
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.soak), 4])
-@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), (False, "contiguous")])
+@pytest.mark.parametrize("world", [2, *(pytest.param(p, marks=pytest.mark.soak) for p in (1, 3, 4))])
+@pytest.mark.parametrize("is_causal,layout", [(True, "zigzag"), pytest.param(False, "contiguous", marks=pytest.mark.soak)])
 def test_ring_with_sinks_and_a_narrower_value_head_dim(pools, world, is_causal, layout):
     assert all(pools(world).run(case_ring, is_causal, layout, 2, 8, False, True))
 
@@ -177,7 +177,7 @@ def case_compiled(rank, world, name):
 
 
 @pytest.mark.parametrize("name", ["sinks", "mla"])
-@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.soak), pytest.param(4, marks=pytest.mark.soak)])
+@pytest.mark.parametrize("world", [2, *(pytest.param(p, marks=pytest.mark.soak) for p in (1, 3, 4))])
 def test_compiled_sinks_and_mla_match_eager(pools, name, world):
     for sites, gathers in pools(world).run(case_compiled, name, timeout=600):
         assert [d for d, _ in sites] == ["rewritten"], sites
@@ -239,3 +239,28 @@ def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     lift_masks(gm, ctx)  # flex_attention calls are its sites (a score_mod: skipped)
     got = sorted((s.form, s.decision.value, s.reason.value) for s in ctx.report.sites)
     assert got == [("flex", "skipped", "unsupported_mask"), ("manual", "skipped", "other")], ctx.report.sites
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("dv,padded", [(8, False), (16, False), (8, True)])
+def test_cuda_kernels_with_sinks_and_a_value_head_dim(monkeypatch, kernel, dv, padded):
+    """One CUDA device, bf16: the fused kernels (zero-padded features), and flex for masked
+    blocks, against the fp32 dense reference; sinks' gradient included."""
+    monkeypatch.setenv("RINGCC_CUDA_KERNEL", kernel)
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, n, d = 2, 4, 2, 256, 12
+    q, k = torch.randn(b, h, n, d, generator=gen), torch.randn(b, g, n, d, generator=gen)
+    v, dout, sinks = torch.randn(b, g, n, dv, generator=gen), torch.randn(b, h, n, dv, generator=gen), torch.randn(h, generator=gen)
+    kpm = (torch.rand(b, n, generator=gen) < 0.2) if padded else None
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref_out, _ = dense(*ref[:3], is_causal=True, key_padding_mask=kpm, sinks=ref[3])
+    ref_out.backward(dout)
+    got = [t.cuda().bfloat16().requires_grad_() if i < 3 else t.cuda().requires_grad_() for i, t in enumerate((q, k, v, sinks))]
+    out = ringcc.ring_attention(*got[:3], is_causal=True, sinks=got[3],
+                                key_padding_mask=None if kpm is None else kpm.cuda())
+    out.backward(dout.cuda().bfloat16())
+    for x, want in [(out, ref_out)] + [(a.grad, r.grad) for a, r in zip(got, ref)]:
+        err = float((x.float().cpu() - want).abs().max() / want.abs().max())
+        assert err < 2e-2, err
