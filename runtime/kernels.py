@@ -420,38 +420,40 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
 # A value head dim dv that differs from the query/key head dim d (MLA: DeepSeek-V3) changes
 # nothing in the algorithm: scores and lse come from q.k, the output and dV have dv features.
 # The exact math path takes it as it is. The fused kernels (aten's CPU flash op, the CUDA
-# flash and cuDNN ops) and flex blocks get the narrower side padded with zero features, which
-# is exact: zero features of q and k add nothing to a score (the scale is passed explicitly),
+# flash and cuDNN ops) and flex blocks get q, k and v padded with zero features to one width
+# (the wider head dim, on CUDA rounded up to the multiple of 8 those kernels need), which is
+# exact: zero features of q and k add nothing to a score (the scale is passed explicitly),
 # and zero features of v, dO and O add nothing to O, to rowsum(dO * O) or to dP; the result is
 # sliced back (`_padded_dv`).
 
 
 def _padded_dv(q_bhsd, k_bgsd, v_bgsd):
-    """(q, k, v) with the narrower of d (q, k) and dv (v) padded with zero features to the
-    other's width (Note [Value head dim])."""
-    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
-    if dv < d:
-        return q_bhsd, k_bgsd, torch.nn.functional.pad(v_bgsd, (0, d - dv))
-    pad = (0, dv - d)
-    return torch.nn.functional.pad(q_bhsd, pad), torch.nn.functional.pad(k_bgsd, pad), v_bgsd
+    """(q, k, v) with zero features added to one common width: the wider of d (q, k) and dv (v),
+    rounded up to a multiple of 8 on CUDA, whose fused kernels take no other head dims (Note
+    [Value head dim])."""
+    width = max(q_bhsd.shape[-1], v_bgsd.shape[-1])
+    if q_bhsd.device.type == "cuda":
+        width = -(-width // 8) * 8
+    return tuple(_pad_to(t, width) for t in (q_bhsd, k_bgsd, v_bgsd))
+
+
+def _pad_to(x, width: int):
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _fwd_padded(q_bhsd, k_bgsd, v_bgsd, **kw):
-    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
     out, lse = block_fwd(*_padded_dv(q_bhsd, k_bgsd, v_bgsd), **kw)
-    return (out[..., :dv].contiguous() if dv < d else out), lse
+    dv = v_bgsd.shape[-1]
+    return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), lse
 
 
 def _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, **kw):
     d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
     q_p, k_p, v_p = _padded_dv(q_bhsd, k_bgsd, v_bgsd)
-    if dv < d:
-        pad = (0, d - dv)
-        dout_bhsd, out_bhsd = torch.nn.functional.pad(dout_bhsd, pad), torch.nn.functional.pad(out_bhsd, pad)
-    dq, dk, dv_ = block_bwd(dout_bhsd, q_p, k_p, v_p, out_bhsd, lse, lse_prepared=True, **kw)
-    if dv < d:
-        return dq, dk, dv_[..., :dv].contiguous()
-    return dq[..., :d].contiguous(), dk[..., :d].contiguous(), dv_
+    width = q_p.shape[-1]
+    dq, dk, dv_ = block_bwd(_pad_to(dout_bhsd, width), q_p, k_p, v_p, _pad_to(out_bhsd, width), lse,
+                            lse_prepared=True, **kw)
+    return tuple(g if g.shape[-1] == w else g[..., :w].contiguous() for g, w in ((dq, d), (dk, d), (dv_, dv)))
 
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,

@@ -83,8 +83,8 @@ def test_split_skips_empty_tiles_and_runs_full_tiles_unmasked():
 # extraction: the function equals the mask eager code computes, on every input
 
 
-def _ar(n):
-    return torch.arange(n)
+def _ar(q):
+    return torch.arange(q.shape[2], device=q.device)
 
 
 def _doc_ids(pos):
@@ -92,13 +92,13 @@ def _doc_ids(pos):
 
 
 def documents(q, pos, valid):
-    i = _ar(q.shape[2])
+    i = _ar(q)
     d = _doc_ids(pos)
     return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None])
 
 
 def documents_window(q, pos, valid):
-    i = _ar(q.shape[2])
+    i = _ar(q)
     d = _doc_ids(pos)
     near = (i[:, None] - i[None, :]) < 3
     return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None]) & near
@@ -107,22 +107,22 @@ def documents_window(q, pos, valid):
 def documents_additive(q, pos, valid):
     d = _doc_ids(pos)
     n = q.shape[2]
-    m = torch.full((q.shape[0], 1, n, n), float("-inf")).triu(1)
+    m = torch.full((q.shape[0], 1, n, n), float("-inf"), device=q.device).triu(1)
     return m.masked_fill(d[:, None, :, None] != d[:, None, None, :], float("-inf"))
 
 
 def chunked(q, pos, valid):
-    i = _ar(q.shape[2])
+    i = _ar(q)
     return (i[:, None] // 4 == i[None, :] // 4) & (i[None, :] <= i[:, None])
 
 
 def prefix_lm(q, pos, valid):
-    i = _ar(q.shape[2])
+    i = _ar(q)
     return (i[None, :] <= i[:, None]) | (i[None, :] < 5)
 
 
 def left_padding_causal(q, pos, valid):
-    i = _ar(q.shape[2])
+    i = _ar(q)
     return torch.where((i[None, :] <= i[:, None]) & valid[:, None, None, :].bool(), 0.0, float("-inf"))
 
 
@@ -189,7 +189,7 @@ def test_an_additive_bias_is_a_score_modifier_not_a_mask():
     q, pos, _ = mask_inputs()
 
     def f(q, pos):
-        i = _ar(q.shape[2])
+        i = _ar(q)
         return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] // 3 == i[:, None] // 3).float() * 0.5)
 
     gm = dynamo_graph(f, q, pos)
