@@ -3,8 +3,9 @@ parallel, and one GPU.
 
 The model is benchmarks/llama3.py (plain PyTorch: RoPE, RMSNorm, SwiGLU, GQA 32/8, tied 128K
 vocabulary; 16 layers of width 2048, about 1.2B parameters), bf16 compute with fp32 master
-weights and gradient reduction (FSDP2's MixedPrecisionPolicy), AdamW, every block under
-activation checkpointing, the loss over vocabulary chunks (LlamaConfig.vocab_chunks). The mesh
+weights and gradient reduction (FSDP2's MixedPrecisionPolicy; with --amp, fp32 parameters under
+torch.autocast(bfloat16) instead, as accelerate's and HF Trainer's mixed precision run), AdamW,
+every block under activation checkpointing, the loss over vocabulary chunks (LlamaConfig.vocab_chunks). The mesh
 is (dp, cp) over the launched ranks (--dp, default 1: every rank holds a piece of one sequence);
 FSDP2 shards every block and the root over the flattened dp x cp mesh, as torchtitan does.
 Methods:
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--vocab-chunks", type=int, default=8)
     ap.add_argument("--no-checkpoint", action="store_true", help="no activation checkpointing of the blocks")
+    ap.add_argument("--amp", action="store_true",
+                    help="fp32 parameters under torch.autocast(bfloat16) in every method, in place of FSDP2's bf16 "
+                         "parameter policy")
     ap.add_argument("--inner", default="inductor", help="ringcc's compiler after its passes")
     ap.add_argument("--cp-compile", choices=("inductor", "none"), default="inductor")
     ap.add_argument("--cp-rotate", choices=("allgather", "alltoall"), default="allgather")
@@ -97,14 +101,19 @@ def build(args, gqa: str, device, checkpoint: bool):
     return model
 
 
-def shard(model, fsdp_mesh, dtype):
+def shard(model, fsdp_mesh, dtype, amp: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=None if amp else dtype, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, mp_policy=mp)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=mp)
     return model
+
+
+def autocast(args, env):
+    """--amp: the step's forward under torch.autocast(bfloat16); else a context that does nothing."""
+    return torch.autocast(env.device.type, torch.bfloat16, enabled=args.amp)
 
 
 def batch(args, n: int, rows: int, device):
@@ -129,14 +138,15 @@ def ringcc_method(args, env, n: int):
     for layer in model.layers:
         layer.compile(backend=backend)
     compile_head(model.head, backend)
-    model = shard(model, env.flat, env.dtype)
+    model = shard(model, env.flat, env.dtype, args.amp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     tokens, labels = batch(args, n * env.cp, env.dp, env.device)
     mine = slice(env.dp_rank, env.dp_rank + 1)
     ringcc.reset_reports()
 
     def step():
-        loss = model(tokens[mine], labels[mine])
+        with autocast(args, env):
+            loss = model(tokens[mine], labels[mine])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -161,7 +171,7 @@ def cp_method(args, env, n: int):
         for layer in model.layers:
             layer.compile(backend=args.cp_compile)
         model.head.compile(backend=args.cp_compile)
-    model = shard(model, env.flat, env.dtype)
+    model = shard(model, env.flat, env.dtype, args.amp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     tokens, labels = batch(args, n * env.cp, env.dp, env.device)
     mine = slice(env.dp_rank, env.dp_rank + 1)
@@ -173,7 +183,7 @@ def cp_method(args, env, n: int):
         tok, lab = tokens[mine].clone(), labels[mine].clone()
         pos = torch.arange(tok.shape[1], device=env.device)
         with context_parallel(env.mesh["cp"], buffers=[tok, lab, pos], buffer_seq_dims=[1, 1, 0],
-                              no_restore_buffers={tok, lab, pos}), sdpa_kernel(kernel):
+                              no_restore_buffers={tok, lab, pos}), sdpa_kernel(kernel), autocast(args, env):
             loss = model(tok, lab, pos)
             loss.backward()
         opt.step()
@@ -195,18 +205,19 @@ def single_method(args, env, n: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     tokens, labels = batch(args, n * env.cp, env.dp, env.device)
     kernel = SDPBackend.CUDNN_ATTENTION if env.device.type == "cuda" else SDPBackend.MATH
-    # fp32 weights and optimizer state, bf16 compute: what FSDP2's policy does on the others
-    autocast = torch.autocast(env.device.type, env.dtype, enabled=env.device.type == "cuda")
+    # fp32 weights and optimizer state, bf16 compute: what FSDP2's policy (or --amp) does on the others
+    mixed = env.device.type == "cuda" or args.amp
+    amp = torch.autocast(env.device.type, torch.bfloat16, enabled=mixed)
 
     def step():
-        with sdpa_kernel(kernel), autocast:
+        with sdpa_kernel(kernel), amp:
             loss = model(tokens, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    yield step, {"compute": str(env.dtype), "weights": "float32"}
+    yield step, {"compute": str(torch.bfloat16 if mixed else env.dtype), "weights": "float32"}
 
 
 def compile_head(head, backend) -> None:
@@ -372,6 +383,7 @@ def main(argv=None) -> None:
         device = f"{env.world} x {torch.cuda.get_device_name()}" if env.device.type == "cuda" else "cpu (smoke, gloo)"
         info = {"device": device, "torch": torch.__version__, "world": env.world, "dp": env.dp,
                 "model": dataclasses.asdict(model_config(args, "native")), "checkpoint": not args.no_checkpoint,
+                "amp": args.amp,
                 "warmup": args.warmup, "reps": args.reps, "records": records}
     dist_setup.finish(info, args.json)
 

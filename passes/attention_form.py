@@ -225,6 +225,37 @@ def static_float(x: Any) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------
+# autocast
+
+
+def autocast_states(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, dict[str, Optional[torch.dtype]]]:
+    """The autocast state each node of `gm` runs under, as {device type: dtype, None where
+    autocast is off} for the device types that have one (Note [Attention under autocast] in
+    runtime/amp.py): the state the trace ran under (dynamo guards on it: a call under another
+    state compiles another graph; the backend runs in the traced call), changed by the
+    `torch.autocast` regions dynamo records in the graph (`_enter_autocast(device_type, dtype,
+    enabled, cache_enabled)` ... `_exit_autocast(ctx)`; a region's dtype None keeps the current
+    one, as torch.autocast does)."""
+    from ringcc.runtime.amp import AUTOCAST_DEVICES
+
+    enter, exit_ = _compat.autocast_region_targets()
+    current = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES}
+    before: dict[torch.fx.Node, tuple[str, tuple]] = {}
+    states = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is enter:
+            device_type, dtype, enabled = (list(node.args) + [None, True])[:3]
+            if device_type in current:
+                before[node] = (device_type, current[device_type])
+                current[device_type] = (bool(enabled), dtype if dtype is not None else current[device_type][1])
+        elif node.op == "call_function" and node.target is exit_ and node.args and node.args[0] in before:
+            device_type, state = before[node.args[0]]
+            current[device_type] = state
+        states[node] = {d: (dt if on else None) for d, (on, dt) in current.items()}
+    return states
+
+
+# ---------------------------------------------------------------------------------------
 # per-site facts handed from pass to pass (node meta keys)
 
 SITE_META = "ringcc_site"  # report.Site of a canonical node
@@ -250,28 +281,44 @@ class CountedPositions:
 
 @dataclass
 class ScoreMods:
-    """Score modifiers lifted from a site (runtime/kernels.py, Note [Score modifiers]):
-    softcap c: s -> c * tanh(s / c) of the scaled scores; alibi_slopes: a graph value of one
-    slope per query head, [h] (bias slope[h] * (j - i) in global positions); alibi_counted:
-    where the bias's positions count a padding mask's valid tokens (None: an arange)."""
+    """What a site's softmax does that SDPA cannot say: score modifiers (runtime/kernels.py,
+    Note [Score modifiers]) and attention sinks. softcap c: s -> c * tanh(s / c) of the scaled
+    scores; alibi_slopes: a graph value of one slope per query head, [h] (bias
+    slope[h] * (j - i) in global positions); alibi_counted: where the bias's positions count a
+    padding mask's valid tokens (None: an arange); sinks: a graph value of one sink logit per
+    query head, [h], in every row's softmax denominator (Note [Attention sinks] in
+    runtime/ops.py)."""
 
     softcap: Optional[float] = None
     alibi_slopes: Optional[torch.fx.Node] = None
     alibi_counted: Optional[CountedPositions] = None
+    sinks: Optional[torch.fx.Node] = None
+
+    def any(self) -> bool:
+        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
 
     def spec(self) -> dict:
-        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name}
+        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name,
+                "sinks": None if self.sinks is None else self.sinks.name}
 
 
 @dataclass
 class LiftedMask:
-    """A mask understood structurally: allowed(b, i, j) = causal? (j <= i) and
-    window? (|i - j| < window) and key_valid[b, j]. `key_valid` is a bool [b, n] node."""
+    """A mask understood: allowed(b, h, i, j) = causal? (j <= i) and window? (|i - j| < window)
+    and key_valid[b, j] and fn(b, h, i, j). `key_valid` is a bool [b, n] node; `fn` a mask
+    function (runtime/maskfn.py, Note [Mask functions]) reading the whole-length tensors
+    `fn_inputs` (graph nodes), extracted from the graph (passes/extract_mask.py)."""
 
     causal: bool = False
     window: Optional[int] = None
     key_valid: Optional[torch.fx.Node] = None
+    fn: Any = None
+    fn_inputs: tuple = ()
 
     def spec(self) -> dict:
-        return {"causal": self.causal, "window": self.window,
-                "key_padding": None if self.key_valid is None else self.key_valid.name}
+        out = {"causal": self.causal, "window": self.window,
+               "key_padding": None if self.key_valid is None else self.key_valid.name}
+        if self.fn is not None:
+            out["function"] = self.fn.text.replace("\n", "; ")
+            out["function_inputs"] = [n.name for n in self.fn_inputs]
+        return out

@@ -153,6 +153,16 @@ def remove_dead(gm: torch.fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_any(n))
 
 
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether `node`'s result shares its first argument's storage (a view op)."""
+    return node.op in ("call_method", "call_function") and bool(node.args) and op_name(node) in _VIEW_NAMES
+
+
+def written_through(node: torch.fx.Node) -> bool:
+    """Whether some node writes `node`'s values in place, itself or through a view of it."""
+    return any(writes_in_place(u, a) for a in _aliases(node) for u in a.users)
+
+
 def written_between(node: torch.fx.Node, after: torch.fx.Node, before: torch.fx.Node) -> bool:
     """Whether some node strictly between `after` and `before` (graph order) writes `node` in
     place, itself or through a view of it: a value computed from it at `after` is then stale

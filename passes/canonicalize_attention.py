@@ -9,6 +9,7 @@ Forms, each recorded as a report.Site (its `form`) on the canonical node:
   in-projection, head split, SDPA and out-projection when its weights output is unused.
 - "encoder": torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fused
   inference path), decomposed into the layer's math around an SDPA.
+- "flex": a flex_attention call, recorded as a skipped site (kept as written).
 A candidate that cannot be canonicalised is recorded here as skipped, with its reason.
 
 Note [Manual attention match]
@@ -25,8 +26,9 @@ scores are viewed as [b, h, n, n] around the softmax and the probabilities back 
 (Bloom): then q / k / v are viewed as [b, h, n, d] the same way.
 Score modifiers SDPA cannot say are read too and kept in the site's ScoreMods (attention_form):
 a soft-cap c * tanh(s / c) of the scaled scores, with the mask after it (a mask inside the cap
-is a recorded skip), and an ALiBi bias (Note [ALiBi bias]). Such a site's canonical node is a
-shadow of the user's nodes (attention_form.REPLACES_META).
+is a recorded skip), and an ALiBi bias (Note [ALiBi bias]); so are attention sinks (Note [Sink
+column]). Such a site's canonical node is a shadow of the user's nodes
+(attention_form.REPLACES_META).
 A softmax that weights values with q.k scores in a form not read here is still recorded, as a
 skipped site with where the scores came from (`_scores_of_q_k`): no attention goes unreported.
 """
@@ -40,6 +42,7 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.fx
+import torch.nn.attention.flex_attention
 import torch.nn.functional as F
 
 from ringcc import _compat
@@ -72,6 +75,9 @@ def canonicalize_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassRe
             modified |= _canonicalise_mha(gm, node, ctx)
         elif node.op == "call_function" and node.target in ENCODER_TARGETS:
             modified |= _canonicalise_encoder(gm, node, ctx)
+        elif node.op == "call_function" and node.target in FLEX_TARGETS:
+            _skip_site(ctx, node, "flex", SkipReason.OTHER,
+                       "a flex_attention call; ringcc does not rewrite flex_attention sites: kept as dense attention")
     for node in gm.graph.nodes:
         if is_sdpa(node):
             _record_site(ctx, node, node.meta.setdefault(FORM_META, "sdpa"))
@@ -119,6 +125,9 @@ LINEAR_FUNCS = (F.linear, aten.linear.default, aten.addmm.default, aten.mm.defau
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
 CAST_FUNCS = (aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.contiguous.default)
 BADDBMM_FUNCS = (torch.baddbmm, aten.baddbmm.default)
+# flex_attention calls left as the Python function (dynamo's higher-order op is a site of
+# lift_masks, which reads its mask_mod as the site's mask function)
+FLEX_TARGETS = (torch.nn.attention.flex_attention.flex_attention,)
 ENCODER_TARGETS = tuple(t for t in (_compat.transformer_encoder_layer_fwd(),
                                     aten._transformer_encoder_layer_fwd.default) if t is not None)
 
@@ -326,7 +335,10 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         if plan.coef != 1.0:
             slopes = bb.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, slopes, plan.coef)
         m.mods.alibi_slopes, m.mods.alibi_counted = slopes, plan.counted
-    if m.mods.softcap is not None or m.mods.alibi_slopes is not None:
+    if isinstance(m.mods.sinks, _SinksPlan):
+        bb = Builder(gm, sdpa, PASS)
+        m.mods.sinks = bb.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, m.mods.sinks.node, [-1])
+    if m.mods.any():
         # the shadow of the user's nodes (attention_form.REPLACES_META): they stay for now
         sdpa.meta[MODS_META] = m.mods
         sdpa.meta[REPLACES_META] = (m.out, out)
@@ -366,12 +378,15 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
     if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or not isinstance(dim, int) or dim % xv.dim() != xv.dim() - 1:
         return None
     reused: list[str] = []
-    # forward: softmax -> casts / dropout (/ a view merging batch and heads) -> P @ v
-    p, dropout, merged, split = softmax, None, False, None
+    sink = _sink_of(x)  # Note [Sink column]
+    # forward: softmax -> casts / dropout (/ a view merging batch and heads) (/ the sink column's
+    # slice) -> P @ v
+    p, dropout, merged, split, sliced = softmax, None, False, None, sink is None
     while True:
         users = real_users(p)
         nxt = [u for u in users if _is_cast(u) or _is(u, DROPOUT_FUNCS, ("dropout",))
-               or (_is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p) or (not merged and _merges_heads(p, u))]
+               or (sliced and _is(u, MATMUL_FUNCS, MATMUL_METHODS) and u.args[0] is p)
+               or (not merged and _merges_heads(p, u)) or (not sliced and _drops_last_column(p, u))]
         if len(nxt) != 1:
             return None
         if len(users) > 1:
@@ -387,10 +402,15 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
             break
         elif _merges_heads(p, u):
             merged = True
+        elif _drops_last_column(p, u):
+            sliced = True
         p = u
     # backward: scores -> casts / scales / one mask / one soft-cap -> A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
     mods, mask_before_cap = ScoreMods(), False
+    if sink is not None:
+        s, mods.sinks = sink
+        x = s
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
@@ -546,6 +566,127 @@ def _counted_alibi_baddbmm(view: torch.fx.Node, split: tuple[int, int], a, bt, a
             and val.head.dim == 1 - nd and val.pos.coef != 0):
         return None
     return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef, val.pos.counted)
+
+
+# Note [Sink column]
+# Attention sinks (gpt-oss's eager attention) append one logit per head to every row of the
+# scores before the softmax and drop its column after it:
+#     combined = cat([scores, sinks.reshape(1, h, 1, 1).expand(b, h, n, 1)], -1)
+#     combined = combined - combined.max(-1, keepdim=True).values    (optional: a row shift)
+#     P = softmax(combined, -1)[..., :-1]
+# `_sink_of` reads the cat (through the shift, which the softmax ignores) and the appended column:
+# a broadcast (expands, views, casts) of a graph value of h numbers, one per head, in head
+# order; the forward walk then takes the slice that drops the column. The site's ScoreMods.sinks
+# are that value reshaped to [h] (Note [Attention sinks] in runtime/ops.py), and its canonical
+# node is a shadow of the user's nodes.
+
+
+def _sink_of(x: Any) -> Optional[tuple[torch.fx.Node, "_SinksPlan"]]:
+    """(scores, sinks) when the softmax input x is the scores with a sink column appended
+    (Note [Sink column])."""
+    if not isinstance(x, torch.fx.Node):
+        return None
+    shifted = _row_shifted(x)
+    if shifted is not None:
+        x = shifted
+    xv = fake(x)
+    if not _is(x, (torch.cat, torch.concat, aten.cat.default), ("cat",)) or not isinstance(xv, torch.Tensor) \
+            or xv.dim() != 4:
+        return None
+    parts = x.kwargs.get("tensors", x.args[0] if x.args else None)
+    dim = x.kwargs.get("dim", x.args[1] if len(x.args) > 1 else 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not isinstance(dim, int) or dim % 4 != 3:
+        return None
+    scores, col = parts
+    sv, cv = fake(scores), fake(col)
+    if not (isinstance(scores, torch.fx.Node) and isinstance(col, torch.fx.Node) and isinstance(sv, torch.Tensor)
+            and isinstance(cv, torch.Tensor) and cv.dim() == 4 and is_one(cv.shape[3])):
+        return None
+    heads = static_int(sv.shape[1])
+    if heads is None or not _reaches_matmul_or_mask(scores):
+        return None
+    node = col
+    while _is(node, (torch.Tensor.expand, aten.expand.default), ("expand", "expand_as")) or _is_cast(node):
+        node = node.args[0]
+    shape = fake(node).shape if isinstance(fake(node), torch.Tensor) else None
+    # what the expands broadcast: h values along the head dim (-3), ones elsewhere
+    if shape is None or len(shape) < 3 or static_int(shape[-3]) != heads or \
+            any(not is_one(d) for i, d in enumerate(shape) if i != len(shape) - 3):
+        return None
+    src = node
+    while _is(src, VIEW_FUNCS, VIEW_METHODS) or _is_cast(src):  # views keep the h values in order
+        src = src.args[0]
+    if not isinstance(src, torch.fx.Node) or not isinstance(fake(src), torch.Tensor) or fake(src).numel() != heads:
+        src = node
+    return scores, _SinksPlan(src)
+
+
+@dataclass(frozen=True)
+class _SinksPlan:
+    """The lifted sinks: reshape(node, [-1]), built by the canonicalisation."""
+
+    node: torch.fx.Node
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+def _reaches_matmul_or_mask(node: torch.fx.Node) -> bool:
+    """The scores of a sink cat: q.k scores, possibly masked."""
+    found = _mask_of(node)
+    return _reaches_matmul(found[0] if found is not None else node)
+
+
+def _row_shifted(x: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """y when x = y - max(y, -1, keepdim=True) (a shift per row, which a softmax ignores)."""
+    if not _is(x, SUB_FUNCS, ("sub", "__sub__")) or len(x.args) != 2 or x.kwargs:
+        return None
+    y, m = x.args
+    if not isinstance(m, torch.fx.Node):
+        return None
+    if m.op == "call_function" and ((m.target is operator.getitem and m.args[1:] == (0,))
+                                    or (m.target is getattr and m.args[1:] == ("values",))):
+        m = m.args[0]
+    elif not _is(m, (torch.amax, aten.amax.default), ("amax",)):
+        return None
+    if not _is(m, (torch.max, torch.amax, aten.max.dim, aten.amax.default), ("max", "amax")) or not m.args \
+            or m.args[0] is not y:
+        return None
+    dim = m.kwargs.get("dim", m.args[1] if len(m.args) > 1 else None)
+    keep = m.kwargs.get("keepdim", m.args[2] if len(m.args) > 2 else False)
+    yv = fake(y)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(yv, torch.Tensor) or not isinstance(dim, int) or dim % yv.dim() != yv.dim() - 1 or keep is not True:
+        return None
+    return y
+
+
+def _drops_last_column(p: torch.fx.Node, u: torch.fx.Node) -> bool:
+    """u = p[..., :-1]: p without its last column along the last dim."""
+    pv, uv = fake(p), fake(u)
+    if not isinstance(pv, torch.Tensor) or not isinstance(uv, torch.Tensor) or pv.dim() != uv.dim() \
+            or not same_shape(pv.shape[:-1], uv.shape[:-1]):
+        return False
+    if u.op == "call_function" and u.target is operator.getitem and u.args[0] is p:
+        idx = u.args[1]
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if not idx or not isinstance(idx[-1], slice):
+            return False
+        lead = idx[:-1]
+        if not (all(i is Ellipsis or i == slice(None) for i in lead)
+                and (Ellipsis in lead or len(idx) == pv.dim())):
+            return False
+        last = idx[-1]
+        return last.start in (None, 0) and last.step in (None, 1) and \
+            (last.stop == -1 or (static_int(last.stop) is not None and same_size(last.stop + 1, pv.shape[-1])))
+    if u.target is aten.slice.Tensor and u.args[0] is p:
+        args = list(u.args) + [None] * 4
+        dim, start, end, step = args[1], args[2], args[3], args[4] if args[4] is not None else 1
+        return isinstance(dim, int) and dim % pv.dim() == pv.dim() - 1 and start in (None, 0) and step == 1 and \
+            (end == -1 or (static_int(end) is not None and same_size(end + 1, pv.shape[-1])))
+    return False
 
 
 # Note [ALiBi bias]

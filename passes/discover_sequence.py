@@ -70,13 +70,46 @@ def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def handoff_gathers(gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
     """`ringcc::gather` of a graph input for this graph's group: what dynamo traces when a
-    SequenceSharded output of another ringcc graph is read here (Note [Sharded outputs])."""
+    SequenceSharded output of another ringcc graph is read here (Note [Sharded outputs]). Its
+    int arguments are the wrapper's attributes, which dynamo may trace as nodes
+    (`constant_ints` makes them ints first)."""
     return [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.gather.default
             and n.args[0].op == "placeholder" and tuple(n.args[2:4]) == (ctx.group_name, ctx.world_size)
             and ctx.world_size > 1]
 
 
+def constant_int(arg) -> int | None:
+    """The int that a graph argument stands for: an int, or a node whose value is an int or a
+    SymInt (specialized to its value: a guard, so the graph is reused only where it holds);
+    None for anything else."""
+    val = fake(arg) if isinstance(arg, torch.fx.Node) else arg
+    if isinstance(val, torch.SymInt):
+        return int(val)
+    return val if isinstance(val, int) and not isinstance(val, bool) else None
+
+
+def constant_ints(gm: torch.fx.GraphModule) -> bool:
+    """Replace the int arguments (dim, world size) of the graph's `ringcc::gather` nodes that
+    dynamo traced as nodes by their ints; whether any changed."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.ringcc.gather.default:
+            continue
+        for i in (1, 3):
+            arg = node.args[i]
+            if isinstance(arg, torch.fx.Node):
+                value = constant_int(arg)
+                if value is None:
+                    raise ValueError(f"ringcc: {node.format_node()} takes argument {i} from {arg.format_node()}, "
+                                     f"whose value {fake(arg)!r} is no int; a SequenceSharded value's dim and world "
+                                     "size are ints")
+                node.update_arg(i, value)
+                changed = True
+    return changed
+
+
 def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    modified = constant_ints(gm)
     sites = attention_nodes(gm)
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
     inputs = list(ctx.example_inputs) if len(ctx.example_inputs) == len(placeholders) else [None] * len(placeholders)
@@ -97,7 +130,7 @@ def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                              "at their marked dims; ringcc shards one sequence per graph")
         if not lengths:
             ctx.scratch.pop("seq", None)
-            return PassResult(False)
+            return PassResult(modified)
     n = lengths.pop()
     info = SeqInfo(n=n)
     for node, real in zip(placeholders, inputs):
@@ -110,7 +143,7 @@ def discover_sequence(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         elif dim is not None:
             info.sources[node.name] = dim
     ctx.scratch["seq"] = info
-    return PassResult(False)
+    return PassResult(modified)
 
 
 def _input_dim(node, val, real, n, ctx) -> int | list[int] | None:

@@ -5,8 +5,11 @@ A site's mask is read by a small abstract interpreter (Note [Mask lifting]) into
     allowed(b, i, j) = [j <= i] and [|i - j| < window] and key_valid[b, j]
 
 stored as attention_form.LiftedMask in the SDPA node's meta and as a dict in the report.
-The graph keeps the dense mask until the rewrite pass drops it, so a site that is skipped
-later still runs as written. A mask this pass cannot read is UNLIFTABLE_MASK, with why.
+A mask that is not of that form is read as a function of (b, h, q_idx, kv_idx) instead
+(extract_mask.py, Note [Mask extraction]), and a flex_attention call becomes a site whose mask
+is its mask_mod (`_flex_site`). The graph keeps the dense mask until the rewrite pass drops it,
+so a site that is skipped later still runs as written. A mask this pass cannot read is
+UNLIFTABLE_MASK, with why.
 
 K/V repeated for GQA before the call (repeat_interleave(x, r, dim=1), or HF's
 x[:, :, None].expand(b, g, r, n, d).reshape(b, g * r, n, d); both put head h on kv head
@@ -45,9 +48,10 @@ import torch.fx
 from ringcc.report import SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 
-from .attention_form import (MASK_META, MODS_META, SITE_META, SKIP_META, Builder, CountedPositions, LiftedMask,
-                             SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, same_shape, same_size,
-                             static_float, static_int)
+from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, CountedPositions,
+                             LiftedMask, SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, same_shape,
+                             same_size, static_float, static_int)
+from . import extract_mask
 from .base import PassContext, PassResult, written_between
 
 PASS = "lift_masks"
@@ -58,9 +62,14 @@ VERY_NEGATIVE = -1e4
 
 def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modified = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is FLEX_HOP:
+            modified |= _flex_site(gm, node, ctx)
     key_nodes: dict = {}  # one key_valid node per padding mask, shared by every layer
     for node in list(gm.graph.nodes):
         if not is_sdpa(node) or SITE_META not in node.meta:
+            continue
+        if FLEX_META in node.meta:  # its mask is the flex site's own (_flex_site)
             continue
         modified |= _undo_gqa_repeat(gm, node)
         call = SdpaCall.of(node)
@@ -75,6 +84,8 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 lifted = (SkipReason.OTHER, _not_counted(counted, "the site has no key padding"))
         else:
             lifted = _lift(gm, node, call, key_nodes, counted)
+            if isinstance(lifted, str) and counted is None:
+                lifted = _extract(node, call, lifted)
         if isinstance(lifted, str):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, lifted)
             continue
@@ -86,6 +97,70 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if MODS_META in node.meta:
             site.mask.update(node.meta[MODS_META].spec())
     return PassResult(modified)
+
+
+# ---------------------------------------------------------------------------------------
+# flex_attention sites
+
+FLEX_HOP = torch.ops.higher_order.flex_attention
+FLEX_META = "ringcc_flex"
+
+
+def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) -> bool:
+    """A flex_attention call (dynamo's higher-order op) is a site whose mask is its mask_mod, a
+    subgraph (Note [Mask extraction] in extract_mask.py). It gets a canonical SDPA node that is a
+    shadow of the call (attention_form.REPLACES_META): the rewrite replaces the call's output by
+    the ring op's; a skipped site keeps the call. Only the output is read (not the LSE), with
+    flex's default score_mod."""
+    from ringcc.report import Decision, Site
+
+    from .base import location
+
+    q, k, v, score_mod, block_mask, scale = node.args[:6]
+    mask_buffers = tuple(node.args[8]) if len(node.args) > 8 else ()
+    outs = [u for u in node.users]
+    site = Site(node=node.name, location=location(node), form="flex")
+    ctx.report.sites.append(site)
+
+    def skip(reason, detail):
+        site.decision, site.reason, site.detail = Decision.SKIPPED, reason, detail
+        return False
+
+    if any(u.target is not operator.getitem or u.args[1] != 0 for u in outs) or len(outs) != 1:
+        return skip(SkipReason.WEIGHTS_USED, "the flex_attention call's LSE (or max scores) is read")
+    if not _identity_score_mod(getattr(gm, score_mod.target)):
+        return skip(SkipReason.UNSUPPORTED_MASK, "a flex_attention score_mod (only mask_mod is read as a function)")
+    qv, kv = fake(q), fake(k)
+    try:
+        got = extract_mask.extract_mask_mod(getattr(gm, block_mask[-1].target), mask_buffers,
+                                            (qv.shape[-2], kv.shape[-2]))
+    except extract_mask.Unextractable as e:
+        return skip(SkipReason.UNLIFTABLE_MASK, f"flex_attention mask_mod: {e}")
+    if len(got.inputs) > _ring_ops.MASK_TENSORS:
+        return skip(SkipReason.UNLIFTABLE_MASK, f"the mask_mod reads {len(got.inputs)} tensors; the ring op takes "
+                    f"at most {_ring_ops.MASK_TENSORS}")
+    out = outs[0]
+    b = Builder(gm, out, PASS)
+    call = SdpaCall(q, k, v, None, 0.0, got.causal, scale, enable_gqa=not same_size(qv.shape[1], kv.shape[1]))
+    sdpa = b.sdpa(call, "flex")
+    ctx.report.sites.remove(site)
+    site.node = sdpa.name
+    sdpa.meta[SITE_META] = site
+    ctx.report.sites.append(site)
+    sdpa.meta[FLEX_META] = True
+    sdpa.meta[REPLACES_META] = (out, sdpa)
+    lifted = LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
+    sdpa.meta[MASK_META] = lifted
+    site.mask = lifted.spec()
+    return True
+
+
+def _identity_score_mod(score_mod: torch.fx.GraphModule) -> bool:
+    holders = [n for n in score_mod.graph.nodes if n.op == "placeholder"]
+    (ret,) = [n for n in score_mod.graph.nodes if n.op == "output"]
+    res = ret.args[0]
+    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+    return bool(holders) and res is holders[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,6 +375,22 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
     elif counted is not None:
         return SkipReason.OTHER, _not_counted(counted, "the site has no key padding")
     return lifted
+
+
+def _extract(sdpa: torch.fx.Node, call: SdpaCall, why_not_lifted: str) -> Union[LiftedMask, str]:
+    """The site's mask as a function (Note [Mask extraction] in extract_mask.py), for a mask
+    the structured spec does not say; or why not."""
+    qv, kv = fake(call.q), fake(call.k)
+    if qv.dim() != 4 or kv.dim() != 4:
+        return why_not_lifted
+    try:
+        got = extract_mask.extract(call.attn_mask, (qv.shape[-2], kv.shape[-2]), bool(call.is_causal))
+    except extract_mask.Unextractable as e:
+        return str(e)
+    if len(got.inputs) > _ring_ops.MASK_TENSORS:
+        return (f"the mask function reads {len(got.inputs)} per-token tensors "
+                f"({', '.join(n.name for n in got.inputs)}); the ring op takes at most {_ring_ops.MASK_TENSORS}")
+    return LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
 
 
 def _not_counted(counted: CountedPositions, why: str) -> str:

@@ -7,9 +7,12 @@ An accepted site becomes
     out = op[0]            # op[1] is the LSE
 
 (window, a lifted sliding window |i - j| < window, is passed only when there is one; so are
-the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py).
+the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py,
+and attention sinks, sinks=, Note [Attention sinks] in runtime/ops.py).
 
-with k/v carrying their own (GQA) heads. The layout is resolved once per graph from
+with k/v carrying their own (GQA) heads. Under autocast q, k and v reach the op through the
+casts SDPA's autocast policy gives them at that site (`q.to(torch.bfloat16)`, ...: Note
+[Attention under autocast] in runtime/amp.py), so the op returns what SDPA returned. The layout is resolved once per graph from
 Config.layout ("auto": zigzag when p > 1 and every rewritten site is causal) and stored in
 ctx.scratch["layout"]; the op nodes go to ctx.scratch["attention_nodes"]. Every site gets
 its decision in the report; Config(strict=True) turns a skip into an error.
@@ -17,6 +20,7 @@ its decision in the report; Config(strict=True) turns a skip into an error.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
@@ -26,10 +30,11 @@ import torch.fx
 from ringcc import _compat
 from ringcc.report import Decision, SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
+from ringcc.runtime.amp import AUTOCAST_DEVICES, cast_dtype
 from ringcc.runtime.dilated import DilatedSpec, dilated_plan
 
 from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, SdpaCall,
-                             erase_dead, fake, is_aten_graph, is_sdpa, same_shape, same_size, static_float,
+                             autocast_states, erase_dead, fake, is_aten_graph, is_sdpa, same_shape, same_size, static_float,
                              static_int)
 from .base import PassContext, PassResult
 
@@ -37,15 +42,17 @@ PASS = "rewrite_attention"
 RING_OP = torch.ops.ringcc.ring_attention.default
 DILATED_OP = torch.ops.ringcc.dilated_attention.default
 DILATION_META = "ringcc_dilation"
+AUTOCAST_META = "ringcc_autocast"  # the dtype autocast casts the site's q/k/v to (absent: autocast off)
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     accepted = []
+    autocast = autocast_states(gm)
     for node in list(gm.graph.nodes):
         if not is_sdpa(node) or SITE_META not in node.meta:
             continue
         site = node.meta[SITE_META]
-        skip = node.meta.get(SKIP_META) or _check(node, ctx)
+        skip = node.meta.get(SKIP_META) or _check(node, ctx, autocast[node])
         if skip is not None:
             site.decision, (site.reason, site.detail) = Decision.SKIPPED, skip
             if REPLACES_META in node.meta:  # the user's nodes stay; their shadow goes
@@ -54,7 +61,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
                 # with its key mask when nothing else reads it: a one_run_keys check (Note
                 # [Counted positions]) guards only the sites it feeds
                 lifted = node.meta.get(MASK_META)
-                erase_dead(gm, [canonical_out, node.meta[MODS_META].alibi_slopes, lifted and lifted.key_valid])
+                mods = node.meta.get(MODS_META)
+                erase_dead(gm, [canonical_out, mods and mods.alibi_slopes, mods and mods.sinks,
+                                lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -65,8 +74,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(bool(accepted))
 
 
-def _check(node: torch.fx.Node, ctx: PassContext):
-    """(reason, detail) when the site cannot become the ring op, else None."""
+def _check(node: torch.fx.Node, ctx: PassContext, autocast: dict):
+    """(reason, detail) when the site cannot become the ring op, else None. `autocast`: the
+    autocast state at the site (attention_form.autocast_states)."""
     call = SdpaCall.of(node)
     lifted = node.meta.get(MASK_META)
     if lifted is None:
@@ -84,18 +94,37 @@ def _check(node: torch.fx.Node, ctx: PassContext):
         return SkipReason.SHAPE, f"q/k/v must be 4-D [b, h, n, d]; got {shapes}"
     if not same_size(q.shape[2], k.shape[2]):
         return SkipReason.CROSS_ATTENTION, f"query length {q.shape[2]} != key length {k.shape[2]}"
-    if not same_shape(k.shape, v.shape) or not same_size(q.shape[0], k.shape[0]) or not same_size(q.shape[3], k.shape[3]):
-        return SkipReason.SHAPE, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [b,h,n,d]/[b,g,n,d]"
+    if not same_shape(k.shape[:3], v.shape[:3]) or not same_size(q.shape[0], k.shape[0]) \
+            or not same_size(q.shape[3], k.shape[3]):
+        return SkipReason.SHAPE, (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                                  "[b,h,n,d]/[b,g,n,d]/[b,g,n,dv]")
     h, g = static_int(q.shape[1]), static_int(k.shape[1])
     if h is None or g is None or h % g or (h != g and not call.enable_gqa):
         return SkipReason.SHAPE, f"heads q={q.shape[1]} kv={k.shape[1]} (enable_gqa={call.enable_gqa})"
-    if not (q.dtype == k.dtype == v.dtype):
-        return SkipReason.SHAPE, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}"
+    dtypes_skip = _check_dtypes(node, q, k, v, autocast.get(q.device.type))
+    if dtypes_skip is not None:
+        return dtypes_skip
     if call.scale is None and static_int(q.shape[3]) is None:
         return SkipReason.SHAPE, "symbolic head dim with default scale"
     if call.scale is not None and static_float(call.scale) is None and not _symbolic_float(call.scale):
         return SkipReason.SHAPE, f"scale is not a constant ({call.scale!r})"
     return _choose_dilation(node, ctx, lifted, q, k)
+
+
+def _check_dtypes(node: torch.fx.Node, q, k, v, to):
+    """The site's q/k/v after SDPA's autocast casts (to `to`; None: autocast off) must share one
+    dtype, the one the traced attention returned. Stores `to` in meta for the rewrite."""
+    after = [cast_dtype(t.dtype, to) for t in (q, k, v)]
+    under = f"under autocast to {to}" if to is not None else "without autocast"
+    if len(set(after)) > 1:
+        return SkipReason.SHAPE, f"q/k/v dtypes differ {under}: {', '.join(str(d) for d in after)}"
+    out = fake(node)
+    if isinstance(out, torch.Tensor) and out.dtype != after[0]:
+        return SkipReason.SHAPE, (f"the traced attention returns {out.dtype}, but SDPA's autocast policy gives "
+                                  f"{after[0]} for q/k/v of {q.dtype}, {k.dtype}, {v.dtype} {under}")
+    if to is not None:
+        node.meta[AUTOCAST_META] = to
+    return None
 
 
 def _choose_dilation(node, ctx: PassContext, lifted, q, k):
@@ -107,9 +136,13 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
     if MODS_META in node.meta:
-        return SkipReason.UNSUPPORTED_MASK, "score modifiers (soft-cap, ALiBi) with dilation: the dilated op takes none"
-    if lifted.key_valid is not None or lifted.window is not None:
-        what = "key padding" if lifted.key_valid is not None else "a sliding window"
+        return SkipReason.UNSUPPORTED_MASK, ("score modifiers (soft-cap, ALiBi) or sinks with dilation: the dilated op "
+                                             "takes none")
+    if not same_size(q.shape[3], fake(SdpaCall.of(node).v).shape[3]):
+        return SkipReason.SHAPE, "a value head dim of its own with dilation: the dilated op takes v with q's head dim"
+    if lifted.key_valid is not None or lifted.window is not None or lifted.fn is not None:
+        what = "key padding" if lifted.key_valid is not None else "a sliding window" if lifted.window is not None \
+            else "a mask function"
         return SkipReason.UNSUPPORTED_MASK, f"{what} with dilation: the dilated op takes no such mask"
     n, world = static_int(q.shape[2]), ctx.world_size
     if n is None:
@@ -151,28 +184,49 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     scale = (1.0 / math.sqrt(fake(call.q).shape[-1])) if call.scale is None else \
         call.scale if _symbolic_float(call.scale) else float(call.scale)
     b = Builder(gm, node, PASS)
+    q, k, v = (_autocast_cast(b, x, node.meta.get(AUTOCAST_META)) for x in (call.q, call.k, call.v))
     spec = node.meta.get(DILATION_META)
+    # the inputs carry the autocast casts already: the op's fake value must not cast again (its
+    # autocast kernel would, wherever the trace's state is on outside an autocast-off region)
+    below = _compat.below_autocast(fake(q).device.type) if fake(q).device.type in AUTOCAST_DEVICES \
+        else contextlib.nullcontext()
     if spec is None:
         window = () if lifted.window is None else (lifted.window,)  # the op's 10th argument, default 0
         mods = node.meta.get(MODS_META)
-        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap),
-                                                             ("alibi_slopes", mods.alibi_slopes)) if v is not None}
-        op = b.call(RING_OP, call.q, call.k, call.v, lifted.key_valid, lifted.causal, scale,
-                    ctx.group_name, ctx.world_size, layout, *window, **extra)
+        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi_slopes),
+                                                             ("sinks", mods.sinks)) if v is not None}
+        if lifted.fn is not None:  # Note [Mask functions] in runtime/maskfn.py
+            extra.update(mask_fn=lifted.fn.text, **{f"mask_t{i}": t for i, t in enumerate(lifted.fn_inputs)})
+        with below:
+            op = b.call(RING_OP, q, k, v, lifted.key_valid, lifted.causal, scale,
+                        ctx.group_name, ctx.world_size, layout, *window, **extra)
     else:
-        op = b.call(DILATED_OP, call.q, call.k, call.v, list(spec.segment_lengths), list(spec.dilation_rates),
-                    spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
+        with below:
+            op = b.call(DILATED_OP, q, k, v, list(spec.segment_lengths), list(spec.dilation_rates),
+                        spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
     out = _same_layout(b, b.call(operator.getitem, op, 0), fake(node), is_aten_graph(gm))
     node.replace_all_uses_with(out)
     site = node.meta[SITE_META]
-    site.decision, site.reason, site.detail = Decision.REWRITTEN, None, ""
+    to = node.meta.get(AUTOCAST_META)
+    site.decision, site.reason, site.detail = Decision.REWRITTEN, None, "" if to is None else f"autocast: q/k/v in {to}"
     site.node = op.name
     erase_dead(gm, [node])
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
         user_out, canonical_out = node.meta[REPLACES_META]
         user_out.replace_all_uses_with(out if canonical_out is node else canonical_out)
+        call = user_out.args[0] if user_out.target is operator.getitem else None
         erase_dead(gm, [user_out])
+        if (call is not None and call.target is torch.ops.higher_order.flex_attention and not call.users
+                and call in set(gm.graph.nodes)):
+            gm.graph.erase_node(call)  # a flex_attention site's call (passes/lift_masks.py: _flex_site)
     return op
+
+
+def _autocast_cast(b: Builder, x: torch.fx.Node, to) -> torch.fx.Node:
+    """`x` as SDPA's autocast cast to `to` (None: autocast off) gives it: `x.to(to)` where that
+    changes its dtype."""
+    dtype = fake(x).dtype
+    return x if cast_dtype(dtype, to) == dtype else b.method("to", x, to)
 
 
 def _same_layout(b: Builder, out: torch.fx.Node, like, aten: bool) -> torch.fx.Node:

@@ -56,8 +56,8 @@ from ringcc import _compat
 from ringcc.report import Gather
 from ringcc.runtime import layout as L
 
-from .base import (PassContext, PassResult, attr_value, location, op_name, remove_dead, tag, writes_in_place,
-                   written_between)
+from .base import (PassContext, PassResult, attr_value, is_view, location, op_name, remove_dead, tag,
+                   writes_in_place, written_between, written_through)
 from .canonicalize_attention import MATMUL_FUNCS, MATMUL_METHODS
 from .discover_sequence import attention_nodes, expr, fake, handoff_gathers
 
@@ -340,7 +340,11 @@ class Sharder:
         return x
 
     def localize(self, node: torch.fx.Node, arg: torch.fx.Node, st: Seq, window: Seq | None, pad_value=0):
-        """Replace replicated input `arg` of `node` by its shard."""
+        """Replace replicated input `arg` of `node` by its shard. A node that writes `arg` in
+        place runs on the replicated value instead: a write into the shard, a copy, would not
+        reach `arg` and the values that share its storage."""
+        if writes_in_place(node, arg):
+            raise Fallback("writes a replicated value in place")
         node.replace_input_with(arg, self.shard(arg, st, window, pad_value))
 
     def seq_of_size(self, val: torch.Tensor, along: int | None = None) -> State:
@@ -444,16 +448,19 @@ class Sharder:
 
     def _fallback(self, node: torch.fx.Node, why: str):
         """Run `node` on full values: gather its sharded inputs. A node that writes a gathered
-        input in place (`x[i] = v`) writes the gathered copy: the later readers of the shard
-        read that copy instead."""
+        input in place (`x[i] = v`), itself or through a view it makes of it (`x[:, i] += v`),
+        writes the gathered copy: the later readers of the shard read that copy instead."""
+        gathered = [(a, self.state[a]) for a in node.all_input_nodes
+                    if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
             if isinstance(st, Partial):
                 node.replace_input_with(a, self.materialize(a))
             elif isinstance(st, Seq) and st.sharded:
+                gathered.append((a, st))
                 full = self.gather(a, st, why)
                 node.replace_input_with(a, full)
-                if writes_in_place(node, full):
+                if writes_in_place(node, full) or (is_view(node) and node.args[0] is full and written_through(node)):
                     full.meta.setdefault("example_value", fake(a))  # the rules read global shapes
                     later, cur = set(), node.next
                     while cur.op != "root":
@@ -467,7 +474,20 @@ class Sharder:
                     raise _Unclosed(f"{a.name} is in a rank-local order ({why})")
                 raise ValueError(f"ringcc cannot run {node.format_node()} on a sharded tuple ({why})")
         val = fake(node)
-        return self.seq_of_size(val) if isinstance(val, torch.Tensor) else None
+        if isinstance(val, (tuple, list)):  # (values, indices) of cummax, sort, ...
+            return tuple(self._gathered_state(v, gathered) if isinstance(v, torch.Tensor) else None for v in val)
+        return self._gathered_state(val, gathered) if isinstance(val, torch.Tensor) else None
+
+    def _gathered_state(self, val: torch.Tensor, gathered: list[tuple[torch.fx.Node, Seq]]) -> State:
+        """The replicated state of an op run on full inputs: the sequence dim of a full
+        (gathered or replicated) input that the output keeps at the same place and size (an op
+        over [b*n, E] rows that keeps the b*n rows), else the output's one dim of size n. A
+        full-length value left without a state would read as a table without a sequence (a
+        weight), whose rows a shard's own indices would then pick from all n tokens."""
+        for a, st in gathered:
+            if st.dim < val.dim() and _eq(val.shape[st.dim], fake(a).shape[st.dim]):
+                return replace(st, sharded=False, start=sympy.Integer(0), index=None)
+        return self.seq_of_size(val)
 
     def _outputs(self, node: torch.fx.Node) -> None:
         """Sharded outputs leave the graph as shards, each with its window in
@@ -580,11 +600,11 @@ def _elementwise(w: Sharder, node: torch.fx.Node, tensors: list[torch.fx.Node], 
     win = window if window is not None else Seq(d, ref.length, ref.outer, sharded=True)
     for a in tensors:
         st = seqs.get(a)
-        if st is not None and a in dims and not st.sharded:
-            if dims[a] != d:
-                continue  # a replicated value whose long dim lines up with a feature dim: not tokens
+        if st is not None and a in dims and not st.sharded and dims[a] == d:
             w.localize(node, a, st, win if window is not None else None, pad_value)
-        elif st is None:
+        elif st is None or (a in dims and not st.sharded):
+            # no sequence state, or a replicated one at another dim (a guess from sizes: a
+            # feature dim equal to n): what lines up with the shard's dim is sliced like it
             _meet(w, node, a, d, out_nd, win, pad_value)
     return Seq(d, win.length, win.outer, win.start, sharded=True)
 
@@ -633,10 +653,54 @@ def pointwise(cheap: bool):
         # costing 4n bytes on every rank.
         # Likewise a floating-point value changing dtype (x.float() on bf16 activations) or
         # cloned: a new full-length tensor on every rank, so it is sliced first.
-        is_cheap = not fake(node).is_floating_point() or (
+        is_cheap = not _is_float(fake(node)) or (
             cheap and not _newly_float(node, tensors) and not _float_copy(node, tensors))
         return _elementwise(w, node, tensors, is_cheap)
     return fn
+
+
+def _is_float(t) -> bool:
+    """Floating point or complex (Llama 4's rotary): per-token values, never cheap."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def new_factory_rule(w: Sharder, node):
+    """x.new_empty(sizes) (new_zeros, new_ones, new_full) with x's sequence length at x's
+    sequence dim (DeepSeek-V3's key states, filled by copies into slices): the same factory at
+    the rank's rows."""
+    x, out = node.args[0], fake(node)
+    st = w.state[x]
+    if not st.sharded:
+        return w.seq_of_size(out)
+    if not (w.full(st) and _eq(st.outer, 1) and st.order is None and out.dim() > st.dim
+            and _eq(expr(out.shape[st.dim]), expr(fake(x).shape[st.dim]))):
+        raise Fallback("a new tensor whose sequence dim is not its source's")
+    args = list(node.args)
+    sized = len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size))
+    sizes = list(args[1]) if sized else args[1:1 + out.dim()]
+    if len(sizes) != out.dim():
+        raise Fallback("unexpected size list")
+    sizes[st.dim] = int(w.N) // w.p if w.N.is_Integer else w.new(operator.floordiv, w.size(w.N), w.p)
+    node.args = (x, tuple(sizes), *args[2:]) if sized else (x, *sizes, *args[1 + out.dim():])
+    return Seq(st.dim, st.length, sharded=True)
+
+
+def copy_rule(w: Sharder, node):
+    """dst.copy_(src): elementwise into dst, which must be a shard (a write into a slice of a
+    replicated value would land in a copy)."""
+    st = w.state.get(node.args[0])
+    if not (isinstance(st, Seq) and st.sharded):
+        raise Fallback("copies a shard into a value that is not one")
+    return _elementwise(w, node, [a for a in node.all_input_nodes if _is_tensor_node(a)], False)
+
+
+def complex_view_rule(w: Sharder, node):
+    """view_as_complex / view_as_real: the trailing pair of reals <-> one complex number; the
+    sequence dim, never that pair, keeps its index."""
+    st = w.state[node.args[0]]
+    if st.dim >= fake(node).dim():
+        raise Fallback("the sequence dim is the real/imaginary pair")
+    return st
 
 
 def _float_copy(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> bool:
@@ -858,7 +922,12 @@ def repeat_rule(w: Sharder, node):
     st = w.state[x]
     sizes, _ = _sizes_arg(node)
     d = st.dim + len(sizes) - fake(x).dim()
-    if not (isinstance(sizes[d], int) and sizes[d] == 1):
+    r = sizes[d]
+    if isinstance(r, int) and r > 1 and st.order is None and (not st.sharded or w.full(st)):
+        # r tiles of the whole sequence, (tile, outer, token) along d: one more batch-like dim in
+        # front of the tokens (Llama 4's experts each read every token)
+        return replace(st.at(d), outer=st.outer * r)
+    if not (isinstance(r, int) and r == 1):
         raise Fallback("repeats along the sequence")
     return st.at(d)
 
@@ -1029,15 +1098,16 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
         if i == slice(None):  # the whole dim (routing's top_i[:, 0]): its rows stay
             return st.at(out_d)
         raise Fallback("indexes a dim that merges batch and sequence")
+    if st.sharded and (isinstance(i, int) or (isinstance(i, slice) and i != slice(None))) and written_through(node):
+        # Note [Windows written in place]
+        raise Fallback("a view of part of the sequence written in place")
     if isinstance(i, int):
         if not st.sharded:
             return None
         if not st.length.is_Integer and (i < 0 or not _zero(st.start)):
             raise Fallback("selects a token counted from the end of a symbolic length")
-        token = st.start + (i % st.length if st.length.is_Integer else i)  # a global row
         # pick the token first (one row, replicated), then apply the rest of the index to it
-        sel = w.new(SELECT, x, st.dim, int(token), *w.comm)
-        w.state[sel] = None
+        sel = _select_token(w, x, st, i % st.length if st.length.is_Integer else i, keepdim=False)
         node.args = (sel, tuple(r for k, r in enumerate(expanded) if k != pos))
         w.decisions.append(f"{node.name}: select token {i}")
         return None
@@ -1052,8 +1122,42 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
         raise Fallback("symbolic slice bounds on the sequence")
     new_index = list(expanded)
     new_index[pos] = slice(None)
+    if _eq(hi - lo, 1):  # Note [Windows written in place]
+# A slice of a shard keeps every row of the shard and narrows the window (Note [Sequence
+# state]); the rows outside the window are rows of other tokens of the same storage. A write
+# through that view (`h[:, a:b] += 1`, `h.narrow(1, a, k).mul_(2)`) would write them too, and a
+# selected token (ringcc::seq_select) is a copy that a write would not reach `h` through. So a
+# view of part of the sequence that is written in place is taken from the gathered value, and
+# the later readers of the shard read the gathered value, written (Sharder._fallback).
+
+
+# Note [One-token windows]
+        node.args = (_select_token(w, x, st, lo, keepdim=True), tuple(new_index))
+        w.decisions.append(f"{node.name}: select token {lo}")
+        return None
     node.args = (x, tuple(new_index))
     return Seq(out_d, hi - lo, st.outer, st.start + lo, sharded=True)
+
+
+# Note [One-token windows]
+# A slice or narrow of a shard that keeps one token (`h[:, k:k + 1]`, `h.narrow(1, k, 1)`) has
+# global size 1 along the sequence, which every rule reads as a broadcast, while a window of
+# the shard would still hold n/p rows: `h * h[:, k:k + 1]` would multiply row by row. The token
+# is selected instead (ringcc::seq_select, replicated) with its dim kept: an ordinary value of
+# size 1 there, which broadcasts as in eager.
+
+
+def _select_token(w: Sharder, x: torch.fx.Node, st: Seq, i, keepdim: bool) -> torch.fx.Node:
+    """Token i of the window of sharded x, replicated on every rank (its dim kept or dropped)."""
+    token = sympy.sympify(st.start + i)  # a global row
+    if not token.is_Integer:
+        raise Fallback("selects a token at a symbolic position")
+    sel = w.new(SELECT, x, st.dim, int(token), *w.comm)
+    w.state[sel] = None
+    if keepdim:
+        sel = w.new("unsqueeze", sel, st.dim, method=True)
+        w.state[sel] = None
+    return sel
 
 
 def _slice_bounds(s: slice, length: sympy.Expr):
@@ -1084,6 +1188,12 @@ def narrow_rule(w: Sharder, node):
     start, length = _arg(node, 2, "start"), _arg(node, 3, "length")
     if not (isinstance(start, int) and _eq(st.outer, 1)):
         raise Fallback("narrows the sequence at a symbolic start")
+    if written_through(node):  # Note [Windows written in place]
+        raise Fallback("a view of part of the sequence written in place")
+    if isinstance(length, int) and length == 1:  # Note [One-token windows]
+        node.replace_all_uses_with(_select_token(w, x, st, start % st.length if start < 0 else start, keepdim=True))
+        w.decisions.append(f"{node.name}: select token {start}")
+        return None
     node.replace_all_uses_with(x)
     return Seq(d, expr(length) if not isinstance(length, torch.fx.Node) else expr(fake(length)), st.outer,
                st.start + start, sharded=True)
@@ -1345,6 +1455,16 @@ def attention_rule(w: Sharder, node):
         key_valid = w.new(torch.ones, (w.size(fake(q).shape[0]), w.size(w.n)), dtype=torch.bool)
         w.state[key_valid] = Seq(1, w.n)
         _set_arg(node, spec["key_valid"], "key_valid", key_valid)
+    for t in (node.kwargs.get(f"mask_t{i}") for i in range(4)):
+        if t is None:
+            continue
+        # Note [Mask functions] in runtime/maskfn.py: read whole at global positions, replicated
+        st = w.state.get(t)
+        if isinstance(st, Seq) and st.sharded:
+            raise Fallback(f"mask function input {t.name} computed on shards")
+        if padded:
+            raise ValueError(f"attention site {node.name} at {location(node)}: its mask is a function of per-token "
+                             "values, which Config(pad=True) does not pad; use a length divisible by the layout")
     if key_valid is not None:
         st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
         if st.sharded:
@@ -1357,6 +1477,35 @@ def attention_rule(w: Sharder, node):
     w.decisions.append(f"{node.name}: {op_name(node)} {w.layout}")
     seq = Seq(2, w.n, sharded=True)
     return (seq, seq)
+
+
+def index_along_rule(w: Sharder, node):
+    """gather / scatter / scatter_add along a dim other than the sequence, with the index (and
+    a source tensor) holding the same tokens as the input at the same dim: each token's row
+    reads or writes its own row only (a router's `scores.gather(1, topk_idx)`,
+    `mask.scatter_(1, group_idx, 1)`): token-local. A write in place into a replicated value
+    with a sharded index is run on full values: a shard of it would take the write away from
+    its later readers."""
+    x, index = node.args[0], _arg(node, 2, "index")
+    src = _arg(node, 3, "src")
+    tensors = [a for a in (x, index, src) if _is_tensor_node(a)]
+    nd = fake(x).dim()
+    dim = _norm_dim(_arg(node, 1, "dim"), nd)
+    seqs = [w.state.get(a) for a in tensors]
+    dims = {st.dim for st in seqs if isinstance(st, Seq)}
+    if len(dims) != 1 or any(fake(a).dim() != nd for a in tensors):
+        raise Fallback("sequence dims of the input and its index disagree")
+    d = dims.pop()
+    if d == dim:
+        raise Fallback("indexes along the sequence")
+    if any(not _eq(fake(a).shape[d], fake(x).shape[d]) for a in tensors):
+        raise Fallback("the index holds other tokens than the input")
+    st_x = w.state.get(x)
+    in_place = writes_in_place(node, x)
+    if in_place and not (isinstance(st_x, Seq) and st_x.sharded) and \
+            any(isinstance(st, Seq) and st.sharded for st in seqs):
+        raise Fallback("writes a replicated value in place at sharded indices")
+    return _elementwise(w, node, tensors, cheap=in_place or not fake(node).is_floating_point())
 
 
 def one_run_keys_rule(w: Sharder, node):
@@ -1392,7 +1541,7 @@ _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "p
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp")
+       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp", "floor", "ceil", "round", "trunc")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
@@ -1423,6 +1572,12 @@ RULES: dict[str, Rule] = {
     "repeat": Rule(repeat_rule, unary=True),
     "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
     "cumsum": Rule(cumsum_rule, unary=True),
+    "copy_": Rule(copy_rule),
+    **{name: Rule(new_factory_rule, creates=True) for name in ("new_empty", "new_zeros", "new_ones", "new_full")},
+    # complex rotary (Llama 4): views between reals and complex numbers, polar coordinates
+    "view_as_complex": Rule(complex_view_rule, unary=True),
+    "view_as_real": Rule(complex_view_rule, unary=True),
+    "polar": Rule(pointwise(cheap=False)),
     "transpose": Rule(transpose_rule, unary=True),
     "swapaxes": Rule(transpose_rule, unary=True),
     "t": Rule(t_rule, unary=True),
@@ -1446,6 +1601,8 @@ RULES: dict[str, Rule] = {
     "mean": Rule(reduce_rule, unary=True),
     "logsumexp": Rule(reduce_rule, unary=True),  # token-local over a feature dim (a chunked loss)
     "cross_entropy": Rule(cross_entropy_rule),
+    # per-token indexing along a feature dim (routers)
+    **{name: Rule(index_along_rule) for name in ("gather", "scatter", "scatter_", "scatter_add", "scatter_add_")},
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),
@@ -1657,6 +1814,16 @@ def rows_getitem(w: Sharder, node):
         return w.state[x][index]
     if isinstance(index, tuple) and len(index) == 1:
         index = index[0]
+    st = w.state.get(x)
+    items = index if isinstance(index, tuple) else (index,)
+    if isinstance(st, Seq) and all(i is Ellipsis or isinstance(i, slice) for i in items):
+        # features sliced, rows untouched (gpt-oss's gate_up[..., ::2]): the rows keep their state
+        nd, cut = fake(x).dim(), items.index(Ellipsis) if Ellipsis in items else len(items)
+        tail = len(items) - cut - 1  # items after the Ellipsis index the last dims
+        at_rows = items[st.dim] if st.dim < cut else \
+            items[st.dim - nd] if Ellipsis in items and st.dim >= nd - tail else slice(None)
+        if at_rows == slice(None):
+            return st
     return _take_rows(w, x, index)
 
 

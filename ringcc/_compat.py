@@ -568,3 +568,20 @@ def _post_grad_pass(fn, source_file: str, then=None):
             return (get_hash_for_files((source_file,)), fn.__module__, fn.__qualname__, None if then is None else then.uuid())
 
     return _Pass()
+
+
+def autocast_region_targets() -> tuple:
+    """(enter, exit): the functions dynamo records for a `torch.autocast` region inside a traced
+    graph, `_enter_autocast(device_type, dtype, enabled, cache_enabled)` returning the context
+    that `_exit_autocast` takes (private, in 2.11 and 2.13)."""
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    return _enter_autocast, _exit_autocast
+
+
+def below_autocast(device_type: str):
+    """A context in which calls skip `device_type`'s autocast dispatch key: what an autocast
+    kernel runs its op under once it has cast the inputs (torch.library.register_autocast's
+    own mechanism, private)."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import warnings
 import zlib
 
 import torch
@@ -20,11 +21,12 @@ import torch.distributed as dist
 from ringcc import _compat
 from ringcc.config import Config, timeout_delta
 from ringcc.passes.base import PassContext
+from ringcc.passes.discover_sequence import handoff_gathers
 from ringcc.passes.pipeline import run_pipeline
 from ringcc.releases import check_transformers_release
 from ringcc.report import GraphReport, record
 from ringcc.runtime.comm import group_extremes, set_timeout
-from ringcc.runtime.ops import checks_every_call, schedule_settings
+from ringcc.runtime.ops import SAME_BATCH_REMEDY, content_code, schedule_settings
 from ringcc.runtime.ring import check_no_launcher
 from ringcc.sharded import fsdp_hooks_take_shards, wrap_outputs
 
@@ -103,15 +105,32 @@ def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
 
 
+def _warn_dense(report: GraphReport, config: Config) -> None:
+    """One warning line on rank 0 of the sequence group for a graph with attention sites left
+    dense: which sites and why (Config(strict=True) raises in the pipeline instead)."""
+    skipped = report.skipped
+    if not skipped or (dist.is_available() and dist.is_initialized()
+                       and dist.get_rank(sequence_group(config)) != 0):
+        return
+    sites = "; ".join(f"{s.form} at {s.location}: {s.reason.value}" + (f" ({s.detail})" if s.detail else "")
+                      for s in skipped)
+    warnings.warn(f"ringcc: {len(skipped)} of {len(report.sites)} attention site(s) of {report.graph} left dense, "
+                  f"each costing O(n) memory per rank (the whole sequence's keys on every rank): {sites}. "
+                  "ringcc.last_report() has the details; Config(strict=True) makes this an error",
+                  stacklevel=2)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     check_transformers_release(gm)
     world, name = _world(config)
     report = GraphReport(graph=f"graph{next(_graph_ids)}", world_size=world)
     ctx = PassContext(config=config, report=report, world_size=world, group_name=name,
                       example_inputs=list(example_inputs), outer_reduced=_outer_reduced(example_inputs, config, world))
+    data = _data_inputs(gm, example_inputs, ctx)  # before the passes take the hand-offs' gathers away
     gm = run_pipeline(gm, ctx)
     _plan(gm, ctx)
     record(report)
+    _warn_dense(report, config)
     compiled = _inner(gm, example_inputs, config)
     if ctx.scratch.get("sharded_outputs"):
         fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards
@@ -119,8 +138,23 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):
         return compiled  # nothing to agree on (offline rewrites for Config(world_size=...) too)
-    decisions += schedule_settings()  # the runtime settings that shape the ring's schedule too
-    return _checked_first_call(compiled, decisions, config, report.graph)
+    # the runtime settings that shape the ring's schedule, and when inputs are compared (a rank
+    # that compares alone would wait in the collective)
+    decisions += [*schedule_settings(), f"check_inputs={config.check_inputs}"]
+    return _checked_first_call(compiled, decisions, config, report.graph, data)
+
+
+def _data_inputs(gm: torch.fx.GraphModule, example_inputs, ctx: PassContext) -> tuple[int, ...]:
+    """Positions of the graph inputs that every rank of the sequence group must hold the same
+    values of (Note [Input checksum] in runtime/ops.py): tensors that are not parameters, buffers
+    (the same on every rank by construction, and large) or another ringcc graph's shards."""
+    placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return ()
+    shards = {g.args[0] for g in handoff_gathers(gm, ctx)}
+    return tuple(i for i, (node, x) in enumerate(zip(placeholders, example_inputs))
+                 if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+                 and "_buffers_" not in node.name and node not in shards)
 
 
 def _sharded_outputs(compiled, ctx: PassContext):
@@ -142,24 +176,28 @@ def fingerprint(decisions: list[str]) -> str:
     return hashlib.sha256("\n".join(decisions).encode()).hexdigest()[:16]
 
 
-def _checked_first_call(compiled, decisions: list[str], config: Config, graph: str):
+def _checked_first_call(compiled, decisions: list[str], config: Config, graph: str, data: tuple[int, ...]):
     """Compare the rewrite decisions across ranks once, at the first call (passes make no
     process-group calls; a mismatch must be an error, not a hang in the first collective).
-    Before that, on every call, the ranks compare their inputs' shapes (`check_same_inputs`):
-    a rank called with another sequence length runs another graph, or this one with other
-    sizes, and its first collective would not match the others'."""
+    Before that, on every call (at the first only under Config(check_inputs="first_call")), the
+    ranks compare their inputs' shapes and data (`check_same_inputs`): a rank called with another
+    sequence length runs another graph, or this one with other sizes, and its first collective
+    would not match the others'; ranks called with other data compute parts of different
+    sequences."""
     done = False
+    group = sequence_group(config)
 
     @functools.wraps(compiled)
     def run(*args):
         nonlocal done
         # a boxed call passes one list (graph inputs are never lists); dynamo may also call unboxed
         boxed = len(args) == 1 and isinstance(args[0], list)
-        check_same_inputs(args[0] if boxed else args, config.group, graph)
+        if not done or config.check_inputs == "every_call":
+            check_same_inputs(args[0] if boxed else args, group, graph, data)
         if not done:
-            check_rank_consistency(decisions, sequence_group(config), graph)
+            check_rank_consistency(decisions, group, graph)
             if config.timeout is not None:  # from here on: every rank has compiled (compiles differ in time)
-                set_timeout(sequence_group(config), timeout_delta(config.timeout))
+                set_timeout(group, timeout_delta(config.timeout))
             done = True
         return compiled(*args)
 
@@ -169,25 +207,31 @@ def _checked_first_call(compiled, decisions: list[str], config: Config, graph: s
     return run
 
 
-def check_same_inputs(inputs, group, graph: str = "graph") -> None:
-    """Every rank must call a compiled graph with inputs of the same shapes (the full inputs, as
-    eager code would). One all-reduce of two int64 per call where the functional API checks
-    every call too (CPU; CUDA at TORCH_DISTRIBUTED_DEBUG=DETAIL: `checks_every_call`)."""
+def check_same_inputs(inputs, group, graph: str = "graph", data: tuple[int, ...] = ()) -> None:
+    """Every rank of the sequence group must call a compiled graph with inputs of the same shapes
+    and, at positions `data`, the same values (the full inputs, as eager code would): the shapes'
+    code and the data's checksum (Note [Input checksum] in runtime/ops.py), computed on the
+    inputs' device, in one all-reduce and one host sync."""
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     cuda = any(t.is_cuda for t in tensors)
-    if not checks_every_call(cuda):
-        return
     shapes = ";".join(str(tuple(x.shape)) if isinstance(x, torch.Tensor) else repr(x)
                       for x in inputs if isinstance(x, (torch.Tensor, int, torch.SymInt)))
     code = zlib.crc32(shapes.encode()) & 0x7FFFFFFF
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ((lo, hi),) = group_extremes([code], group, device)
+    content = content_code([inputs[i] for i in data])
+    (lo, hi), (content_lo, content_hi) = group_extremes(
+        [code, 0 if content is None else content.to(device)], group, device)
+    rank = dist.get_rank(group)
     if lo != code or hi != code:
         mine = [tuple(t.shape) for t in tensors if t.dim() > 0 and not isinstance(t, torch.nn.Parameter)][:4]
         raise ValueError(
-            f"ringcc ranks called {graph} with inputs of different shapes (this rank {dist.get_rank(group)}: "
-            f"{mine}...); every rank must pass the same full inputs (the same batch and sequence length), as "
-            "eager code would")
+            f"ringcc ranks called {graph} with inputs of different shapes (this rank {rank}: {mine}...); every "
+            f"rank must pass the same full inputs (the same batch and sequence length). {SAME_BATCH_REMEDY}")
+    if content_lo != content_hi:
+        mine = [tuple(inputs[i].shape) for i in data][:4]
+        raise ValueError(
+            f"ringcc ranks of the sequence group called {graph} with different data: the checksums of its "
+            f"data inputs (shapes {mine}) differ between ranks (this rank {rank} of the group). {SAME_BATCH_REMEDY}")
 
 
 def check_rank_consistency(decisions: list[str], group=None, graph: str = "graph") -> None:

@@ -21,6 +21,7 @@ LAYOUTS = ("auto", "contiguous", "zigzag")
 DROPOUT_MODES = ("skip",)
 CHECKPOINT_MODES = ("recompute", "inline", "keep")
 GRAD_SYNC_MODES = ("auto", "all_reduce", "outer")
+CHECK_INPUTS_MODES = ("every_call", "first_call")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +80,14 @@ class Config:
     """Write the graph before and after every pass into this folder."""
     bucket_mb: float = 25.0
     """Bucket size for the parameter-gradient all-reduce."""
+    check_inputs: str = "every_call"
+    """When the ranks of the sequence group compare the data they were called with (a checksum of
+    each graph input that is not a parameter, a buffer or another graph's shards, and every
+    input's shape, in one all-reduce; Note [Input checksum] in runtime/ops.py): "every_call",
+    or "first_call" (with the rewrite decisions only; no host sync on later calls). Ranks fed
+    different batches are an error on every rank either way at the first call that differs
+    and is checked; the check costs one small all-reduce and one host sync per call of a
+    compiled graph."""
     verify: bool = False
     """Run the graph verifier after every pass (tests turn it on)."""
     timeout: Union[float, datetime.timedelta, None] = None
@@ -125,7 +134,7 @@ def _check_choice(name: str, value, allowed) -> None:
 
 BOOL_FIELDS = ("gather_outputs", "pad", "shard", "strict", "require_linear_memory", "verify")
 CHOICES = {"inner": INNER_COMPILERS, "layout": LAYOUTS, "dropout": DROPOUT_MODES, "checkpoints": CHECKPOINT_MODES,
-           "grad_sync": GRAD_SYNC_MODES}
+           "grad_sync": GRAD_SYNC_MODES, "check_inputs": CHECK_INPUTS_MODES}
 
 
 def _received(value) -> str:
@@ -228,7 +237,7 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
                "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync",
-               "timeout")
+               "timeout", "check_inputs")
 
 
 def _from_env(cls) -> dict:

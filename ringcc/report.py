@@ -35,7 +35,7 @@ class Site:
 
     node: str  # node name in the graph it was found in
     location: str  # user source line, from the node's stack trace
-    form: str  # "sdpa", "manual", "mha", "encoder"
+    form: str  # "sdpa", "manual", "mha", "encoder", "flex"
     decision: Decision = Decision.SKIPPED
     reason: Optional[SkipReason] = None  # None when rewritten
     mask: Optional[dict] = None  # the lifted mask spec (causal, padding, window, ...)

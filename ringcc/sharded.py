@@ -36,13 +36,26 @@ when the layouts and lengths agree (`handoff_gathers`): no rows move. Dynamo mod
 as a plain Python object and cannot call a C method on it (`x.float()`, `x.mean(-1)`), so every
 Tensor method is also a Python method of the class, which dynamo inlines.
 
+Note [Sharded outputs and autograd]
+Every path from a use of the wrapper to `.local` is one autograd function in each direction:
+- a torch op reads the gathered value, `ringcc::gather` of `.local` (backward: this rank's rows
+  of the cotangent); a graph that reads the wrapper traces that gather and takes the shard as is;
+- the wrapper itself is the output of `_FromLocal` applied to `.local`, so it is no leaf: code
+  that records the wrapper as it is (`autograd.Function.apply` records its tensor inputs, as
+  FSDP2's post-backward identity does on a block's inputs, without any __torch_function__ call)
+  hands its gradient, a cotangent of the global value, to `_FromLocal`'s backward, which keeps
+  this rank's rows (the gather's backward again; rows outside the window get zeros).
+So no gradient stops at the wrapper, whichever hook, wrapper or rewrap sits between two uses.
+
 Note [Sharded outputs under FSDP2]
 FSDP2 touches each block's inputs and outputs outside the graphs, and each touch would gather:
 - its pre-backward hook, `output.register_hook(state._pre_backward)`, only needs to fire when
   the output's gradient arrives; it is registered on `.local`, whose gradient arrives then;
 - its post-backward identity function, applied to a block's inputs, must see the tensors the
   block reads; it is applied to the shards, which are wrapped again (`fsdp_hooks_take_shards`,
-  called by the backend when it compiles a graph of an FSDP2 module);
+  called by the backend when it compiles a graph of an FSDP2 module). Applied to the wrapper
+  itself (a tree the registration does not reach), its output is the gathered value and its
+  gradient reaches the shard through the wrapper (Note [Sharded outputs and autograd]);
 - its input cast reads `torch.is_floating_point` and `.dtype`: metadata.
 So activations cross FSDP2's block boundaries as shards, in both directions.
 """
@@ -53,7 +66,7 @@ import torch
 
 from ringcc import _compat
 from ringcc.runtime import layout as L
-from ringcc.runtime.ops import gather_op
+from ringcc.runtime.ops import gather_op, shard_op
 
 _TREE = _compat.pytree()  # tree_map, tree_flatten, tree_unflatten (on __torch_function__'s path)
 
@@ -71,12 +84,16 @@ class SequenceSharded(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
                 front: int = 0, back: int = 0, outer: int = 1):
+        # one autograd function from `.local` to the wrapper (Note [Sharded outputs and autograd])
+        return _FromLocal.apply(local, (cls, seq_dim, group_name, world_size, layout, front, back, outer))
+
+    @classmethod
+    def _make(cls, local: torch.Tensor, seq_dim: int, group_name: str, world_size: int, layout: str,
+              front: int, back: int, outer: int) -> "SequenceSharded":
         shape = list(local.shape)
         shape[seq_dim] = (shape[seq_dim] // outer * world_size - front - back) * outer
         strides = torch.empty(shape, device="meta").stride()
-        self = _compat.make_wrapper_subclass(
-            cls, shape, strides=strides, dtype=local.dtype, device=local.device,
-            requires_grad=local.requires_grad)
+        self = _compat.make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype, device=local.device)
         self.local, self.seq_dim, self.seq_layout = local, seq_dim, layout
         self._comm = (group_name, world_size)
         self.front, self.back, self.outer = front, back, outer
@@ -140,11 +157,37 @@ class SequenceSharded(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # Every torch-level call goes through __torch_function__ and sees the gathered value;
-        # reaching the dispatcher with the wrapper itself means autograd recorded the wrapper,
-        # whose gradient would never reach the shard: refuse rather than compute wrong gradients.
+        # reaching the dispatcher with the wrapper itself means a kernel would read a tensor
+        # that has no data: refuse rather than compute a wrong value.
         raise TypeError(
             f"ringcc: {func} reached a SequenceSharded output below torch's Python API; call "
             f".full_tensor() first (the gathered value, with autograd) or use .local (this rank's rows)")
+
+
+class _FromLocal(torch.autograd.Function):
+    """`.local` -> its SequenceSharded wrapper (Note [Sharded outputs and autograd]): the wrapper's
+    own gradient, a cotangent of the global value, reaches `.local` as this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, local, meta):
+        cls, seq_dim, group_name, world_size, layout, front, back, outer = meta
+        ctx.layout = (seq_dim, (group_name, world_size), layout, front, back, outer)
+        return cls._make(local, *meta[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _rows(grad, *ctx.layout), None
+
+
+def _rows(grad, dim: int, comm: tuple[str, int], layout: str, front: int, back: int, outer: int) -> torch.Tensor:
+    """This rank's rows of a cotangent of a wrapper's global value: the backward of its gather
+    (rows outside the window get zeros)."""
+    if outer > 1:
+        grad, dim = grad.unflatten(dim, (outer, -1)), dim + 1
+    if front or back:
+        grad = torch.nn.functional.pad(grad, [0, 0] * (grad.dim() - 1 - dim) + [front, back])
+    rows = shard_op(grad.contiguous(), dim, *comm, layout)
+    return rows.flatten(dim - 1, dim) if outer > 1 else rows
 
 
 def _full(x):
@@ -202,6 +245,7 @@ _METADATA = {
     _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, torch.is_floating_point,
     torch.is_complex, torch.numel,
     _T._base.__get__,  # None: the wrapper is no view (FSDP2 checks module outputs for views)
+    _T.grad_fn.__get__, _T.is_leaf.__get__,  # the wrapper's own: _FromLocal's (Note [Sharded outputs and autograd])
 }
 
 

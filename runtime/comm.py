@@ -204,13 +204,20 @@ _MAILBOXES: dict[tuple[object, int], _Mailbox] = {}
 _CE_USABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> True, or why not
 
 
-def group_extremes(values: list[int], group, device) -> list[tuple[int, int]]:
+def group_extremes(values: list, group, device) -> list[tuple[int, int]]:
     """(min, max) over the ranks of `group` of each of `values`, in one all_reduce: the ranks
-    agree on a value exactly when both equal this rank's."""
-    t = torch.tensor([x for v in values for x in (v, -v)], dtype=torch.int64, device=device)
+    agree on a value exactly when both equal this rank's. A value is an int, or a 0-d int64
+    tensor on `device` (a checksum computed there: read after the collective, in its one copy
+    to the host)."""
+    t = torch.tensor([v if isinstance(v, int) else 0 for v in values], dtype=torch.int64, device=device)
+    computed = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if computed:
+        t[computed] = torch.stack([values[i] for i in computed])
+    t = torch.cat([t, -t])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     got = t.tolist()  # one device-to-host copy
-    return [(-got[2 * i + 1], got[2 * i]) for i in range(len(values))]
+    k = len(values)
+    return [(-got[k + i], got[i]) for i in range(k)]
 
 
 def _align(nbytes: int) -> int:

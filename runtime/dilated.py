@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import amp, kernels
 from . import layout as L
 from . import workspace
 from .dilated_spec import BranchPlan, DilatedSpec, dilated_plan
@@ -397,6 +397,7 @@ def _dilated_backward(ctx, dout, dlse):
 
 
 dilated_attention_op.register_autograd(_dilated_backward, setup_context=_dilated_setup_context)
+amp.register_autocast("dilated_attention")  # Note [Attention under autocast] in amp.py
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,10 +417,14 @@ def dilated_attention(
     branch give 0 and -inf).
     """
     name, world, rank = _group_args(group, "dilated_attention")
+    q, k, v = amp.cast_qkv(q, k, v)  # SDPA's autocast policy (Note [Attention under autocast])
     try:  # every rank agrees on the call before any raises (_check_same_call)
         if not isinstance(spec, DilatedSpec):
             raise ValueError(f"spec must be a ringcc.DilatedSpec; got {type(spec).__name__}")
         _check_inputs(q, k, v, None, op="dilated_attention")
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError(f"dilated_attention takes v with q's head dim {q.shape[-1]}; got v {tuple(v.shape)} "
+                             "(a value head dim of its own runs in ring_attention)")
         lay = L.parse_layout(layout)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     except (TypeError, ValueError) as e:

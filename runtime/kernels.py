@@ -1,8 +1,9 @@
 """Per-block attention kernels that return (out, lse), and their backward.
 
-Legend: q_bhsd [b, h, Lq, d]; k_bgsd / v_bgsd [b, g, Lk, d] with h % g == 0 (GQA/MQA);
-key_valid_bs [b, Lk] bool (True = key may be attended). lse is natural-log, [b, h, Lq],
-in the accumulator dtype (fp32; fp64 for fp64 inputs).
+Legend: q_bhsd [b, h, Lq, d]; k_bgsd [b, g, Lk, d] and v_bgsd [b, g, Lk, dv] with h % g == 0
+(GQA/MQA; dv may differ from d: Note [Value head dim]); key_valid_bs [b, Lk] bool (True = key
+may be attended). lse is natural-log, [b, h, Lq], in the accumulator dtype (fp32; fp64 for fp64
+inputs). out is [b, h, Lq, dv].
 
 A block is either unmasked, causal on its diagonal (square, top-left aligned: the query and
 key chunks are the same global chunk), optionally key-padded, and optionally restricted by a
@@ -34,6 +35,7 @@ import torch
 from ringcc import _compat
 
 from .dtypes import acc_dtype
+from .maskfn import FnMask
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
@@ -151,7 +153,7 @@ def _allowed_rows(allowed_qk, r0: int, r1: int, c0: int = 0, c1: int | None = No
     """Rows [r0, r1), keys [c0, c1) of a position mask: a bool [Lq, Lk] tensor, or an object
     that builds its rows on demand (ring.WindowMask)."""
     if isinstance(allowed_qk, torch.Tensor):
-        return allowed_qk[r0:r1, c0:c1]
+        return allowed_qk[..., r0:r1, c0:c1]
     return allowed_qk.rows(r0, r1, c0, c1)
 
 
@@ -270,7 +272,7 @@ def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
     RINGCC_MASKED_KERNEL=math."""
     return (device.type == "cuda" and dtype in FUSED_CUDA_DTYPES
             and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
-            and not isinstance(allowed_qk, torch.Tensor) and masked_kernel() == "flex")
+            and not isinstance(allowed_qk, (torch.Tensor, FnMask)) and masked_kernel() == "flex")
 
 
 _FLEX_FAILED: dict = {}  # (device, dtype, head dim) -> why flex_attention could not run such blocks
@@ -319,7 +321,9 @@ def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int
     """The bool mask [b or 1, 1, r1 - r0, c1 - c0] (True = attend) of block rows [r0, r1) and
     keys [c0, c1), or None when those rows see every one of those keys."""
     m = _rows_allowed(causal, allowed_qk, r0, r1, c1, device, c0)
-    m = None if m is None else m[None, None]
+    # [rows, keys] (positions alone) or [b or 1, h or 1, rows, keys] (a mask function: maskfn.FnMask)
+    if m is not None and m.dim() == 2:
+        m = m[None, None]
     if key_valid_bs is not None:
         kv = key_valid_bs[:, None, None, c0:c1]
         m = kv if m is None else m & kv
@@ -347,7 +351,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
     lse = -inf."""
     dt, h, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
-    out = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
+    out = q_bhsd.new_empty((*q_bhsd.shape[:3], v.shape[-1]))
     lse = torch.empty(q_bhsd.shape[:3], dtype=dt, device=q_bhsd.device)
     for r0, r1 in _row_chunks(q_bhsd, lk, allowed_qk):
         c0, c1 = _key_range(causal, allowed_qk, r0, r1, lk)
@@ -412,6 +416,45 @@ def _masked_row_chunks(q_bhsd, lk: int, causal: bool, key_valid_bs, allowed_qk) 
     chunks = _row_chunks(q_bhsd, lk)  # its keys are not cut: position jumps do not matter
     return None if len(chunks) == 1 else chunks
 
+# Note [Value head dim]
+# A value head dim dv that differs from the query/key head dim d (MLA: DeepSeek-V3) changes
+# nothing in the algorithm: scores and lse come from q.k, the output and dV have dv features.
+# The exact math path takes it as it is. The fused kernels (aten's CPU flash op, the CUDA
+# flash and cuDNN ops) and flex blocks get q, k and v padded with zero features to one width
+# (the wider head dim, on CUDA rounded up to the multiple of 8 those kernels need), which is
+# exact: zero features of q and k add nothing to a score (the scale is passed explicitly),
+# and zero features of v, dO and O add nothing to O, to rowsum(dO * O) or to dP; the result is
+# sliced back (`_padded_dv`).
+
+
+def _padded_dv(q_bhsd, k_bgsd, v_bgsd):
+    """(q, k, v) with zero features added to one common width: the wider of d (q, k) and dv (v),
+    rounded up to a multiple of 8 on CUDA, whose fused kernels take no other head dims (Note
+    [Value head dim])."""
+    width = max(q_bhsd.shape[-1], v_bgsd.shape[-1])
+    if q_bhsd.device.type == "cuda":
+        width = -(-width // 8) * 8
+    return tuple(_pad_to(t, width) for t in (q_bhsd, k_bgsd, v_bgsd))
+
+
+def _pad_to(x, width: int):
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _fwd_padded(q_bhsd, k_bgsd, v_bgsd, **kw):
+    out, lse = block_fwd(*_padded_dv(q_bhsd, k_bgsd, v_bgsd), **kw)
+    dv = v_bgsd.shape[-1]
+    return (out if out.shape[-1] == dv else out[..., :dv].contiguous()), lse
+
+
+def _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, **kw):
+    d, dv = q_bhsd.shape[-1], v_bgsd.shape[-1]
+    q_p, k_p, v_p = _padded_dv(q_bhsd, k_bgsd, v_bgsd)
+    width = q_p.shape[-1]
+    dq, dk, dv_ = block_bwd(_pad_to(dout_bhsd, width), q_p, k_p, v_p, _pad_to(out_bhsd, width), lse,
+                            lse_prepared=True, **kw)
+    return tuple(g if g.shape[-1] == w else g[..., :w].contiguous() for g, w in ((dq, d), (dk, d), (dv_, dv)))
+
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
               mod: ScoreMod | None = None):
@@ -421,6 +464,9 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
     mod = None if is_identity(mod) else mod
+    if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _fwd_padded(q_bhsd, k_bgsd, v_bgsd, scale=scale, causal=causal, key_valid_bs=key_valid_bs,
+                           allowed_qk=allowed_qk, mod=mod)
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
@@ -491,6 +537,9 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
     mod = None if is_identity(mod) else mod
+    if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
+        return _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale=scale, causal=causal,
+                           key_valid_bs=key_valid_bs, allowed_qk=allowed_qk, mod=mod)
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 

@@ -165,3 +165,24 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
     w = torch.exp(lse_all - ref).unsqueeze(-1)
     out = (torch.stack(outs).to(w.dtype) * w).sum(0)
     return out, lse
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) [b, h, L, dv] / [b, h, L] with each head's sink logit `sinks` [h] merged into every
+    row once, as one more block whose value is zero (Note [Attention sinks] in ops.py):
+    lse' = logaddexp(lse, sink[h]), out' = out * exp(lse - lse'), out' in out's dtype."""
+    adt = lse.dtype
+    lse_new = torch.logaddexp(lse, sinks.to(adt)[None, :, None])
+    ref = torch.where(torch.isneginf(lse_new), torch.zeros_like(lse_new), lse_new)
+    out_new = (out.to(adt) * torch.exp(lse - ref).unsqueeze(-1)).to(out.dtype)
+    return out_new, lse_new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of this rank's rows with respect to the sink logits [h], given the rows'
+    final (out, lse) (sinks merged in): -sum over rows of exp(sink[h] - lse) * rowsum(dO * O)
+    (Note [Attention sinks] in ops.py), in the sinks' dtype."""
+    adt = lse.dtype
+    delta = (dout.to(adt) * out.to(adt)).sum(-1)  # [b, h, L]
+    prob = torch.exp(sinks.to(adt)[None, :, None] - lse)  # the sink's probability in each row
+    return (-(prob * delta).sum((0, 2))).to(sinks.dtype)

@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from ringcc import _compat
 
-from . import kernels
+from . import amp, kernels
 from . import layout as L
 from .comm import group_extremes
-from . import graphs, workspace
+from . import graphs, maskfn, workspace
+from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
 
 # ---------------------------------------------------------------------------------------
@@ -89,6 +90,20 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
 
 # ---------------------------------------------------------------------------------------
 # ring attention
+
+# Note [Attention sinks]
+# gpt-oss gives each head h a learned logit sink[h] that joins every row's softmax denominator
+# and carries no value: P_ij = exp(s_ij - lse'), lse' = log(sum_j exp(s_ij) + exp(sink[h])). It is
+# not a mask and not a score modifier: it is one more block of one key with a zero value, merged
+# once per row through the LSE after the ring (merge.merge_sinks): lse' = logaddexp(lse, sink[h]),
+# out' = out * exp(lse - lse'). The op returns (out', lse').
+# Backward: with the sink's column in the softmax, dP_sink = dO . 0 = 0, so
+# D = sum_j P_ij dP_ij = rowsum(dO * O') as without a sink, and dS_ij = P_ij (dP_ij - D) is what
+# the ring's backward computes from the global (out', lse'): dq, dk, dv need nothing new. The
+# sink's own gradient is dS at its column, P_sink (0 - D), summed over the rows:
+# dsink[h] = -sum_{b, i} exp(sink[h] - lse'_bhi) * rowsum(dO * O')_bhi (merge.sink_grad). Each
+# rank holds its own query rows, so this is its share: the shares are summed over the ranks as
+# for any parameter used by sharded ops (passes/sync_param_grads.py in the compiled path).
 
 
 @torch.library.custom_op("ringcc::key_runs", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
@@ -165,19 +180,62 @@ def ring_attention_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    _check_sinks(sinks, q)
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
             return out.contiguous(), lse.contiguous()
 
-        return graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
-                           workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes), setup.group)
-    out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes)
+        out, lse = graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
+                               workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes),
+                              setup.group)
+    else:
+        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes, fn)
+    if sinks is not None:  # Note [Attention sinks]
+        out, lse = merge_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
+
+
+def _check_sinks(sinks, q):
+    if sinks is not None and (sinks.shape != (q.shape[1],) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float [heads={q.shape[1]}] tensor (one sink logit per query head); got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+
+
+# The tensors a mask function reads travel as the op's mask_t0..mask_t3 (a list of tensors
+# cannot be an optional argument of a custom op's schema).
+MASK_TENSORS = 4
+
+
+def _mask_fn(text: str, slots, q, window: int):
+    """(MaskFn, its tensors) of the op's mask function (Note [Mask functions] in maskfn.py), or None."""
+    inputs = tuple(t for t in slots if t is not None)
+    if not text:
+        if inputs:
+            raise ValueError(f"ring_attention got {len(inputs)} mask tensors (mask_t0..) but no mask_fn")
+        return None
+    fn = maskfn.parse(text)
+    if len(inputs) != fn.n_tensors or any(t is None for t in slots[:fn.n_tensors]):
+        raise ValueError(f"the mask function reads {fn.n_tensors} tensors, as mask_t0..mask_t{fn.n_tensors - 1}; "
+                         f"ring_attention got {[t is not None for t in slots]}")
+    if window:
+        raise ValueError(f"ring_attention takes a window or a mask function, not both (window={window}); write the "
+                         "window into the function (q - kv < window)")
+    for i, t in enumerate(inputs):
+        if t.device != q.device:
+            raise ValueError(f"mask_inputs[{i}] is on {t.device}, q on {q.device}")
+    return fn, inputs
 
 
 def _slopes(alibi_slopes, q):
@@ -192,9 +250,9 @@ def _slopes(alibi_slopes, q):
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None):
+      alibi_slopes=None, sinks=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None):
     adt = kernels.acc_dtype(q.dtype)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=adt)
     return out, lse
 
@@ -217,24 +275,33 @@ def ring_attention_backward_op(
     key_runs: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    mask_fn: str = "",
+    mask_t0: Optional[torch.Tensor] = None,
+    mask_t1: Optional[torch.Tensor] = None,
+    mask_t2: Optional[torch.Tensor] = None,
+    mask_t3: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ring attention given its (out, lse) (with sinks: the merged ones, which is
+    all the ring's backward needs: Note [Attention sinks])."""
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
-    if graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
+    fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
 
         return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
                           (dout, q, k, v, out, lse, slopes), setup.group)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, fn)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
-      key_runs=None, softcap=0.0, alibi_slopes=None):
+      key_runs=None, softcap=0.0, alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None,
+      mask_t3=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -244,14 +311,16 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes = inputs
+    (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks,
+     mask_fn, *mask_inputs) = inputs
     if slopes is not None and slopes.requires_grad:
         raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
                          "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.softcap = softcap
+    ctx.mask_fn = mask_fn
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
     ctx.set_materialize_grads(False)
@@ -259,14 +328,16 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 13
-    q, k, v, key_valid, out, lse, key_runs, slopes = ctx.saved_tensors
+        return (None,) * 19
+    q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                            slopes)
-    return (dq, dk, dv) + (None,) * 10
+                                            slopes, ctx.mask_fn, *mask_inputs)
+    dsinks = None if sinks is None or not ctx.needs_input_grad[13] else sink_grad(dout, out, lse, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks,) + (None,) * 5
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+amp.register_autocast("ring_attention")  # Note [Attention under autocast] in amp.py
 
 
 # ---------------------------------------------------------------------------------------
@@ -345,12 +416,13 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "r
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op} takes float16, bfloat16, float32 or float64 q/k/v; got {q.dtype}")
     b, h, s, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same batch, heads and length (v's head dim may differ); got k "
+                         f"{tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
         raise ValueError(
-            f"k/v must be [batch={b}, kv_heads, n_local={s}, head_dim={d}] to match q {tuple(q.shape)}; "
-            f"got {tuple(k.shape)}"
+            f"k must be [batch={b}, kv_heads, n_local={s}, head_dim={d}] and v [batch={b}, kv_heads, "
+            f"n_local={s}, v_head_dim] to match q {tuple(q.shape)}; got k {tuple(k.shape)}"
         )
     if h % k.shape[1]:
         raise ValueError(
@@ -376,10 +448,10 @@ def _check_inputs(q, k, v, key_padding_mask, n_local_expected=None, op: str = "r
 _CHECKED_LENGTHS: set[tuple[str, int, str]] = set()
 
 # Runtime settings that shape the ring's schedule (head chunks, whether and how transfers
-# happen; the kernel choice enters the head-chunk rule through its GQA workspace): ranks that
-# disagree on them would wait for each other forever.
+# happen; the kernel choice enters the head-chunk rule through its GQA workspace), and when
+# inputs are compared across ranks: ranks that disagree on them would wait for each other forever.
 SCHEDULE_SETTINGS = ("RINGCC_RING_WORKSPACE_MIB", "RINGCC_SKIP_COMM", "RINGCC_RING_TRANSPORT",
-                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA", "RINGCC_RING_GRAPHS")
+                     "RINGCC_CUDA_KERNEL", "RINGCC_CUDNN_NATIVE_GQA", "RINGCC_RING_GRAPHS", "RINGCC_CHECK_INPUTS")
 
 
 def schedule_settings() -> tuple[str, ...]:
@@ -401,7 +473,8 @@ def call_signature(op: str, q, k, **args) -> str:
     if torch.compiler.is_compiling():
         return ""
     b, h, _, d = q.shape
-    return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, " + \
+    dv = args.pop("v_head_dim", d)
+    return f"{op}(q [{b}, {h}, n_local, {d}] {q.dtype}, {k.shape[1]} K/V heads, v head dim {dv}, " + \
         ", ".join(f"{name}={args[name]!r}" for name in sorted(args)) + ")"
 
 
@@ -409,6 +482,38 @@ def _crc(text: str) -> int:
     import zlib
 
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+# Note [Input checksum]
+# Every rank of a sequence group must be called with the same data: each computes its own
+# tokens of one sequence, and ranks fed different batches return rank 0's first part joined
+# to rank 1's second part, with no error. The check is a checksum of each data input,
+# computed on its device and compared in the collective that compares the shapes, so it adds
+# no host sync. Each element's bits (as an integer of its width) are summed in int64 with an
+# odd weight from their position (2i + 1), wrapping: one differing element always changes the
+# sum, and so does swapping two tokens. Tensors of more than _CHECKSUM_ROW_ELEMENTS elements
+# are summed per row of their last dim first (their features), then weighted per row, so no
+# temporary of their size is made (rows swapped still change the sum; features swapped within
+# a row do not). The code is kept to 62 bits, so that its negation (group_extremes) does not
+# overflow.
+_CHECKSUM_ROW_ELEMENTS = 1 << 22
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def content_code(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 62-bit checksum of `tensors`' values as a 0-d int64 tensor on their device, with no host
+    sync (Note [Input checksum]); None for no tensors."""
+    code = None
+    for t in tensors:
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        bits = t.view(_INT_OF_WIDTH[t.element_size()])
+        width = t.shape[-1] if t.numel() > _CHECKSUM_ROW_ELEMENTS and t.dim() > 1 else 1
+        rows = bits.reshape(-1, width).sum(-1, dtype=torch.int64) if width > 1 else bits.reshape(-1).to(torch.int64)
+        weights = torch.arange(1, 2 * rows.numel(), 2, dtype=torch.int64, device=rows.device)
+        one = (rows * weights).sum()
+        code = one if code is None else code * 1000003 + one
+    return None if code is None else code & ((1 << 62) - 1)
 
 
 def checks_every_call(cuda: bool) -> bool:
@@ -482,7 +587,7 @@ def _check_same_call(n_local: int, group, call: str = "", device=None, error: Ex
 def ring_attention(
     q, k, v, *, is_causal: bool = False, scale: float | None = None, key_padding_mask=None,
     group=None, layout: str = "contiguous", return_lse: bool = False, window: int | None = None,
-    softcap: float | None = None, alibi_slopes=None,
+    softcap: float | None = None, alibi_slopes=None, sinks=None,
 ):
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -498,8 +603,13 @@ def ring_attention(
     Score modifiers (Note [Score modifiers] in kernels.py), applied to the scaled scores s
     before the mask: softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a [h] tensor,
     adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
+    v may have its own head dim dv (MLA): out is [b, h, n_local, dv]. sinks: optional float [h],
+    one logit per query head added to every row's softmax denominator with no value (gpt-oss;
+    Note [Attention sinks]); its gradient is this rank's share, to be summed over the ranks as
+    the gradients of the weights that made q, k and v are.
     """
     name, world, _ = _group_args(group, "ring_attention")
+    q, k, v = amp.cast_qkv(q, k, v)  # SDPA's autocast policy (Note [Attention under autocast])
     try:  # every rank agrees on the call before any raises (_check_same_call)
         _check_inputs(q, k, v, key_padding_mask)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -511,6 +621,12 @@ def ring_attention(
             got = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
             raise ValueError(f"alibi_slopes must be a float tensor [heads={q.shape[1]}] (one slope per query head) or "
                              f"None; got {got}")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],)
+                                  or not sinks.is_floating_point() or sinks.device != q.device):
+            got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor)
+                   else type(sinks).__name__)
+            raise ValueError(f"sinks must be a float tensor [heads={q.shape[1]}] on {q.device} (one sink logit per "
+                             f"query head) or None; got {got}")
         lay = L.parse_layout(layout)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     except (TypeError, ValueError) as e:
@@ -519,7 +635,8 @@ def ring_attention(
     s = q.shape[2]
     _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None), q.device)
+        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None,
+        sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
@@ -528,7 +645,7 @@ def ring_attention(
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs, float(softcap or 0.0), alibi_slopes)
+                                 runs, float(softcap or 0.0), alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -545,12 +662,49 @@ def _seq_dim(x, dim: int) -> int:
 
 
 def shard_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):
-    """This rank's shard of the full-length `x` along `dim` (differentiable)."""
+    """This rank's shard of the full-length `x` along `dim` (differentiable). Every rank of the
+    group must pass the same `x`: the ranks compare its shape and checksum first (Note [Input
+    checksum]; at every call, or once per shape under RINGCC_CHECK_INPUTS=first_call; not while
+    dynamo traces, where the compiled graph's own check runs)."""
     lay = L.parse_layout(layout)
     name, world, _ = _group_args(group, "shard_sequence")
     dim = _seq_dim(x, dim)
     L.check_length(x.shape[dim], world, lay)
+    if world > 1 and not torch.compiler.is_compiling():
+        _check_same_data(x, group, name)
     return shard_op(x, dim, name, world, lay.value)
+
+
+SAME_BATCH_REMEDY = (
+    "Every rank of a sequence group computes its own part of one sequence, so every rank of the group "
+    "must be fed the same batch (as eager code on one device would be). A DistributedSampler, HF Trainer "
+    "or accelerate gives each rank its own batch by default. With data parallelism, build a DeviceMesh "
+    "(dp x cp), shard the sequence over cp (Config(mesh=mesh, axis='cp'), or group=mesh.get_group('cp')) "
+    "and the data over dp only: DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+    "rank=mesh['dp'].get_local_rank()); docs/sharp-edges.md shows it for a plain loop and for HF Trainer / "
+    "accelerate")
+_CHECKED_DATA: set[tuple[str, tuple]] = set()
+
+
+def _check_same_data(x: torch.Tensor, group, group_name: str) -> None:
+    """The full input of shard_sequence is the same on every rank of the group (shape and
+    checksum, one all-reduce)."""
+    from ringcc.config import Config
+
+    key = (group_name, tuple(x.shape))
+    if Config.from_options().check_inputs == "first_call" and key in _CHECKED_DATA:
+        return
+    shape = _crc(str(tuple(x.shape)) + str(x.dtype))
+    device = torch.device("cuda", torch.cuda.current_device()) if x.is_cuda else torch.device("cpu")
+    (lo, hi), (content_lo, content_hi) = group_extremes([shape, content_code([x.detach()]).to(device)],
+                                                        group, device)
+    if lo != hi or content_lo != content_hi:
+        what = "shapes or dtypes" if lo != hi else "values"
+        raise ValueError(f"ranks passed shard_sequence full inputs of different {what} (this rank: "
+                         f"{tuple(x.shape)} {x.dtype}). {SAME_BATCH_REMEDY}")
+    if len(_CHECKED_DATA) >= 4096:  # every rank clears at the same call (they made the same ones)
+        _CHECKED_DATA.clear()
+    _CHECKED_DATA.add(key)
 
 
 def gather_sequence(x, dim: int, *, group=None, layout: str = "contiguous"):

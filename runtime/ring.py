@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import kernels, maskfn
 from .comm import ring_comm
 from .layout import Layout, chunks_per_rank, global_positions, local_chunks
 from .merge import add_into, contiguous, copy_by_kernel, merge_
@@ -361,19 +361,20 @@ def _copy_outside(dst, src, reg) -> None:
         copy_by_kernel(_at(dst, part), _at(src, part))
 
 
-def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None):
+def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None, fn=None):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s]).
     key_runs: the mask's table (Note [Key runs per mask]; None: made here). slopes: ALiBi
-    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py)."""
+    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py). fn: (MaskFn, tensors) or None
+    (Note [Mask functions] in maskfn.py)."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes, fn=fn)
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
-                            slopes, hq.start)
+                            slopes, hq.start, fn)
     return out, lse
 
 
@@ -496,16 +497,18 @@ class _Mods:
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None,
-                        head0: int = 0):
+                        head0: int = 0, fn=None):
     """-> (out in q's dtype, lse) of these heads (from head `head0` of `slopes` on), written
-    into `out`/`lse` where given."""
-    b, h, s, d = q.shape
+    into `out`/`lse` where given. out has v's head dim (Note [Value head dim] in kernels.py)."""
+    b, h, s = q.shape[:3]
+    d = v.shape[-1]
     mods = _Mods(setup, slopes, s, head0)
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs):
+    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device)
+    for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
             bs = slice(*c.rows(b))
@@ -517,12 +520,12 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
             )
             done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
             if done and dst is None:
-                dst = (torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty(b, h, s, dtype=adt, device=q.device))
+                dst = (q.new_empty((b, h, s, d)), torch.empty(b, h, s, dtype=adt, device=q.device))
             acc = _merge_block(acc, o, l, _region(c, b), (b, h, s, d), adt, dst if done else None)
             del o, l  # not alive at the end
         del st
     if acc is None:  # no key visible to any row
-        acc = (torch.zeros_like(q), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
+        acc = (q.new_zeros((b, h, s, d)), torch.full((b, h, s), float("-inf"), dtype=adt, device=q.device))
     if done:
         return acc
     if dst is None:  # the one block's own result (or the sum when the last step had no call)
@@ -530,6 +533,37 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     copy_by_kernel(dst[0], acc[0])
     copy_by_kernel(dst[1], acc[1])
     return dst
+
+
+class FnBlocks:
+    """The block calls of a ring under a mask function (Note [Mask functions] in maskfn.py): each
+    call of the block of rank `src` gets the function at the global positions of its rows and
+    keys, and is dropped when the function empties it, kept unmasked when it fills it, and kept
+    with the function as its position mask otherwise. `fn`: (MaskFn, tensors); heads [h0, h0 +
+    heads) of the site, batch of `batch` rows."""
+
+    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device):
+        self.fn, self.tensors = fn
+        self.setup, self.batch, self.heads, self.h0 = setup, batch, heads, h0
+        self.q_pos = global_positions(setup.rank, setup.world, setup.layout, s, device)
+        self.s, self.device = s, device
+
+    def calls(self, calls, src: int):
+        k_pos = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
+        out = []
+        for c, allowed in calls:
+            if allowed is not None:
+                raise AssertionError("a window mask with a mask function (the op takes one of them)")
+            b0, b1 = c.rows(self.batch)
+            m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
+                              b0, self.h0, c.causal)
+            state, parts = maskfn.split(m)
+            if state == "full":
+                out.append((c, None))
+            for r0, r1, k0, k1, masked in parts:  # rows and keys of the call: the diagonal is in the mask
+                part = BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, False, c.b0, c.b1)
+                out.append((part, m.sub(r0, r1, k0, k1) if masked else None))
+        return out
 
 
 class RingStep:
@@ -552,14 +586,15 @@ class RingStep:
         return self._carry_in
 
 
-def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, runs=None):
+def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=None, runs=None, fn=None):
     """The ring's steps, as RingStep objects. Before yielding step i it issues one batch: the
     held K/V (and key mask) to rank+1 for its step i+1, plus `carry` (at step 0 the argument,
     then the previous step's `carry_out`), so the transfers overlap the caller's compute; the
     batch is waited for by `RingStep.wait()` or when the caller comes back for the next step.
     One batch per step is one rendezvous of the ranks per step. A block from a rank in
     `runs` (its valid keys one run, _key_runs) is held with no key mask, its calls cut to
-    those keys."""
+    those keys. With a mask function (`fn`, a FnBlocks) each call is classified by it
+    (Note [Mask functions] in maskfn.py)."""
     runs = runs or {}
     held = [k, v] + ([key_valid] if key_valid is not None else [])
     for step in range(setup.world):
@@ -572,9 +607,11 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         # of a strided accumulator, say); this frame lets go of the accumulator itself now.
         send = carry = None
         src = (setup.rank - step) % setup.world
+        calls = setup.masked_calls(s, src, device, runs.get(src))
+        if fn is not None:
+            calls = fn.calls(calls, src)
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
-                      setup.masked_calls(s, src, device, runs.get(src)), comm if recv else None,
-                      recv[n_held:] if carried and recv else None, src)
+                      calls, comm if recv else None, recv[n_held:] if carried and recv else None, src)
         yield st
         st.wait()
         carry = st.carry_out
@@ -589,10 +626,13 @@ def _accumulate(accs, blks, reg, shape, adt, dsts=None) -> list:
     block's gradient in its own dtype, or an accumulator in adt (Note [Fewer passes]). Without
     dst a sum's new running value is the block itself when it is the first and covers the whole
     shape, acc updated in place when it is an accumulator, else a new one. With dst (the last
-    addition) the sum goes there in dst's dtype, in the same pass. Returns the sums, in order."""
+    addition) the sum goes there in dst's dtype, in the same pass. Returns the sums, in order.
+    `shape`'s last dim is each block's own (dK and dV may differ there: Note [Value head dim] in
+    kernels.py)."""
     full = _covers(reg, shape)
     out, adds = [], []
     for acc, blk, dst in zip(accs, blks, dsts or [None] * len(accs)):
+        shape = (*shape[:-1], blk.shape[-1])
         if acc is None:
             if full and dst is None:
                 out.append(blk)
@@ -637,7 +677,7 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None):
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None, fn=None):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
     key_runs table: Note [Key runs per mask]).
 
@@ -645,7 +685,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     the K/V they belong to, in the same batch as the next K/V (Note [Ring attention schedule]);
     sums as in Note [Fewer passes]."""
     b, h, s, d = q.shape
-    g = k.shape[1]
+    g, dv = k.shape[1], v.shape[-1]
     adt = kernels.acc_dtype(q.dtype)
     chunks = head_chunks(h, g, setup.kv_chunk)
     whole = len(chunks) == 1
@@ -659,8 +699,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     wide_first = any(r != (0, s) for rows in runs.values() for r in rows)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators
         g_c = chunks[0][1].stop - chunks[0][1].start
-        kv, acc = b * g_c * s * d * k.element_size(), b * g_c * s * d * torch.finfo(adt).bits // 8
-        comm.reserve([kv, kv, acc, acc] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
+        kv, acc = b * g_c * s * k.element_size(), b * g_c * s * torch.finfo(adt).bits // 8
+        comm.reserve([kv * d, kv * dv, acc * d, acc * dv] + ([key_valid.numel() * key_valid.element_size()] if key_valid is not None else []))
     # Chunks write into the full-size outputs; whole heads return their sums as tensors of their
     # own (a single block's gradient as the kernel returned it: no copy).
     full_out = None if whole else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
@@ -693,11 +733,12 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
+        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device)
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
-                            runs=runs)
+                            runs=runs, fn=blocks)
         del k_c, v_c
         for st in steps:
-            kv_shape = st.k.shape
+            kv_shapes = st.k.shape, st.v.shape
             last_step = st.index == world - 1
             kv_grads = []
             for i, (c, allowed) in enumerate(st.calls):
@@ -732,16 +773,16 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
                     # would narrow it on arrival: same values, half the bytes of the one hop no
                     # later kernel of this chunk hides) or straight into the outputs.
                     if use_comm:
-                        dk_dst, dv_dst = (torch.empty(kv_shape, dtype=t.dtype, device=q.device) for t in (k, v))
+                        dk_dst, dv_dst = (torch.empty(sh, dtype=t.dtype, device=q.device) for sh, t in zip(kv_shapes, (k, v)))
                     else:
-                        dk_dst, dv_dst = out_slice(1, hk, kv_shape, k.dtype), out_slice(2, hk, kv_shape, v.dtype)
+                        dk_dst, dv_dst = out_slice(1, hk, kv_shapes[0], k.dtype), out_slice(2, hk, kv_shapes[1], v.dtype)
                 keys = _region(c, b, keys=True)
-                dk_acc, dv_acc = _accumulate([dk_acc, dv_acc], [dk_b, dv_b], keys, kv_shape, adt,
+                dk_acc, dv_acc = _accumulate([dk_acc, dv_acc], [dk_b, dv_b], keys, kv_shapes[0], adt,
                                              None if dk_dst is None else [dk_dst, dv_dst])
                 del dk_b, dv_b
             if dk_acc is None:  # no kernel call against this block: it still travels (exact zeros)
-                dk_acc = torch.zeros(kv_shape, dtype=k.dtype, device=q.device)
-                dv_acc = torch.zeros_like(dk_acc)
+                dk_acc = torch.zeros(kv_shapes[0], dtype=k.dtype, device=q.device)
+                dv_acc = torch.zeros(kv_shapes[1], dtype=v.dtype, device=q.device)
             if use_comm:
                 # The accumulator of the block held now goes to rank+1 with the next batch (it
                 # holds that block next step; after the last step the hop brings it home).

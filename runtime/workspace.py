@@ -440,10 +440,11 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     zero = sympy.Integer(0)
     acc = _acc_itemsize(q.itemsize)
     modified = bool(a.get("softcap")) or a.get("alibi_slopes") is not None
+    fn = bool(a.get("mask_fn"))  # a mask function: the math path (CUDA) or the CPU kernel's mask, per row chunk
     if q.device_type == "cuda" or modified:
-        if kv_mask is None and not window and q.itemsize == 2 and not modified:  # fp16/bf16: the fused kernels
+        if kv_mask is None and not window and not fn and q.itemsize == 2 and not modified:  # the fused kernels
             return zero, zero
-        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex":
+        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex" and not fn:
             return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows
@@ -454,12 +455,12 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
         scores = acc * b * h * plane
         row_bytes = acc * b * h * most * d  # one [b, h, rows, d] in the accumulator dtype
         kv32 = q.with_itemsize(acc).nbytes  # K or V expanded to q's heads, in the accumulator dtype
-        masks = 2 * b * plane
+        masks = 2 * b * plane + (b * h * plane if fn else zero)  # a function's mask may vary by head
         build = lambda held: sympy.Max(0, 9 * plane - held) if window else zero  # noqa: E731
         mod = scores if modified else zero
         return (2 * kv32 + scores + mod + masks + build(scores) + 2 * row_bytes,
                 4 * kv32 + 2 * scores + mod + masks + build(2 * scores) + 4 * row_bytes)
-    if not (window or (kv_mask is not None and a.get("is_causal"))):
+    if not (window or fn or (kv_mask is not None and a.get("is_causal"))):
         return zero, zero
     mask = sympy.Min(sympy.Integer(MASKED_CALL_BYTES) / h, acc * b * s * s)  # additive, + its bool (1/acc)
     return mask * (1 + sympy.Rational(1, acc)), mask * (1 + sympy.Rational(1, acc))

@@ -43,3 +43,35 @@ def run(gm, passes, config: Config | None = None, world_size: int = 1) -> PassCo
 
 def targets(gm) -> list:
     return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def node_values(gm, *inputs) -> dict:
+    """Every node's value when gm runs on `inputs` (real tensors)."""
+    values = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n] = super().run_node(n)
+            return values[n]
+
+    Record(gm).run(*inputs)
+    return values
+
+
+def lifted_dense(lifted, values: dict, batch: int, n: int) -> torch.Tensor:
+    """The bool [batch, 1, n, n] mask a LiftedMask says (its function read at every position,
+    its inputs' values from `values`)."""
+    i = torch.arange(n)
+    got = torch.ones(batch, 1, n, n, dtype=torch.bool)
+    if lifted.fn is not None:
+        got = got & lifted.fn(torch.arange(batch)[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                              i[None, None, :, None], i[None, None, None, :],
+                              tuple(values[t] for t in lifted.fn_inputs))
+    if lifted.causal:
+        got = got & (i[None, :] <= i[:, None])
+    if lifted.window is not None:
+        d = i[:, None] - i[None, :]
+        got = got & ((d < lifted.window) if lifted.causal else (d.abs() < lifted.window))
+    if lifted.key_valid is not None:
+        got = got & values[lifted.key_valid][:, None, None, :]
+    return got

@@ -69,3 +69,34 @@ def counting_key_runs():
         yield calls
     finally:
         ops.key_runs_table = ring.key_runs_table = table_fn
+
+
+def fp64_judge(got, eager, ref) -> dict:
+    """Relative L2 distances to an fp64 reference of a lower-precision run (`got`) and of eager
+    under the same precision (`eager`), per part: each argument a tuple of tensors or
+    {name: tensor} dicts (None entries, parameters without a gradient, are left out; a dict
+    part is one vector, the whole gradient). Returns {part: (got_err, eager_err)}."""
+    def flat(x):
+        if isinstance(x, dict):
+            return torch.cat([x[k].detach().double().flatten() for k in sorted(x) if x[k] is not None])
+        return x.detach().double().flatten()
+
+    out = {}
+    for i, (g, e, r) in enumerate(zip(got, eager, ref)):
+        g, e, r = flat(g), flat(e), flat(r)
+        norm = float(r.norm()) or 1.0
+        out[i] = (float((g - r).norm()) / norm, float((e - r).norm()) / norm)
+    return out
+
+
+FP64_SLACK = 1.25  # how much further from fp64 than eager a run may be (its rounding order differs)
+# A distance below which any run counts as close (a 16th of bf16's rounding unit 2^-8): a scalar
+# such as the loss can land nearer fp64 than bf16 rounding accounts for, by luck, in eager.
+FP64_FLOOR = 2.0 ** -12
+
+
+def fp64_excess(judged: dict, slack: float = FP64_SLACK, floor: float = FP64_FLOOR) -> list[str]:
+    """The parts of an fp64_judge result where the run is further from fp64 than `slack` times
+    eager's distance and than `floor` (empty: as close as eager)."""
+    return [f"part {part}: {got:.3e} from fp64, eager {eager:.3e}" for part, (got, eager) in judged.items()
+            if not got <= max(slack * eager, floor)]

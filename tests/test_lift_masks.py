@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from graphs import dynamo_graph, run, targets
+from graphs import dynamo_graph, lifted_dense, node_values, run, targets
 
-from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
+from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, fake, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
 from ringcc.passes.lift_masks import lift_masks
 from ringcc.report import SkipReason
@@ -121,18 +121,32 @@ def test_hf_style_int_mask_lookup():
 
 @pytest.mark.parametrize("name,mask", [
     ("dense input", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
-    ("upper triangle", sdpa_mask(lambda q: torch.ones(N, N, dtype=torch.bool).triu())),
-    ("diagonal", sdpa_mask(lambda q: ar(q)[None] == ar(q)[:, None])),
-    ("causal or window", sdpa_mask(lambda q: (ar(q)[None] <= ar(q)[:, None]) | ((ar(q)[None] - ar(q)[:, None]).abs() < 2))),
-    ("shifted causal", sdpa_mask(lambda q: ar(q)[None] <= ar(q)[:, None] + 1)),
-    ("first row only", sdpa_mask(lambda q: ar(q)[None, :] <= torch.arange(1)[:, None])),
-    ("sliced positions", sdpa_mask(lambda q: ar(q)[None, :] <= ar(q)[:1, None])),
     ("mask times data", lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=(ar(q)[None] <= ar(q)[:, None]) & (m > 0))),
 ])
 def test_unliftable_masks_record_why(name, mask):
-    fn = mask if mask.__code__.co_argcount == 4 else (lambda q, k, v, m: mask(q, k, v))
-    detail = skip(fn, torch.randn(N, N))
-    assert detail
+    detail = skip(mask, torch.randn(N, N))
+    assert "a stored [query, key] mask tensor" in detail
+
+
+@pytest.mark.parametrize("name,build", [
+    ("upper triangle", lambda q: torch.ones(N, N, dtype=torch.bool).triu()),
+    ("diagonal", lambda q: ar(q)[None] == ar(q)[:, None]),
+    ("causal or window", lambda q: (ar(q)[None] <= ar(q)[:, None]) | ((ar(q)[None] - ar(q)[:, None]).abs() < 2)),
+    ("shifted causal", lambda q: ar(q)[None] <= ar(q)[:, None] + 1),
+    ("first row only", lambda q: ar(q)[None, :] <= torch.arange(1)[:, None]),
+    ("sliced positions", lambda q: ar(q)[None, :] <= ar(q)[:1, None]),
+])
+def test_masks_the_structured_spec_does_not_say_are_read_as_functions(name, build):
+    """Masks that are not causal / a window / key padding are the site's mask function
+    (passes/extract_mask.py), equal to the mask eager code computes."""
+    q = qkv()[0]
+    gm, example = dynamo_graph(sdpa_mask(build), *qkv(), with_inputs=True)
+    run(gm, PASSES)
+    (node,) = [n for n in gm.graph.nodes if is_sdpa(n)]
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    assert node.meta[MASK_META].fn is not None
+    got = lifted_dense(node.meta[MASK_META], node_values(gm, *example), q.shape[0], N)
+    assert torch.equal(got, build(q).expand(q.shape[0], 1, N, N))
 
 
 def test_a_stored_query_key_mask_says_how_to_build_one():
@@ -232,13 +246,15 @@ def test_packed_sequence_ids_of_plain_positions_lift_as_causal(capture):
     dict(pos_step=2),  # positions 0, 2, 4, ...: every token starts a packed sequence (a diagonal mask)
     dict(batch_in_prepend=True, compare_steps=True),  # row 1's first step is 0: its key 0 is masked
 ])
-def test_packed_sequence_masks_that_are_not_causal_stay_unlifted(kwargs):
+def test_packed_sequence_masks_that_are_not_causal_are_read_as_functions(kwargs):
     module = PackedSequenceMask(**kwargs)
     assert not torch.equal(module.mask(2, N), torch.ones(N, N, dtype=torch.bool).tril().expand(2, 1, N, N))
-    _, node = _export_site(module)
-    assert MASK_META not in node.meta
-    assert node.meta[SKIP_META] == (SkipReason.UNLIFTABLE_MASK,
-                                    "diff with a prepend that is not the first position minus the step")
+    gm, node = _export_site(module)
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    lifted = node.meta[MASK_META]
+    assert lifted.fn is not None and lifted.fn_inputs  # read from the per-token steps or ids
+    values = node_values(gm, *[torch.randn(fake(p).shape) for p in gm.graph.nodes if p.op == "placeholder"])
+    assert torch.equal(lifted_dense(lifted, values, 2, N), module.mask(2, N))
 
 
 def test_shifted_positions_lift_as_the_positions_they_are():
@@ -246,5 +262,5 @@ def test_shifted_positions_lift_as_the_positions_they_are():
     # range against plain queries (j + 1 <= i) is not, and is refused
     s = spec(sdpa_mask(lambda q: torch.arange(N + 1)[1:][None, :] <= torch.arange(N + 1)[1:][:, None]))
     assert (s.causal, s.window) == (True, None)
-    detail = skip(sdpa_mask(lambda q: torch.arange(N + 1)[1:][None, :] <= ar(q)[:, None]))
-    assert "<= j - i <= -1" in detail
+    gm, node = lifted(sdpa_mask(lambda q: torch.arange(N + 1)[1:][None, :] <= ar(q)[:, None]))
+    assert node.meta[MASK_META].fn is not None  # j + 1 <= i: a function, not the causal spec

@@ -200,7 +200,7 @@ def case_compiled_lengths(rank, world, first_common):
     except ValueError as e:
         outcome = str(e)
     seconds = time.monotonic() - t0
-    ok = compiled(torch.randint(0, 50, (3, 8))).shape  # the ranks go on together
+    ok = compiled(torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(1))).shape  # go on together
     return outcome, seconds, tuple(ok)
 
 
@@ -209,3 +209,166 @@ def test_different_lengths_on_ranks_raise_on_every_rank(pools, first_common):
     for outcome, seconds, shape in pools(2).run(case_compiled_lengths, first_common, timeout=300):
         assert "ranks called" in outcome and "with inputs of different shapes" in outcome, outcome
         assert seconds < 60 and shape == (3, 8, 32)
+
+
+# -- ranks of a sequence group fed different batches ----------------------------------------------
+
+
+def _tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _grads(model) -> dict:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def case_batches(rank, world, mesh_dims=None, check_inputs="every_call", same_first=True):
+    """A tiny HF Llama compiled with ringcc, as a torchrun script runs it. `same_first`: a step
+    with the same batch on every rank of the sequence group (under a (dp, cp) mesh: the dp
+    rank's batch, a sampler over dp only), compared with eager (the loss, every gradient and
+    which parameters have one); then a step where each rank draws its own batch, as a
+    DistributedSampler over every rank gives it. (errors, same gradient set, outcome of the
+    per-rank step, its seconds)."""
+    torch._dynamo.reset()
+    ref, model = _tiny_llama(), _tiny_llama()
+    if mesh_dims is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_dims, mesh_dim_names=("dp", "cp"))
+        config = ringcc.Config(mesh=mesh, axis="cp", inner="eager", check_inputs=check_inputs)
+        stream = mesh["dp"].get_local_rank()
+    else:
+        config = ringcc.Config(inner="eager", check_inputs=check_inputs)
+        stream = 0
+    compiled = torch.compile(model, backend=ringcc.backend(config))
+    errs, same_set = {}, None
+    if same_first:
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(100 + stream))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        errs["loss"] = float((loss - ref_loss).abs() / ref_loss.abs())
+        mine, theirs = _grads(model), _grads(ref)
+        largest = max(float(g.abs().max()) for g in theirs.values() if g is not None)
+        for name, g in theirs.items():
+            if g is not None and mine[name] is not None:
+                errs[name] = float((mine[name] - g).abs().max() / max(float(g.abs().max()), 1e-3 * largest))
+        same_set = {n for n, g in mine.items() if g is None} == {n for n, g in theirs.items() if g is None}
+    if mesh_dims is not None:
+        return errs, same_set, None, 0.0
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(200 + rank))
+    t0 = time.monotonic()
+    try:
+        compiled(input_ids=ids, labels=ids)
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    return errs, same_set, outcome, time.monotonic() - t0
+
+
+def _check_batches(results, same_first=True):
+    for rank, (errs, same_set, outcome, seconds) in enumerate(results):
+        if same_first:
+            worst = max(errs.items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-5 and same_set, (rank, worst, same_set)
+        if outcome is not None:
+            assert "called" in outcome and "with different data" in outcome, (rank, outcome)
+            assert "same batch" in outcome and "num_replicas=mesh['dp'].size()" in outcome, outcome
+            assert seconds < 120, seconds
+
+
+def test_same_batch_matches_eager_and_different_batches_raise_on_every_rank(pools):
+    """The same batch on both ranks: eager's loss and gradients. Then each rank its own batch (what
+    a DistributedSampler, HF Trainer or accelerate gives each rank by default): an error on every
+    rank that names the fix, in bounded time (never rank 0's tokens joined to rank 1's)."""
+    _check_batches(pools(2).run(case_batches, timeout=300))
+
+
+@pytest.mark.soak
+def test_different_batches_at_the_first_call_raise_under_first_call_checks(pools):
+    _check_batches(pools(2).run(case_batches, None, "first_call", False, timeout=300), same_first=False)
+
+
+@pytest.mark.soak
+def test_a_sampler_over_dp_only_matches_eager_on_a_mesh(pools):
+    """dp x cp = 2 x 2: the two dp groups hold different batches, each cp pair the same one (the
+    check compares within the sequence group only)."""
+    _check_batches(pools(4).run(case_batches, (2, 2), timeout=600))
+
+
+def case_functional_batches(rank, world):
+    """ringcc.shard_sequence of a full input drawn per rank: an error on every rank; the same
+    input: this rank's rows."""
+    same = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0))
+    mine = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(rank))
+    try:
+        ringcc.shard_sequence(mine, 1)
+        outcome = "no error"
+    except ValueError as e:
+        outcome = str(e)
+    return outcome, tuple(ringcc.shard_sequence(same, 1).shape)
+
+
+def test_functional_shard_of_different_inputs_raises_on_every_rank(pools):
+    for rank, (outcome, shape) in enumerate(pools(2).run(case_functional_batches, timeout=120)):
+        assert "shard_sequence full inputs of different values" in outcome and "same batch" in outcome, outcome
+        assert shape == (2, 4, 4), rank
+
+
+def case_check_cost(rank, world):
+    """Per call of a compiled graph on CUDA: the time of the input check (the data's checksum,
+    the shapes' code, one all-reduce and host sync), alone and as the slowdown of a GPU-bound
+    loop that runs it between steps (the sync drains the queue, then the host launches anew).
+    Inputs as a 32K-token step sees them: ids and labels [1, 32768] int64, and a block's
+    [1, 32768, 4096] bf16 hidden states (an eager embedding's output, per-block compile)."""
+    from ringcc.backend import check_same_inputs
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    ids = torch.randint(0, 32000, (1, 32768), device=dev)
+    hidden = torch.randn(1, 32768, 4096, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    out = {}
+    for name, inputs in (("ids", [ids, ids.clone()]), ("ids+hidden", [ids, ids.clone(), hidden])):
+        data = tuple(range(len(inputs)))
+        for _ in range(5):
+            check_same_inputs(inputs, None, "graph", data)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            check_same_inputs(inputs, None, "graph", data)
+        out[f"{name}: check alone (us)"] = (time.perf_counter() - t0) / 50 * 1e6
+
+        def loop(check: bool, steps=30) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if check:
+                    check_same_inputs(inputs, None, "graph", data)
+                x = hidden[0, :4096]
+                for _ in range(20):  # ~ a few ms of queued GPU work per step
+                    x = (x @ a).tanh()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / steps * 1e6
+
+        loop(True, 3)
+        base, checked = min(loop(False) for _ in range(3)), min(loop(True) for _ in range(3))
+        out[f"{name}: step without check (us)"] = base
+        out[f"{name}: added per step (us)"] = checked - base
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_input_check_cost_on_one_gpu(pools):
+    """The measured cost of Config(check_inputs="every_call") on CUDA (printed; run with -s)."""
+    (out,) = pools(1, "nccl").run(case_check_cost, timeout=600)
+    for key, value in out.items():
+        print(f"{key}: {value:.1f}")
+    assert out["ids: check alone (us)"] < 2000 and out["ids+hidden: check alone (us)"] < 5000, out

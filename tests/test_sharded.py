@@ -51,3 +51,26 @@ def test_batch_rows_merged_into_the_sequence_dim_keep_their_windows():
     x = SequenceSharded(local, 0, "", 1, "contiguous", 1, 0, 2)
     assert x.shape == (10, 3) and x.positions().tolist() == [-1, 0, 1, 2, 3, 4] * 2
     torch.testing.assert_close(x.full_tensor(), local.view(2, 6, 3)[:, 1:].flatten(0, 1))
+
+
+def test_a_function_that_records_the_wrapper_itself_sends_its_gradient_to_the_shard():
+    """autograd.Function.apply records its inputs as they are (FSDP2's post-backward identity on a
+    block's input): the wrapper's own gradient, of the global value, reaches this rank's rows."""
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    local = torch.randn(2, 6, 3, requires_grad=True)
+    x = sharded(local * 1, front=1, back=0)
+    assert not x.is_leaf and type(x.grad_fn).__name__ == "_FromLocalBackward" and not x._full
+    y = Identity.apply(x)
+    w = torch.randn(2, 5, 3)
+    torch.testing.assert_close(y, local[:, 1:])
+    (y * w).sum().backward()
+    torch.testing.assert_close(local.grad, torch.cat([torch.zeros(2, 1, 3), w], 1))

@@ -20,6 +20,16 @@ def test_zoo(pools, name, world):
         assert zoo.check(arch, res) == [], (rank, res)
 
 
+@pytest.mark.zoo
+@pytest.mark.parametrize("name", zoo.AMP)
+def test_zoo_under_cpu_bf16_autocast(pools, name):
+    """The core architectures with fp32 weights under torch.autocast("cpu", bfloat16), loss
+    inside, p = 2: every site rewritten, the loss and the whole gradient no further from an fp64
+    reference than eager under the same autocast, the same parameters with a gradient."""
+    for rank, res in enumerate(pools(2).run(zoo.run_amp, name, timeout=1200)):
+        assert zoo.check_amp(zoo.BY_NAME[name], res) == [], (rank, res)
+
+
 @pytest.mark.parametrize("name", zoo.CHEAP)
 def test_default_config_decoder_is_exact_and_linear(pools, name):
     """A Hugging Face decoder in its default config (use_cache=True in training), loss inside:
@@ -39,3 +49,13 @@ def test_bloom_left_padded(pools):
     results = pools(2).run(zoo.run_arch, "bloom", ("left_padded",), timeout=1200)
     for rank, res in enumerate(results):
         assert zoo.check(zoo.BY_NAME["bloom"], res) == [], (rank, res)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n in zoo.CHEAP else pytest.mark.zoo) for n in zoo.PACKED])
+def test_packed_documents(pools, name):
+    """Packed documents (position ids restarting per document, use_cache=False, no attention
+    mask): HF's document mask read as a function, every site rewritten, O(n/p), no gather, the
+    loss and every gradient as eager's (and the same parameters with a gradient)."""
+    for rank, res in enumerate(pools(2).run(zoo.run_arch, name, ("packed",), timeout=1200)):
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)
+        assert res["packed"]["gathers"] == [], (rank, res)

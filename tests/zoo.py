@@ -11,6 +11,8 @@ ranks against single-process eager and returns what the tests assert on:
   SequenceSharded output, gathered when read: Note [Sharded outputs]);
 - projection: a fixed random projection of the base model's `last_hidden_state`, outside;
 - padded: right padding with an attention mask (padded labels ignored), loss inside;
+- packed (not in PATTERNS: run by the tests that name it): packed documents (PACKED_DOCS),
+  position ids restarting per document, use_cache=False, no attention mask, loss inside;
 - left_padded (not in PATTERNS: run by the tests that name it): left padding, cross-entropy
   outside over the valid tokens' logits (the padded tokens attend to no key: their rows are
   not eager's, and the one before the first token would predict it in a loss inside).
@@ -56,6 +58,7 @@ class Arch:
     patterns_p4: tuple[str, ...] = ("loss_inside", "ce_outside")  # the patterns run at p > 2
     why: str = ""  # where not O(n/p) or not exact: the op and why (the matrix shows it)
     padded_skipped: int | None = None  # sites skipped in the padded pattern, where it differs (then not O(n/p))
+    inner: str = "aot_eager"  # the compiler ringcc hands the rewritten graph to
 
 
 def _no_dropout(cfg):
@@ -88,6 +91,7 @@ def _hf_default_attention(config_cls: str, **kwargs):
 
 
 _MOE = dict(num_experts_per_tok=2)
+_GROUPED = dict(n_routed_experts=8, moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1, **_MOE)
 
 
 def _config(config_cls: str, auto: str, **kwargs):
@@ -153,6 +157,38 @@ ZOO: list[Arch] = [
                                   shared_expert_intermediate_size=64, **_MOE)),
     Arch("qwen3_moe", _llama_like("Qwen3MoeConfig", num_experts=4, moe_intermediate_size=32, head_dim=8, **_MOE)),
     Arch("olmoe", _llama_like("OlmoeConfig", num_experts=4, **_MOE)),
+    # group-limited routing (scatter_, gather, topk(sorted=False)) and a hybrid of gated delta-net
+    # and attention layers; torch.compile(backend="aot_eager") of Qwen3-Next fails without ringcc too
+    Arch("glm4_moe", _llama_like("Glm4MoeConfig", **_GROUPED)),
+    Arch("deepseek_v3_grouped", _llama_like("DeepseekV3Config", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                    qk_nope_head_dim=4, v_head_dim=8, **_GROUPED), linear=False,
+         why="DeepSeek-V3's expand_kv writes k_nope and k_rot into a new_empty tensor with copy_: run on gathered "
+             "tokens"),
+    Arch("qwen3_next", _llama_like("Qwen3NextConfig", num_experts=4, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=32, head_dim=8, linear_num_value_heads=4,
+                                   linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                   layer_types=["linear_attention", "full_attention"], **_MOE),
+         sites=1, linear=False, inner="inductor",
+         why="the gated delta-net's causal conv1d and chunked recurrence mix the sequence: run on gathered tokens"),
+    # 2026's families in their default configurations: attention sinks with sliding-window layers
+    # and experts (gpt-oss, eager attention), MLA with a value head dim of its own and experts
+    # (DeepSeek-V3), chunked attention layers and complex rotary (Llama 4)
+    Arch("gpt_oss", _hf_default_attention("GptOssConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                          max_position_embeddings=128), worlds=(2, 4)),
+    Arch("deepseek_v3", _hf_default_attention("DeepseekV3Config", vocab_size=VOCAB, hidden_size=32,
+                                              intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
+                                              qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128),
+         worlds=(2, 4)),
+    Arch("llama4", _hf_default_attention("Llama4TextConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                                         intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                         attention_chunk_size=8, max_position_embeddings=128), sites=4,
+         worlds=(2, 4)),
     Arch("bert", _config("BertConfig", "AutoModelForMaskedLM", **_BERT), kind="encoder", worlds=(2, 4)),
     Arch("roberta", _config("RobertaConfig", "AutoModelForMaskedLM", **dict(_BERT, max_position_embeddings=130)),
          kind="encoder"),
@@ -172,8 +208,25 @@ ZOO: list[Arch] = [
                          num_labels=10), kind="vision", patterns=("loss_inside", "ce_outside", "projection"),
          linear=False, why=_VISION_WHY),
 ]
+# Packed documents (padding-free packing, as TRL's DataCollatorWithFlattening feeds it): position
+# ids restarting at each document, no attention mask, use_cache=False (HF builds the document
+# mask only without a cache). The site's mask is a function of the position ids and the
+# documents' ids (Note [Mask functions] in runtime/maskfn.py).
+ZOO.append(Arch("gemma3", _llama_like("Gemma3TextConfig", head_dim=8, sliding_window=8),
+                patterns=("loss_inside", "ce_outside", "projection")))
+PACKED = ("llama", "qwen3", "mistral", "gemma3", "mixtral")
+PACKED_DOCS = ((10, 6, 8), (3, 21))  # document lengths per batch row (N tokens each)
+
+
+def _packed_positions() -> torch.Tensor:
+    return torch.tensor([[i for length in row for i in range(length)] for row in PACKED_DOCS])
+
+
 BY_NAME = {a.name: a for a in ZOO}
 CHEAP = ("llama",)  # run in `make test` too (loss inside and outside)
+# the core architectures under CPU bf16 autocast with fp32 weights (`run_amp`; no MoE: grouped
+# matmul takes no fp64 reference)
+AMP = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo2", "gpt2", "opt", "bert", "roberta")
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,6 +271,8 @@ def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
         mask[1, -PAD:] = 0
         labels = labels.masked_fill(mask == 0, -100)
         return model(**{data: x}, attention_mask=mask, labels=labels).loss
+    if pattern == "packed":
+        return model(**{data: x}, position_ids=_packed_positions(), use_cache=False, labels=labels).loss
     if pattern == "left_padded":
         mask = torch.ones_like(x)
         mask[1, :PAD] = 0
@@ -239,11 +294,12 @@ def _grad_errors(model, ref) -> dict[str, float]:
     return errs
 
 
-def run_arch(rank: int, world: int, name: str, patterns=None, inner: str = "aot_eager") -> dict:
+def run_arch(rank: int, world: int, name: str, patterns=None, inner: str | None = None) -> dict:
     """Every pattern of `name` on this rank: errors against eager and the report facts."""
     import ringcc
 
     arch = BY_NAME[name]
+    inner = inner or arch.inner
     torch.manual_seed(0)
     ref = arch.factory().train()
     torch.manual_seed(0)
@@ -278,6 +334,49 @@ def run_arch(rank: int, world: int, name: str, patterns=None, inner: str = "aot_
             seconds=time.perf_counter() - t0,
         )
     return results
+
+
+def run_amp(rank: int, world: int, name: str, inner: str = "aot_eager") -> dict:
+    """`name`'s loss inside under torch.autocast("cpu", bfloat16), fp32 weights, on this rank:
+    ringcc and eager under the same autocast judged against an fp64 reference, no autocast
+    (parity.fp64_judge: the loss and the whole gradient); the sites and which parameters got a
+    gradient."""
+    import copy
+
+    import ringcc
+    from parity import fp64_judge
+
+    arch = BY_NAME[name]
+    torch.manual_seed(0)
+    eager = arch.factory().train()
+    ref, model = copy.deepcopy(eager).double(), copy.deepcopy(eager)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=inner)))
+    torch._dynamo.reset()
+    ringcc.reset_reports()
+    runs = []
+    for m, fn, amp in ((ref, ref, False), (eager, eager, True), (model, compiled, True)):
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = _call(arch, fn, "loss_inside", _inputs(arch), {})
+        loss.backward()
+        runs.append((loss.detach(), {k: p.grad for k, p in m.named_parameters()}))
+    reports = ringcc.reports()
+    return dict(judged=fp64_judge(runs[2], runs[1], runs[0]),
+                rewritten=sum(len(r.rewritten) for r in reports), skipped=sum(len(r.skipped) for r in reports),
+                skip_reasons=sorted({f"{s.reason.value}: {s.detail}" for r in reports for s in r.skipped}),
+                no_grad=[sorted(k for k, g in run[1].items() if g is None) for run in runs[1:]])
+
+
+def check_amp(arch: Arch, res: dict) -> list[str]:
+    """What differs from the zoo's expectations under autocast (empty: as expected)."""
+    from parity import fp64_excess
+
+    bad = fp64_excess(res["judged"])
+    if (res["rewritten"], res["skipped"]) != (arch.sites, arch.skipped):
+        bad.append(f"sites rewritten {res['rewritten']}, skipped {res['skipped']} (expected {arch.sites}, "
+                   f"{arch.skipped}) {res['skip_reasons']}")
+    if res["no_grad"][0] != res["no_grad"][1]:
+        bad.append(f"parameters without a gradient: eager {res['no_grad'][0]}, ringcc {res['no_grad'][1]}")
+    return bad
 
 
 class _CompiledBase:
@@ -324,7 +423,10 @@ config (decoders keep `use_cache=True` in training), compiled with `backend="rin
 (inner compiler aot_eager) on {world} gloo ranks (CPU) and compared with single-process eager.
 Patterns: loss inside (`labels=`), cross-entropy outside on `out.logits`, a random projection
 of `last_hidden_state` outside, right padding with an attention mask (vision models: the
-first three). Outputs are returned sharded (docs/outputs.md).
+first three). Outputs are returned sharded (docs/outputs.md). Packed documents (the decoders
+named in the column): position ids restarting per document, `use_cache=False`, no attention
+mask, loss inside; sites rewritten / found, the planner's verdict, and the loss and every
+gradient against eager (their errors are in the max gradient error column).
 
 - sites: attention sites rewritten / found (over the graphs of a pattern);
 - O(n/p): the memory planner's verdict for every graph of every pattern;
@@ -338,16 +440,22 @@ first three). Outputs are returned sharded (docs/outputs.md).
 
 def matrix(rows: dict[str, dict], world: int) -> str:
     lines = [HEADER.format(world=world, tol=TOL),
-             "| architecture | kind | sites | O(n/p) | exact | max gradient error | not O(n/p) because |",
-             "|---|---|---|---|---|---|---|"]
+             "| architecture | kind | sites | O(n/p) | exact | max gradient error | packed documents | "
+             "not O(n/p) because |",
+             "|---|---|---|---|---|---|---|---|"]
     for arch in ZOO:
         res = rows.get(arch.name)
         if res is None:
-            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | not run in this generation |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | - | - | - | - | not run in this generation |")
             continue
         if isinstance(res, str):
-            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | run failed: {res} |")
+            lines.append(f"| {arch.name} | {arch.kind} | - | no | no | - | - | run failed: {res} |")
             continue
+        packed = res.get("packed")
+        packed = "-" if packed is None else (
+            f"{sum(packed['rewritten'])}/{sum(packed['rewritten']) + sum(packed['skipped'])}, "
+            f"{'O(n/p)' if packed['linear'] else 'not O(n/p)'}, "
+            f"{'exact' if packed['loss'] < TOL and packed['grad'] < TOL else 'not exact'}")
         sites = sorted({f"{sum(r['rewritten'])}/{sum(r['rewritten']) + sum(r['skipped'])}" for r in res.values()})
         linear = all(r["linear"] for r in res.values())
         verdict = "yes" if linear else "no"
@@ -358,7 +466,7 @@ def matrix(rows: dict[str, dict], world: int) -> str:
             sorted({c for r in res.values() for c in r["culprits"] + r["gathers"]})
         worst = max(r["grad"] for r in res.values())
         lines.append(f"| {arch.name} | {arch.kind} | {', '.join(sites)} | {verdict} | "
-                     f"{'yes' if exact else 'no'} | {worst:.1e} | {'; '.join(why) or '-'} |")
+                     f"{'yes' if exact else 'no'} | {worst:.1e} | {packed} | {'; '.join(why) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -460,7 +568,8 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                rows[arch.name] = pool.run(run_arch, arch.name, timeout=900)[0]
+                patterns = arch.patterns + (("packed",) if arch.name in PACKED else ())
+                rows[arch.name] = pool.run(run_arch, arch.name, patterns, timeout=900)[0]
             except Exception as e:  # noqa: BLE001 - a failing architecture is a row of the matrix
                 rows[arch.name] = str(e).strip().splitlines()[-1][:200]
             print(f"{arch.name}: {time.perf_counter() - t0:.0f} s "

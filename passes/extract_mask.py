@@ -1,0 +1,734 @@
+"""Extract a site's mask as a function of (b, h, q_idx, kv_idx) from the subgraph that computed it.
+
+Note [Mask extraction]
+The SDPA attn_mask is computed in the graph, in whatever form the tracer left: broadcasts of
+aranges, index lookups of [b, n] tensors, logical and arithmetic ops, where / masked_fill, an
+additive float mask. Each node of that subgraph is evaluated to a symbolic value: an
+expression over *axes*, one fresh variable per dim of the node's value (None for a dim of size
+1), so that element [i0, i1, ..] of the node equals the expression with each axis replaced by
+its index. Every op makes fresh axes for its output and substitutes them into its inputs'
+expressions (aligned as broadcasting aligns dims; a slice x[a:] substitutes a + axis, an index
+lookup t[i, j] substitutes the index expressions), so a value's axes are its own and an arange
+read along two dims (q and kv) gives two variables. Sizes are never read from the node's
+arguments: `view(2, 16, ..)`, `expand(b, 1, n, n)` and `arange(16)` only say where the dims go,
+so the function holds at every block size and position.
+
+The walk stops at per-token values: a node it cannot read (a graph input, cumsum, diff, an
+embedding of positions, ..) whose value has at most one dim of the sequence's length becomes
+a tensor input t_k of the function, read through its axes (load). Such values are whole-length
+and replicated in the graph (ids, positions, padding masks), so the ring op takes them as they
+are and reads them at global positions. A node with two sequence dims that the walk cannot read
+(a stored [n, n] mask) is not extractable: its values are data.
+
+At the mask the dims are (from the right) kv, q, h, b; substituting the indices for their axes
+gives the function. A bool mask is the function; an additive float mask must take the value 0
+(attend) or at most -1e4 (masked) only, which the walk proves from its constants (where,
+masked_fill, full, sums of such); otherwise it is a score bias, not a mask. Nothing is
+evaluated on data: the function holds for every input.
+
+The top-level conjuncts `kv <= q` are the causal flag (the ring's causal schedule and its
+zigzag layout read it); the rest stays the function (runtime/maskfn.py, Note [Mask functions]).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from ringcc.runtime.maskfn import OPS, MaskFn
+
+from .attention_form import fake, same_size
+
+aten = torch.ops.aten
+VERY_NEGATIVE = -1e4
+
+
+class Unextractable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Val:
+    """A tensor node as an expression over its axes (one per dim; None: a dim of size 1)."""
+
+    expr: tuple
+    axes: tuple
+
+
+@dataclass
+class Extracted:
+    fn: Optional[MaskFn]  # None: the mask is causal (or nothing) alone
+    inputs: list  # the tensor inputs t0.. (graph nodes)
+    causal: bool
+
+
+def _c(v) -> tuple:
+    return ("c", v)
+
+
+def _is_c(e) -> bool:
+    return e[0] == "c"
+
+
+def _op(name: str, *args) -> tuple:
+    """An expression op(args), folded when every operand is a constant."""
+    if all(_is_c(a) for a in args) and name in OPS:
+        try:
+            return _c(OPS[name][1](*(a[1] for a in args)))
+        except (ZeroDivisionError, TypeError):
+            pass
+    if name in ("add", "sub") and args[1] == _c(0) or name == "mul" and args[1] == _c(1):
+        return args[0]
+    if name in ("add", "mul") and args[0] == _c(0 if name == "add" else 1):
+        return args[1]
+    if name == "add" and args[0][0] == "add" and _is_c(args[0][2]) and _is_c(args[1]):  # (x + a) + b
+        return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
+    if name == "and":
+        a, b = args
+        for x, y in ((a, b), (b, a)):
+            if x == _c(True):
+                return y
+            if x == _c(False):
+                return _c(False)
+    if name == "or":
+        a, b = args
+        for x, y in ((a, b), (b, a)):
+            if x == _c(False):
+                return y
+            if x == _c(True):
+                return _c(True)
+    return (name,) + tuple(args)
+
+
+def _subst(expr: tuple, m: dict, memo: Optional[dict] = None) -> tuple:
+    """expr with the axes in m replaced by their expressions."""
+    if not m:
+        return expr
+    memo = {} if memo is None else memo
+    if expr in memo:
+        return memo[expr]
+    tag = expr[0]
+    if tag == "ax":
+        out = m.get(expr[1], expr)
+    elif tag in ("c", "i"):
+        out = expr
+    elif tag == "load":
+        out = ("load", expr[1], tuple(_subst(a, m, memo) for a in expr[2]))
+    else:
+        out = _op(tag, *(_subst(a, m, memo) for a in expr[1:]))
+    memo[expr] = out
+    return out
+
+
+def _free_axes(expr: tuple, acc: set) -> set:
+    tag = expr[0]
+    if tag == "ax":
+        acc.add(expr[1])
+    elif tag == "load":
+        for a in expr[2]:
+            _free_axes(a, acc)
+    elif tag not in ("c", "i"):
+        for a in expr[1:]:
+            _free_axes(a, acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------
+# targets
+
+
+def _names(*items) -> set:
+    return set(items)
+
+
+BINARY = {
+    "add": _names(operator.add, torch.add, "add", "__add__", aten.add.Tensor, aten.add.Scalar),
+    "sub": _names(operator.sub, torch.sub, "sub", "__sub__", aten.sub.Tensor, aten.sub.Scalar),
+    "mul": _names(operator.mul, torch.mul, "mul", "__mul__", aten.mul.Tensor, aten.mul.Scalar),
+    "floordiv": _names(operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__", aten.floor_divide.default,
+                       aten.floor_divide.Scalar),
+    "remainder": _names(operator.mod, torch.remainder, "remainder", "__mod__", aten.remainder.Tensor,
+                        aten.remainder.Scalar),
+    "minimum": _names(torch.minimum, "minimum", aten.minimum.default),
+    "maximum": _names(torch.maximum, "maximum", aten.maximum.default),
+    "eq": _names(operator.eq, torch.eq, "eq", "__eq__", aten.eq.Tensor, aten.eq.Scalar),
+    "ne": _names(operator.ne, torch.ne, "ne", "__ne__", aten.ne.Tensor, aten.ne.Scalar),
+    "lt": _names(operator.lt, torch.lt, "lt", "__lt__", aten.lt.Tensor, aten.lt.Scalar),
+    "le": _names(operator.le, torch.le, "le", "__le__", aten.le.Tensor, aten.le.Scalar),
+    "gt": _names(operator.gt, torch.gt, "gt", "__gt__", aten.gt.Tensor, aten.gt.Scalar),
+    "ge": _names(operator.ge, torch.ge, "ge", "__ge__", aten.ge.Tensor, aten.ge.Scalar),
+    "and": _names(operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "bitwise_and", "__and__",
+                  aten.logical_and.default, aten.bitwise_and.Tensor, aten.__and__.Tensor),
+    "or": _names(operator.or_, torch.logical_or, torch.bitwise_or, "logical_or", "bitwise_or", "__or__",
+                 aten.logical_or.default, aten.bitwise_or.Tensor, aten.__or__.Tensor),
+    "xor": _names(operator.xor, torch.logical_xor, "logical_xor", "__xor__", aten.logical_xor.default),
+}
+RSUB = _names("rsub", "__rsub__", torch.rsub, aten.rsub.Scalar)
+RADD = _names("__radd__")
+RMUL = _names("__rmul__")
+UNARY = {
+    "neg": _names(operator.neg, torch.neg, "neg", "__neg__", aten.neg.default),
+    "abs": _names(operator.abs, torch.abs, "abs", "__abs__", aten.abs.default),
+    "not": _names(operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__",
+                  aten.logical_not.default, aten.bitwise_not.default),
+}
+DIV = _names(torch.div, "div", aten.div.Tensor_mode, aten.div.Scalar_mode)
+ARANGE = _names(torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
+KEEP = _names("contiguous", "clone", "detach", torch.clone, aten.clone.default, aten.contiguous.default,
+              aten.lift_fresh_copy.default, aten.alias.default, aten.detach.default)
+CAST = _names("to", "type_as", "bool", "float", "half", "bfloat16", "double", "int", "long", aten._to_copy.default,
+              aten.to.dtype, aten.to.device, aten.to.dtype_layout)
+EXPAND = _names("expand", "expand_as", "broadcast_to", torch.broadcast_to, aten.expand.default)
+RESHAPE = _names("unsqueeze", torch.unsqueeze, aten.unsqueeze.default, "view", "reshape", torch.reshape,
+                 aten.view.default, aten.reshape.default, "squeeze", torch.squeeze, aten.squeeze.dim,
+                 aten._unsafe_view.default)
+FULL_LIKE = {torch.ones: 1, torch.zeros: 0, torch.ones_like: 1, torch.zeros_like: 0, "new_ones": 1, "new_zeros": 0,
+             aten.ones.default: 1, aten.zeros.default: 0, aten.new_ones.default: 1, aten.new_zeros.default: 0,
+             aten.ones_like.default: 1, aten.zeros_like.default: 0}
+FULL = _names(torch.full, "new_full", torch.full_like, aten.full.default, aten.full_like.default, "fill_")
+TRIL = _names(torch.tril, "tril", aten.tril.default)
+TRIU = _names(torch.triu, "triu", aten.triu.default)
+MASKED_FILL = _names(torch.masked_fill, "masked_fill", "masked_fill_", aten.masked_fill.Scalar,
+                     aten.masked_fill_.Scalar)
+WHERE = _names(torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+INDEX = _names(aten.index.Tensor)
+SLICE = _names(aten.slice.Tensor)
+SELECT = _names(aten.select.int)
+
+
+def _target_in(t, group: set) -> bool:
+    try:
+        return t in group
+    except TypeError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# the walk
+
+
+class _Walk:
+    def __init__(self, seq_lengths: tuple):
+        self.seq = seq_lengths
+        self.memo: dict = {}
+        self.leaves: list = []  # graph nodes read as tensors t0..
+        self.counter = itertools.count()
+
+    def fresh(self, size) -> Optional[int]:
+        return None if isinstance(size, int) and size == 1 else next(self.counter)
+
+    def axes_of(self, node) -> tuple:
+        v = fake(node)
+        return tuple(self.fresh(s) for s in v.shape)
+
+    # -- entry
+
+    def eval(self, x: Any) -> Any:
+        if isinstance(x, torch.fx.Node):
+            if x not in self.memo:
+                self.memo[x] = self._node(x)
+            return self.memo[x]
+        if isinstance(x, (bool, int, float)):
+            return x
+        if x is None:
+            return None
+        raise Unextractable(f"the mask uses a constant of type {type(x).__name__}")
+
+    def value(self, x: Any, node: torch.fx.Node) -> Val:
+        """x (a Val or a Python number) as a Val aligned to `node`'s output."""
+        return x if isinstance(x, Val) else Val(_c(x), ())
+
+    def _leaf(self, node: torch.fx.Node) -> Val:
+        v = fake(node)
+        if not isinstance(v, torch.Tensor):
+            if isinstance(v, (bool, int, float)):
+                return v
+            raise Unextractable(f"the mask reads {node.name}, which is not a tensor or a number")
+        seq_dims = [d for d, s in enumerate(v.shape) if any(same_size(s, n) for n in self.seq) and not
+                    (isinstance(s, int) and s == 1)]
+        if len(seq_dims) > 1:
+            raise Unextractable(
+                f"a stored [query, key] mask tensor ({node.name}, {node.op} "
+                f"{getattr(node.target, '__name__', node.target)}, shape {tuple(v.shape)}): a tensor with a query "
+                "and a key dim whose values are data, not computed from positions and per-token values in the graph; "
+                "build the mask from positions and per-token values (e.g. torch.arange(n)[:, None] >= "
+                "torch.arange(n)[None, :], doc[:, :, None] == doc[:, None, :]), use flex_attention with a mask_mod, "
+                "or pass is_causal=True")
+        if node not in self.leaves:
+            self.leaves.append(node)
+        k = self.leaves.index(node)
+        axes = self.axes_of(node)
+        return Val(("load", k, tuple(_c(0) if a is None else ("ax", a) for a in axes)), axes)
+
+    def _node(self, node: torch.fx.Node) -> Any:
+        if node.op in ("placeholder", "get_attr"):
+            return self._leaf(node)
+        if node.op not in ("call_function", "call_method"):
+            raise Unextractable(f"the mask is built by {node.op} {node.target}")
+        t, args, kw = node.target, node.args, node.kwargs
+        v = fake(node)
+        if not isinstance(v, torch.Tensor):
+            if isinstance(v, (bool, int, float)):
+                return v
+            return self._leaf(node)
+        for name, group in BINARY.items():
+            if _target_in(t, group):
+                return self._pointwise(node, name, args[0], args[1] if len(args) > 1 else kw.get("other"))
+        if _target_in(t, RSUB):
+            return self._pointwise(node, "sub", args[1] if len(args) > 1 else kw.get("other"), args[0])
+        if _target_in(t, RADD) or _target_in(t, RMUL):
+            return self._pointwise(node, "add" if t in RADD else "mul", args[1], args[0])
+        for name, group in UNARY.items():
+            if _target_in(t, group):
+                return self._pointwise(node, name, args[0])
+        if _target_in(t, DIV):
+            mode = kw.get("rounding_mode", args[2] if len(args) > 2 else None)
+            if mode == "floor":
+                return self._pointwise(node, "floordiv", args[0], args[1])
+            return self._leaf_or_fail(node, f"division with rounding_mode={mode!r}")
+        if _target_in(t, ARANGE):
+            return self._arange(node)
+        if _target_in(t, KEEP):
+            return self._same(node, self.eval(args[0]))
+        if _target_in(t, CAST):
+            return self._cast(node, self.eval(args[0]))
+        if _target_in(t, EXPAND):
+            return self._expand(node, self.eval(args[0]))
+        if _target_in(t, RESHAPE):
+            return self._reshape(node, args[0])
+        if t is operator.getitem:
+            return self._getitem(node)
+        if _target_in(t, INDEX):
+            return self._index(node, args[0], (slice(None),) * 0 + tuple(args[1]))
+        if _target_in(t, SLICE):
+            return self._aten_slice(node)
+        if _target_in(t, SELECT):
+            return self._aten_select(node)
+        if _target_in(t, FULL_LIKE):
+            return self._const(node, FULL_LIKE[t])
+        if _target_in(t, FULL):
+            value = kw.get("fill_value", args[-1] if t not in ("new_full",) else args[2] if len(args) > 2 else None)
+            if not isinstance(value, (int, float, bool)):
+                raise Unextractable(f"{node.name}: full() with a value that is not a constant ({value!r})")
+            return self._const(node, value)
+        if _target_in(t, TRIL) or _target_in(t, TRIU):
+            return self._band(node, upper=_target_in(t, TRIU))
+        if _target_in(t, MASKED_FILL):
+            x, m, value = args[0], args[1], args[2] if len(args) > 2 else kw.get("value")
+            return self._pointwise(node, "where", m, value, x)
+        if _target_in(t, WHERE):
+            if len(args) < 3:
+                raise Unextractable(f"{node.name}: where() with one argument (nonzero)")
+            return self._pointwise(node, "where", args[0], args[1], args[2])
+        return self._leaf_or_fail(node, "")
+
+    def _leaf_or_fail(self, node: torch.fx.Node, why: str) -> Val:
+        try:
+            return self._leaf(node)
+        except Unextractable as e:
+            name = getattr(node.target, "__name__", node.target)
+            raise Unextractable(f"the mask uses {name}{' (' + why + ')' if why else ''} on query x key values, "
+                                f"which mask extraction does not read: {e}") from None
+
+    # -- value makers
+
+    def _out(self, node: torch.fx.Node) -> tuple:
+        return self.axes_of(node)
+
+    def _align(self, x: Any, out_axes: tuple) -> tuple:
+        """x's expression with its axes replaced by the output's (trailing alignment)."""
+        if not isinstance(x, Val):
+            return _c(x)
+        if len(x.axes) > len(out_axes):
+            raise Unextractable("an operand has more dims than the result")
+        m = {}
+        off = len(out_axes) - len(x.axes)
+        for d, a in enumerate(x.axes):
+            if a is None:
+                continue
+            o = out_axes[off + d]
+            if o is None:
+                raise Unextractable("an operand's dim collapses to size 1")
+            m[a] = ("ax", o)
+        return _subst(x.expr, m)
+
+    def _pointwise(self, node: torch.fx.Node, op: str, *operands) -> Val:
+        vals = [self.eval(o) for o in operands]
+        if any(v is None for v in vals):
+            raise Unextractable(f"{node.name}: a missing operand")
+        out = self._out(node)
+        exprs = [self._align(v, out) for v in vals]
+        return Val(_op(op, *exprs), out)
+
+    def _same(self, node: torch.fx.Node, x: Any) -> Any:
+        if not isinstance(x, Val):
+            return x
+        out = self._out(node)
+        return Val(self._align(x, out), out)
+
+    def _cast(self, node: torch.fx.Node, x: Any) -> Any:
+        v = fake(node)
+        src = fake(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+        out = self._out(node)
+        e = self._align(x, out)
+        if isinstance(src, torch.Tensor) and src.dtype == v.dtype:
+            return Val(e, out)
+        if v.dtype == torch.bool:
+            e = _op("bool", e)
+        elif v.dtype.is_floating_point:
+            e = _op("float", e)
+        else:
+            e = _op("int", e)
+        return Val(e, out)
+
+    def _const(self, node: torch.fx.Node, value) -> Val:
+        v = fake(node)
+        value = bool(value) if v.dtype == torch.bool else float(value) if v.dtype.is_floating_point else int(value)
+        return Val(_c(value), self._out(node))
+
+    def _arange(self, node: torch.fx.Node) -> Val:
+        args = list(node.args)
+        start, step = 0, 1
+        if len(args) >= 2:
+            start = args[0]
+            step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+        start = node.kwargs.get("start", start)
+        if isinstance(start, torch.fx.Node):
+            start = fake(start)
+        if not isinstance(start, int) or not isinstance(step, int):
+            raise Unextractable(f"{node.name}: arange with a start or step that is not a constant")
+        out = self._out(node)
+        ax = _c(0) if out[0] is None else ("ax", out[0])
+        return Val(_op("add", _op("mul", ax, _c(step)), _c(start)), out)
+
+    def _expand(self, node: torch.fx.Node, x: Any) -> Any:
+        return self._same(node, x)  # new leading dims and widened size-1 dims: trailing alignment
+
+    def _reshape(self, node: torch.fx.Node, base: torch.fx.Node) -> Any:
+        """Only inserting or removing size-1 dims: the other dims keep their order."""
+        x = self.eval(base)
+        if not isinstance(x, Val):
+            return x
+        src, out = list(fake(base).shape), list(fake(node).shape)
+        out_axes = self._out(node)
+        real_in = [d for d, s in enumerate(src) if not (isinstance(s, int) and s == 1)]
+        real_out = [d for d, s in enumerate(out) if not (isinstance(s, int) and s == 1)]
+        if len(real_in) != len(real_out) or not all(same_size(src[i], out[o]) for i, o in zip(real_in, real_out)):
+            raise Unextractable(f"{node.name}: a reshape of the mask that merges or splits dims "
+                                f"({tuple(src)} -> {tuple(out)})")
+        m = {x.axes[i]: ("ax", out_axes[o]) for i, o in zip(real_in, real_out) if x.axes[i] is not None}
+        return Val(_subst(x.expr, m), out_axes)
+
+    def _getitem(self, node: torch.fx.Node) -> Any:
+        base, idx = node.args
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if any(isinstance(i, torch.fx.Node) for i in idx):
+            return self._index(node, base, idx)
+        x = self.eval(base)
+        if not isinstance(x, Val):
+            raise Unextractable(f"{node.name}: indexing a number")
+        src = fake(base).shape
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+        expanded = []
+        for i in idx:
+            if i is Ellipsis:
+                expanded.extend([slice(None)] * (len(src) - n_real))
+            else:
+                expanded.append(i)
+        while sum(1 for i in expanded if i is not None) < len(src):
+            expanded.append(slice(None))
+        out_axes = self._out(node)
+        m, d_in, d_out = {}, 0, 0
+        for i in expanded:
+            if i is None:
+                d_out += 1
+                continue
+            a = x.axes[d_in]
+            if isinstance(i, int):
+                if a is not None:
+                    m[a] = _c(i if i >= 0 else _concrete(src[d_in], node) + i)
+                d_in += 1
+                continue
+            if not isinstance(i, slice):
+                raise Unextractable(f"{node.name}: an index of type {type(i).__name__}")
+            start, step = i.start or 0, i.step or 1
+            if not isinstance(start, int) or not isinstance(step, int) or step < 1:
+                raise Unextractable(f"{node.name}: a slice with a start or step that is not a constant")
+            if start < 0:
+                start = _concrete(src[d_in], node) + start
+            if a is not None:
+                o = out_axes[d_out]
+                m[a] = _op("add", _op("mul", _c(0) if o is None else ("ax", o), _c(step)), _c(start))
+            d_in += 1
+            d_out += 1
+        return Val(_subst(x.expr, m), out_axes)
+
+    def _aten_slice(self, node: torch.fx.Node) -> Any:
+        args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+        base, dim, start, end, step = args[:5]
+        nd = fake(base).dim()
+        idx = [slice(None)] * nd
+        idx[dim % nd] = slice(start, end, step)
+        return self._getitem_of(node, base, tuple(idx))
+
+    def _aten_select(self, node: torch.fx.Node) -> Any:
+        base, dim, i = node.args
+        nd = fake(base).dim()
+        idx = [slice(None)] * nd
+        idx[dim % nd] = i
+        return self._getitem_of(node, base, tuple(idx))
+
+    def _getitem_of(self, node, base, idx):
+        saved = node.args
+        node.args = (base, idx)
+        try:
+            return self._getitem(node)
+        finally:
+            node.args = saved
+
+    def _index(self, node: torch.fx.Node, base: torch.fx.Node, idx: tuple) -> Val:
+        """base[i0, i1, ..] with tensor indices on its leading dims (HF's padding_mask[b, kv])."""
+        if any(not isinstance(i, torch.fx.Node) for i in idx):
+            raise Unextractable(f"{node.name}: indexing that mixes tensors with slices or None")
+        x = self.eval(base)
+        if not isinstance(x, Val):
+            raise Unextractable(f"{node.name}: indexing a number")
+        ivals = [self.eval(i) for i in idx]
+        out_axes = self._out(node)
+        n_bcast = len(out_axes) - (len(x.axes) - len(idx))
+        bcast_axes = out_axes[:n_bcast]
+        m = {}
+        for d, iv in enumerate(ivals):
+            if fake(idx[d]).dtype == torch.bool:
+                raise Unextractable(f"{node.name}: boolean-mask indexing")
+            a = x.axes[d]
+            if a is not None:
+                m[a] = self._align(iv, bcast_axes)
+        for d in range(len(idx), len(x.axes)):
+            a = x.axes[d]
+            if a is not None:
+                o = out_axes[n_bcast + d - len(idx)]
+                m[a] = _c(0) if o is None else ("ax", o)
+        return Val(_subst(x.expr, m), out_axes)
+
+    def _band(self, node: torch.fx.Node, upper: bool) -> Val:
+        x = self.eval(node.args[0])
+        k = node.kwargs.get("diagonal", node.args[1] if len(node.args) > 1 else 0)
+        if not isinstance(k, int):
+            raise Unextractable(f"{node.name}: tril / triu with a diagonal that is not a constant")
+        out = self._out(node)
+        e = self._align(x, out)
+        row = _c(0) if out[-2] is None else ("ax", out[-2])
+        col = _c(0) if out[-1] is None else ("ax", out[-1])
+        diff = _op("sub", col, row)
+        keep = _op("ge", diff, _c(k)) if upper else _op("le", diff, _c(k))
+        zero = _c(False) if fake(node).dtype == torch.bool else _c(0)
+        return Val(_op("where", keep, e, zero), out)
+
+
+def _concrete(size, node) -> int:
+    if isinstance(size, int):
+        return size
+    raise Unextractable(f"{node.name}: a negative index on a dim of symbolic size")
+
+
+# ---------------------------------------------------------------------------------------
+# value sets of additive masks
+
+
+def _values(e: tuple, depth: int = 0) -> Optional[set]:
+    """The finite set of values an expression can take, when its constants say (None: unknown)."""
+    tag = e[0]
+    if tag == "c":
+        return {float(e[1])}
+    if tag == "where":
+        a, b = _values(e[2]), _values(e[3])
+        return None if a is None or b is None else a | b
+    if tag in ("float", "int"):
+        inner = _values(e[1])
+        return {0.0, 1.0} if inner is None and _is_bool(e[1]) else inner
+    if tag in ("add", "sub", "mul"):
+        a, b = _values(e[1]), _values(e[2])
+        if a is None or b is None or len(a) * len(b) > 64:
+            return None
+        f = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[tag]
+        out = set()
+        for x in a:
+            for y in b:
+                r = f(x, y)
+                out.add(-math.inf if r != r else r)  # -inf - -inf style NaN cannot arise from masks; kept finite
+        return out
+    if tag == "neg":
+        a = _values(e[1])
+        return None if a is None else {-x for x in a}
+    if _is_bool(e):
+        return {0.0, 1.0}
+    return None
+
+
+def _is_bool(e: tuple) -> bool:
+    return e[0] in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "not", "bool") or \
+        (e[0] == "c" and isinstance(e[1], bool))
+
+
+# ---------------------------------------------------------------------------------------
+# entry
+
+
+def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extracted:
+    """The function of the SDPA mask `mask` ANDed with is_causal (Note [Mask extraction])."""
+    walk = _Walk(seq_lengths)
+    val = walk.eval(mask)
+    mv = fake(mask)
+    if not isinstance(val, Val):
+        raise Unextractable("the mask is a number")
+    nd = len(val.axes)
+    if nd < 2 or nd > 4:
+        raise Unextractable(f"a mask of {nd} dims (SDPA takes [.., q, kv])")
+    names = ("b", "h", "q", "kv")[4 - nd:]
+    m = {a: ("i", name) for a, name in zip(val.axes, names) if a is not None}
+    expr = _subst(val.expr, m)
+    left = _free_axes(expr, set())
+    if left:
+        raise Unextractable("the mask's value depends on a dim that broadcasting drops")
+    if mv.dtype != torch.bool:
+        values = _values(expr)
+        bad = None if values is None else sorted(v for v in values if v != 0 and v > VERY_NEGATIVE)
+        if values is None or bad:
+            what = "values the graph does not fix" if values is None else f"the values {bad[:4]}"
+            raise Unextractable(f"an additive mask with {what}: a score bias, not a mask of 0 and -inf")
+        expr = _op("eq", expr, _c(0.0))
+    return _finish(expr, walk.leaves, is_causal)
+
+
+def _finish(expr: tuple, leaves: list, is_causal: bool) -> Extracted:
+    """The causal flag split off (Note [Mask extraction]) and the rest as a MaskFn."""
+    _check_loads(expr, leaves)
+    conj = _conjuncts(expr)
+    causal = is_causal or any(_is_causal(c) for c in conj)
+    rest = [c for c in conj if not _is_causal(c)]
+    if any(c == _c(False) for c in rest):
+        raise Unextractable("the mask is always false")
+    rest = [c for c in rest if c != _c(True)]
+    if not rest:
+        return Extracted(None, [], causal)
+    body = rest[0]
+    for c in rest[1:]:
+        body = _op("and", body, c)
+    fn, used = _emit(body)
+    return Extracted(fn, [leaves[k] for k in used], causal)
+
+
+def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths: tuple) -> Extracted:
+    """The function of a flex_attention site's mask_mod subgraph (dynamo's HOP carries it as a
+    graph of 0-d ops over its placeholders b, h, q_idx, kv_idx and the mask_mod's other buffers,
+    which are the site's `buffers` in the outer graph)."""
+    walk = _Walk(seq_lengths)
+    holders = [n for n in mask_mod.graph.nodes if n.op == "placeholder"]
+    if len(holders) != 4 + len(buffers):
+        raise Unextractable(f"a mask_mod with {len(holders)} inputs for 4 indices and {len(buffers)} buffers")
+    for node, name in zip(holders, INDEX_NAMES):
+        walk.memo[node] = Val(("i", name), ())
+    outer = dict(zip(holders[4:], buffers))
+    (ret,) = [n for n in mask_mod.graph.nodes if n.op == "output"]
+    res = ret.args[0]
+    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+    val = walk.eval(res)
+    if not isinstance(val, Val):
+        return Extracted(None, [], False) if bool(val) else _always_false()
+    if val.axes:
+        raise Unextractable("a mask_mod whose value is not a scalar")
+    return _finish(val.expr, [outer.get(n, n) for n in walk.leaves], False)
+
+
+def _always_false():
+    raise Unextractable("the mask is always false")
+
+
+INDEX_NAMES = ("b", "h", "q", "kv")
+
+
+def _check_loads(expr: tuple, leaves: list, seen: Optional[set] = None) -> None:
+    """Every tensor read reads it at most at one position index per load (a stored [q, kv] table
+    is data, not a function of per-token values)."""
+    seen = set() if seen is None else seen
+    if expr in seen:
+        return
+    seen.add(expr)
+    if expr[0] == "load":
+        pos = [a for a in expr[2] if _mentions(a, {"q", "kv"})]
+        if any(_mentions(a, {"q"}) for a in pos) and any(_mentions(a, {"kv"}) for a in pos):
+            raise Unextractable(f"the mask reads {leaves[expr[1]].name} at a query and a key position: a stored "
+                                "[q, kv] table, whose values are data")
+        for a in expr[2]:
+            _check_loads(a, leaves, seen)
+    elif expr[0] not in ("c", "i", "ax"):
+        for a in expr[1:]:
+            _check_loads(a, leaves, seen)
+
+
+def _mentions(expr: tuple, names: set) -> bool:
+    if expr[0] == "i":
+        return expr[1] in names
+    if expr[0] in ("c", "ax"):
+        return False
+    if expr[0] == "load":
+        return any(_mentions(a, names) for a in expr[2])
+    return any(_mentions(a, names) for a in expr[1:])
+
+
+def _conjuncts(e: tuple) -> list:
+    if e[0] == "and":
+        return _conjuncts(e[1]) + _conjuncts(e[2])
+    return [e]
+
+
+KV, Q = ("i", "kv"), ("i", "q")
+
+
+def _is_causal(e: tuple) -> bool:
+    """kv <= q in one of its spellings."""
+    if e in (("le", KV, Q), ("ge", Q, KV)):
+        return True
+    if e[0] == "not" and e[1] in (("gt", KV, Q), ("lt", Q, KV)):
+        return True
+    return e in (("lt", KV, _op("add", Q, _c(1))), ("gt", _op("add", Q, _c(1)), KV))
+
+
+def _emit(body: tuple) -> tuple[MaskFn, list]:
+    """The program of an expression (shared subexpressions once), and the leaves it reads in
+    the order of their tensor numbers."""
+    lines: list = []
+    index: dict = {}
+    leaf_ids: dict = {}
+
+    def operand(e):
+        if e[0] == "c":
+            return e
+        if e[0] == "i":
+            return e
+        return ("v", emit(e))
+
+    def emit(e) -> int:
+        if e in index:
+            return index[e]
+        if e[0] == "load":
+            k = leaf_ids.setdefault(e[1], len(leaf_ids))
+            line = ("load", (("t", k),) + tuple(operand(a) for a in e[2]))
+        elif e[0] in ("c", "i"):
+            line = ("bool" if isinstance(e[1], bool) else "int", (e,)) if e[0] == "c" else ("add", (e, _c(0)))
+        else:
+            line = (e[0], tuple(operand(a) for a in e[1:]))
+        lines.append(line)
+        index[e] = len(lines) - 1
+        return index[e]
+
+    emit(body)
+    order = sorted(leaf_ids, key=leaf_ids.get)
+    return MaskFn(tuple(lines), len(order)), order

@@ -1,0 +1,362 @@
+"""Masks as functions of (b, h, q_idx, kv_idx): the serialisable form and its evaluation.
+
+Note [Mask functions]
+A site's mask is `mask_mod(b, h, q_idx, kv_idx) -> bool` (True = the key is attended), the model
+flex_attention defines, in global positions. The function may read per-token tensors t0..tk
+(document ids, padding, positions: [b, n], [1, n] or [n], whole length, replicated on every
+rank) at a batch row, a head and a query or key position; nothing in it is [n, n].
+
+Custom ops take no callables, so the function travels as text: a straight-line program of
+torch operations, one value per line,
+
+    maskfn v1 tensors=1
+    %0 = load t0 b q            # t0[b, q_idx]
+    %1 = load t0 b kv           # t0[b, kv_idx]
+    %2 = eq %0 %1
+    %3 = le kv q
+    %4 = and %2 %3
+    return %4
+
+operands: %i (an earlier line), the indices b, h, q, kv, literals (ints, floats, inf, -inf,
+true, false). The ring op takes the text as a `str` argument and the tensors as a list, so
+the function enters the schema, the rank fingerprint (the report's mask spec holds the text)
+and the program `ringcc rewrite` saves. At run time the text is parsed once per distinct text
+(`parse`, cached) and evaluated with torch on index tensors of any broadcastable shapes:
+[b, 1, rows, 1] x [1, 1, 1, keys] for a block of the ring (`FnMask`), or scalar tensors
+under flex_attention's vmap. The runtime splits each ring block by the function (`split`): a
+block it empties is skipped (no kernel), a block it fills runs the unmasked kernel (the fused
+cuDNN / flash / CPU flash kernels), and a partial block is cut into stripes of rows whose runs of
+tiles are empty (no call), full (unmasked calls) or partial (masked calls, the function as their
+mask: the exact math path, or the CPU kernel with the mask). The passes extract the function
+from the graph (passes/extract_mask.py) or take it from a flex_attention call's mask_mod.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+VERSION = "maskfn v1"
+INDICES = ("b", "h", "q", "kv")
+
+
+def _where(c, a, b):
+    return torch.where(c, a, b) if isinstance(c, torch.Tensor) else (a if c else b)
+
+
+def _not(x):
+    return ~x if isinstance(x, torch.Tensor) else not x
+
+
+def _min(a, b):
+    return _where(a < b, a, b)
+
+
+def _max(a, b):
+    return _where(a < b, b, a)
+
+
+def _to(kind):
+    def cast(x):
+        if not isinstance(x, torch.Tensor):
+            return {"bool": bool, "int": int, "float": float}[kind](x)
+        if kind == "bool":
+            return x if x.dtype == torch.bool else x != 0
+        return x.long() if kind == "int" else x.float()
+    return cast
+
+
+# op -> (arity, evaluation)
+OPS = {
+    "add": (2, operator.add), "sub": (2, operator.sub), "mul": (2, operator.mul),
+    "floordiv": (2, operator.floordiv), "remainder": (2, operator.mod), "neg": (1, operator.neg),
+    "abs": (1, abs), "minimum": (2, _min), "maximum": (2, _max),
+    "eq": (2, operator.eq), "ne": (2, operator.ne), "lt": (2, operator.lt), "le": (2, operator.le),
+    "gt": (2, operator.gt), "ge": (2, operator.ge),
+    "and": (2, operator.and_), "or": (2, operator.or_), "xor": (2, operator.xor), "not": (1, _not),
+    "where": (3, _where), "bool": (1, _to("bool")), "int": (1, _to("int")), "float": (1, _to("float")),
+}
+
+
+@dataclass(frozen=True)
+class MaskFn:
+    """A mask function as a straight-line program (Note [Mask functions]). `lines`: (op, operands)
+    per value; an operand is ("v", i) (line i), ("i", name) (an index), ("c", literal), or for
+    `load` its first operand ("t", k) (tensor k). The last line is the result."""
+
+    lines: tuple
+    n_tensors: int
+
+    @functools.cached_property
+    def text(self) -> str:
+        out = [f"{VERSION} tensors={self.n_tensors}"]
+        for i, (op, args) in enumerate(self.lines):
+            out.append(f"%{i} = {op} " + " ".join(_fmt(a) for a in args))
+        out.append(f"return %{len(self.lines) - 1}")
+        return "\n".join(out)
+
+    @functools.cached_property
+    def indices(self) -> frozenset:
+        """The indices the function reads ("b", "h", "q", "kv")."""
+        return frozenset(a[1] for _, args in self.lines for a in args if a[0] == "i")
+
+    @functools.cached_property
+    def roles(self) -> dict:
+        """{tensor k: set of the positions it is read at ("q", "kv", or neither)}."""
+        out: dict = {}
+        for op, args in self.lines:
+            if op == "load":
+                out.setdefault(args[0][1], set()).update(a[1] for a in args[1:] if a[0] == "i" and a[1] in ("q", "kv"))
+        return out
+
+    def __call__(self, b, h, q_idx, kv_idx, tensors=()):
+        env = {"b": b, "h": h, "q": q_idx, "kv": kv_idx}
+        vals = []
+
+        def get(a):
+            kind, x = a
+            return vals[x] if kind == "v" else env[x] if kind == "i" else x
+
+        for op, args in self.lines:
+            if op == "load":
+                t = tensors[args[0][1]]
+                vals.append(t[tuple(get(a) for a in args[1:])])
+            else:
+                vals.append(OPS[op][1](*(get(a) for a in args)))
+        return vals[-1]
+
+
+def _fmt(a) -> str:
+    kind, x = a
+    if kind == "v":
+        return f"%{x}"
+    if kind == "i":
+        return x
+    if kind == "t":
+        return f"t{x}"
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, float):
+        return "inf" if x == math.inf else "-inf" if x == -math.inf else repr(x)
+    return str(int(x))
+
+
+def _operand(tok: str, n_lines: int, n_tensors: int, line: str):
+    if tok.startswith("%"):
+        i = int(tok[1:])
+        if not 0 <= i < n_lines:
+            raise ValueError(f"mask function line {line!r} reads %{i}, which is not an earlier line")
+        return ("v", i)
+    if tok in INDICES:
+        return ("i", tok)
+    if tok.startswith("t") and tok[1:].isdigit():
+        k = int(tok[1:])
+        if not 0 <= k < n_tensors:
+            raise ValueError(f"mask function line {line!r} reads t{k}; the function has {n_tensors} tensors")
+        return ("t", k)
+    if tok in ("true", "false"):
+        return ("c", tok == "true")
+    if tok in ("inf", "-inf"):
+        return ("c", float(tok))
+    try:
+        return ("c", int(tok))
+    except ValueError:
+        pass
+    try:
+        return ("c", float(tok))
+    except ValueError:
+        raise ValueError(f"mask function line {line!r}: {tok!r} is not an operand (%i, b, h, q, kv, t<k>, or a "
+                         "number)") from None
+
+
+@functools.lru_cache(maxsize=256)
+def parse(text: str) -> MaskFn:
+    """The MaskFn of its text (cached per text: every layer and step reads the same few)."""
+    rows = [r.split("#")[0].strip() for r in text.strip().splitlines()]
+    rows = [r for r in rows if r]
+    if not rows or not rows[0].startswith(VERSION + " tensors="):
+        raise ValueError(f"a mask function starts with '{VERSION} tensors=<k>'; got {rows[:1]!r}")
+    n_tensors = int(rows[0].split("=", 1)[1])
+    lines = []
+    for r in rows[1:-1]:
+        lhs, _, rhs = r.partition("=")
+        if lhs.strip() != f"%{len(lines)}":
+            raise ValueError(f"mask function line {r!r} should define %{len(lines)}")
+        op, *toks = rhs.split()
+        args = tuple(_operand(t, len(lines), n_tensors, r) for t in toks)
+        if op == "load":
+            if not args or args[0][0] != "t":
+                raise ValueError(f"mask function line {r!r}: load takes a tensor t<k> first")
+        elif op not in OPS:
+            raise ValueError(f"mask function line {r!r}: unknown op {op!r}; allowed: load, {', '.join(sorted(OPS))}")
+        elif OPS[op][0] != len(args):
+            raise ValueError(f"mask function line {r!r}: {op} takes {OPS[op][0]} operands, got {len(args)}")
+        if op != "load" and any(a[0] == "t" for a in args):
+            raise ValueError(f"mask function line {r!r}: a tensor is read only by load")
+        lines.append((op, args))
+    if not lines or rows[-1] != f"return %{len(lines) - 1}":
+        raise ValueError(f"a mask function ends with 'return %<last line>'; got {rows[-1]!r}")
+    return MaskFn(tuple(lines), n_tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# evaluation over ring blocks
+
+# Tile counts of every classified block since the last reset (tests and the report read them):
+# blocks "empty" / "full" / "partial", tiles ("tiles_empty", ...) of TILE x TILE pairs, and
+# "pairs" (allowed (query, key) pairs this rank computes).
+STATS: Counter = Counter()
+TILE = 128
+EVAL_ELEMENTS = 1 << 24  # (batch x heads x rows x keys) values per evaluation chunk
+
+
+def reset_stats() -> None:
+    STATS.clear()
+
+
+def balance(group=None) -> float:
+    """The ring's load balance under mask functions since the last `reset_stats`: the largest
+    rank's count of allowed (query, key) pairs over the mean of the ranks of `group` (1.0:
+    balanced; one all-reduce pair, every rank must call it)."""
+    import torch.distributed as dist
+
+    mine = float(STATS["pairs"])
+    if not dist.is_available() or not dist.is_initialized():
+        return 1.0
+    t = torch.tensor([mine, mine], dtype=torch.float64)
+    top, total = t[:1].clone(), t[1:].clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(total, group=group)
+    mean = float(total) / dist.get_world_size(group)
+    return float(top) / mean if mean else 1.0
+
+
+@dataclass(frozen=True)
+class FnMask:
+    """The mask of one block call: the function at the global positions of the call's rows
+    (q_pos) and keys (k_pos), batch rows [b0, b1). `rows` evaluates some of them, as a bool
+    [b or 1, h or 1, rows, keys] (kernels take it as a position mask)."""
+
+    fn: MaskFn
+    tensors: tuple
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    batch: int
+    heads: int
+    b0: int = 0
+    h0: int = 0
+    causal: bool = False  # also key position <= query position (a causal diagonal's sub-call)
+
+    def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
+        dev = self.q_pos.device
+        ind = self.fn.indices
+        b = torch.arange(self.b0, self.b0 + self.batch, device=dev)[:, None, None, None] if "b" in ind else 0
+        h = torch.arange(self.h0, self.h0 + self.heads, device=dev)[None, :, None, None] if "h" in ind else 0
+        q = self.q_pos[r0:r1][None, None, :, None]
+        k = self.k_pos[c0:c1][None, None, None, :]
+        m = self.fn(b, h, q, k, self.tensors)
+        if not isinstance(m, torch.Tensor):
+            m = torch.tensor(bool(m), device=dev)
+        if self.causal:
+            m = m & (k <= q)
+        shape = (self.batch if "b" in ind else 1, self.heads if "h" in ind else 1, q.shape[2], k.shape[3])
+        return m.to(torch.bool).expand(shape)
+
+    def sub(self, r0: int, r1: int, c0: int, c1: int, b0: int = 0, b1: int | None = None) -> "FnMask":
+        b1 = self.batch if b1 is None else b1
+        return FnMask(self.fn, self.tensors, self.q_pos[r0:r1], self.k_pos[c0:c1], b1 - b0, self.heads, self.b0 + b0,
+                      self.h0, self.causal)
+
+    def row_chunk(self, keys: int) -> int:
+        ind = self.fn.indices
+        per_row = (self.batch if "b" in ind else 1) * (self.heads if "h" in ind else 1) * max(1, keys)
+        return max(1, EVAL_ELEMENTS // per_row)
+
+
+SPLIT_ROWS = 512  # query rows per stripe of a partial block's calls (a multiple of TILE)
+
+
+def split(mask: FnMask) -> tuple[str, list]:
+    """The block call of `mask` (the function at its rows and keys, its causal flag folded in as
+    key position <= query position) by what the function allows: ("empty", []), ("full", []) when
+    it allows every pair (with `mask.causal`: every pair of the causal diagonal), or
+    ("partial", calls): per stripe of SPLIT_ROWS rows, the runs of TILE-key tiles that are all
+    allowed (unmasked calls), partly allowed (masked calls: the function as their mask) and none
+    (no call); stripes with the same runs share their calls. A call is (r0, r1, c0, c1, masked).
+    Evaluated in chunks of rows (never the [rows, keys] mask of a whole large block); every
+    block and tile is counted in STATS."""
+    lq, lk = mask.q_pos.shape[0], mask.k_pos.shape[0]
+    kt = -(-lk // TILE)
+    step = max(SPLIT_ROWS, mask.row_chunk(lk) // SPLIT_ROWS * SPLIT_ROWS)
+    somes, everys = [], []
+    cover, pairs = True, 0
+    pad = torch.nn.functional.pad
+    for r0 in range(0, lq, step):
+        r1 = min(lq, r0 + step)
+        m = mask.rows(r0, r1)  # [b or 1, h or 1, rows, keys], the diagonal folded in
+        if mask.causal:  # the function alone on the diagonal's pairs: does it leave any out?
+            plain = FnMask(mask.fn, mask.tensors, mask.q_pos, mask.k_pos, mask.batch, mask.heads, mask.b0, mask.h0)
+            band = mask.k_pos[None, :] <= mask.q_pos[r0:r1, None]
+            cover = cover and bool((plain.rows(r0, r1) | ~band).all())
+        else:
+            cover = cover and bool(m.all())
+        per_row = m.any(1)  # a pair allowed in some head
+        pairs += int(per_row.sum()) * (1 if per_row.shape[0] > 1 else mask.batch)
+        flat = m.reshape(-1, r1 - r0, lk).any(0) if m.shape[0] * m.shape[1] > 1 else m[0, 0]
+        full = m.reshape(-1, r1 - r0, lk).all(0) if m.shape[0] * m.shape[1] > 1 else m[0, 0]
+        rows_pad = -(-(r1 - r0) // SPLIT_ROWS) * SPLIT_ROWS - (r1 - r0)
+        s_ = pad(flat, (0, kt * TILE - lk, 0, rows_pad), value=False).view(-1, SPLIT_ROWS, kt, TILE)
+        e_ = pad(full, (0, kt * TILE - lk), value=True)
+        e_ = pad(e_, (0, 0, 0, rows_pad), value=True).view(-1, SPLIT_ROWS, kt, TILE)
+        somes.append(s_.any(3).any(1))
+        everys.append(e_.all(3).all(1))
+        _count_tiles(m.reshape(-1, r1 - r0, lk))
+    some, every = torch.cat(somes).cpu(), torch.cat(everys).cpu()
+    STATS["pairs"] += pairs
+    if not bool(some.any()):
+        STATS["empty"] += 1
+        return "empty", []
+    if cover:
+        STATS["full"] += 1
+        return "full", []
+    STATS["partial"] += 1
+    calls, last = [], None
+    for si in range(some.shape[0]):
+        runs, state, start = [], None, 0
+        for t in range(kt + 1):
+            st = None if t == kt else ("full" if every[si, t] else "partial" if some[si, t] else "empty")
+            if st != state:
+                if state in ("full", "partial"):
+                    runs.append((start * TILE, min(lk, t * TILE), state == "partial"))
+                state, start = st, t
+        r0, r1 = si * SPLIT_ROWS, min(lq, (si + 1) * SPLIT_ROWS)
+        if last is not None and last[1] == runs:
+            last[0][1] = r1
+            continue
+        last = ([r0, r1], runs)
+        calls.append(last)
+    out = [(r0, r1, c0, c1, masked) for (r0, r1), runs in calls for c0, c1, masked in runs]
+    STATS["calls_masked"] += sum(1 for c in out if c[4])
+    STATS["calls_unmasked"] += sum(1 for c in out if not c[4])
+    return "partial", out
+
+
+def _count_tiles(flat: torch.Tensor) -> None:
+    """Count the TILE x TILE tiles of a [bh, rows, keys] chunk by state (a tile is full or empty
+    only when it is so in every batch row and head)."""
+    bh, rows, keys = flat.shape
+    rt, kt = -(-rows // TILE), -(-keys // TILE)
+    pad = torch.nn.functional.pad
+    t = pad(flat, (0, kt * TILE - keys, 0, rt * TILE - rows)).view(bh, rt, TILE, kt, TILE)
+    some = t.any(4).any(2).any(0)
+    valid = pad(torch.ones(rows, keys, dtype=torch.bool, device=flat.device),
+                (0, kt * TILE - keys, 0, rt * TILE - rows)).view(rt, TILE, kt, TILE)
+    every = (t | ~valid).all(4).all(2).all(0)
+    STATS["tiles_empty"] += int((~some).sum())
+    STATS["tiles_full"] += int(every.sum())
+    STATS["tiles_partial"] += int((some & ~every).sum())

@@ -1,0 +1,509 @@
+"""Masks read as functions (runtime/maskfn.py, passes/extract_mask.py): the text form, extraction
+from hand-written mask subgraphs (checked against the mask eager code computes), and ring
+attention under those functions at p = 1..4 against eager SDPA (outputs, every gradient, and
+which parameters have one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from graphs import dynamo_graph, lifted_dense, node_values, run
+
+import ringcc
+from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
+from ringcc.passes.canonicalize_attention import canonicalize_attention
+from ringcc.passes.lift_masks import lift_masks
+from ringcc.runtime import maskfn
+
+PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks)]
+
+DOC_TEXT = """maskfn v1 tensors=1
+%0 = load t0 b q
+%1 = load t0 b kv
+%2 = eq %0 %1
+%3 = le kv q
+%4 = and %2 %3
+return %4"""
+
+
+# ---------------------------------------------------------------------------------------
+# the text form
+
+
+def test_text_round_trips_and_evaluates_at_any_broadcast_shape():
+    fn = maskfn.parse(DOC_TEXT)
+    assert fn.text == DOC_TEXT and maskfn.parse(fn.text) is fn  # parsed once per text
+    assert fn.indices == {"b", "q", "kv"} and fn.roles == {0: {"q", "kv"}}
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    i = torch.arange(8)
+    dense = fn(torch.zeros(1, 1, 1, 1, dtype=torch.long), 0, i[None, None, :, None], i[None, None, None, :], (doc,))
+    want = (doc[0, :, None] == doc[0, None, :]) & (i[None, :] <= i[:, None])
+    assert torch.equal(dense[0, 0], want)
+    # scalar tensors, as flex_attention's vmap hands a mask_mod
+    assert bool(fn(torch.tensor(0), torch.tensor(0), torch.tensor(4), torch.tensor(2), (doc,)))
+    assert not bool(fn(torch.tensor(0), torch.tensor(0), torch.tensor(5), torch.tensor(4), (doc,)))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("%0 = le kv q\nreturn %0", "starts with 'maskfn v1"),
+    ("maskfn v1 tensors=0\n%0 = frob kv q\nreturn %0", "unknown op 'frob'"),
+    ("maskfn v1 tensors=0\n%0 = le kv %3\nreturn %0", "not an earlier line"),
+    ("maskfn v1 tensors=1\n%0 = load t1 b q\nreturn %0", "the function has 1 tensors"),
+    ("maskfn v1 tensors=0\n%0 = le kv\nreturn %0", "le takes 2 operands"),
+])
+def test_malformed_text_is_an_error_that_says_what_is_wrong(text, match):
+    with pytest.raises(ValueError, match=match):
+        maskfn.parse(text)
+
+
+def test_split_skips_empty_tiles_and_runs_full_tiles_unmasked():
+    fn = maskfn.parse("maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2")
+    n = 2 * maskfn.SPLIT_ROWS
+    doc = torch.zeros(1, 2 * n, dtype=torch.long)
+    doc[:, n // 2 + 64:] = 1  # document 0: positions 0 .. n/2 + 63
+    pos = torch.arange(2 * n)
+    maskfn.reset_stats()
+    assert maskfn.split(maskfn.FnMask(fn, (doc,), pos[n:], pos[:n // 2], 1, 1)) == ("empty", [])
+    assert maskfn.split(maskfn.FnMask(fn, (doc,), pos[:n // 2], pos[:n // 2], 1, 1, causal=True)) == ("full", [])
+    state, calls = maskfn.split(maskfn.FnMask(fn, (doc,), pos[:n], pos[:n], 1, 1))
+    t, s = maskfn.TILE, maskfn.SPLIT_ROWS
+    # rows 0..511 (document 0): its keys in full tiles up to the tile holding the boundary, which
+    # is partial, then none; rows 512..1023 start with 64 rows of document 0: every tile partial
+    assert state == "partial"
+    assert calls == [(0, s, 0, n // 2, False), (0, s, n // 2, n // 2 + t, True), (s, n, 0, n, True)], calls
+    st = maskfn.STATS
+    assert (st["empty"], st["full"], st["partial"]) == (1, 1, 1)
+    assert (st["calls_unmasked"], st["calls_masked"]) == (1, 2)
+    assert st["pairs"] == (n // 2) * (n // 2 + 1) // 2 + (n // 2 + 64) ** 2 + (n // 2 - 64) ** 2
+
+
+# ---------------------------------------------------------------------------------------
+# extraction: the function equals the mask eager code computes, on every input
+
+
+def _ar(q):
+    return torch.arange(q.shape[2], device=q.device)
+
+
+def _doc_ids(pos):
+    return (torch.diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+
+
+def documents(q, pos, valid):
+    i = _ar(q)
+    d = _doc_ids(pos)
+    return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None])
+
+
+def documents_window(q, pos, valid):
+    i = _ar(q)
+    d = _doc_ids(pos)
+    near = (i[:, None] - i[None, :]) < 3
+    return (d[:, None, :, None] == d[:, None, None, :]) & (i[None, :] <= i[:, None]) & near
+
+
+def documents_additive(q, pos, valid):
+    d = _doc_ids(pos)
+    n = q.shape[2]
+    m = torch.full((q.shape[0], 1, n, n), float("-inf"), device=q.device).triu(1)
+    return m.masked_fill(d[:, None, :, None] != d[:, None, None, :], float("-inf"))
+
+
+def chunked(q, pos, valid):
+    i = _ar(q)
+    return (i[:, None] // 4 == i[None, :] // 4) & (i[None, :] <= i[:, None])
+
+
+def prefix_lm(q, pos, valid):
+    i = _ar(q)
+    return (i[None, :] <= i[:, None]) | (i[None, :] < 5)
+
+
+def left_padding_causal(q, pos, valid):
+    i = _ar(q)
+    return torch.where((i[None, :] <= i[:, None]) & valid[:, None, None, :].bool(), 0.0, float("-inf"))
+
+
+def bidirectional_padding(q, pos, valid):
+    return valid[:, None, None, :].bool().expand(-1, 1, q.shape[2], -1)
+
+
+def position_causal(q, pos, valid):
+    """Causality read from the position ids themselves (restarting positions: within a document)."""
+    d = _doc_ids(pos)
+    return (pos[:, None, None, :] <= pos[:, None, :, None]) & (d[:, None, :, None] == d[:, None, None, :])
+
+
+MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
+                                 left_padding_causal, bidirectional_padding, position_causal)}
+N = 16
+
+
+def mask_inputs(b=2, n=N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cuts = [[0, 5, 8, n], [0, 2, 11, n]][:b]
+    pos = torch.cat([torch.cat([torch.arange(e - s) for s, e in zip(c, c[1:])])[None] for c in cuts])
+    valid = torch.ones(b, n, dtype=torch.long)
+    valid[0, :3] = 0  # left padding
+    valid[1, n - 4:] = 0  # right padding
+    return torch.randn(b, 4, n, 8, generator=g), pos, valid
+
+
+def _site(gm):
+    (node,) = [n for n in gm.graph.nodes if is_sdpa(n)]
+    return node
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_extracted_function_equals_the_eager_mask(name):
+    build = MASKS[name]
+    q, pos, valid = mask_inputs()
+
+    def f(q, pos, valid):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=build(q, pos, valid))
+
+    gm, example = dynamo_graph(f, q, pos, valid, with_inputs=True)
+    run(gm, PASSES)
+    values = node_values(gm, *example)  # the values of the graph's nodes, those the passes added too
+    node = _site(gm)
+    assert SKIP_META not in node.meta, node.meta.get(SKIP_META)
+    want = build(q, pos, valid)
+    want = (want if want.dtype == torch.bool else want == 0).expand(q.shape[0], 1, N, N)
+    got = lifted_dense(node.meta[MASK_META], values, q.shape[0], N)
+    assert torch.equal(got, want)
+
+
+def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
+    q, _, _ = mask_inputs()
+    table = torch.rand(N, N) > 0.5
+
+    gm = dynamo_graph(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, table)
+    run(gm, PASSES)
+    reason, detail = _site(gm).meta[SKIP_META]
+    assert "a stored [query, key] mask tensor" in detail and "a query and a key dim whose values are data" in detail
+
+
+def test_an_additive_bias_is_a_score_modifier_not_a_mask():
+    q, pos, _ = mask_inputs()
+
+    def f(q, pos):
+        i = _ar(q)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] // 3 == i[:, None] // 3).float() * 0.5)
+
+    gm = dynamo_graph(f, q, pos)
+    run(gm, PASSES)
+    _, detail = _site(gm).meta[SKIP_META]
+    assert "a score bias, not a mask" in detail
+
+
+# ---------------------------------------------------------------------------------------
+# ring attention under mask functions, against eager
+
+
+class MaskedAttention(nn.Module):
+    """One attention layer whose mask is `MASKS[name]`, built in the forward from the inputs."""
+
+    def __init__(self, name: str, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.name, self.h, self.g, self.dh = name, h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, pos, valid):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        mask = MASKS[self.name](q, pos, valid)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_ring_parity(rank, world, name, n, layout):
+    torch._dynamo.reset()  # the pool's processes outlive a test: no graph compiled for another case
+    torch.manual_seed(0)
+    ref, model = MaskedAttention(name), MaskedAttention(name)
+    model.load_state_dict(ref.state_dict())
+    _, pos, valid = mask_inputs(n=n)
+    x = torch.randn(2, n, 32)
+    proj = torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True,
+                                                                         layout=layout)))
+    ringcc.reset_reports()
+    maskfn.reset_stats()
+    # tiles of 4 keys, stripes of 8 rows: the blocks of these short shards split into calls
+    tile, rows = maskfn.TILE, maskfn.SPLIT_ROWS
+    maskfn.TILE, maskfn.SPLIT_ROWS = 4, 8
+    try:
+        out = compiled(x, pos, valid)
+        (out * proj).sum().backward()
+    finally:
+        maskfn.TILE, maskfn.SPLIT_ROWS = tile, rows
+    r = ref(x, pos, valid)
+    (r * proj).sum().backward()
+    rep = ringcc.last_report()
+    want = MASKS[name](x.view(2, n, 4, 8).transpose(1, 2), pos, valid)
+    want = (want if want.dtype == torch.bool else want == 0).expand(2, 1, n, n)
+    stats = dict(maskfn.STATS, dense_pairs=int(want.sum()), balance=maskfn.balance())
+    errs = {"out": float((out - r).abs().max())}
+    grads = {}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        grads[pname] = (p.grad is None, rp.grad is None)
+        if p.grad is not None and rp.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    sites = [(s.decision.value, "function" in (s.mask or {})) for s in rep.sites]
+    return errs, grads, sites, bool(rep.plan.verdict), [g.why for g in rep.gathers], stats
+
+
+def _check_parity(results, name, n):
+    total: dict = {}
+    for errs, grads, sites, verdict, gathers, stats in results:
+        assert all(a == b for a, b in grads.values()), grads  # the same parameters have a gradient
+        assert max(errs.values()) < 2e-5, errs
+        assert [s[0] for s in sites] == ["rewritten"], sites
+        assert verdict and not gathers, (verdict, gathers)
+        for key, value in stats.items():
+            total[key] = total.get(key, 0) + value
+    if any(has_fn for _, has_fn in results[0][2]):
+        assert total.get("partial", 0) + total.get("full", 0) > 0, total
+        # every allowed pair computed once in forward and once in backward, over the ranks
+        assert total["pairs"] == 2 * results[0][5]["dense_pairs"], total
+        pairs = [r[5].get("pairs", 0) for r in results]
+        assert abs(results[0][5]["balance"] - max(pairs) / (sum(pairs) / len(pairs))) < 1e-9
+        if n >= 32 and name in ("documents", "documents_additive"):  # (a window of 3 leaves no full tile)
+            # runs of whole tiles take the unmasked kernel, empty tiles none
+            assert total.get("calls_unmasked", 0) > 0 and total.get("tiles_empty", 0) > 0, total
+
+
+# the default tier: a few cases at p = 2; the whole matrix at p = 1..4 under soak
+FAST = [("documents", "contiguous"), ("chunked", "zigzag")]
+
+
+@pytest.mark.parametrize("name, layout", FAST)
+def test_ring_attention_under_mask_functions_p2(pools, name, layout):
+    _check_parity(pools(2).run(case_ring_parity, name, 40, layout, timeout=300), name, 40)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_ring_attention_under_mask_functions_matrix(pools, world, name):
+    for layout in ("contiguous", "zigzag"):
+        n = 2 * world * 10  # no model dim (32) equals n: the plan reads dims of size n as n
+        _check_parity(pools(world).run(case_ring_parity, name, n, layout, timeout=600), name, n)
+
+
+# ---------------------------------------------------------------------------------------
+# flex_attention sites: the mask_mod is the function
+
+
+class FlexDocAttention(nn.Module):
+    """Attention through flex_attention with a document mask_mod (user code), or through SDPA with
+    the same mask written densely (the reference: flex has no backward on CPU)."""
+
+    def __init__(self, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.h, self.g, self.dh = h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, block_mask=None, dense=None):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        if block_mask is not None:
+            out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_flex_user(rank, world, n):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = FlexDocAttention(), FlexDocAttention()
+    model.load_state_dict(ref.state_dict())
+    _, pos, _ = mask_inputs(n=n)
+    doc = _doc_ids(pos)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
+    i = torch.arange(n)
+    dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    x, proj = torch.randn(2, n, 32), torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():  # dynamo traces flex's entry, which refuses CPU training
+        out = compiled(x, block_mask)
+    (out * proj).sum().backward()
+    r = ref(x, dense=dense)
+    (r * proj).sum().backward()
+    rep = ringcc.last_report()
+    errs = {"out": float((out - r).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    return errs, [(s.form, s.decision.value, s.mask) for s in rep.sites], bool(rep.plan.verdict), len(rep.gathers)
+
+
+def test_flex_attention_site_with_a_document_mask_mod_p2(pools):
+    for errs, sites, verdict, gathers in pools(2).run(case_flex_user, 40, timeout=300):
+        assert max(errs.values()) < 2e-5, errs
+        ((form, decision, mask),) = sites
+        assert (form, decision, mask["causal"]) == ("flex", "rewritten", True), sites
+        assert "load t0 b q" in mask["function"] and verdict and gathers == 0
+
+
+def case_flex_hf(rank, world):
+    """HF Llama with attn_implementation="flex_attention" on packed documents against the same
+    weights under SDPA, eager."""
+    import zoo
+
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = zoo.BY_NAME["llama"].factory().train()
+    model = zoo.BY_NAME["llama"].factory().train()
+    model.load_state_dict(ref.state_dict())
+    model.config._attn_implementation = "flex_attention"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N), generator=gen)
+    pos = zoo._packed_positions()
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():
+        loss = compiled(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    ref_loss.backward()
+    errs = zoo._grad_errors(model, ref)
+    errs["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    sites = [(s.form, s.decision.value) for r in ringcc.reports() for s in r.sites]
+    return errs, sites
+
+
+@pytest.mark.soak
+def test_hf_flex_attention_path_with_packed_documents_p2(pools):
+    for errs, sites in pools(2).run(case_flex_hf, timeout=900):
+        assert max(errs.values()) < 1e-5, errs
+        assert sites == [("flex", "rewritten")] * 2, sites
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch on one GPU (the lead runs it: pytest -m gpu tests/test_mask_functions.py -s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mask_function_dispatch_on_one_gpu():
+    """Packed documents in bf16 at 8K tokens on one GPU (p = 1): the block splits into stripes
+    whose empty tiles get no call and whose full tiles run the fused (cuDNN) kernel, the rest the
+    exact math path; the output and every gradient within bf16's tolerance of eager SDPA with
+    the dense mask, and the tile counts printed (run with -s)."""
+    torch.manual_seed(0)
+    dev, n = torch.device("cuda"), 8192
+    ref = MaskedAttention("documents", d=256, h=4, g=2).to(dev, torch.bfloat16)
+    model = MaskedAttention("documents", d=256, h=4, g=2).to(dev, torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    lengths = [3000, 1100, 2500, 1592]
+    pos = torch.cat([torch.arange(m) for m in lengths])[None].expand(2, -1).contiguous().to(dev)
+    valid = torch.ones(2, n, dtype=torch.long, device=dev)
+    x = torch.randn(2, n, 256, device=dev, dtype=torch.bfloat16)
+    proj = torch.randn_like(x)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    maskfn.reset_stats()
+    out = compiled(x, pos, valid)
+    (out.float() * proj).sum().backward()
+    stats = dict(maskfn.STATS)
+    r = ref(x, pos, valid)
+    (r.float() * proj).sum().backward()
+    print(f"\nmask function dispatch at n = {n}, documents {lengths}: {stats}")
+    assert float((out - r).abs().max() / r.abs().max()) < 2e-2
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        assert float((p.grad - rp.grad).abs().max() / rp.grad.abs().max()) < 3e-2, pname
+    # forward and backward each split the one block: documents leave whole tiles empty and full
+    assert stats["tiles_empty"] > stats["tiles_partial"] and stats["tiles_full"] > stats["tiles_partial"], stats
+    assert stats["calls_unmasked"] > 0 and stats["calls_masked"] > 0, stats
+
+
+def case_llama4_chunked(rank, world):
+    """Llama 4's chunked attention (attention_chunk_size): the mask q // c == kv // c with causal."""
+    import transformers
+    import zoo
+
+    def make():
+        cfg = transformers.Llama4TextConfig(
+            vocab_size=zoo.VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+            attention_chunk_size=8, num_local_experts=2, attn_implementation="sdpa", no_rope_layers=[1, 0])
+        return transformers.Llama4ForCausalLM(zoo._no_dropout(cfg)).train()
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = make()
+    model = make()
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
+    ringcc.reset_reports()
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    errs = zoo._grad_errors(model, ref)
+    errs["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    return errs, [(s.decision.value, (s.mask or {}).get("function", "")) for r in ringcc.reports() for s in r.sites]
+
+
+@pytest.mark.soak
+def test_llama4_chunked_attention_p2(pools):
+    for errs, sites in pools(2).run(case_llama4_chunked, timeout=900):
+        assert max(errs.values()) < 1e-5, errs
+        assert [d for d, _ in sites] == ["rewritten", "rewritten"], sites
+        assert any("floordiv kv 8" in f and "floordiv q 8" in f for _, f in sites), sites
+
+
+# ---------------------------------------------------------------------------------------
+# ringcc rewrite: the function travels in the saved program
+
+
+def doc_factory(seq_len: int = 40):
+    """A factory for `ringcc rewrite`: a documents mask computed from restarting positions."""
+    torch.manual_seed(0)
+    model = MaskedAttention("documents")
+    _, pos, valid = mask_inputs(n=seq_len)
+    return model, (torch.randn(2, seq_len, 32), pos, valid)
+
+
+def case_doc_program(rank, world, path):
+    program = torch.export.load(path).module()
+    model, inputs = doc_factory()
+    program.load_state_dict(model.state_dict())
+    return float((program(*inputs) - model(*inputs)).abs().max())
+
+
+@pytest.mark.soak
+def test_rewrite_saves_the_mask_function_in_the_program(pools, tmp_path):
+    import os
+
+    from ringcc import cli
+
+    out = str(tmp_path / "out")
+    assert cli.main(["rewrite", f"{os.path.abspath(__file__)}:doc_factory", "--world-size", "2", "-o", out]) == 0
+    code = open(os.path.join(out, "program.py")).read()
+    assert "maskfn v1 tensors=1" in code and "cumsum" in code
+    for err in pools(2).run(case_doc_program, os.path.join(out, "program.pt2"), timeout=600):
+        assert err < 2e-5
