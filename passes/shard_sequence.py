@@ -485,7 +485,8 @@ class Sharder:
         full-length value left without a state would read as a table without a sequence (a
         weight), whose rows a shard's own indices would then pick from all n tokens."""
         for a, st in gathered:
-            if st.dim < val.dim() and _eq(val.shape[st.dim], fake(a).shape[st.dim]):
+            if st.dim < val.dim() and _eq(val.shape[st.dim], fake(a).shape[st.dim]) and \
+                    sum(_eq(size, val.shape[st.dim]) for size in val.shape) == 1:  # another dim of that size: a tie
                 return replace(st, sharded=False, start=sympy.Integer(0), index=None)
         return self.seq_of_size(val)
 
@@ -1092,6 +1093,15 @@ def _lookup(w: Sharder, node, index):
     return st  # the output's leading dims are the index's
 
 
+# Note [Windows written in place]
+# A slice of a shard keeps every row of the shard and narrows the window (Note [Sequence
+# state]); the rows outside the window are rows of other tokens of the same storage. A write
+# through that view (`h[:, a:b] += 1`, `h.narrow(1, a, k).mul_(2)`) would write them too, and a
+# selected token (ringcc::seq_select) is a copy that a write would not reach `h` through. So a
+# view of part of the sequence that is written in place is taken from the gathered value, and
+# the later readers of the shard read the gathered value, written (Sharder._fallback).
+
+
 def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: list):
     x = node.args[0]
     if not _eq(st.outer, 1):
@@ -1122,16 +1132,7 @@ def _index_seq(w: Sharder, node, st: Seq, i, pos: int, out_d: int, expanded: lis
         raise Fallback("symbolic slice bounds on the sequence")
     new_index = list(expanded)
     new_index[pos] = slice(None)
-    if _eq(hi - lo, 1):  # Note [Windows written in place]
-# A slice of a shard keeps every row of the shard and narrows the window (Note [Sequence
-# state]); the rows outside the window are rows of other tokens of the same storage. A write
-# through that view (`h[:, a:b] += 1`, `h.narrow(1, a, k).mul_(2)`) would write them too, and a
-# selected token (ringcc::seq_select) is a copy that a write would not reach `h` through. So a
-# view of part of the sequence that is written in place is taken from the gathered value, and
-# the later readers of the shard read the gathered value, written (Sharder._fallback).
-
-
-# Note [One-token windows]
+    if _eq(hi - lo, 1):  # Note [One-token windows]
         node.args = (_select_token(w, x, st, lo, keepdim=True), tuple(new_index))
         w.decisions.append(f"{node.name}: select token {lo}")
         return None

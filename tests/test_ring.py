@@ -409,7 +409,7 @@ def _qkv(h=4, g=4, s=8, d=8, dtype=torch.float32):
         (lambda: _qkv(h=6, g=4), r"query heads \(6\) must be a multiple of key/value heads \(4\)"),
         (lambda: (_qkv()[0], *_qkv(dtype=torch.float64)[1:]), r"must share a dtype"),
         (lambda: (_qkv()[0], _qkv()[1].to("meta"), _qkv()[2]), r"must be on one device"),
-        (lambda: (_qkv()[0], _qkv(s=6)[1], _qkv(s=6)[2]), r"k/v must be \[batch=1, kv_heads, n_local=8"),
+        (lambda: (_qkv()[0], _qkv(s=6)[1], _qkv(s=6)[2]), r"k must be \[batch=1, kv_heads, n_local=8, head_dim=8\] and v \[batch=1, kv_heads, n_local=8, v_head_dim\]"),
         # an empty shard crashed the CPU kernel (SIGFPE); zero K/V heads divided by zero
         (lambda: _qkv(s=0), r"ring_attention needs at least one batch row, head, token and feature in q; got shape \(1, 4, 0, 8\)"),
         (lambda: _qkv(g=0), r"at least one batch row, head, token and feature in k; got shape \(1, 0, 8, 8\)"),
