@@ -30,11 +30,12 @@ def parse_layout(layout) -> Layout:
 
 
 def chunks_per_rank(layout: Layout) -> int:
-    return 2 if Layout(layout) is Layout.ZIGZAG else 1
+    # compared as strings (Layout is a str enum): dynamo in torch 2.11 cannot trace Layout(...)
+    return 2 if layout == Layout.ZIGZAG else 1
 
 
 def local_chunks(rank: int, world: int, layout: Layout) -> tuple[int, ...]:
-    if Layout(layout) is Layout.ZIGZAG:
+    if layout == Layout.ZIGZAG:
         return (rank, 2 * world - 1 - rank)
     return (rank,)
 
