@@ -394,7 +394,7 @@ def test_compiled_model_benchmark_amp_compares_four_steps(tmp_path):
     """bench_model_masked.py --model hf-llama --amp both --plain (CPU, gloo, p = 2, smoke sizes):
     every case with bf16 (here fp32) weights and with fp32 weights under bf16 autocast, ringcc at
     p = 2 and on one device, plain torch.compile on one device; every ringcc graph rewrites both
-    sites, and the targets of issue 53 are computed from the one-device rows."""
+    sites, and the mixed-precision targets are computed from the one-device rows."""
     proc, rec = _torchrun_smoke("bench_model_masked.py", tmp_path, "--model", "hf-llama", "--cases", "unmasked",
                                 "--amp", "both", "--plain", "--one-gpu", timeout=900)
     assert rec["model"] == "hf-llama"

@@ -163,7 +163,7 @@ def check(results, route, loss_inside, between_blocks=0, known=""):
 
 # name: (engine, compile route, Config, tied embeddings, activation checkpointing, loss inside)
 CELLS = {
-    # issue 50's case: FSDP2 over dp, blocks compiled in torchtitan's order, eager root, head and loss
+    # FSDP2 over dp, blocks compiled in torchtitan's order, eager root, head and loss
     "fsdp_dp-blocks_before-mesh": ("fsdp_dp", "blocks_before", "mesh", False, False, True),
     # FSDP2 over the flattened dp x cp mesh, the whole model compiled, Config(group)
     "fsdp_dpcp-model-group": ("fsdp_dpcp", "model", "group", False, False, True),
