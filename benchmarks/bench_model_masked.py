@@ -27,7 +27,8 @@ the loss computed inside from `labels=`; smoke: a tiny one) instead of the L-lay
 as HF Trainer's bf16=True and accelerate's mixed precision do, in place of bf16 weights;
 `--amp both` runs every cell both ways. `--plain` adds the same step under plain
 `torch.compile` (inductor; aot_eager in smoke mode) on rank 0's device alone at the whole length.
-Mixed precision on one GPU: ringcc against plain compile under the same autocast, and against its bf16-weights time (prints the two targets per length):
+Mixed precision on one GPU: ringcc against plain compile under the same autocast, and against
+its bf16-weights time (prints the two targets per length):
 
     torchrun --nproc-per-node 1 benchmarks/bench_model_masked.py --model hf-llama --inner inductor \
         --lengths 16384 32768 --cases unmasked --amp both --plain --reps 3 --warmup 2 --json amp.json
