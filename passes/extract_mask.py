@@ -89,20 +89,14 @@ def _op(name: str, *args) -> tuple:
         return args[1]
     if name == "add" and args[0][0] == "add" and _is_c(args[0][2]) and _is_c(args[1]):  # (x + a) + b
         return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
-    if name == "and":
+    if name in ("and", "or"):  # the unit (True for and, False for or) drops out, the other absorbs
+        unit, absorbing = _c(name == "and"), _c(name == "or")
         a, b = args
         for x, y in ((a, b), (b, a)):
-            if x == _c(True):
+            if x == unit:
                 return y
-            if x == _c(False):
-                return _c(False)
-    if name == "or":
-        a, b = args
-        for x, y in ((a, b), (b, a)):
-            if x == _c(False):
-                return y
-            if x == _c(True):
-                return _c(True)
+            if x == absorbing:
+                return absorbing
     return (name,) + tuple(args)
 
 

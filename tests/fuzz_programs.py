@@ -655,7 +655,7 @@ class Einsum(Op):
         return h + torch.bmm(h.transpose(1, 2), h).diagonal(dim1=1, dim2=2).unsqueeze(1) / n
 
 
-class SeqNorm(Op):
+class SeqNorm(Norm):  # Norm's weight and bias
     """Normalisations whose statistics run over the sequence (batch / instance / group norm on
     [b, d, n], F.normalize and softmax along it) or not (F.normalize over features)."""
 
@@ -663,9 +663,6 @@ class SeqNorm(Op):
 
     def __init__(self, b, n, d, seed, kind="batch_norm"):
         super().__init__(b, n, d, seed, kind=kind)
-        g = _gen(seed)
-        self.weight = nn.Parameter(1 + 0.2 * torch.randn(d, generator=g))
-        self.bias = nn.Parameter(0.1 * torch.randn(d, generator=g))
 
     @staticmethod
     def draw(draw, st, b, n, d):
