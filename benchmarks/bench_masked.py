@@ -4,6 +4,15 @@ unmasked ring, per rank, at the launched p (causal, b = 1; contiguous layout by 
 
     torchrun --nproc-per-node 4 benchmarks/bench_masked.py --json masked.json
     torchrun --nproc-per-node 2 benchmarks/bench_masked.py --smoke          # CPU / gloo, tiny
+    torchrun --nproc-per-node 1 benchmarks/bench_masked.py --vs-flex --json kernels.json
+
+--vs-flex (one GPU): masked and modified attention through ringcc.ring_attention over a group
+of one (its block kernels: flex.py, kernels.py) against flex_attention compiled alone with the
+same BlockMask and score_mod, forward and backward, b = 1, h = 16, d = 128, bf16: soft-cap,
+ALiBi and a 4096 window at 16K and 64K tokens, causal document masks (8 equal documents in 32K,
+64 in 128K), and plain causal / non-causal (ringcc on cuDNN). Both run in one process, alternated
+per cell; the table gives the medians, ringcc's speed over flex's, and the largest difference of
+ringcc's output and gradients from flex's (relative to the largest value).
 
 On CUDA, masked bf16 blocks run flex_attention (runtime/flex.py, Note [Flex blocks]), or with
 RINGCC_MASKED_KERNEL=math the exact math path in chunks of query rows over the keys they may see
@@ -18,6 +27,7 @@ and the largest rank's memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -111,6 +121,115 @@ def cell(case: str, n_local: int, heads: int, d: int, device, dtype, reps: int, 
             "peak_bytes": peak, "warmup_s": warm_s}
 
 
+# --vs-flex: (case, tokens)
+FLEX_CELLS = [("soft-cap", 16384), ("ALiBi", 16384), ("window 4096", 16384), ("soft-cap", 65536), ("ALiBi", 65536),
+              ("window 4096", 65536), ("8 documents", 32768), ("64 documents", 131072), ("causal", 16384),
+              ("causal", 65536), ("non-causal", 16384), ("non-causal", 65536)]
+SOFTCAP, WINDOW = 50.0, 4096
+DOCUMENTS = "maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2"
+
+
+def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) -> dict:
+    """One --vs-flex cell: ringcc against flex_attention alone (see the module's docstring)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ringcc import _compat
+    from ringcc.runtime import ops
+
+    h, d = (2, 16) if smoke else (16, 128)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    gen = torch.Generator().manual_seed(n)
+    q, k, v, dout = (torch.randn(1, h, n, d, generator=gen).to(device, dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    causal = case != "non-causal"
+    slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1) / h)).to(device)
+    docs = int(case.split()[0]) if "documents" in case else 0
+    doc = (torch.arange(n, device=device) // (n // docs))[None] if docs else None
+    window = WINDOW if case.startswith("window") else None
+
+    def mask_mod(b, hh, i, j):
+        m = j <= i if causal else i >= 0
+        if window:
+            m = m & (i - j < window)
+        if docs:
+            m = m & (doc[0, i] == doc[0, j])
+        return m
+
+    score_mod = None
+    if case == "soft-cap":
+        def score_mod(s, b, hh, i, j):
+            return torch.tanh(s / SOFTCAP) * SOFTCAP
+    elif case == "ALiBi":
+        def score_mod(s, b, hh, i, j):
+            return s + slopes[hh] * (j - i).to(torch.float32)
+    block = create_block_mask(mask_mod, 1, None, n, n, device=device, _compile=not smoke)
+    flex = torch.compile(flex_attention) if not smoke else flex_attention
+    group = _compat.group_name(dist.group.WORLD)
+
+    def ring():
+        if docs:
+            return ops.ring_attention_op(q, k, v, None, True, d ** -0.5, group, 1, "contiguous", 0, None, 0.0, None,
+                                         None, DOCUMENTS, doc)[0]
+        return ringcc.ring_attention(q, k, v, is_causal=causal, window=window,
+                                     softcap=SOFTCAP if case == "soft-cap" else None,
+                                     alibi_slopes=slopes if case == "ALiBi" else None)
+
+    runs = {"ringcc": ring, "flex": lambda: flex(q, k, v, score_mod=score_mod, block_mask=block)}
+    results = {}
+    for name, fn in runs.items():  # outputs and gradients, for the comparison
+        out = fn()
+        out.backward(dout)
+        results[name] = [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+    err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results.values()))
+    del results
+    times = {name: [] for name in runs}
+    cuda = device.type == "cuda"
+    for it in range(warmup + reps):
+        for name, fn in runs.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            fn().backward(dout)
+            if cuda:
+                end.record()
+                end.synchronize()
+            ms = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
+            q.grad = k.grad = v.grad = None
+            if it >= warmup:
+                times[name].append(ms)
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return {"case": case, "n": n, "ringcc_ms": ms["ringcc"], "flex_ms": ms["flex"],
+            "speed_vs_flex": ms["flex"] / ms["ringcc"], "max_rel_diff": err}
+
+
+def vs_flex(args) -> int:
+    device, _ = dist_setup.start(args.smoke)
+    if dist.get_world_size() != 1:
+        raise SystemExit(f"--vs-flex runs on one process (a group of one); got {dist.get_world_size()}")
+    from ringcc.runtime import kernels
+
+    cells = [(c, 256 if args.smoke else n) for c, n in FLEX_CELLS if not args.n_local or n in args.n_local]
+    rows = []
+    print(f"{'case':14} {'tokens':>7} {'ringcc ms':>10} {'flex ms':>9} {'vs flex':>8} {'max rel diff':>13}", flush=True)
+    from ringcc import _compat
+
+    for case, n in cells:
+        with _compat.flex_cpu_backward() if args.smoke else contextlib.nullcontext():  # CPU flex: its dense path
+            r = flex_cell(case, n, device, args.reps, args.warmup, args.smoke)
+        rows.append(r)
+        print(f"{case:14} {n:>7} {r['ringcc_ms']:10.2f} {r['flex_ms']:9.2f} {r['speed_vs_flex']:7.2f}x "
+              f"{r['max_rel_diff']:13.2e}", flush=True)
+    info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)",
+            "torch": torch.__version__, "dtype": "bfloat16" if device.type == "cuda" else "float32", "heads": 16,
+            "d": 128, "b": 1, "reps": args.reps, "warmup": args.warmup, "softcap": SOFTCAP, "window": WINDOW,
+            "flex_fallbacks": {str(k): v for k, v in kernels._FLEX_FAILED.items()}, "rows": rows}
+    dist_setup.finish(info, args.json_path)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU with gloo, fp32")
@@ -121,9 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["contiguous", "zigzag", "auto"], default="contiguous",
                     help="sequence layout; auto: zigzag for causal cases without a window, as the backend picks")
     ap.add_argument("--json", dest="json_path", default="masked.json")
+    ap.add_argument("--vs-flex", action="store_true", help="one GPU: ringcc's masked and modified blocks against "
+                    "flex_attention alone (see the module's docstring)")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 1:
         ap.error(f"--reps and --warmup must be >= 1; got {args.reps} and {args.warmup}")
+    if args.vs_flex:
+        return vs_flex(args)
 
     device, dtype = dist_setup.start(args.smoke)
     use_cuda = device.type == "cuda"

@@ -82,8 +82,8 @@ def raise_recompile_limit(limit: int) -> None:
 @contextlib.contextmanager
 def autograd_inside_op():
     """Autograd recording inside a custom op's kernel, which runs with the autograd dispatch
-    keys excluded (torch.enable_grad alone records nothing there): flex.py differentiates a
-    block's own forward inside the ring's backward op."""
+    keys excluded (torch.enable_grad alone records nothing there): flex.py traces a score
+    function's joint graph inside the ring's backward op."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality) | torch._C.DispatchKeySet(
         torch._C.DispatchKey.ADInplaceOrView)
     included, excluded = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
@@ -104,6 +104,35 @@ def flex_cpu_backward():
         yield
     finally:
         fa._validate_device = check
+
+
+def flex_backward_op():
+    """(flex_attention's backward higher-order op, its builder of the score function's forward
+    and joint graphs): runtime/flex.py calls the backward kernel with the rows' global (out,
+    lse) (Note [Flex blocks]). Private in torch 2.11 and 2.13, with the same signatures. The
+    graphs are traced as flex traces its functions: t[i] with a tensor index is an index op."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
+
+    def graphs(score_mod, example, tensors):
+        with TransformGetItemToIndex():
+            return create_fw_bw_graph(score_mod, example, tensors)
+
+    return flex_attention_backward, graphs
+
+
+def trace_fake(fn, args) -> torch.fx.GraphModule:
+    """fn traced over fake copies of args (make_fx): an ATen graph, higher-order ops kept."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
+    """An ATen graph compiled by inductor for inputs like example_inputs: a callable of them."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
 
 
 def compile_errors() -> tuple[type, ...]:

@@ -9,12 +9,16 @@ out = 0, lse = -inf.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ringcc import _compat
 
+from . import kernels, maskfn
 from .dtypes import acc_dtype
 
 # Note [Flex blocks]
@@ -29,19 +33,21 @@ from .dtypes import acc_dtype
 # bounds of those positions and of the key mask: O(tiles), never the [Lq, Lk] mask (torch's
 # create_block_mask evaluates it whole). Full tiles skip the mask_mod; empty tiles are skipped.
 #
-# Backward: flex_attention's backward recomputes P from its own forward's (out, lse), while a
-# ring block needs the gradient under the row's global (O, L) (kernels.block_bwd). With the
-# block's own forward (o, l) recomputed, c = exp(l - L) and D = rowsum(dO * O), autograd
-# through (o, l) with grad_o = c * dO and grad_l = rowsum(grad_o * o) - c * D gives exactly
-# dS = P (dO V^T - D), P = exp(S - L): the block's share of the global gradient. It costs one
-# more forward of the block, and holds O(Lq + Lk) bytes per head (no scores).
+# Backward: flex_attention's public backward recomputes P from its own forward's (out, lse),
+# while a ring block needs the gradient under the row's global (O, L) (kernels.block_bwd). Its
+# backward kernel (the flex_attention_backward higher-order op) takes (out, lse) as inputs, and
+# fed the global ones it computes exactly that: P = exp(S - L), D = rowsum(dO * O), dS = P (dP -
+# D), the block's share of the global gradient, in one kernel. Dynamo does not trace that op
+# from user code, so the backward is traced once per block shape with make_fx (the score and
+# mask functions as flex's subgraphs, their tensors as explicit inputs: `Fn`) and compiled by
+# inductor (`_bwd_program`); on CPU the traced graph runs the op's dense implementation.
 #
 # A BlockMask holds O(query tiles x key tiles) indices, quadratic in the shard, so a block of
 # more than CALL_ROWS query rows runs one flex call per chunk of CALL_ROWS rows (backward: dK/dV
 # summed over the chunks in fp32): O(CALL_ROWS / TILE x Lk / TILE) per call, linear in the shard.
 # The planner counts these bytes (workspace.masked_calls).
 
-TILE = 128  # flex_attention's default sparse block size
+TILE = kernels.FLEX_TILE  # flex_attention's default sparse block size
 CALL_ROWS = 16384  # query rows per flex call (a multiple of TILE)
 _FAR = 2**30  # a position difference bound no block reaches (int32-safe)
 
@@ -96,8 +102,10 @@ def _ordered(tiles_bhqk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _bound(lo: int, hi: int, dtype, device) -> torch.Tensor:
-    return torch.tensor([lo, hi], dtype=dtype, device=device)
+def _bound(lo: int, hi: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) as 0-d tensors: a function's tensors are read whole, never indexed by a number
+    (make_fx would bake the index in as a constant the kernel's subgraph cannot take)."""
+    return tuple(torch.tensor(x, dtype=dtype, device=device) for x in (lo, hi))
 
 
 def _positions(lq: int, lk: int, window, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +117,7 @@ def _positions(lq: int, lk: int, window, device) -> tuple[torch.Tensor, torch.Te
 
 def _position_tiles(lq: int, lk: int, causal: bool, window, device, rows):
     """(some, full) bool [1, 1, row tiles, key tiles] from the positions alone, with the
-    mask_mod's (pos_q of the rows, pos_k, [lo, hi]); see tile_states."""
+    mask function's tensors (pos_q of the rows, pos_k, lo, hi); see tile_states."""
     r0, r1 = rows
     pos_q, pos_k = _positions(lq, lk, window, device)
     pos_q = pos_q[r0:r1]
@@ -120,7 +128,7 @@ def _position_tiles(lq: int, lk: int, causal: bool, window, device, rows):
     dmin, dmax = qmin[:, None] - kmax[None, :], qmax[:, None] - kmin[None, :]
     some = ((dmax >= lo) & (dmin < hi))[None, None]
     full = ((dmin >= lo) & (dmax < hi))[None, None]
-    return some, full, (pos_q, pos_k, _bound(lo, hi, pos_q.dtype, torch.device(device)))
+    return some, full, (pos_q, pos_k, *_bound(lo, hi, pos_q.dtype, torch.device(device)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,8 +165,8 @@ def _per_window(window, key, rows, lk: int, build):
 def tile_states(lq: int, lk: int, causal: bool, key_valid_bs, window, device, rows=None):
     """(some, full) bool [b or 1, 1, row tiles, key tiles] of block rows `rows` ((r0, r1);
     None: all): tiles with some / every (row, key) pair visible (conservative: a tile is full
-    only when every pair is visible, empty only when none is). Also the mask_mod's inputs:
-    (pos_q of those rows, pos_k, [lo, hi])."""
+    only when every pair is visible, empty only when none is). Also the mask function's
+    tensors: (pos_q of those rows, pos_k, lo, hi)."""
     rows = rows or (0, lq)
     if window is None:
         some, full, mod_inputs = _arange_tiles(lq, lk, causal, torch.device(device), rows)
@@ -166,47 +174,123 @@ def tile_states(lq: int, lk: int, causal: bool, key_valid_bs, window, device, ro
         some, full, mod_inputs = _per_window(window, ("tiles", causal, rows), rows, lk,
                                              lambda: _position_tiles(lq, lk, causal, window, device, rows))
     if key_valid_bs is not None:
-        kt = -(-lk // TILE)
-        pad = kt * TILE - lk
-        kv = key_valid_bs
-        any_ = torch.nn.functional.pad(kv, (0, pad), value=False).view(kv.shape[0], kt, TILE).any(-1)
-        all_ = torch.nn.functional.pad(kv, (0, pad), value=True).view(kv.shape[0], kt, TILE).all(-1)
-        some = some & any_[:, None, None, :]
-        full = full & all_[:, None, None, :]
+        some, full = _with_key_tiles(some, full, key_valid_bs, lk)
     return some, full, mod_inputs
 
 
-def _mask_mod(key_valid_bs, pos_q, pos_k, bound):
-    def visible(b, h, i, j):
-        d = pos_q[i] - pos_k[j]
-        m = (d >= bound[0]) & (d < bound[1])
-        return m if key_valid_bs is None else m & key_valid_bs[b, j]
+def _with_key_tiles(some, full, key_valid_bs, lk: int):
+    """(some, full) tile states narrowed by a key mask [b, Lk]."""
+    kt = -(-lk // TILE)
+    pad = kt * TILE - lk
+    kv = key_valid_bs
+    any_ = torch.nn.functional.pad(kv, (0, pad), value=False).view(kv.shape[0], kt, TILE).any(-1)
+    all_ = torch.nn.functional.pad(kv, (0, pad), value=True).view(kv.shape[0], kt, TILE).all(-1)
+    return some & any_[:, None, None, :], full & all_[:, None, None, :]
 
-    return visible
+
+@dataclass(frozen=True)
+class Fn:
+    """A flex function (mask_mod or score_mod) whose tensors are explicit arguments:
+    fn(*indices, *tensors), indices (b, h, i, j) for a mask and (score, b, h, i, j) for a score.
+    The forward's flex_attention takes it as a closure (`bound`); the backward's traced op
+    takes fn as its subgraph and the tensors as its other buffers."""
+
+    fn: Callable
+    tensors: tuple = ()
+    score: bool = False  # a score function (5 indices), else a mask (4)
+
+    def bound(self):
+        """The function of its indices alone (flex_attention reads its parameter count)."""
+        fn, t = self.fn, self.tensors
+        if self.score:
+            return lambda score, b, h, i, j: fn(score, b, h, i, j, *t)
+        return lambda b, h, i, j: fn(b, h, i, j, *t)
+
+
+def _visible(b, h, i, j, pos_q, pos_k, lo, hi):
+    d = pos_q[i] - pos_k[j]
+    return (d >= lo) & (d < hi)
+
+
+def _visible_key(b, h, i, j, pos_q, pos_k, lo, hi, key_valid):
+    return _visible(b, h, i, j, pos_q, pos_k, lo, hi) & key_valid[b, j]
+
+
+def _mask_fn(key_valid_bs, mod_tensors) -> Fn:
+    if key_valid_bs is None:
+        return Fn(_visible, tuple(mod_tensors))
+    return Fn(_visible_key, (*mod_tensors, key_valid_bs))
 
 
 def block_mask(lq: int, lk: int, causal: bool, key_valid_bs, window, device, rows=None,
-               backward: bool = True) -> BlockMask:
-    """The BlockMask of a masked block call over rows `rows` ((r0, r1); None: all) (Note [Flex
+               backward: bool = True) -> "Masked":
+    """The BlockMask (and mask function) of a masked block call over rows `rows` ((r0, r1); None: all) (Note [Flex
     blocks]); the forward kernel reads the tiles of each query tile only, the backward also
     those of each key tile. Both orders come from the tile states directly
     (BlockMask.from_kv_blocks would rebuild the dense tiles). A window's mask without a key
     mask is built once per window (_per_window)."""
     rows = rows or (0, lq)
+    if isinstance(window, maskfn.FnMask):
+        return _fn_block_mask(window, key_valid_bs, rows, backward)
     build = lambda: _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward)  # noqa: E731
     if key_valid_bs is None and window is not None:
         return _per_window(window, ("mask", causal, rows, backward), rows, lk, build)
     return build()
 
 
-def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward) -> BlockMask:
+@dataclass(frozen=True)
+class Masked:
+    """A call's BlockMask and its mask function (`Fn`: the BlockMask's mask_mod is its closure)."""
+
+    block: BlockMask
+    fn: Fn
+
+
+@functools.lru_cache(maxsize=256)  # per mask function: the forward's and the backward's programs key on it
+def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool):
+    """The mask function of a call under a mask function (Note [Mask functions]): the function at
+    the call's global positions, batch rows from b0 and heads from h0; its diagonal, if causal;
+    the key mask, if any (its last tensor)."""
+    def visible(b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
+        qi, kj = q_pos[i], k_pos[j]
+        m = fn(b + b0, h + h0, qi, kj, tensors[:-1] if keyed else tensors)
+        if not isinstance(m, torch.Tensor):
+            m = (qi == qi) if m else (qi != qi)
+        if causal:
+            m = m & (kj <= qi)
+        return m & tensors[-1][b, j] if keyed else m
+
+    return visible
+
+
+def _fn_block_mask(mask: maskfn.FnMask, key_valid_bs, rows, backward: bool) -> Masked:
+    """The BlockMask of a call under a mask function, rows `rows`, its tiles from the function's
+    bounds (Note [Tile bounds] in maskfn.py)."""
+    r0, r1 = rows
+    lk = mask.k_pos.shape[0]
+    sub = mask.sub(r0, r1, 0, lk)
+    some, full = maskfn.tile_states(sub, TILE)
     if key_valid_bs is not None:
-        key_valid_bs = key_valid_bs.contiguous()
-    some, full, (pos_q, pos_k, bound) = tile_states(lq, lk, causal, key_valid_bs, window, device, rows)
+        some, full = _with_key_tiles(some, full, key_valid_bs, lk)
+    dev = mask.q_pos.device
+    b0, h0 = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (mask.b0, mask.h0))
+    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None),
+            (sub.q_pos, sub.k_pos, b0, h0, *mask.tensors, *(() if key_valid_bs is None else (key_valid_bs,))))
+    return _masked(some, full, fn, r1 - r0, lk, backward)
+
+
+def _masked(some, full, fn: "Fn", lq: int, lk: int, backward: bool) -> Masked:
     partial = some & ~full
     q_major = (*_ordered(partial.transpose(-2, -1)), *_ordered(full.transpose(-2, -1))) if backward else (None,) * 4
-    return BlockMask((rows[1] - rows[0], lk), *_ordered(partial), *_ordered(full), *q_major, BLOCK_SIZE=(TILE, TILE),
-                     mask_mod=_mask_mod(key_valid_bs, pos_q, pos_k, bound))
+    return Masked(BlockMask((lq, lk), *_ordered(partial), *_ordered(full), *q_major, BLOCK_SIZE=(TILE, TILE),
+                            mask_mod=fn.bound()), fn)
+
+
+def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward) -> Masked:
+    if key_valid_bs is not None:
+        key_valid_bs = key_valid_bs.contiguous()
+    some, full, mod_tensors = tile_states(lq, lk, causal, key_valid_bs, window, device, rows)
+    return _masked(some, full, _mask_fn(key_valid_bs, mod_tensors), rows[1] - rows[0], lk, backward)
 
 
 @functools.lru_cache(maxsize=4096)  # a few per block call of a ring (steps x calls x row and head chunks)
@@ -215,58 +299,118 @@ def _values(values: tuple, dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _score_mod(mod, device):
-    """flex_attention's score_mod of a kernels.ScoreMod (Note [Score modifiers]); None when the
-    block has none. flex hands it the scaled score; h is the call's query head, i / j its row
-    / key. It reads tensors of the same shapes at every call and no Python number (why: Note
-    [Score modifiers])."""
+def _score_mod(mod, device) -> Fn | None:
+    """flex_attention's score function of a kernels.ScoreMod (Note [Score modifiers]); None
+    when the block has none. flex hands it the scaled score; h is the call's query head, i / j
+    its row / key. It reads tensors of the same shapes at every call and no Python number (why:
+    Note [Score modifiers]), each whole (`_bound`)."""
     if mod is None:
         return None
     dev = torch.device(device)
-    cap = _values((float(mod.softcap),), torch.float32, dev) if mod.softcap else None
+    cap = _values((float(mod.softcap),), torch.float32, dev)[0] if mod.softcap else None
     if mod.slopes is None:
-        return _capped(cap)
+        return Fn(_capped, (cap,), score=True)
     q, k = mod.q, mod.k
     for v in (q.a, q.cut, q.b, k.a, k.cut, k.b):
         if not -2**31 <= v < 2**31:
             raise ValueError(f"ALiBi positions must fit int32 on flex_attention; got a position offset of {v}")
-    offs = _values((q.a, q.cut, q.b, k.a, k.cut, k.b, mod.head0), torch.int32, dev)
+    offs = tuple(_values((q.a, q.cut, q.b, k.a, k.cut, k.b, mod.head0), torch.int32, dev).unbind())
     slopes = mod.slopes.contiguous()
-    return _alibi(offs, slopes) if cap is None else _capped_alibi(cap, offs, slopes)
+    return Fn(_alibi, (*offs, slopes), True) if cap is None else Fn(_capped_alibi, (cap, *offs, slopes), True)
 
 
 def _cap(score, cap):
-    return torch.tanh(score / cap[0]) * cap[0]
+    return torch.tanh(score / cap) * cap
 
 
-def _bias(score, h, i, j, offs, slopes):
+def _bias(score, h, i, j, qa, qcut, qb, ka, kcut, kb, head0, slopes):
     """score + slope[head] * (pos_k - pos_q), the positions from the offsets (kernels.Positions)."""
-    pos_q = i + torch.where(i < offs[1], offs[0], offs[2])
-    pos_k = j + torch.where(j < offs[4], offs[3], offs[5])
-    return score + slopes[h + offs[6]] * (pos_k - pos_q).to(torch.float32)
+    pos_q = i + torch.where(i < qcut, qa, qb)
+    pos_k = j + torch.where(j < kcut, ka, kb)
+    return score + slopes[h + head0] * (pos_k - pos_q).to(torch.float32)
 
 
-def _capped(cap):
-    return lambda score, b, h, i, j: _cap(score, cap)
+def _capped(score, b, h, i, j, cap):
+    return _cap(score, cap)
 
 
-def _alibi(offs, slopes):
-    return lambda score, b, h, i, j: _bias(score, h, i, j, offs, slopes)
+def _alibi(score, b, h, i, j, *offs_slopes):
+    return _bias(score, h, i, j, *offs_slopes)
 
 
-def _capped_alibi(cap, offs, slopes):
-    return lambda score, b, h, i, j: _bias(_cap(score, cap), h, i, j, offs, slopes)
+def _capped_alibi(score, b, h, i, j, cap, *offs_slopes):
+    return _bias(_cap(score, cap), h, i, j, *offs_slopes)
 
 
-def _call(q, k, v, mask: BlockMask, scale: float, mod=None):
+def _call(q, k, v, mask: Masked, scale: float, mod=None):
     # Lengths that are multiples of the tiles need no bounds checks; flex_attention decides it
     # from the shapes only when they are static, and a ring's calls of several shapes are compiled
     # with dynamic ones (_flex), so it is said here (a guard: one kernel each way).
     divisible = q.shape[2] % TILE == 0 and k.shape[2] % TILE == 0
-    out, aux = _flex()(q, k, v, score_mod=_score_mod(mod, q.device), block_mask=mask, scale=scale,
-                       enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True),
+    score = _score_mod(mod, q.device)
+    out, aux = _flex()(q, k, v, score_mod=None if score is None else score.bound(), block_mask=mask.block,
+                       scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True),
                        kernel_options={"IS_DIVISIBLE": divisible})
     return out, aux.lse
+
+
+def _identity(score, b, h, i, j):
+    return score
+
+
+def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
+    """(dq, dk, dv) of one flex call under the rows' global (out, lse) (natural log, +inf where
+    a row saw no key): flex's backward kernel fed them (Note [Flex blocks]); dk/dv with g heads."""
+    score = _score_mod(mod, q.device) or Fn(_identity, score=True)
+    layout = mask.block.as_tuple()
+    slots = tuple(i for i, x in enumerate(layout) if isinstance(x, torch.Tensor))
+    template = tuple(None if i in slots else x for i, x in enumerate(layout[:-1]))
+    # flex's kernels keep the lse in base 2
+    args = [t.contiguous() for t in (q, k, v, out)] + [(lse * (1 / math.log(2))).contiguous(), dout.contiguous()]
+    args += [*score.tensors, *mask.fn.tensors, *(layout[i] for i in slots)]
+    specs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in args)
+    run = _bwd_program(score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots, float(scale),
+                       specs)
+    return run(*args)
+
+
+# Compiled backward programs kept per process: one per distinct block shape, dtype and function
+# (a ring has a few block shapes; the key holds no tensor, so a program never keeps one alive).
+BWD_PROGRAMS = 64
+
+
+class _Program:
+    """A traced backward, compiled on first call (kept per `_bwd_program` key)."""
+
+    def __init__(self, trace):
+        self.trace, self.run = trace, None
+
+    def __call__(self, *args):
+        if self.run is None:
+            gm = self.trace(args)
+            self.run = _compat.compile_graph(gm, list(args)) if args[0].is_cuda else gm
+        return self.run(*args)
+
+
+@functools.lru_cache(maxsize=BWD_PROGRAMS)
+def _bwd_program(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
+                 specs: tuple):
+    hop, fw_bw_graphs = _compat.flex_backward_op()
+
+    def backward(q, k, v, out, lse2, dout, *rest):
+        score_t, mask_t, block_t = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
+        example = (q.new_zeros((), requires_grad=True), *(q.new_zeros((), dtype=torch.int) for _ in range(4)))
+        # the score function's joint graph is built by autograd, inside the ring's backward op
+        with _compat.autograd_inside_op():
+            fw, joint = fw_bw_graphs(score_fn, example, tuple(score_t))
+        block = list(template) + [mask_fn]
+        for i, t in zip(slots, block_t):
+            block[i] = t
+        dq, dk, dv, _ = hop(q, k, v, out, lse2, dout, None, fw, joint, tuple(block), scale, {}, tuple(score_t),
+                            tuple(mask_t))
+        return dq, dk, dv
+
+    return _Program(lambda args: _compat.trace_fake(backward, args))
 
 
 def _row_chunks(lq: int) -> list[tuple[int, int]]:
@@ -301,9 +445,8 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1))
         rows = slice(r0, r1)
-        m = None if mod is None else mod.sub(r0)
-        grads = grads_under_global_lse(lambda q, k, v, mask=mask, m=m: _call(q, k, v, mask, scale, m), dout[:, :, rows],
-                                       q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows])
+        grads = _bwd_call(dout[:, :, rows], q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows], mask,
+                          scale, None if mod is None else mod.sub(r0))
         if len(chunks) == 1:
             return grads
         if dq is None:
@@ -315,33 +458,3 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
         dq[:, :, rows] = grads[0]
         del grads, mask  # not alive during the next chunk (workspace._flex_calls counts one chunk's)
     return dq, dk.to(k_bgsd.dtype), dv.to(v_bgsd.dtype)
-
-
-def _grad_inputs(dout, out, o_blk, l_blk, lse):
-    """(grad_o, grad_l) for autograd through the block's own (o, l) (Note [Flex blocks]). On
-    CUDA it runs compiled (one fused pass); eager (CPU tests) it makes fp32 copies of dO's size."""
-    acc = acc_dtype(dout.dtype)
-    # c = exp(l - L): 0 where the block's row saw no key (l = -inf) or no row key at all (L = +inf)
-    c = (l_blk.to(acc) - lse.to(acc)).exp()
-    grad_o = (dout.to(acc) * c[..., None]).to(dout.dtype)
-    delta = (dout.to(acc) * out.to(acc)).sum(-1)
-    grad_l = (grad_o.to(acc) * o_blk.to(acc)).sum(-1) - c * delta
-    return grad_o, grad_l.to(l_blk.dtype)
-
-
-@functools.cache
-def _grad_inputs_fused():
-    return torch.compile(_grad_inputs, fullgraph=True)  # one pass over dO, O and o instead of ~10
-
-
-def grads_under_global_lse(block_fwd, dout, q_bhsd, k_bgsd, v_bgsd, out, lse):
-    """A block's (dq, dk, dv) under the rows' global (out, lse) (+inf: a row that saw no key),
-    by autograd through `block_fwd(q, k, v) -> (o, l)`, the block's own attention (Note [Flex
-    blocks]). Runs inside the ring's backward op: _compat.autograd_inside_op."""
-    with _compat.autograd_inside_op():
-        q, k, v = (t.detach().requires_grad_() for t in (q_bhsd, k_bgsd, v_bgsd))
-        o_blk, l_blk = block_fwd(q, k, v)
-    prep = _grad_inputs_fused() if dout.is_cuda else _grad_inputs
-    grad_o, grad_l = prep(dout, out, o_blk.detach(), l_blk.detach(), lse)
-    with _compat.autograd_inside_op():
-        return torch.autograd.grad((o_blk, l_blk), (q, k, v), (grad_o, grad_l))

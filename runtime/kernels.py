@@ -266,13 +266,20 @@ def masked_kernel() -> str:
     return kind
 
 
+FLEX_TILE = 128  # flex_attention's sparse block size (flex.TILE)
+
+
+def flex_blocks(device, dtype) -> bool:
+    """Whether masked and modified blocks of this device and dtype run flex_attention (flex.py):
+    bf16/fp16 on CUDA, unless RINGCC_MASKED_KERNEL=math."""
+    return device.type == "cuda" and dtype in FUSED_CUDA_DTYPES and masked_kernel() == "flex"
+
+
 def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
-    """Whether a block runs flex_attention (flex.py): a masked or score-modified bf16/fp16 block
-    on CUDA whose position mask, if any, is a window (ring.WindowMask), unless
-    RINGCC_MASKED_KERNEL=math."""
-    return (device.type == "cuda" and dtype in FUSED_CUDA_DTYPES
-            and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
-            and not isinstance(allowed_qk, (torch.Tensor, FnMask)) and masked_kernel() == "flex")
+    """Whether a block runs flex_attention (flex.py): a masked or score-modified block (flex_blocks)
+    whose position mask, if any, is a window (ring.WindowMask) or a mask function (FnMask)."""
+    return (flex_blocks(device, dtype) and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
+            and not isinstance(allowed_qk, torch.Tensor))
 
 
 _FLEX_FAILED: dict = {}  # (device, dtype, head dim) -> why flex_attention could not run such blocks

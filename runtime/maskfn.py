@@ -360,3 +360,260 @@ def _count_tiles(flat: torch.Tensor) -> None:
     STATS["tiles_empty"] += int((~some).sum())
     STATS["tiles_full"] += int(every.sum())
     STATS["tiles_partial"] += int((some & ~every).sum())
+
+
+# ---------------------------------------------------------------------------------------
+# tile states from bounds
+
+# Note [Tile bounds]
+# A kernel that skips empty tiles and runs full ones unmasked (flex_attention's BlockMask) needs
+# each TILE x TILE tile's state, not the [rows, keys] mask. `tile_states` finds them by running
+# the function once over intervals instead of values: q and kv are the [min, max] of the
+# positions in each query / key tile, b and h are exact, a load of a per-token tensor at q (or
+# kv) is the [min, max] of its values in the tile, and every op maps intervals to an interval
+# that holds all its results (a comparison to "true for every pair" / "true for some pair").
+# O(tiles) work, whatever the function. The states are conservative: a tile is full only when
+# the function is true on every pair, empty only when it is false on every pair; anything the
+# bounds cannot decide (a load at a computed index, division by a non-constant) is partial,
+# and a partial tile evaluates the function per pair, so the result is exact either way.
+
+_UNKNOWN = (-math.inf, math.inf)
+
+
+def _hull(a, b):
+    return (torch.minimum(torch.as_tensor(a[0]), torch.as_tensor(b[0])),
+            torch.maximum(torch.as_tensor(a[1]), torch.as_tensor(b[1])))
+
+
+def _ival_mul(a, b):
+    ps = [x * y for x in a for y in b]
+    lo, hi = ps[0], ps[0]
+    for p in ps[1:]:
+        lo, hi = torch.minimum(torch.as_tensor(lo), torch.as_tensor(p)), torch.maximum(torch.as_tensor(hi), torch.as_tensor(p))
+    return lo, hi
+
+
+def _const(x) -> bool:
+    return not isinstance(x, torch.Tensor)
+
+
+def _ival_floordiv(a, b):
+    lo_b, hi_b = b
+    if _const(lo_b) and lo_b == hi_b and lo_b > 0:
+        return a[0] // lo_b, a[1] // lo_b
+    return _UNKNOWN
+
+
+def _ival_remainder(a, b):
+    c = b[0]
+    if _const(c) and c == b[1] and isinstance(c, int) and c > 0:
+        same = (a[0] // c) == (a[1] // c)
+        return (torch.where(torch.as_tensor(same), a[0] % c, 0), torch.where(torch.as_tensor(same), a[1] % c, c - 1))
+    return _UNKNOWN
+
+
+def _ival_abs(a):
+    lo, hi = torch.as_tensor(a[0]), torch.as_tensor(a[1])
+    return (torch.where(lo >= 0, lo, torch.where(hi <= 0, -hi, torch.zeros_like(lo))),
+            torch.maximum(lo.abs(), hi.abs()))
+
+
+# Bool values are (must, may): true for every pair / for some pair.
+def _cmp(op):
+    def f(a, b):
+        (al, ah), (bl, bh) = a, b
+        if op == "lt":
+            return ah < bl, al < bh
+        if op == "le":
+            return ah <= bl, al <= bh
+        if op == "gt":
+            return al > bh, ah > bl
+        if op == "ge":
+            return al >= bh, ah >= bl
+        exact = (al == ah) & (bl == bh) & (al == bl)
+        overlap = (al <= bh) & (bl <= ah)
+        return (exact, overlap) if op == "eq" else (~torch.as_tensor(overlap), ~torch.as_tensor(exact))
+    return f
+
+
+def _band(a, b):
+    return a[0] & b[0], a[1] & b[1]
+
+
+def _bor(a, b):
+    return a[0] | b[0], a[1] | b[1]
+
+
+def _bnot(a):
+    return ~torch.as_tensor(a[1]), ~torch.as_tensor(a[0])
+
+
+def _bxor(a, b):
+    (am, ay), (bm, by) = a, b
+    return (am & ~torch.as_tensor(by)) | (~torch.as_tensor(ay) & bm), ~((am & bm) | (~torch.as_tensor(ay) & ~torch.as_tensor(by)))
+
+
+def _bwhere(c, a, b, kinds):
+    must, may = c
+    if kinds == "bool":  # (must, may) pairs
+        return (must & a[0]) | (~torch.as_tensor(may) & b[0]) | (a[0] & b[0]), (may & a[1]) | (~torch.as_tensor(must) & b[1])
+    lo = torch.where(torch.as_tensor(must), torch.as_tensor(a[0]), torch.where(torch.as_tensor(may), torch.minimum(torch.as_tensor(a[0]), torch.as_tensor(b[0])), torch.as_tensor(b[0])))
+    hi = torch.where(torch.as_tensor(must), torch.as_tensor(a[1]), torch.where(torch.as_tensor(may), torch.maximum(torch.as_tensor(a[1]), torch.as_tensor(b[1])), torch.as_tensor(b[1])))
+    return lo, hi
+
+
+_BOOL_OPS = {"and": _band, "or": _bor, "xor": _bxor}
+_CMP_OPS = {op: _cmp(op) for op in ("lt", "le", "gt", "ge", "eq", "ne")}
+
+
+def _as_num(g):
+    """A bound as numbers: a bool one's (must, may) as the interval [must, may] of 0 / 1."""
+    (a, b), kind = g
+    if kind == "bool":
+        return (torch.as_tensor(a).long(), torch.as_tensor(b).long()), "num"
+    return (a, b), kind
+
+
+def _as_bool(g):
+    """A bound as (must, may): a number is true where it is not 0."""
+    (lo, hi), kind = g
+    if kind == "bool":
+        return (lo, hi), kind
+    lo, hi = torch.as_tensor(lo), torch.as_tensor(hi)
+    return ((lo > 0) | (hi < 0), ~((lo == 0) & (hi == 0))), "bool"
+
+
+def _tile_minmax(x: torch.Tensor, tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) over each `tile` of the last dim (the last tile's missing entries repeat its last)."""
+    pad = tiles * tile - x.shape[-1]
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
+    x = x.reshape(*x.shape[:-1], tiles, tile)
+    return x.amin(-1), x.amax(-1)
+
+
+def tile_states(mask: FnMask, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(some, full) bool [b or 1, h or 1, row tiles, key tiles] of `mask`'s call, tiles of `tile`
+    (default TILE) pairs a side: where the function (and the causal flag) holds for some / for
+    every pair (Note [Tile bounds])."""
+    fn, dev = mask.fn, mask.q_pos.device
+    tile = tile or TILE
+    lq, lk = mask.q_pos.shape[0], mask.k_pos.shape[0]
+    qt, kt = -(-lq // tile), -(-lk // tile)
+    ind = fn.indices
+    b = torch.arange(mask.b0, mask.b0 + mask.batch, device=dev)[:, None, None, None] if "b" in ind else 0
+    h = torch.arange(mask.h0, mask.h0 + mask.heads, device=dev)[None, :, None, None] if "h" in ind else 0
+    qlo, qhi = (t[None, None, :, None] for t in _tile_minmax(mask.q_pos.long(), qt, tile))
+    klo, khi = (t[None, None, None, :] for t in _tile_minmax(mask.k_pos.long(), kt, tile))
+    env = {"b": (b, b), "h": (h, h), "q": (qlo, qhi), "kv": (klo, khi)}
+    vals, kinds = [], []
+
+    def get(a):
+        kind, x = a
+        if kind == "v":
+            return vals[x], kinds[x]
+        if kind == "i":
+            return env[x], "num"
+        if isinstance(x, bool):
+            return (x, x), "bool"
+        return (x, x), "num"
+
+    for op, args in fn.lines:
+        if op == "load":
+            vals.append(_load_bounds(mask, args, qt, kt, tile))
+            kinds.append("num")
+            continue
+        got = [get(a) for a in args if a[0] != "t"]
+        if op not in ("and", "or", "xor", "not", "where", "bool", "int", "float"):
+            got = [_as_num(g) for g in got]
+        xs = [g[0] for g in got]
+        if op in _CMP_OPS:
+            vals.append(_CMP_OPS[op](*xs)), kinds.append("bool")
+        elif op in _BOOL_OPS:
+            vals.append(_BOOL_OPS[op](*(_as_bool(g)[0] for g in got))), kinds.append("bool")
+        elif op == "not":
+            vals.append(_bnot(_as_bool(got[0])[0])), kinds.append("bool")
+        elif op == "where":
+            kind = "bool" if got[1][1] == "bool" and got[2][1] == "bool" else "num"
+            a, c = (g[0] if kind == "bool" else _as_num(g)[0] for g in got[1:])
+            vals.append(_bwhere(_as_bool(got[0])[0], a, c, kind)), kinds.append(kind)
+        elif op == "bool":
+            vals.append(_as_bool(got[0])[0]), kinds.append("bool")
+        elif op in ("int", "float"):
+            vals.append(_as_num(got[0])[0]), kinds.append("num")
+        elif op in ("add", "sub", "mul", "minimum", "maximum"):
+            a, c = xs
+            vals.append({"add": lambda: (a[0] + c[0], a[1] + c[1]), "sub": lambda: (a[0] - c[1], a[1] - c[0]),
+                         "mul": lambda: _ival_mul(a, c),
+                         "minimum": lambda: (_min(a[0], c[0]), _min(a[1], c[1])),
+                         "maximum": lambda: (_max(a[0], c[0]), _max(a[1], c[1]))}[op]())
+            kinds.append("num")
+        elif op == "neg":
+            vals.append((-xs[0][1], -xs[0][0])), kinds.append("num")
+        elif op == "abs":
+            vals.append(_ival_abs(xs[0])), kinds.append("num")
+        elif op == "floordiv":
+            vals.append(_ival_floordiv(*xs)), kinds.append("num")
+        elif op == "remainder":
+            vals.append(_ival_remainder(*xs)), kinds.append("num")
+        else:
+            raise AssertionError(f"no bounds for mask function op {op!r}")
+    (must, may), _ = _as_bool((vals[-1], kinds[-1]))
+    if mask.causal:  # key position <= query position
+        must, may = _band((must, may), _CMP_OPS["le"](env["kv"][0:2], env["q"][0:2]))
+    shape = (mask.batch if "b" in ind else 1, mask.heads if "h" in ind else 1, qt, kt)
+    as_mask = (lambda x: torch.as_tensor(x, device=dev).to(torch.bool).expand(shape))
+    return as_mask(may), as_mask(must)
+
+
+def classify(mask: FnMask, tile: int | None = None) -> str:
+    """"empty", "full" or "partial": the state of `mask`'s whole call from its tile states (Note
+    [Tile bounds]; one host read), counted in STATS with its tiles. A call on flex_attention
+    is classified here; `split` (exact, per pair) serves the other kernels."""
+    some, full = tile_states(mask, tile)
+    counts = [some.sum(), full.sum()]
+    if mask.causal:  # a causal diagonal the function alone fills runs as the causal kernel
+        counts.append(tile_states(FnMask(mask.fn, mask.tensors, mask.q_pos, mask.k_pos, mask.batch, mask.heads,
+                                         mask.b0, mask.h0), tile)[1].all())
+    n_some, n_full, *cover = (int(x) for x in torch.stack(counts).cpu())
+    n = some.numel()
+    state = "empty" if n_some == 0 else "full" if n_full == n or (cover and cover[0]) else "partial"
+    STATS[state] += 1
+    STATS["tiles_empty"] += n - n_some
+    STATS["tiles_full"] += n_full
+    STATS["tiles_partial"] += n_some - n_full
+    return state
+
+
+def _load_bounds(mask: FnMask, args, qt: int, kt: int, tile: int):
+    """Bounds of `load t<k> idx..`: a per-token tensor read at b / h / constants and at q or kv
+    itself gives each tile's [min, max]; any other read is unbounded (Note [Tile bounds])."""
+    t = mask.tensors[args[0][1]]
+    idx = args[1:]
+    pos = [i for i, a in enumerate(idx) if a == ("i", "q") or a == ("i", "kv")]
+    others_ok = all(a[0] == "c" or a in (("i", "b"), ("i", "h"), ("i", "q"), ("i", "kv")) for a in idx)
+    if len(pos) != 1 or pos[0] != len(idx) - 1 or not others_ok or len(idx) != t.dim():
+        return _UNKNOWN
+    which = idx[-1][1]
+    at = (mask.q_pos if which == "q" else mask.k_pos).long()
+    lead = []
+    for d, a in enumerate(idx[:-1]):
+        if a[0] == "c":
+            lead.append(slice(int(a[1]), int(a[1]) + 1))
+        elif a[1] == "b":
+            lead.append(slice(mask.b0, mask.b0 + mask.batch) if t.shape[d] > 1 else slice(None))
+        else:
+            lead.append(slice(mask.h0, mask.h0 + mask.heads) if t.shape[d] > 1 else slice(None))
+    vals = t[tuple(lead)].index_select(-1, at) if lead else t.index_select(0, at)
+    lo, hi = _tile_minmax(vals, qt if which == "q" else kt, tile)
+    # leading dims: b -> dim 0, h -> dim 1 of [b, h, q tiles, k tiles]
+    names = [a[1] if a[0] == "i" else None for a in idx[:-1]]
+    sizes = list(lo.shape)
+    shape = [1, 1, 1, 1]
+    for n, s in zip(names, sizes[:-1]):
+        if n == "b":
+            shape[0] = s
+        elif n == "h":
+            shape[1] = s
+    shape[2 if which == "q" else 3] = sizes[-1]
+    return lo.reshape(shape), hi.reshape(shape)

@@ -507,7 +507,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device)
+    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device, q.dtype)
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
@@ -542,11 +542,13 @@ class FnBlocks:
     with the function as its position mask otherwise. `fn`: (MaskFn, tensors); heads [h0, h0 +
     heads) of the site, batch of `batch` rows."""
 
-    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device):
+    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device, dtype=None):
         self.fn, self.tensors = fn
         self.setup, self.batch, self.heads, self.h0 = setup, batch, heads, h0
         self.q_pos = global_positions(setup.rank, setup.world, setup.layout, s, device)
         self.s, self.device = s, device
+        # flex_attention takes a partial call whole, its tiles from the function's bounds
+        self.whole = dtype is not None and kernels.flex_blocks(torch.device(device), dtype)
 
     def calls(self, calls, src: int):
         k_pos = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
@@ -557,6 +559,11 @@ class FnBlocks:
             b0, b1 = c.rows(self.batch)
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
                               b0, self.h0, c.causal)
+            if self.whole:
+                state = maskfn.classify(m, kernels.FLEX_TILE)
+                if state != "empty":
+                    out.append((c, None) if state == "full" else (BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), m))
+                continue
             state, parts = maskfn.split(m)
             if state == "full":
                 out.append((c, None))
@@ -733,7 +740,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
-        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device)
+        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device, q.dtype)
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
                             runs=runs, fn=blocks)
         del k_c, v_c

@@ -79,7 +79,7 @@ def test_tile_states_and_mask_mod_match_the_dense_mask(lq, lk, causal, window, w
     if not zigzag:  # positions without jumps: the tile bounds are exact
         assert torch.equal(some, anyt) and torch.equal(full, allt)
 
-    bm = flex.block_mask(lq, lk, causal, key_valid, wm, "cpu")
+    bm = flex.block_mask(lq, lk, causal, key_valid, wm, "cpu").block
     got = create_mask(bm.mask_mod, b, 1, lq, lk, device="cpu")[:, 0]
     assert torch.equal(got, dense.expand(b, lq, lk))
     tiles = bm.to_dense()[:, 0].bool()  # partial and full tiles: those the kernel visits
@@ -92,7 +92,7 @@ def test_tile_states_and_mask_mod_match_the_dense_mask(lq, lk, causal, window, w
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
                  "full_q_num_blocks", "full_q_indices"):
         assert getattr(bm, name).is_contiguous(), f"{name}: the kernels read it as contiguous"
-    assert flex.block_mask(lq, lk, causal, key_valid, wm, "cpu", backward=False).q_indices is None
+    assert flex.block_mask(lq, lk, causal, key_valid, wm, "cpu", backward=False).block.q_indices is None
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -107,7 +107,7 @@ def test_block_mask_forward_matches_the_reference_on_cpu():
     pos = torch.arange(n).int()
     wm = WindowMask(pos, pos, 60, True, pos.long(), pos.long())
     ref, ref_lse = reference.attention(q, k, v, is_causal=True, key_padding_mask=kpm, window=60)
-    bm = flex.block_mask(n, n, True, ~kpm, wm, "cpu")
+    bm = flex.block_mask(n, n, True, ~kpm, wm, "cpu").block
     out, aux = flex_attention(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True,
                               return_aux=AuxRequest(lse=True))
     rows = ~torch.isneginf(ref_lse)
@@ -118,56 +118,55 @@ def test_block_mask_forward_matches_the_reference_on_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_block_grads_under_the_global_lse_sum_to_the_dense_gradient(dtype):
-    """The backward of Note [Flex blocks]: autograd through each key block's own (out, lse),
-    fed c * dO and rowsum(c * dO * o) - c * D, gives that block's share of the global gradient;
-    the blocks' shares add up to the dense gradient (GQA, key padding, rows with no key)."""
+    """The backward of Note [Flex blocks]: flex's backward op fed the rows' global (out, lse)
+    gives each key block's share of the global gradient, and the shares add up to the dense
+    gradient (GQA, key padding, a window, rows with no key). On CPU the traced op runs its
+    dense implementation; on CUDA the same graph is compiled (tests/test_ring_gpu.py)."""
     from ringcc.runtime import kernels
 
-    b, h, g, n, d = 2, 4, 2, 96, 16
+    b, h, g, n, d = 2, 4, 2, 300, 16
     gen = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(b, hh, n, d, generator=gen, dtype=torch.float64) for hh in (h, g, g, h))
-    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & (torch.rand(b, 1, 1, n, generator=gen) > 0.3)
-    allowed[1, :, :20] = False  # batch row 1: its first rows see no key
+    kpm = torch.rand(b, n, generator=gen) < 0.3
+    kpm[1, :140] = True  # batch row 1: its first rows see no key
+    pos = torch.arange(n)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = reference.masked_attention(qr, kr, vr, allowed)
+    ref, ref_lse = reference.attention(qr, kr, vr, is_causal=True, key_padding_mask=kpm, window=90, scale=0.25)
     ref.backward(dout)
     out, lse = ref.detach(), kernels.bwd_lse(ref_lse.detach())
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=0.05, atol=0.05)
     cast = (lambda t: t.to(dtype))
-    for c0, c1 in ((0, 30), (30, 64), (64, n)):
-        blk = allowed[..., c0:c1]
-        gq, gk, gv = flex.grads_under_global_lse(
-            lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, blk), cast(dout), cast(q),
-            cast(k[:, :, c0:c1]), cast(v[:, :, c0:c1]), cast(out), lse)
-        assert gk.shape == (b, g, c1 - c0, d)
+    for c0, c1 in ((0, 128), (128, 200), (200, n)):
+        wm = WindowMask(pos.int(), pos[c0:c1].int(), 90, True, pos, pos[c0:c1])
+        gq, gk, gv = flex.bwd(cast(dout), cast(q), cast(k[:, :, c0:c1]), cast(v[:, :, c0:c1]), cast(out), lse, 0.25,
+                              True, ~kpm[:, c0:c1], wm)
+        assert gk.shape == (b, g, c1 - c0, d) and gq.dtype == dtype
         dq += gq.double()
         dk[:, :, c0:c1] += gk.double()
         dv[:, :, c0:c1] += gv.double()
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         torch.testing.assert_close(got, want, **tol)
-    assert not bool(dq[1, :, :20].any())
+    assert not bool(dq[1, :, :140].any())
 
 
 @torch.library.custom_op("ringcc_test::block_grads", mutates_args=())
 def _block_grads_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, allowed: torch.Tensor) -> list[torch.Tensor]:
-    return list(flex.grads_under_global_lse(lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, allowed),
-                                            dout, q, k, v, out, lse))
+                    lse: torch.Tensor) -> list[torch.Tensor]:
+    return list(flex.bwd(dout, q, k, v, out, lse, 0.5, True))
 
 
 def test_block_grads_run_inside_a_custom_op():
-    """The ring's backward is a custom op, whose kernel runs with autograd's dispatch keys
-    excluded: the block's own forward must still be recorded there (_compat.autograd_inside_op)."""
+    """The ring's backward is a custom op: the block backward traces and runs flex's backward
+    op inside one's kernel, with the results of a direct call."""
     from ringcc.runtime import kernels
 
-    b, h, n, d = 1, 2, 40, 8
+    b, h, n, d = 1, 2, 140, 8
     gen = torch.Generator().manual_seed(7)
     q, k, v, dout = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
-    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-    out, lse = reference.masked_attention(q, k, v, allowed)
-    args = (dout, q, k[:, :, :25], v[:, :, :25], out, kernels.bwd_lse(lse), allowed[..., :25])
-    direct = flex.grads_under_global_lse(lambda q_, k_, v_: reference.masked_attention(q_, k_, v_, args[-1]), *args[:-1])
+    out, lse = reference.attention(q, k, v, is_causal=True, scale=0.5)
+    args = (dout, q, k, v, out, kernels.bwd_lse(lse))
+    direct = flex.bwd(*args, 0.5, True)
     inside = _block_grads_op(*args)
     for a, b_ in zip(inside, direct):
         torch.testing.assert_close(a, b_, rtol=0, atol=0)
@@ -178,7 +177,7 @@ def _dense_call(q, k, v, mask, scale, mod=None):
     """flex._call's contract, densely: the BlockMask's mask_mod over the call's rows and keys
     (and the score modifier, as the reference applies it: the tests here pass none)."""
     assert mod is None
-    allowed = create_mask(mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+    allowed = create_mask(mask.block.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
     return reference.masked_attention(q, k, v, allowed, scale=scale)
 
 
@@ -224,10 +223,11 @@ def test_window_masks_are_built_once_per_window():
     assert flex.block_mask(300, 300, True, None, wm, "cpu", backward=False) is not a
     kv = torch.ones(1, 300, dtype=torch.bool)
     kv[0, 200:] = False
-    b1, b2 = flex.block_mask(300, 300, True, kv, wm, "cpu"), flex.block_mask(300, 300, True, ~kv, wm, "cpu")
+    b1, b2 = flex.block_mask(300, 300, True, kv, wm, "cpu").block, flex.block_mask(300, 300, True, ~kv, wm, "cpu").block
     assert b1 is not b2 and not torch.equal(b1.kv_num_blocks, b2.kv_num_blocks)
     other = WindowMask(pos, pos, 20, True, pos.long(), pos.long())
-    dense = [create_mask(m.mask_mod, 1, 1, 300, 300, device="cpu") for m in (a, flex.block_mask(300, 300, True, None, other, "cpu"))]
+    dense = [create_mask(m.block.mask_mod, 1, 1, 300, 300, device="cpu")
+             for m in (a, flex.block_mask(300, 300, True, None, other, "cpu"))]
     assert int(dense[0].sum()) > int(dense[1].sum()) > 0
 
 
