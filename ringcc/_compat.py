@@ -121,6 +121,14 @@ def flex_backward_op():
     return flex_attention_backward, graphs
 
 
+def flex_kernel_options(q, k, v) -> dict:
+    """The kernel options flex_attention's entry completes for a call that returns its lse (its
+    kernels read every one of them; the backward op is called past that entry)."""
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    return dict(_apply_kernel_options(q, k, v, True, None))
+
+
 def trace_fake(fn, args) -> torch.fx.GraphModule:
     """fn traced over fake copies of args (make_fx): an ATen graph, higher-order ops kept."""
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -369,8 +369,9 @@ def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
     args = [t.contiguous() for t in (q, k, v, out)] + [(lse * (1 / math.log(2))).contiguous(), dout.contiguous()]
     args += [*score.tensors, *mask.fn.tensors, *(layout[i] for i in slots)]
     specs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in args)
+    options = tuple(sorted(_compat.flex_kernel_options(q, k, v).items()))
     run = _bwd_program(score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots, float(scale),
-                       specs)
+                       options, specs)
     return run(*args)
 
 
@@ -394,7 +395,7 @@ class _Program:
 
 @functools.lru_cache(maxsize=BWD_PROGRAMS)
 def _bwd_program(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
-                 specs: tuple):
+                 options: tuple, specs: tuple):
     hop, fw_bw_graphs = _compat.flex_backward_op()
 
     def backward(q, k, v, out, lse2, dout, *rest):
@@ -406,8 +407,8 @@ def _bwd_program(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, 
         block = list(template) + [mask_fn]
         for i, t in zip(slots, block_t):
             block[i] = t
-        dq, dk, dv, _ = hop(q, k, v, out, lse2, dout, None, fw, joint, tuple(block), scale, {}, tuple(score_t),
-                            tuple(mask_t))
+        dq, dk, dv, _ = hop(q, k, v, out, lse2, dout, None, fw, joint, tuple(block), scale, dict(options),
+                            tuple(score_t), tuple(mask_t))
         return dq, dk, dv
 
     return _Program(lambda args: _compat.trace_fake(backward, args))
