@@ -48,7 +48,7 @@ from .dtypes import acc_dtype
 # The planner counts these bytes (workspace.masked_calls).
 
 TILE = kernels.FLEX_TILE  # flex_attention's default sparse block size
-CALL_ROWS = 16384  # query rows per flex call (a multiple of TILE)
+CALL_ROWS = 65536  # query rows per flex call (a multiple of TILE)
 _FAR = 2**30  # a position difference bound no block reaches (int32-safe)
 
 
@@ -231,7 +231,8 @@ def block_mask(lq: int, lk: int, causal: bool, key_valid_bs, window, device, row
     mask is built once per window (_per_window)."""
     rows = rows or (0, lq)
     if isinstance(window, maskfn.FnMask):
-        return _fn_block_mask(window, key_valid_bs, rows, backward)
+        return maskfn.memo(window, ("flex", rows, backward), lambda: _fn_block_mask(window, key_valid_bs, rows, backward),
+                           (key_valid_bs,))
     build = lambda: _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward)  # noqa: E731
     if key_valid_bs is None and window is not None:
         return _per_window(window, ("mask", causal, rows, backward), rows, lk, build)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -251,6 +251,9 @@ class FnMask:
     b0: int = 0
     h0: int = 0
     causal: bool = False  # also key position <= query position (a causal diagonal's sub-call)
+    # what determines q_pos and k_pos (the ring's layout, ranks and call bounds), or None: the
+    # positions are data. With it, what is built from the call is reused (`memo`).
+    where: tuple | None = None
 
     def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
         dev = self.q_pos.device
@@ -269,8 +272,9 @@ class FnMask:
 
     def sub(self, r0: int, r1: int, c0: int, c1: int, b0: int = 0, b1: int | None = None) -> "FnMask":
         b1 = self.batch if b1 is None else b1
+        where = None if self.where is None else (*self.where, (r0, r1, c0, c1))
         return FnMask(self.fn, self.tensors, self.q_pos[r0:r1], self.k_pos[c0:c1], b1 - b0, self.heads, self.b0 + b0,
-                      self.h0, self.causal)
+                      self.h0, self.causal, where)
 
     def row_chunk(self, keys: int) -> int:
         ind = self.fn.indices
@@ -566,10 +570,50 @@ def tile_states(mask: FnMask, tile: int | None = None) -> tuple[torch.Tensor, to
     return as_mask(may), as_mask(must)
 
 
+# Note [Built once per mask]
+# Every layer of a step calls attention with the same mask tensors (one graph input feeds
+# them all), forward and backward, so what a call builds from its mask (its state, its
+# BlockMask) is the same for each of them: `memo` keeps the last MEMO_ENTRIES, keyed by the
+# function, the call's positions as the ring derives them (FnMask.where), its batch rows and
+# heads, and the identity and version counter of each tensor it reads. A kept entry holds
+# those tensors, so an identity is never reused while its entry lives, and an in-place write
+# bumps the version: a stale entry is never returned. Positions that are data (where = None)
+# are never kept.
+
+MEMO_ENTRIES = 64
+_MEMO: "OrderedDict[tuple, object]" = OrderedDict()
+
+
+def memo(mask: FnMask, what: tuple, build, tensors: tuple = ()):
+    """build(), or what it returned for the same call and tensors (Note [Built once per mask])."""
+    if mask.where is None:
+        return build()
+    reads = (*mask.tensors, *(t for t in tensors if t is not None))
+    key = (what, mask.fn, mask.where, mask.batch, mask.heads, mask.b0, mask.h0, mask.causal,
+           tuple((id(t), t._version) for t in reads))
+    hit = _MEMO.get(key)
+    if hit is not None:
+        _MEMO.move_to_end(key)
+        return hit[1]
+    value = build()
+    _MEMO[key] = (reads, value)
+    while len(_MEMO) > MEMO_ENTRIES:
+        _MEMO.popitem(last=False)
+    return value
+
+
 def classify(mask: FnMask, tile: int | None = None) -> str:
     """"empty", "full" or "partial": the state of `mask`'s whole call from its tile states (Note
     [Tile bounds]; one host read), counted in STATS with its tiles. A call on flex_attention
     is classified here; `split` (exact, per pair) serves the other kernels."""
+    state, tiles = memo(mask, ("state", tile), lambda: _state(mask, tile))
+    STATS[state] += 1
+    for name, count in zip(("tiles_empty", "tiles_full", "tiles_partial"), tiles):
+        STATS[name] += count
+    return state
+
+
+def _state(mask: FnMask, tile: int | None) -> tuple[str, tuple[int, int, int]]:
     some, full = tile_states(mask, tile)
     counts = [some.sum(), full.sum()]
     if mask.causal:  # a causal diagonal the function alone fills runs as the causal kernel
@@ -578,11 +622,7 @@ def classify(mask: FnMask, tile: int | None = None) -> str:
     n_some, n_full, *cover = (int(x) for x in torch.stack(counts).cpu())
     n = some.numel()
     state = "empty" if n_some == 0 else "full" if n_full == n or (cover and cover[0]) else "partial"
-    STATS[state] += 1
-    STATS["tiles_empty"] += n - n_some
-    STATS["tiles_full"] += n_full
-    STATS["tiles_partial"] += n_some - n_full
-    return state
+    return state, (n - n_some, n_full, n_some - n_full)
 
 
 def _load_bounds(mask: FnMask, args, qt: int, kt: int, tile: int):

@@ -389,10 +389,10 @@ FLEX_TILE_BYTES = 48  # per 128 x 128 tile and batch row: bool states, int32 cou
 
 def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """masked_calls on flex_attention (flex.py): per call of R = min(s, CALL_ROWS) rows, its
-    BlockMask; in backward the recomputed block output and the scaled dO (R rows each, like q),
-    four fp32 row values; a block of more rows than CALL_ROWS also holds a call's output rows
-    (forward), and in backward a chunk's gradients (dQ rows, dK and dV) beside the fp32 dK/dV
-    sums."""
+    BlockMask; in backward two fp32 row values (the lse in base 2, and the kernel's rowsum(dO *
+    O)); a block of more rows than CALL_ROWS also holds a call's output rows (forward), and in
+    backward the contiguous q, O and dO rows of a chunk, its gradients (dQ rows, dK and dV)
+    beside the fp32 dK/dV sums."""
     from .flex import CALL_ROWS, TILE
 
     q, k = a["q"], a["k"]
@@ -402,10 +402,10 @@ def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     q_rows = q.itemsize * b * h * rows * d  # R rows of q
     vec = 4 * b * h * rows  # one fp32 [b, h, R]
     fwd = tiles
-    bwd = tiles + 2 * q_rows + 4 * vec
+    bwd = tiles + 2 * vec
     chunked = sympy.Gt(s, CALL_ROWS)
     return (sympy.Piecewise((fwd + q_rows + vec, chunked), (fwd, True)),
-            sympy.Piecewise((bwd + q_rows + 2 * k.nbytes + 2 * k.with_itemsize(4).nbytes, chunked), (bwd, True)))
+            sympy.Piecewise((bwd + 4 * q_rows + 2 * k.nbytes + 2 * k.with_itemsize(4).nbytes, chunked), (bwd, True)))
 
 
 def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
@@ -413,9 +413,8 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     for blocks of s = n_local keys, a bound:
     - CUDA, masked bf16/fp16 blocks on flex_attention (Note [Flex blocks] in flex.py): the
       block mask's tiles (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense
-      tile states it is built from); in backward also the recomputed block output and the
-      scaled dO (each like q), and four fp32 [b, h, s] row values (the block's lse, its
-      gradient, exp(l - L), rowsum(dO * O));
+      tile states it is built from); in backward also two fp32 [b, h, s] row values (the lse
+      in base 2, rowsum(dO * O));
     - CUDA math path (Note [Masked rows] in kernels.py: fp32/fp64, or masked blocks under
       RINGCC_MASKED_KERNEL=math): K and V expanded to q's heads
       in the accumulator dtype, in backward also their dK/dV accumulators; per call of R rows

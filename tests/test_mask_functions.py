@@ -140,6 +140,29 @@ def test_tile_states_from_bounds_are_sound_and_tight_on_runs(name):
         assert bool((some & ~full).any()) and bool(anyt.any())
 
 
+def test_a_call_state_is_built_once_per_mask_and_again_when_the_mask_changes(monkeypatch):
+    """maskfn.memo (Note [Built once per mask]): the layers of a step reuse a call's state; an
+    in-place write to the mask tensor, a new mask tensor, or positions that are data (no `where`)
+    build it again, so a state never outlives the values it was built from."""
+    fn, n = maskfn.parse("maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2"), 256
+    built = []
+    real = maskfn.tile_states
+    monkeypatch.setattr(maskfn, "tile_states", lambda m, tile=None: built.append(1) or real(m, tile))
+    doc = torch.zeros(1, n, dtype=torch.long)
+    pos = torch.arange(n)
+
+    def state(doc, where=("contiguous", 1, n, 0, 0, 0, n, 0, n, "cpu")):
+        return maskfn.classify(maskfn.FnMask(fn, (doc,), pos, pos, 1, 2, where=where), 64)
+
+    assert state(doc) == "full" and len(built) == 1
+    assert state(doc) == "full" and len(built) == 1  # the next layer: reused
+    doc[0, n // 2:] = 1  # a second document, written in place
+    assert state(doc) == "partial" and len(built) == 2
+    assert state(torch.zeros(1, n, dtype=torch.long)) == "full" and len(built) == 3  # a new batch
+    assert state(doc, where=None) == "partial" and len(built) == 4
+    assert state(doc, where=None) == "partial" and len(built) == 5  # positions that are data: never kept
+
+
 def _ar(q):
     return torch.arange(q.shape[2], device=q.device)
 

@@ -753,8 +753,8 @@ def _masked_ws(s, device, itemsize=2, mask=True, causal=True, window=0, g=16):
 def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
     """workspace.masked_calls on flex_attention (the default for masked bf16/fp16 blocks on
     CUDA, Note [Flex blocks]): the BlockMask of CALL_ROWS rows by the block's keys, and in
-    backward the recomputed output and scaled dO rows and four fp32 row values; past CALL_ROWS
-    rows a chunk's outputs (dQ rows, dK, dV) and the fp32 dK/dV sums. Linear in the shard."""
+    backward two fp32 row values; past CALL_ROWS rows a chunk's contiguous q, O and dO rows,
+    its outputs (dQ rows, dK, dV) and the fp32 dK/dV sums. Linear in the shard."""
     from ringcc.runtime import flex
 
     monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
@@ -765,13 +765,13 @@ def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
     tiles = workspace.FLEX_TILE_BYTES * 33 * 33
     rows = 2 * 16 * 4096 * 128  # 4096 rows of bf16 q
     assert fwd.subs(short) == tiles
-    assert bwd.subs(short) == tiles + 2 * rows + 4 * 4 * 16 * 4096
+    assert bwd.subs(short) == tiles + 2 * 4 * 16 * 4096
     long = {s: 8 * flex.CALL_ROWS}  # eight calls
     r = flex.CALL_ROWS
     tiles = workspace.FLEX_TILE_BYTES * (r // 128 + 1) * (8 * r // 128 + 1)
     rows = 2 * 16 * r * 128
     assert fwd.subs(long) == tiles + rows + 4 * 16 * r
-    assert bwd.subs(long) == tiles + 3 * rows + 4 * 4 * 16 * r + 2 * (2 + 4) * 4 * 8 * r * 128
+    assert bwd.subs(long) == tiles + 4 * rows + 2 * 4 * 16 * r + 2 * (2 + 4) * 4 * 8 * r * 128
     twice = {s: 16 * flex.CALL_ROWS}
     assert bwd.subs(twice) < 2 * bwd.subs(long)  # linear in s past CALL_ROWS (tiles grow with the keys)
 
