@@ -236,7 +236,14 @@ def block_mask(lq: int, lk: int, causal: bool, key_valid_bs, window, device, row
     build = lambda: _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backward)  # noqa: E731
     if key_valid_bs is None and window is not None:
         return _per_window(window, ("mask", causal, rows, backward), rows, lk, build)
+    if key_valid_bs is None and _tiles(rows, lk) <= CACHED_TILES:  # the positions' mask alone (a score modifier's)
+        return _arange_mask(lq, lk, causal, torch.device(device), rows, backward)
     return build()
+
+
+@functools.lru_cache(maxsize=64)
+def _arange_mask(lq: int, lk: int, causal: bool, device, rows, backward: bool) -> "Masked":
+    return _build_block_mask(lq, lk, causal, None, None, device, rows, backward)
 
 
 @dataclass(frozen=True)
