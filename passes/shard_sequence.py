@@ -1560,6 +1560,7 @@ def _share_balance_plan(w: Sharder, node, key_valid) -> None:
         w.state[plan] = None
         w._plans[key] = plan
     node.kwargs = {**node.kwargs, "balance_plan": plan}
+    w.decisions.append(f"{node.name}: balance plan {plan.name} above max/mean {float(threshold):g}")
     if site is not None:
         site.balance = float(threshold)
 

@@ -55,6 +55,24 @@ def test_a_malformed_plan_is_an_error_that_says_what_a_plan_is(plan, match):
         balance.read_plan(plan, 2, "zigzag")
 
 
+def test_opcheck_plan_and_ring_op_with_a_plan():
+    doc = one_long_document(256)
+    plan = torch.ops.ringcc.balance_plan(DOC_TEXT, True, 1, 2, "", 1, "contiguous", 1.1, doc)
+    assert plan.tolist() == [[0, 1, 2, 3] + [-1] * 4]  # one rank: its own chunks, nothing moves
+    torch.library.opcheck(torch.ops.ringcc.balance_plan.default, (DOC_TEXT, True, 1, 2, "", 1, "contiguous", 1.1),
+                          {"mask_t0": doc})
+    q, k, v = (torch.randn(1, 2, 256, 8, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.ringcc.ring_attention.default, (q, k, v, None, True, 0.35, "", 1, "contiguous"),
+                          {"mask_fn": DOC_TEXT, "mask_t0": doc, "balance_plan": plan})
+
+
+def test_a_plan_without_a_mask_function_is_an_error():
+    q = torch.randn(1, 2, 256, 8)
+    plan = torch.tensor([[0, 1, 2, 3] + [-1] * 4])
+    with pytest.raises(ValueError, match="takes a balance plan with a mask function.*got no mask function"):
+        torch.ops.ringcc.ring_attention(q, q, q, None, True, 0.35, "", 1, "contiguous", balance_plan=plan)
+
+
 # ---------------------------------------------------------------------------------------
 # the ring op on a plan, against the dense reference
 
