@@ -181,7 +181,7 @@ def positions(lengths) -> torch.Tensor:
     return torch.cat([torch.arange(m) for m in lengths])[None]
 
 
-def case_compiled_steps(rank, world, steps):
+def case_compiled_steps(rank, world, steps, inner="aot_eager"):
     """A compiled PackedAttention over `steps` batches of other documents: each step's output,
     every gradient and the set of parameters with one against eager; the runtime's balance; the
     number of graphs compiled."""
@@ -189,7 +189,7 @@ def case_compiled_steps(rank, world, steps):
     torch.manual_seed(0)
     ref, model = PackedAttention(), PackedAttention()
     model.load_state_dict(ref.state_dict())
-    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner=inner, strict=True)))
     ringcc.reset_reports()
     out_steps = []
     for lengths in steps:
@@ -232,6 +232,18 @@ def test_compiled_packed_documents_change_every_step_with_no_recompile_p2(pools)
         first, second = out_steps[0]["last"], out_steps[1]["last"]
         assert first["before"] > 1.1 and first["moved"] and out_steps[0]["balance"] <= 1.1, first
         assert second["moved"] and out_steps[1]["balance"] <= 1.1, second
+
+
+@pytest.mark.soak
+def test_compiled_packed_documents_under_inductor_p2(pools):
+    """The plan op's host tensor and the ring op's moves inside an inductor-compiled graph."""
+    for out_steps, graphs, sites, _ in pools(2).run(case_compiled_steps, [[256, 64, 64, 64, 64], [128, 320, 64]],
+                                                    "inductor", timeout=900):
+        assert graphs == 1 and sites == [("rewritten", 1.1)], (graphs, sites)
+        for step in out_steps:
+            assert all(a == b for a, b in step["grads"].values()), step["grads"]
+            assert max(step["errs"].values()) < 2e-5, step["errs"]
+            assert abs(step["balance"] - step["last"]["after"]) < 1e-9 and step["balance"] <= 1.1, step
 
 
 @pytest.mark.soak
