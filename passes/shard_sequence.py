@@ -66,6 +66,7 @@ STATE_META = "ringcc_seq"  # the node's Seq state (tests read it)
 
 SHARD = torch.ops.ringcc.shard.default
 KEY_RUNS = torch.ops.ringcc.key_runs.default
+BALANCE_PLAN = torch.ops.ringcc.balance_plan.default
 GATHER = torch.ops.ringcc.gather.default
 ALL_REDUCE = torch.ops.ringcc.all_reduce_sum.default
 SELECT = torch.ops.ringcc.seq_select.default
@@ -191,6 +192,7 @@ class Sharder:
         self._shards: dict[tuple, torch.fx.Node] = {}
         self._gathers: dict[torch.fx.Node, torch.fx.Node] = {}
         self._key_runs: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._plans: dict[tuple, torch.fx.Node] = {}
         self.decisions: list[str] = []
         # dynamo passes every symbol as a SymInt input: sizes rebuilt in the graph use them
         self._symbols = {expr(fake(p)): p for p in gm.graph.nodes
@@ -1472,6 +1474,8 @@ def attention_rule(w: Sharder, node):
             raise Fallback("key padding mask computed on shards")
         w.localize(node, key_valid, st, None, pad_value=False)
         _share_key_runs(w, node, spec["key_runs"])
+    if op_name(node) == "ringcc::ring_attention":
+        _share_balance_plan(w, node, key_valid)
     args = list(node.args)
     args[spec["comm"]] = list(w.comm)
     node.args = tuple(args)
@@ -1528,6 +1532,37 @@ def _share_key_runs(w: Sharder, node, index: int) -> None:
         w.state[runs] = None
         w._key_runs[local] = runs
     _set_arg(node, index, "key_runs", runs)
+
+
+def _share_balance_plan(w: Sharder, node, key_valid) -> None:
+    """Gives a ring site whose mask function reads per-token tensors the balance plan of Note
+    [Balanced ring] (runtime/balance.py), made at run time by one ringcc::balance_plan node per
+    function, causal flag, batch, heads and tensors, so every layer that reads that mask shares
+    one count and all-reduce per step, forward and backward. The site's report entry says so, or
+    why it does not balance."""
+    tensors = [node.kwargs.get(f"mask_t{i}") for i in range(4)]
+    threshold = w.ctx.config.balance
+    if not threshold or w.p == 1 or not node.kwargs.get("mask_fn") or tensors[0] is None:
+        return
+    site = next((s for s in w.ctx.report.sites if s.node == node.name), None)
+    if key_valid is not None or node.kwargs.get("alibi_slopes") is not None:
+        if site is not None:
+            why = "a key padding mask" if key_valid is not None else "ALiBi"
+            site.detail = "; ".join(filter(None, [site.detail, f"not balanced: {why} follows the layout"]))
+        return
+    q = fake(node.args[0])
+    causal = node.args[4] is True
+    key = (node.kwargs["mask_fn"], causal, expr(q.shape[0]), expr(q.shape[1]), tuple(tensors))
+    plan = w._plans.get(key)
+    if plan is None:
+        plan = w.new(BALANCE_PLAN, node.kwargs["mask_fn"], causal, w.size(q.shape[0]), w.size(q.shape[1]), *w.comm,
+                     float(threshold), **{f"mask_t{i}": t for i, t in enumerate(tensors) if t is not None})
+        w.state[plan] = None
+        w._plans[key] = plan
+    node.kwargs = {**node.kwargs, "balance_plan": plan}
+    w.decisions.append(f"{node.name}: balance plan {plan.name} above max/mean {float(threshold):g}")
+    if site is not None:
+        site.balance = float(threshold)
 
 
 # Token-local ops, by how they treat replicated inputs. Copies and casts stay cheap (ids,

@@ -51,6 +51,12 @@ class Config:
     site -> DilatedSpec | None choosing per site. Changes the model's math: opt-in only."""
     layout: str = "auto"
     """Sequence layout: "contiguous", "zigzag", or "auto" (zigzag when every site is causal)."""
+    balance: float = 1.1
+    """Sites whose mask is a function of per-token tensors (documents, positions, padding) balance
+    their ring at run time, every step: when the layout gives a rank more than `balance` times the
+    mean count of allowed (query, key) pairs, the ring runs on chunks reassigned by their counts
+    (Note [Balanced ring] in runtime/balance.py; the report says which sites balance, and after a
+    step the shares before and after). 0 turns it off; otherwise at least 1.0."""
     gather_outputs: bool = False
     """Sequence-carrying graph outputs (logits, hidden states, a returned K/V cache): False
     returns each as a SequenceSharded tensor holding this rank's rows, gathered to the full
@@ -154,6 +160,11 @@ def _validate(name: str, value) -> None:
             raise TypeError(f"Config.{name} must be an int or None; got {_received(value)}")
         if name == "world_size" and value is not None and value < 1:
             raise ValueError(f"Config.world_size must be >= 1 (the number of ranks to plan for); got {value}")
+    elif name == "balance":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"Config.balance must be a number (max over mean, e.g. 1.1; 0: off); got {_received(value)}")
+        if value != 0 and not value >= 1.0:
+            raise ValueError(f"Config.balance must be 0 (off) or at least 1.0 (a rank's share over the mean); got {value}")
     elif name == "bucket_mb":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"Config.bucket_mb must be a number of MB; got {_received(value)}")
@@ -237,7 +248,7 @@ def _parse_env(f: dataclasses.Field, raw: str):
 
 _ENV_FIELDS = ("inner", "layout", "gather_outputs", "pad", "strict", "require_linear_memory",
                "dropout", "checkpoints", "dump_dir", "bucket_mb", "verify", "shard", "world_size", "grad_sync",
-               "timeout", "check_inputs")
+               "timeout", "check_inputs", "balance")
 
 
 def _from_env(cls) -> dict:

@@ -367,12 +367,12 @@ for _name in ("add", "iadd", "sub", "neg", "view", "reshape", "transpose", "perm
               "ringcc::shard", "ringcc::gather", "_to_copy", "slice", "select", "narrow", "size", "new_zeros",
               "zeros", "ones", "arange", "full", "empty", "expand_as", "view_as", "repeat", "repeat_interleave",
               "_unsafe_view", "alias", "copy", "output", "sym_size", "floordiv", "mod", "ringcc::key_runs",
-              "ringcc::one_run_keys"):
+              "ringcc::one_run_keys", "ringcc::balance_plan"):
     SAVES[_name] = "none"
 
 # Ops whose outputs live on the host whatever the graph's device (small tables the runtime
 # reads there): no device bytes, never sharded.
-HOST_OPS = {"ringcc::key_runs"}
+HOST_OPS = {"ringcc::key_runs", "ringcc::balance_plan"}
 # torch.utils.checkpoint under dynamo: saves its inputs, recomputes its body in backward
 CHECKPOINT_OP = "tag_activation_checkpoint"
 

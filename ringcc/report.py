@@ -41,6 +41,9 @@ class Site:
     mask: Optional[dict] = None  # the lifted mask spec (causal, padding, window, ...)
     dilation: Optional[str] = None
     detail: str = ""  # free text: why, in words
+    # the rank's share of allowed pairs over the mean above which the ring rebalances at run time
+    # (Note [Balanced ring] in runtime/balance.py); None: the site keeps the layout
+    balance: Optional[float] = None
 
 
 @dataclass
@@ -85,6 +88,8 @@ class GraphReport:
             dil = f" dilation={s.dilation}" if s.dilation else ""
             det = f" - {s.detail}" if s.detail else ""
             lines.append(f"  [{s.form:7}] {what:24} {s.location}{mask}{dil}{det}")
+            if s.balance is not None:
+                lines.append(f"            {balance_line(s)}")
         for g in self.gathers:
             lines.append(f"  gather (O(n)) at {g.location}: {g.why}")
         if self.pass_seconds:
@@ -94,6 +99,20 @@ class GraphReport:
             lines.append(f"  memory: {getattr(self.plan, 'summary', lambda: str(self.plan))()}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def balance_line(site: Site) -> str:
+    """What a balancing site did at its last run (Note [Balanced ring] in runtime/balance.py): each
+    rank's share of the allowed (query, key) pairs, max over mean, in the layout and as run."""
+    from ringcc.runtime import balance
+
+    last = balance.LAST.get((site.mask or {}).get("function", "").replace("; ", "\n"))  # the spec's text, one line
+    head = f"balance: rebalanced at run time when max/mean > {site.balance:g}"
+    if last is None:
+        return head + " (not run yet)"
+    how = f"{last['chunks']} chunks, moved" if last["moved"] else "kept"
+    return (f"{head}; last run: max/mean {last['before']:.3f} in the {last['layout']} layout, {last['after']:.3f} "
+            f"as run ({how}; allowed pairs per rank {last['pairs']})")
 
 
 _REPORTS: list[GraphReport] = []

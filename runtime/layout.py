@@ -84,8 +84,9 @@ def unshard(shards: list[torch.Tensor], dim: int, layout: Layout) -> torch.Tenso
 
 def global_positions(rank: int, world: int, layout: Layout, n_local: int, device=None) -> torch.Tensor:
     """Global token positions of this rank's local sequence, shape [n_local]."""
-    per = chunks_per_rank(layout)
-    c_len = n_local // per
-    return torch.cat(
-        [torch.arange(c * c_len, (c + 1) * c_len, device=device) for c in local_chunks(rank, world, layout)]
-    )
+    return chunk_positions(local_chunks(rank, world, layout), n_local // chunks_per_rank(layout), device)
+
+
+def chunk_positions(chunks, chunk_len: int, device=None) -> torch.Tensor:
+    """Global positions of the rows of global chunks `chunks` of `chunk_len` tokens, in that order."""
+    return torch.cat([torch.arange(c * chunk_len, (c + 1) * chunk_len, device=device) for c in chunks])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ringcc import _compat
 
-from . import amp, kernels
+from . import amp, balance, kernels
 from . import layout as L
 from .comm import group_extremes
 from . import graphs, maskfn, workspace
@@ -165,6 +165,32 @@ def _(mask):
     return torch.empty(mask.shape, dtype=torch.bool, device=mask.device)
 
 
+@torch.library.custom_op("ringcc::balance_plan", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
+def balance_plan_op(mask_fn: str, is_causal: bool, batch: int, heads: int, group_name: str, world_size: int,
+                    layout: str, threshold: float, mask_t0: Optional[torch.Tensor] = None,
+                    mask_t1: Optional[torch.Tensor] = None, mask_t2: Optional[torch.Tensor] = None,
+                    mask_t3: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Which global chunks each rank's ring computes under the mask function `mask_fn` (with
+    `is_causal`, over `batch` rows and `heads` query heads), as the ring ops take it
+    (`balance_plan`): the layout's own chunks unless their largest share of the allowed pairs
+    over the mean exceeds `threshold`, else chunks reassigned by their counts (Note [Balanced
+    ring] in balance.py). [world_size, balance.MAX_CHUNKS] int64 on the host. One all-reduce of
+    the chunk counts and a host sync (never inside a CUDA graph: tagged cudagraph_unsafe)."""
+    group, rank, world = _group_from(group_name, world_size)
+    tensors = tuple(t for t in (mask_t0, mask_t1, mask_t2, mask_t3) if t is not None)
+    fn = maskfn.parse(mask_fn)
+    if not tensors or len(tensors) != fn.n_tensors:
+        raise ValueError(f"balance_plan balances a mask function over its per-token tensors; the function reads "
+                         f"{fn.n_tensors}, the op got {len(tensors)}")
+    return balance.make_plan(fn, tensors, is_causal, batch, heads, group, rank, world, layout, threshold)
+
+
+@balance_plan_op.register_fake
+def _(mask_fn, is_causal, batch, heads, group_name, world_size, layout, threshold, mask_t0=None, mask_t1=None,
+      mask_t2=None, mask_t3=None):
+    return torch.empty((world_size, balance.MAX_CHUNKS), dtype=torch.int64, device="cpu")
+
+
 @torch.library.custom_op("ringcc::ring_attention", mutates_args=())
 def ring_attention_op(
     q: torch.Tensor,
@@ -186,12 +212,17 @@ def ring_attention_op(
     mask_t1: Optional[torch.Tensor] = None,
     mask_t2: Optional[torch.Tensor] = None,
     mask_t3: Optional[torch.Tensor] = None,
+    balance_plan: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
     _check_sinks(sinks, q)
     fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    moves = _moves(balance_plan, setup, q, fn, key_valid, slopes)
+    if moves is not None:  # Note [Balanced ring] in balance.py
+        q, k, v = moves.there(q, k, v)
+        setup = dataclasses.replace(setup, chunks=moves.table)
     if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def forward(q, k, v, slopes):
             out, lse = ring_forward(q, k, v, None, setup, None, slopes)
@@ -202,6 +233,8 @@ def ring_attention_op(
                               setup.group)
     else:
         out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes, fn)
+    if moves is not None:
+        out, lse = moves.back(out, lse)
     if sinks is not None:  # Note [Attention sinks]
         out, lse = merge_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
@@ -238,6 +271,21 @@ def _mask_fn(text: str, slots, q, window: int):
     return fn, inputs
 
 
+def _moves(plan, setup: RingSetup, q, fn, key_valid, slopes):
+    """The moves of this call's rows to the balance plan's chunks and back (Note [Balanced ring] in
+    balance.py), or None: no plan, or the layout's own chunks."""
+    if plan is None:
+        return None
+    if fn is None or key_valid is not None or slopes is not None:
+        got = "no mask function" if fn is None else "a key padding mask" if key_valid is not None else "ALiBi slopes"
+        raise ValueError(f"ring_attention takes a balance plan with a mask function and no key padding mask or ALiBi "
+                         f"slopes (their runs and positions follow the layout); got {got}: drop balance_plan")
+    table = balance.read_plan(plan, setup.world, setup.layout)
+    if table is None:
+        return None
+    return balance.Moves(table, setup.world, setup.layout, setup.rank, q.shape[2], setup.group, q.device)
+
+
 def _slopes(alibi_slopes, q):
     """ALiBi slopes as the kernels take them: fp32 [h] on q's device (Note [Score modifiers])."""
     if alibi_slopes is None:
@@ -250,7 +298,8 @@ def _slopes(alibi_slopes, q):
 
 @ring_attention_op.register_fake
 def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None, sinks=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None):
+      alibi_slopes=None, sinks=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None,
+      balance_plan=None):
     adt = kernels.acc_dtype(q.dtype)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -280,6 +329,7 @@ def ring_attention_backward_op(
     mask_t1: Optional[torch.Tensor] = None,
     mask_t2: Optional[torch.Tensor] = None,
     mask_t3: Optional[torch.Tensor] = None,
+    balance_plan: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ring attention given its (out, lse) (with sinks: the merged ones, which is
     all the ring's backward needs: Note [Attention sinks])."""
@@ -287,6 +337,10 @@ def ring_attention_backward_op(
                    softcap=softcap)
     slopes = _slopes(alibi_slopes, q)
     fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
+    moves = _moves(balance_plan, setup, q, fn, key_valid, slopes)
+    if moves is not None:  # Note [Balanced ring] in balance.py
+        dout, q, k, v, out, lse = moves.there(dout, q, k, v, out, lse)
+        setup = dataclasses.replace(setup, chunks=moves.table)
     if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
         def backward(dout, q, k, v, out, lse, slopes):
             return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
@@ -295,13 +349,15 @@ def ring_attention_backward_op(
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
                           (dout, q, k, v, out, lse, slopes), setup.group)
     dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, fn)
+    if moves is not None:
+        dq, dk, dv = moves.back(dq, dk, dv)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
       key_runs=None, softcap=0.0, alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None,
-      mask_t3=None):
+      mask_t3=None, balance_plan=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -312,12 +368,12 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 def _ring_setup_context(ctx, inputs, output):
     (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks,
-     mask_fn, *mask_inputs) = inputs
+     mask_fn, *mask_inputs, plan) = inputs
     if slopes is not None and slopes.requires_grad:
         raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
                          "build them); got alibi_slopes with requires_grad=True")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks, plan, *mask_inputs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
     ctx.softcap = softcap
     ctx.mask_fn = mask_fn
@@ -328,12 +384,12 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 19
-    q, k, v, key_valid, out, lse, key_runs, slopes, sinks, *mask_inputs = ctx.saved_tensors
+        return (None,) * 20
+    q, k, v, key_valid, out, lse, key_runs, slopes, sinks, plan, *mask_inputs = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                            slopes, ctx.mask_fn, *mask_inputs)
+                                            slopes, ctx.mask_fn, *mask_inputs, plan)
     dsinks = None if sinks is None or not ctx.needs_input_grad[13] else sink_grad(dout, out, lse, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks,) + (None,) * 5
+    return (dq, dk, dv) + (None,) * 10 + (dsinks,) + (None,) * 6
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)

@@ -1,7 +1,8 @@
 """Exact ring attention: forward and backward schedules.
 
 Note [Ring attention schedule]
-Each rank holds q/k/v for its chunks of the global sequence (see layout.py). In forward,
+Each rank holds q/k/v for its chunks of the global sequence (see layout.py; under a balance
+plan, the plan's chunks: Note [Balanced ring] in balance.py). In forward,
 K/V (and the key padding mask) travel around the ring: at step i rank r holds the K/V of
 rank (r - i) mod p. The transfer for step i+1 is issued before step i's compute, so it
 overlaps it (double buffering: the block held and the one arriving; fresh buffers per step
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 from . import kernels, maskfn
 from .comm import ring_comm
-from .layout import Layout, chunks_per_rank, global_positions, local_chunks
+from .layout import Layout, chunk_positions, chunks_per_rank, local_chunks
 from .merge import add_into, contiguous, copy_by_kernel, merge_
 
 
@@ -121,9 +122,21 @@ class RingSetup:
     kv_chunk: int = 0
     # Soft-capping of the scaled scores (0: none; Note [Score modifiers] in kernels.py).
     softcap: float = 0.0
+    # Global chunk ids of each ring rank, in local order, all chunks of one length: a balance
+    # plan's (Note [Balanced ring] in balance.py); None: the layout's.
+    chunks: tuple[tuple[int, ...], ...] | None = None
+
+    def local_chunks(self, rank: int) -> tuple[int, ...]:
+        return self.chunks[rank] if self.chunks is not None else local_chunks(rank, self.world, self.layout)
+
+    def positions(self, rank: int, n_local: int, device=None) -> torch.Tensor:
+        """Global positions of ring rank `rank`'s local rows."""
+        chunks = self.local_chunks(rank)
+        return chunk_positions(chunks, n_local // len(chunks), device)
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
-        return list(_block_calls(self.rank, self.world, self.layout, self.is_causal, n_local, src))
+        mine, theirs = self.local_chunks(self.rank), self.local_chunks(src)
+        return list(_block_calls(mine, theirs, n_local // len(mine), self.is_causal))
 
     def masked_calls(self, n_local: int, src: int, device, keys: tuple[tuple[int, int], ...] | None = None
                      ) -> list[tuple[BlockCall, "WindowMask | None"]]:
@@ -156,8 +169,7 @@ class RingSetup:
     @functools.lru_cache(maxsize=64)  # noqa: B019
     def _window_calls(self, n_local: int, src: int, device) -> list[tuple[BlockCall, "WindowMask | None"]]:
         calls = self.calls(n_local, src)
-        q_pos = global_positions(self.rank, self.world, self.layout, n_local)
-        k_pos = global_positions(src, self.world, self.layout, n_local)
+        q_pos, k_pos = self.positions(self.rank, n_local), self.positions(src, n_local)
         if not bool((k_pos[1:] > k_pos[:-1]).all()):  # WindowMask.key_range searches them
             raise RuntimeError(f"layout {self.layout} gives rank {src} key positions that do not ascend")
         # int32 where the positions allow: a row chunk's [rows, Lk] difference then takes half the bytes
@@ -178,13 +190,12 @@ class RingSetup:
 
 
 @functools.lru_cache(maxsize=1024)
-def _block_calls(rank: int, world: int, layout: Layout, is_causal: bool, n_local: int, src: int) -> tuple[BlockCall, ...]:
+def _block_calls(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...], chunk_len: int,
+                 is_causal: bool) -> tuple[BlockCall, ...]:
     """RingSetup.calls, cached: the same at every step of every call of this length, and decided
     on the host in tens of µs of Python per step. Keyed by plain values, not the setup: a cache
     holding a setup would hold its process group (ops._SETUPS says why it must not)."""
-    per = chunks_per_rank(layout)
-    return tuple(plan_block(local_chunks(rank, world, layout), local_chunks(src, world, layout), n_local // per,
-                            is_causal))
+    return tuple(plan_block(q_chunks, k_chunks, chunk_len, is_causal))
 
 
 def _row_groups(keys: tuple[tuple[int, int], ...]) -> list[tuple[int, int | None, tuple[int, int]]]:
@@ -477,6 +488,9 @@ class _Mods:
     from head `head0` on, at the global positions of the call's rows and keys."""
 
     def __init__(self, setup: RingSetup, slopes, s: int, head0: int = 0):
+        if slopes is not None and setup.chunks is not None:
+            raise AssertionError("ALiBi positions follow the layout's chunks; a balance plan's do not (the op "
+                                 "takes one of them)")
         self.setup, self.slopes, self.s, self.head0 = setup, slopes, s, head0
         self.plain = None if not setup.softcap and slopes is None else kernels.ScoreMod(setup.softcap)
         self.q = None if slopes is None else self.positions(setup.rank)
@@ -545,13 +559,13 @@ class FnBlocks:
     def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device, dtype=None):
         self.fn, self.tensors = fn
         self.setup, self.batch, self.heads, self.h0 = setup, batch, heads, h0
-        self.q_pos = global_positions(setup.rank, setup.world, setup.layout, s, device)
+        self.q_pos = setup.positions(setup.rank, s, device)
         self.s, self.device = s, device
         # flex_attention takes a partial call whole, its tiles from the function's bounds
         self.whole = dtype is not None and kernels.flex_blocks(torch.device(device), dtype)
 
     def calls(self, calls, src: int):
-        k_pos = global_positions(src, self.setup.world, self.setup.layout, self.s, self.device)
+        k_pos = self.setup.positions(src, self.s, self.device)
         out = []
         for c, allowed in calls:
             if allowed is not None:

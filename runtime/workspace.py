@@ -490,11 +490,27 @@ def ring_attention(a: dict, p) -> Workspace:
     forward's chunk as large as its own workspace and the backward's batch allow. On the
     copy-engine transport, the receive area its batches need instead of received blocks.
     Masked blocks add `masked_calls`, the CPU kernels `cpu_kernel_tiles` (outside the
-    head-chunk rule, which leaves them out)."""
+    head-chunk rule, which leaves them out), a balance plan `balance_moves`."""
     ws = _ring_workspace(a, p)
     mf, mb = masked_calls(a)
     tf, tb = cpu_kernel_tiles(a["q"])
-    return Workspace(ws.forward + mf + tf, ws.backward + mb + tb, ws.area_forward, ws.area_training)
+    bf, bb = balance_moves(a)
+    return Workspace(ws.forward + mf + tf + bf, ws.backward + mb + tb + bb, ws.area_forward, ws.area_training)
+
+
+def balance_moves(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) bytes of the moves to a balance plan's chunks and back (Note [Balanced
+    ring] in balance.py), a bound: each moved tensor as its packed rows, the received rows and
+    its copy in the plan's order (forward: q, k, v, then out and lse; backward: dout, q, k, v,
+    out, lse, then dq, dk, dv). Zero without a plan."""
+    if a.get("balance_plan") is None:
+        return sympy.Integer(0), sympy.Integer(0)
+    q, k, v = a["q"], a["k"], a["v"]
+    b, h, s, _ = q.shape
+    out = TensorSize((b, h, s, v.shape[3]), q.itemsize, q.device_type)
+    lse = TensorSize((b, h, s), _acc_itemsize(q.itemsize), q.device_type)
+    qkv = q.nbytes + k.nbytes + v.nbytes
+    return 3 * (qkv + out.nbytes + lse.nbytes), 3 * (qkv + 2 * out.nbytes + lse.nbytes) + qkv
 
 
 def _ring_workspace(a: dict, p) -> Workspace:
