@@ -571,8 +571,10 @@ class FnBlocks:
             if allowed is not None:
                 raise AssertionError("a window mask with a mask function (the op takes one of them)")
             b0, b1 = c.rows(self.batch)
-            where = (self.setup.layout, self.setup.world, self.s, self.setup.rank, src, c.q0, c.q1, c.k0, c.k1,
-                     str(self.device))
+            # the positions of the call's rows and keys: their chunks (a balance plan's or the
+            # layout's), the chunk length and the call's bounds (Note [Built once per mask])
+            where = (self.setup.local_chunks(self.setup.rank), self.setup.local_chunks(src), self.s, c.q0, c.q1, c.k0,
+                     c.k1, str(self.device))
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
                               b0, self.h0, c.causal, where)
             if self.whole:
