@@ -52,9 +52,9 @@ CALL_ROWS = 65536  # query rows per flex call (a multiple of TILE)
 _FAR = 2**30  # a position difference bound no block reaches (int32-safe)
 
 
-# Compiled variants of flex_attention per process: forward and the backward's recompute
-# (inputs that require grad), with and without a key mask, GQA or not, static then dynamic
-# shapes; dynamo's default limit (8) would stop compiling before a training step has them all.
+# Compiled variants of flex_attention's forward per process: with and without a key mask, each
+# mask and score function, GQA or not, static then dynamic shapes; dynamo's default limit (8)
+# would stop compiling before a training step has them all.
 RECOMPILE_LIMIT = 64
 
 
