@@ -41,12 +41,16 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from ringcc import _compat
+from ringcc.runtime import maskfn
 from ringcc.runtime.maskfn import OPS, MaskFn
+from ringcc.runtime.ops import mask_from_fn_op
 
 from .attention_form import fake, same_size
 
 aten = torch.ops.aten
 VERY_NEGATIVE = -1e4
+INDEX_NAMES = ("b", "h", "q", "kv")
 
 
 class Unextractable(Exception):
@@ -142,7 +146,8 @@ def _names(*items) -> set:
 
 
 BINARY = {
-    "add": _names(operator.add, torch.add, "add", "__add__", aten.add.Tensor, aten.add.Scalar),
+    "add": _names(operator.add, operator.iadd, torch.add, "add", "__add__", "add_", "__iadd__", aten.add.Tensor,
+                  aten.add.Scalar),
     "sub": _names(operator.sub, torch.sub, "sub", "__sub__", aten.sub.Tensor, aten.sub.Scalar),
     "mul": _names(operator.mul, torch.mul, "mul", "__mul__", aten.mul.Tensor, aten.mul.Scalar),
     "floordiv": _names(operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__", aten.floor_divide.default,
@@ -191,9 +196,11 @@ TRIU = _names(torch.triu, "triu", aten.triu.default)
 MASKED_FILL = _names(torch.masked_fill, "masked_fill", "masked_fill_", aten.masked_fill.Scalar,
                      aten.masked_fill_.Scalar)
 WHERE = _names(torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
-INDEX = _names(aten.index.Tensor)
+INDEX = _names(aten.index, aten.index.Tensor)
 SLICE = _names(aten.slice.Tensor)
 SELECT = _names(aten.select.int)
+ADD_BATCH_DIM, REMOVE_BATCH_DIM = _compat.vmap_batch_dim_targets()
+MASK_FROM_FN = _names(mask_from_fn_op._opoverload, torch.ops.ringcc.mask_from_fn)
 
 
 def _target_in(t, group: set) -> bool:
@@ -246,6 +253,9 @@ class _Walk:
             raise Unextractable(f"the mask reads {node.name}, which is not a tensor or a number")
         seq_dims = [d for d, s in enumerate(v.shape) if any(same_size(s, n) for n in self.seq) and not
                     (isinstance(s, int) and s == 1)]
+        if _compat.is_vmap_batched(v):
+            raise Unextractable(f"{node.name}: a value inside torch.vmap that mask extraction does not read "
+                                f"({node.op} {getattr(node.target, '__name__', node.target)})")
         if len(seq_dims) > 1:
             raise Unextractable(
                 f"a stored [query, key] mask tensor ({node.name}, {node.op} "
@@ -286,6 +296,12 @@ class _Walk:
             if mode == "floor":
                 return self._pointwise(node, "floordiv", args[0], args[1])
             return self._leaf_or_fail(node, f"division with rounding_mode={mode!r}")
+        if _target_in(t, MASK_FROM_FN):
+            return self._mask_from_fn(node)
+        if t is ADD_BATCH_DIM:
+            return self._add_batch_dim(node)
+        if t is REMOVE_BATCH_DIM:
+            return self._remove_batch_dim(node)
         if _target_in(t, ARANGE):
             return self._arange(node)
         if _target_in(t, KEEP):
@@ -400,6 +416,64 @@ class _Walk:
         out = self._out(node)
         ax = _c(0) if out[0] is None else ("ax", out[0])
         return Val(_op("add", _op("mul", ax, _c(step)), _c(start)), out)
+
+    def _mask_from_fn(self, node: torch.fx.Node) -> Val:
+        """Another graph's mask output, read here as the function it carries (Note [Mask outputs]
+        in ringcc/sharded.py): its indices are the node's trailing dims b, h, q, kv, and each load
+        reads the function's tensor, itself walked, at its operands."""
+        fn = maskfn.parse(node.args[0])
+        tensors = list(node.args[3:]) + [node.kwargs.get(f"mask_t{i}") for i in range(len(node.args) - 3, 4)]
+        out = self._out(node)
+        env = {name: _c(0) for name in INDEX_NAMES}
+        env.update({name: _c(0) if a is None else ("ax", a) for name, a in zip(INDEX_NAMES[4 - len(out):], out)})
+        vals: list = []
+
+        def get(a):
+            kind, x = a
+            return vals[x] if kind == "v" else env[x] if kind == "i" else a
+
+        for op, args in fn.lines:
+            if op != "load":
+                vals.append(_op(op, *(get(a) for a in args)))
+                continue
+            x = self.eval(tensors[args[0][1]])
+            idx = [get(a) for a in args[1:]]
+            if not isinstance(x, Val) or len(idx) != len(x.axes):
+                raise Unextractable(f"{node.name}: a mask function's load of a tensor of another rank")
+            vals.append(_subst(x.expr, {a: i for a, i in zip(x.axes, idx) if a is not None}))
+        return Val(vals[-1], out)
+
+    def _add_batch_dim(self, node: torch.fx.Node) -> Val:
+        """x with dim in_dim hidden as vmap level `level` (Note [Mask extraction]): that dim's
+        axis becomes the level's variable, which the matching _remove_batch_dim turns back into
+        an axis."""
+        base, in_dim, level = node.args
+        x = self.eval(base)
+        if not isinstance(x, Val) or not isinstance(in_dim, int) or not isinstance(level, int):
+            raise Unextractable(f"{node.name}: a vmap batch dim of a number or at a dim that is not a constant")
+        in_dim %= len(x.axes)
+        out = self._out(node)
+        kept = [a for d, a in enumerate(x.axes) if d != in_dim]
+        m = {a: ("ax", o) for a, o in zip(kept, out) if a is not None and o is not None}
+        if x.axes[in_dim] is not None:
+            m[x.axes[in_dim]] = ("ax", ("vmap", level))
+        return Val(_subst(x.expr, m), out)
+
+    def _remove_batch_dim(self, node: torch.fx.Node) -> Val:
+        """vmap level `level`'s batch back as dim out_dim of the output."""
+        base, level, _, out_dim = node.args
+        x = self.eval(base)
+        out = self._out(node)
+        if not isinstance(level, int) or not isinstance(out_dim, int):
+            raise Unextractable(f"{node.name}: a vmap output at a level or dim that is not a constant")
+        out_dim %= len(out)
+        rest = [o for d, o in enumerate(out) if d != out_dim]
+        lv = _c(0) if out[out_dim] is None else ("ax", out[out_dim])
+        if not isinstance(x, Val):
+            return Val(_c(x), out)
+        m = {("vmap", level): lv}
+        m.update({a: _c(0) if o is None else ("ax", o) for a, o in zip(x.axes, rest) if a is not None})
+        return Val(_subst(x.expr, m), out)
 
     def _expand(self, node: torch.fx.Node, x: Any) -> Any:
         return self._same(node, x)  # new leading dims and widened size-1 dims: trailing alignment
@@ -575,30 +649,45 @@ def _is_bool(e: tuple) -> bool:
 # entry
 
 
-def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extracted:
-    """The function of the SDPA mask `mask` ANDed with is_causal (Note [Mask extraction])."""
+def _expression(mask: torch.fx.Node, seq_lengths: tuple) -> tuple[tuple, list]:
+    """The mask's value as an expression over the indices b, h, q, kv, and the leaves it reads."""
     walk = _Walk(seq_lengths)
     val = walk.eval(mask)
-    mv = fake(mask)
     if not isinstance(val, Val):
         raise Unextractable("the mask is a number")
     nd = len(val.axes)
     if nd < 2 or nd > 4:
         raise Unextractable(f"a mask of {nd} dims (SDPA takes [.., q, kv])")
-    names = ("b", "h", "q", "kv")[4 - nd:]
-    m = {a: ("i", name) for a, name in zip(val.axes, names) if a is not None}
+    m = {a: ("i", name) for a, name in zip(val.axes, INDEX_NAMES[4 - nd:]) if a is not None}
     expr = _subst(val.expr, m)
-    left = _free_axes(expr, set())
-    if left:
+    if _free_axes(expr, set()):
         raise Unextractable("the mask's value depends on a dim that broadcasting drops")
-    if mv.dtype != torch.bool:
+    return expr, walk.leaves
+
+
+def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extracted:
+    """The function of the SDPA mask `mask` ANDed with is_causal (Note [Mask extraction])."""
+    expr, leaves = _expression(mask, seq_lengths)
+    if fake(mask).dtype != torch.bool:
         values = _values(expr)
         bad = None if values is None else sorted(v for v in values if v != 0 and v > VERY_NEGATIVE)
         if values is None or bad:
             what = "values the graph does not fix" if values is None else f"the values {bad[:4]}"
             raise Unextractable(f"an additive mask with {what}: a score bias, not a mask of 0 and -inf")
         expr = _op("eq", expr, _c(0.0))
-    return _finish(expr, walk.leaves, is_causal)
+    return _finish(expr, leaves, is_causal)
+
+
+def describe(mask: torch.fx.Node, seq_lengths: tuple) -> tuple[MaskFn, list]:
+    """The whole function of a bool mask value (its causal part included) and the leaves it
+    reads, in the order of its tensors: how a mask leaves a graph (Note [Mask outputs] in
+    ringcc/sharded.py)."""
+    if fake(mask).dtype != torch.bool:
+        raise Unextractable("a mask output that is not bool")
+    expr, leaves = _expression(mask, seq_lengths)
+    _check_loads(expr, leaves)
+    fn, used = _emit(expr)
+    return fn, [leaves[k] for k in used]
 
 
 def _finish(expr: tuple, leaves: list, is_causal: bool) -> Extracted:
@@ -644,8 +733,6 @@ def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths
 def _always_false():
     raise Unextractable("the mask is always false")
 
-
-INDEX_NAMES = ("b", "h", "q", "kv")
 
 
 def _check_loads(expr: tuple, leaves: list, seen: Optional[set] = None) -> None:

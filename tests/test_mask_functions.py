@@ -136,8 +136,21 @@ def position_causal(q, pos, valid):
     return (pos[:, None, None, :] <= pos[:, None, :, None]) & (d[:, None, :, None] == d[:, None, None, :])
 
 
+def vmapped_padding_causal(q, pos, valid):
+    """A mask function vmapped over (b, h, q, kv), one torch.vmap per index, as transformers
+    4.57 builds its SDPA masks (masking_utils._vmap_for_bhqkv)."""
+    def allowed(b, h, i, j):
+        return (j <= i) & valid.bool()[b, j]
+
+    fn = allowed
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    i = _ar(q)
+    return fn(torch.arange(q.shape[0]), torch.arange(1), i, i)
+
+
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
-                                 left_padding_causal, bidirectional_padding, position_causal)}
+                                 left_padding_causal, bidirectional_padding, position_causal, vmapped_padding_causal)}
 N = 16
 
 
