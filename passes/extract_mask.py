@@ -616,8 +616,10 @@ def _values(e: tuple, depth: int = 0) -> Optional[set]:
     if tag == "c":
         return {float(e[1])}
     if tag == "where":
-        a, b = _values(e[2]), _values(e[3])
-        return None if a is None or b is None else a | b
+        # where(x != 0, a, x) (masked_fill(x, x.bool(), a)): x is 0 wherever it is kept
+        kept = {0.0} if e[1] in (("bool", e[3]), ("ne", e[3], _c(0)), ("ne", e[3], _c(0.0))) else _values(e[3])
+        a = _values(e[2])
+        return None if a is None or kept is None else a | kept
     if tag in ("float", "int"):
         inner = _values(e[1])
         return {0.0, 1.0} if inner is None and _is_bool(e[1]) else inner

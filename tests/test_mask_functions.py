@@ -136,6 +136,13 @@ def position_causal(q, pos, valid):
     return (pos[:, None, None, :] <= pos[:, None, :, None]) & (d[:, None, :, None] == d[:, None, None, :])
 
 
+def inverted_padding(q, pos, valid):
+    """An additive padding mask as transformers 4.x's encoders build it: 1 - mask, then the
+    finite minimum wherever that is non-zero."""
+    inverted = 1.0 - valid[:, None, None, :].expand(-1, 1, q.shape[2], -1).to(q.dtype)
+    return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(q.dtype).min)
+
+
 def vmapped_padding_causal(q, pos, valid):
     """A mask function vmapped over (b, h, q, kv), one torch.vmap per index, as transformers
     4.57 builds its SDPA masks (masking_utils._vmap_for_bhqkv)."""
@@ -150,7 +157,8 @@ def vmapped_padding_causal(q, pos, valid):
 
 
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
-                                 left_padding_causal, bidirectional_padding, position_causal, vmapped_padding_causal)}
+                                 left_padding_causal, bidirectional_padding, position_causal, inverted_padding,
+                                 vmapped_padding_causal)}
 N = 16
 
 
