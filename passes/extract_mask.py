@@ -93,6 +93,8 @@ def _op(name: str, *args) -> tuple:
         return args[1]
     if name == "add" and args[0][0] == "add" and _is_c(args[0][2]) and _is_c(args[1]):  # (x + a) + b
         return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
+    if name == "where" and _is_c(args[0]):
+        return args[1] if args[0][1] else args[2]
     if name in ("and", "or"):  # the unit (True for and, False for or) drops out, the other absorbs
         unit, absorbing = _c(name == "and"), _c(name == "or")
         a, b = args
@@ -149,7 +151,8 @@ BINARY = {
     "add": _names(operator.add, operator.iadd, torch.add, "add", "__add__", "add_", "__iadd__", aten.add.Tensor,
                   aten.add.Scalar),
     "sub": _names(operator.sub, torch.sub, "sub", "__sub__", aten.sub.Tensor, aten.sub.Scalar),
-    "mul": _names(operator.mul, torch.mul, "mul", "__mul__", aten.mul.Tensor, aten.mul.Scalar),
+    "mul": _names(operator.mul, operator.imul, torch.mul, "mul", "__mul__", "mul_", "__imul__", aten.mul.Tensor,
+                  aten.mul.Scalar),
     "floordiv": _names(operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__", aten.floor_divide.default,
                        aten.floor_divide.Scalar),
     "remainder": _names(operator.mod, torch.remainder, "remainder", "__mod__", aten.remainder.Tensor,
@@ -199,6 +202,7 @@ WHERE = _names(torch.where, aten.where.self, aten.where.ScalarOther, aten.where.
 INDEX = _names(aten.index, aten.index.Tensor)
 SLICE = _names(aten.slice.Tensor)
 SELECT = _names(aten.select.int)
+SETITEM = _names(operator.setitem)
 ADD_BATCH_DIM, REMOVE_BATCH_DIM = _compat.vmap_batch_dim_targets()
 MASK_FROM_FN = _names(mask_from_fn_op._opoverload, torch.ops.ringcc.mask_from_fn)
 
@@ -215,11 +219,14 @@ def _target_in(t, group: set) -> bool:
 
 
 class _Walk:
-    def __init__(self, seq_lengths: tuple):
+    def __init__(self, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None):
         self.seq = seq_lengths
         self.memo: dict = {}
         self.leaves: list = []  # graph nodes read as tensors t0..
         self.counter = itertools.count()
+        self.reader = reader  # the node that reads the mask: writes after it do not count
+        self.readers: list = []  # the node whose arguments are being read
+        self.order: dict = {}
 
     def fresh(self, size) -> Optional[int]:
         return None if isinstance(size, int) and size == 1 else next(self.counter)
@@ -232,14 +239,70 @@ class _Walk:
 
     def eval(self, x: Any) -> Any:
         if isinstance(x, torch.fx.Node):
-            if x not in self.memo:
-                self.memo[x] = self._node(x)
-            return self.memo[x]
+            return self._seen(x, self.readers[-1] if self.readers else self.reader)
         if isinstance(x, (bool, int, float)):
             return x
         if x is None:
             return None
         raise Unextractable(f"the mask uses a constant of type {type(x).__name__}")
+
+    def _seen(self, x: torch.fx.Node, reader: Optional[torch.fx.Node]) -> Any:
+        """x as `reader` sees it: its value with the writes into it (x[idx] = v) made before
+        `reader` in the graph applied in order (all of them without a reader)."""
+        writes = [u for u in x.users if u.op == "call_function" and _target_in(u.target, SETITEM) and u.args[0] is x]
+        if writes:
+            if not self.order:
+                self.order = {n: i for i, n in enumerate(x.graph.nodes)}
+            writes = sorted((w for w in writes if reader is None or self.order[w] < self.order[reader]),
+                            key=self.order.get)
+        key = (x, writes[-1]) if writes else x
+        if key not in self.memo:
+            if writes:
+                self.memo[key] = self._write(writes[-1], self._seen(x, writes[-1]))
+            else:
+                self.readers.append(x)
+                try:
+                    self.memo[key] = self._node(x)
+                finally:
+                    self.readers.pop()
+        return self.memo[key]
+
+    def _write(self, w: torch.fx.Node, old: Any) -> Val:
+        """old[idx] = value (a setitem node) over slices of old's dims: where(inside, value, old)."""
+        base, idx, value = w.args
+        if not isinstance(old, Val):
+            raise Unextractable(f"{w.name}: a write into a number")
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        shape = fake(base).shape
+        if any(i is None or not isinstance(i, (slice, type(Ellipsis))) for i in idx):
+            raise Unextractable(f"{w.name}: a write into the mask at an index other than slices")
+        n_real = sum(1 for i in idx if i is not Ellipsis)
+        full: list = []
+        for i in idx:
+            full.extend([slice(None)] * (len(shape) - n_real) if i is Ellipsis else [i])
+        full += [slice(None)] * (len(shape) - len(full))
+        inside, region = _c(True), []
+        for a, size, i in zip(old.axes, shape, full):
+            start, stop = i.start or 0, i.stop
+            if i.step not in (None, 1) or not isinstance(start, int) or not (stop is None or isinstance(stop, int)):
+                raise Unextractable(f"{w.name}: a write into the mask over a slice that is not constant")
+            ax = _c(0) if a is None else ("ax", a)
+            if start < 0 or (stop is not None and stop < 0):
+                raise Unextractable(f"{w.name}: a write into the mask over a slice from the end")
+            if start:
+                inside = _op("and", inside, _op("ge", ax, _c(start)))
+            if stop is not None and not (isinstance(size, int) and stop >= size):
+                inside = _op("and", inside, _op("lt", ax, _c(stop)))
+            region.append(_op("sub", ax, _c(start)))
+        v = self._seen(value, w) if isinstance(value, torch.fx.Node) else value
+        if isinstance(v, Val):
+            if len(v.axes) > len(region):
+                raise Unextractable(f"{w.name}: a written value with more dims than the region")
+            m = {b: region[len(region) - len(v.axes) + d] for d, b in enumerate(v.axes) if b is not None}
+            new = _subst(v.expr, m)
+        else:
+            new = _c(v)
+        return Val(_op("where", inside, new, old.expr), old.axes)
 
     def value(self, x: Any, node: torch.fx.Node) -> Val:
         """x (a Val or a Python number) as a Val aligned to `node`'s output."""
@@ -422,7 +485,7 @@ class _Walk:
         in ringcc/sharded.py): its indices are the node's trailing dims b, h, q, kv, and each load
         reads the function's tensor, itself walked, at its operands."""
         fn = maskfn.parse(node.args[0])
-        tensors = list(node.args[3:]) + [node.kwargs.get(f"mask_t{i}") for i in range(len(node.args) - 3, 4)]
+        tensors = list(node.args[4:]) + [node.kwargs.get(f"mask_t{i}") for i in range(len(node.args) - 4, 4)]
         out = self._out(node)
         env = {name: _c(0) for name in INDEX_NAMES}
         env.update({name: _c(0) if a is None else ("ax", a) for name, a in zip(INDEX_NAMES[4 - len(out):], out)})
@@ -651,9 +714,10 @@ def _is_bool(e: tuple) -> bool:
 # entry
 
 
-def _expression(mask: torch.fx.Node, seq_lengths: tuple) -> tuple[tuple, list]:
-    """The mask's value as an expression over the indices b, h, q, kv, and the leaves it reads."""
-    walk = _Walk(seq_lengths)
+def _expression(mask: torch.fx.Node, seq_lengths: tuple, reader: Optional[torch.fx.Node]) -> tuple[tuple, list]:
+    """The mask's value, as `reader` sees it, as an expression over the indices b, h, q, kv, and
+    the leaves it reads."""
+    walk = _Walk(seq_lengths, reader)
     val = walk.eval(mask)
     if not isinstance(val, Val):
         raise Unextractable("the mask is a number")
@@ -667,9 +731,11 @@ def _expression(mask: torch.fx.Node, seq_lengths: tuple) -> tuple[tuple, list]:
     return expr, walk.leaves
 
 
-def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extracted:
-    """The function of the SDPA mask `mask` ANDed with is_causal (Note [Mask extraction])."""
-    expr, leaves = _expression(mask, seq_lengths)
+def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool, reader: Optional[torch.fx.Node] = None
+            ) -> Extracted:
+    """The function of the SDPA mask `mask` (as the site `reader` sees it) ANDed with is_causal
+    (Note [Mask extraction])."""
+    expr, leaves = _expression(mask, seq_lengths, reader)
     if fake(mask).dtype != torch.bool:
         values = _values(expr)
         bad = None if values is None else sorted(v for v in values if v != 0 and v > VERY_NEGATIVE)
@@ -680,13 +746,16 @@ def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extract
     return _finish(expr, leaves, is_causal)
 
 
-def describe(mask: torch.fx.Node, seq_lengths: tuple) -> tuple[MaskFn, list]:
-    """The whole function of a bool mask value (its causal part included) and the leaves it
-    reads, in the order of its tensors: how a mask leaves a graph (Note [Mask outputs] in
-    ringcc/sharded.py)."""
+def describe(mask: torch.fx.Node, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None
+             ) -> tuple[MaskFn, list]:
+    """The function that gives a mask's values (a bool mask, or an additive one of 0 and at
+    most -1e4; its causal part included), as `reader` sees it, and the leaves it reads in the
+    order of its tensors: how a mask leaves a graph (Note [Mask outputs] in ringcc/sharded.py)."""
+    expr, leaves = _expression(mask, seq_lengths, reader)
     if fake(mask).dtype != torch.bool:
-        raise Unextractable("a mask output that is not bool")
-    expr, leaves = _expression(mask, seq_lengths)
+        values = _values(expr)
+        if values is None or any(v != 0 and v > VERY_NEGATIVE for v in values):
+            raise Unextractable("a float value that is not an additive mask of 0 and at most -1e4")
     _check_loads(expr, leaves)
     fn, used = _emit(expr)
     return fn, [leaves[k] for k in used]

@@ -63,13 +63,15 @@ Note [Mask outputs]
 A graph break between a mask's construction and the attention that reads it (transformers'
 MoE layers break the graph inside a decoder layer; the next layer's attention is in a later
 graph) makes the mask a graph output and an input of the later graph: a dense [b, 1, n, n] on
-every rank, which the later graph could only read as data. A bool graph output that the
-graph computes as a mask function of its indices and per-token tensors (Note [Mask
+every rank, which the later graph could only read as data. A graph output [.., n, n], bool or
+an additive mask of 0 and at most -1e4, that the graph computes as a function of its indices
+and per-token tensors (Note [Mask
 extraction] in passes/extract_mask.py) leaves the graph as that function instead: the graph
 returns the function's per-token tensors (`lift_masks` puts them among its outputs, each
 replicated or, when the sharding pass makes it one, a SequenceSharded output), and the backend
 hands the caller a `MaskFunctionOutput` at the mask's place:
-- its metadata is the mask's (shape, bool, device); it holds the function's text and tensors;
+- its metadata is the mask's (shape, dtype, device); it holds the text of the function that
+  gives its values, and the function's tensors;
 - any torch op on it first materialises the dense mask (`ringcc::mask_from_fn`, cached), so
   code outside a graph reads the same values as eager;
 - a later graph that reads it traces that op (its Tensor methods are Python methods, as
@@ -208,7 +210,7 @@ def _rows(grad, dim: int, comm: tuple[str, int], layout: str, front: int, back: 
 
 
 class MaskFunctionOutput(torch.Tensor):
-    """A bool graph output held as its mask function (Note [Mask outputs]): the mask's
+    """A mask graph output held as its mask function (Note [Mask outputs]): the mask's
     metadata, the function's text and per-token tensors, materialised by the first op that
     reads it."""
 
@@ -216,9 +218,9 @@ class MaskFunctionOutput(torch.Tensor):
     tensors: tuple
 
     @staticmethod
-    def __new__(cls, mask_fn: str, shape, tensors: tuple, device):
+    def __new__(cls, mask_fn: str, shape, dtype: torch.dtype, tensors: tuple, device):
         strides = torch.empty(shape, device="meta").stride()
-        self = _compat.make_wrapper_subclass(cls, shape, strides=strides, dtype=torch.bool, device=device)
+        self = _compat.make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
         self.mask_fn, self.tensors = mask_fn, tuple(tensors)
         self._dense = None
         return self
@@ -227,7 +229,7 @@ class MaskFunctionOutput(torch.Tensor):
         pass
 
     def __repr__(self, *, tensor_contents=None):
-        return f"MaskFunctionOutput(shape={tuple(self.shape)}, tensors={len(self.tensors)}, mask_fn={self.mask_fn!r})"
+        return f"MaskFunctionOutput(shape={tuple(self.shape)}, dtype={self.dtype}, tensors={len(self.tensors)}, mask_fn={self.mask_fn!r})"
 
     def full_tensor(self) -> torch.Tensor:
         """The dense mask (cached outside a graph; traced into one, read as the function)."""
@@ -238,7 +240,7 @@ class MaskFunctionOutput(torch.Tensor):
         return self._dense
 
     def _materialize(self) -> torch.Tensor:
-        return mask_from_fn_op(self.mask_fn, list(self.shape), self.device, *self.tensors)
+        return mask_from_fn_op(self.mask_fn, list(self.shape), self.dtype, self.device, *self.tensors)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -329,8 +331,8 @@ for _cls in (SequenceSharded, MaskFunctionOutput):
 
 def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str, masks: tuple | None = None):
     """The graph's outputs with the sharded ones (index -> (dim, front, back, outer)) wrapped,
-    then, with `masks` = (the graph's own output count, {index: (text, shape, positions of the
-    function's tensors among the outputs after the own ones)}), each mask output as its
+    then, with `masks` = (the graph's own output count, {index: (text, shape, dtype, positions of
+    the function's tensors among the outputs after the own ones)}), each mask output as its
     function (Note [Mask outputs]) and those trailing tensors dropped."""
     out = list(outputs)
     for i, (dim, front, back, outer) in specs.items():
@@ -338,7 +340,7 @@ def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout:
             out[i] = SequenceSharded(out[i], dim, group_name, world_size, layout, front, back, outer)
     if masks is not None:
         own, functions = masks
-        for i, (text, shape, where) in functions.items():
-            out[i] = MaskFunctionOutput(text, shape, tuple(out[j] for j in where), out[i].device)
+        for i, (text, shape, dtype, where) in functions.items():
+            out[i] = MaskFunctionOutput(text, shape, dtype, tuple(out[j] for j in where), out[i].device)
         out = out[:own]
     return type(outputs)(out) if isinstance(outputs, tuple) else out

@@ -240,24 +240,40 @@ class _MaskedBlock(torch.nn.Module):
         return x + self.o(out.transpose(1, 2).reshape(b, n, d))
 
 
+def _written_mask(ids, attention_mask):
+    """transformers 4.x's additive causal padding mask, written in place (float, finite minimum)."""
+    n, low = ids.shape[1], torch.finfo(torch.float32).min
+    i = torch.arange(n, device=ids.device)
+    mask = torch.full((n, n), low, device=ids.device).triu(1)
+    mask *= i > i.reshape(-1, 1)
+    mask = mask[None, None, :, :].expand(ids.shape[0], 1, -1, -1).clone()
+    padding = (mask[:, :, :, :n] + attention_mask[:, None, None, :]) == 0
+    mask[:, :, :, :n] = mask[:, :, :, :n].masked_fill(padding, low)
+    return mask
+
+
 class _BreakAfterMask(torch.nn.Module):
     """A causal padding mask built once, a graph break, then attention with it: the mask is an
     output of one graph and an input of the next (as transformers' MoE layers break a decoder)."""
 
-    def __init__(self):
+    def __init__(self, kind: str):
         super().__init__()
+        self.kind = kind
         self.embed = torch.nn.Embedding(64, 32)
         self.blocks = torch.nn.ModuleList([_MaskedBlock(), _MaskedBlock()])
 
     def forward(self, ids, attention_mask):
-        i = torch.arange(ids.shape[1], device=ids.device)
-        mask = (i[None, None, :, None] >= i[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
+        if self.kind == "written":
+            mask = _written_mask(ids, attention_mask)
+        else:
+            i = torch.arange(ids.shape[1], device=ids.device)
+            mask = (i[None, None, :, None] >= i[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
         x = self.blocks[0](self.embed(ids), mask)
         torch._dynamo.graph_break()
         return self.blocks[1](x, mask)
 
 
-def case_mask_across_graph_break(rank, world):
+def case_mask_across_graph_break(rank, world, kind):
     """The later graph reads the earlier graph's mask output as its function (Note [Mask
     outputs]): no [b, 1, n, n] input, every site rewritten, and the forward, every gradient and
     the set of parameters with one as eager's."""
@@ -265,7 +281,7 @@ def case_mask_across_graph_break(rank, world):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    ref, model = _BreakAfterMask(), _BreakAfterMask()
+    ref, model = _BreakAfterMask(kind), _BreakAfterMask(kind)
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(2, 24, dtype=torch.long)
@@ -290,8 +306,11 @@ def case_mask_across_graph_break(rank, world):
     return float((out - want).abs().max()), grads, sites, inputs
 
 
-def test_mask_crosses_a_graph_break_as_its_function(pools):
-    for err, grads, sites, inputs in pools(2).run(case_mask_across_graph_break, timeout=300):
+@pytest.mark.parametrize("kind", ["bool", pytest.param("written", marks=pytest.mark.soak)])
+def test_mask_crosses_a_graph_break_as_its_function(pools, kind):
+    """bool: built from aranges and the padding mask; written: transformers 4.x's additive mask
+    written in place."""
+    for err, grads, sites, inputs in pools(2).run(case_mask_across_graph_break, kind, timeout=300):
         assert err < 1e-5, err
         assert all(a == b for a, b, _ in grads.values()) and not any(a for a, _, _ in grads.values()), grads
         assert max(e for _, _, e in grads.values()) < 1e-5, grads

@@ -143,6 +143,19 @@ def inverted_padding(q, pos, valid):
     return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(q.dtype).min)
 
 
+def written_causal_padding(q, pos, valid):
+    """A causal padding mask written in place, as transformers 4.x's decoders build it with a
+    cache position (_prepare_4d_causal_attention_mask_with_cache_position): a triangle of the
+    finite minimum, multiplied in place, then its padded keys written through a slice."""
+    n, low = q.shape[2], torch.finfo(q.dtype).min
+    mask = torch.full((n, n), low, dtype=q.dtype, device=q.device).triu(1)
+    mask *= _ar(q) > _ar(q).reshape(-1, 1)
+    mask = mask[None, None, :, :].expand(q.shape[0], 1, -1, -1).clone()
+    padding = (mask[:, :, :, :n] + valid[:, None, None, :]) == 0
+    mask[:, :, :, :n] = mask[:, :, :, :n].masked_fill(padding, low)
+    return mask
+
+
 def vmapped_padding_causal(q, pos, valid):
     """A mask function vmapped over (b, h, q, kv), one torch.vmap per index, as transformers
     4.57 builds its SDPA masks (masking_utils._vmap_for_bhqkv)."""
@@ -158,7 +171,7 @@ def vmapped_padding_causal(q, pos, valid):
 
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
                                  left_padding_causal, bidirectional_padding, position_causal, inverted_padding,
-                                 vmapped_padding_causal)}
+                                 written_causal_padding, vmapped_padding_causal)}
 N = 16
 
 

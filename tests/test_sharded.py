@@ -88,7 +88,7 @@ def test_a_mask_output_is_its_function_until_an_op_reads_it():
     valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     x = torch.randn(2)
     out = wrap_outputs((x, torch.empty(0, dtype=torch.bool), valid), {}, "", 1, "contiguous",
-                       (2, {1: (CAUSAL_PADDING, (2, 1, 5, 5), (2,))}))
+                       (2, {1: (CAUSAL_PADDING, (2, 1, 5, 5), torch.bool, (2,))}))
     assert len(out) == 2 and out[0] is x
     mask = out[1]
     assert isinstance(mask, MaskFunctionOutput) and mask.shape == (2, 1, 5, 5) and mask.dtype == torch.bool
@@ -104,4 +104,4 @@ def test_mask_from_fn_op_passes_opcheck():
     from ringcc.runtime.ops import mask_from_fn_op
 
     valid = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    torch.library.opcheck(mask_from_fn_op, (CAUSAL_PADDING, [2, 1, 3, 3], torch.device("cpu"), valid))
+    torch.library.opcheck(mask_from_fn_op, (CAUSAL_PADDING, [2, 1, 3, 3], torch.bool, torch.device("cpu"), valid))
