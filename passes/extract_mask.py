@@ -13,6 +13,14 @@ read along two dims (q and kv) gives two variables. Sizes are never read from th
 arguments: `view(2, 16, ..)`, `expand(b, 1, n, n)` and `arange(16)` only say where the dims go,
 so the function holds at every block size and position.
 
+Three forms hold their value outside one node: torch.vmap over a mask function (each
+`_add_batch_dim(x, d, level)` hides dim d of x as the level's batch, read as a variable of
+the expression until `_remove_batch_dim` turns it back into an axis of the output); writes in
+place (`m[..., :k] = v`: the value a reader sees is the node's with the writes made before
+that reader applied, each a where() over the written region); and another graph's mask output
+(`ringcc::mask_from_fn`, Note [Mask outputs] in ringcc/sharded.py), read as the function it
+carries.
+
 The walk stops at per-token values: a node it cannot read (a graph input, cumsum, diff, an
 embedding of positions, ..) whose value has at most one dim of the sequence's length becomes
 a tensor input t_k of the function, read through its axes (load). Such values are whole-length
