@@ -13,6 +13,14 @@ read along two dims (q and kv) gives two variables. Sizes are never read from th
 arguments: `view(2, 16, ..)`, `expand(b, 1, n, n)` and `arange(16)` only say where the dims go,
 so the function holds at every block size and position.
 
+Three forms hold their value outside one node: torch.vmap over a mask function (each
+`_add_batch_dim(x, d, level)` hides dim d of x as the level's batch, read as a variable of
+the expression until `_remove_batch_dim` turns it back into an axis of the output); writes in
+place (`m[..., :k] = v`: the value a reader sees is the node's with the writes made before
+that reader applied, each a where() over the written region); and another graph's mask output
+(`ringcc::mask_from_fn`, Note [Mask outputs] in ringcc/sharded.py), read as the function it
+carries.
+
 The walk stops at per-token values: a node it cannot read (a graph input, cumsum, diff, an
 embedding of positions, ..) whose value has at most one dim of the sequence's length becomes
 a tensor input t_k of the function, read through its axes (load). Such values are whole-length
@@ -41,12 +49,16 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
+from ringcc import _compat
+from ringcc.runtime import maskfn
 from ringcc.runtime.maskfn import OPS, MaskFn
+from ringcc.runtime.ops import mask_from_fn_op
 
 from .attention_form import fake, same_size
 
 aten = torch.ops.aten
 VERY_NEGATIVE = -1e4
+INDEX_NAMES = ("b", "h", "q", "kv")
 
 
 class Unextractable(Exception):
@@ -89,6 +101,8 @@ def _op(name: str, *args) -> tuple:
         return args[1]
     if name == "add" and args[0][0] == "add" and _is_c(args[0][2]) and _is_c(args[1]):  # (x + a) + b
         return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
+    if name == "where" and _is_c(args[0]):
+        return args[1] if args[0][1] else args[2]
     if name in ("and", "or"):  # the unit (True for and, False for or) drops out, the other absorbs
         unit, absorbing = _c(name == "and"), _c(name == "or")
         a, b = args
@@ -142,9 +156,11 @@ def _names(*items) -> set:
 
 
 BINARY = {
-    "add": _names(operator.add, torch.add, "add", "__add__", aten.add.Tensor, aten.add.Scalar),
+    "add": _names(operator.add, operator.iadd, torch.add, "add", "__add__", "add_", "__iadd__", aten.add.Tensor,
+                  aten.add.Scalar),
     "sub": _names(operator.sub, torch.sub, "sub", "__sub__", aten.sub.Tensor, aten.sub.Scalar),
-    "mul": _names(operator.mul, torch.mul, "mul", "__mul__", aten.mul.Tensor, aten.mul.Scalar),
+    "mul": _names(operator.mul, operator.imul, torch.mul, "mul", "__mul__", "mul_", "__imul__", aten.mul.Tensor,
+                  aten.mul.Scalar),
     "floordiv": _names(operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__", aten.floor_divide.default,
                        aten.floor_divide.Scalar),
     "remainder": _names(operator.mod, torch.remainder, "remainder", "__mod__", aten.remainder.Tensor,
@@ -191,9 +207,12 @@ TRIU = _names(torch.triu, "triu", aten.triu.default)
 MASKED_FILL = _names(torch.masked_fill, "masked_fill", "masked_fill_", aten.masked_fill.Scalar,
                      aten.masked_fill_.Scalar)
 WHERE = _names(torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
-INDEX = _names(aten.index.Tensor)
+INDEX = _names(aten.index, aten.index.Tensor)
 SLICE = _names(aten.slice.Tensor)
 SELECT = _names(aten.select.int)
+SETITEM = _names(operator.setitem)
+ADD_BATCH_DIM, REMOVE_BATCH_DIM = _compat.vmap_batch_dim_targets()
+MASK_FROM_FN = _names(mask_from_fn_op._opoverload, torch.ops.ringcc.mask_from_fn)
 
 
 def _target_in(t, group: set) -> bool:
@@ -208,11 +227,14 @@ def _target_in(t, group: set) -> bool:
 
 
 class _Walk:
-    def __init__(self, seq_lengths: tuple):
+    def __init__(self, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None):
         self.seq = seq_lengths
         self.memo: dict = {}
         self.leaves: list = []  # graph nodes read as tensors t0..
         self.counter = itertools.count()
+        self.reader = reader  # the node that reads the mask: writes after it do not count
+        self.readers: list = []  # the node whose arguments are being read
+        self.order: dict = {}
 
     def fresh(self, size) -> Optional[int]:
         return None if isinstance(size, int) and size == 1 else next(self.counter)
@@ -225,14 +247,70 @@ class _Walk:
 
     def eval(self, x: Any) -> Any:
         if isinstance(x, torch.fx.Node):
-            if x not in self.memo:
-                self.memo[x] = self._node(x)
-            return self.memo[x]
+            return self._seen(x, self.readers[-1] if self.readers else self.reader)
         if isinstance(x, (bool, int, float)):
             return x
         if x is None:
             return None
         raise Unextractable(f"the mask uses a constant of type {type(x).__name__}")
+
+    def _seen(self, x: torch.fx.Node, reader: Optional[torch.fx.Node]) -> Any:
+        """x as `reader` sees it: its value with the writes into it (x[idx] = v) made before
+        `reader` in the graph applied in order (all of them without a reader)."""
+        writes = [u for u in x.users if u.op == "call_function" and _target_in(u.target, SETITEM) and u.args[0] is x]
+        if writes:
+            if not self.order:
+                self.order = {n: i for i, n in enumerate(x.graph.nodes)}
+            writes = sorted((w for w in writes if reader is None or self.order[w] < self.order[reader]),
+                            key=self.order.get)
+        key = (x, writes[-1]) if writes else x
+        if key not in self.memo:
+            if writes:
+                self.memo[key] = self._write(writes[-1], self._seen(x, writes[-1]))
+            else:
+                self.readers.append(x)
+                try:
+                    self.memo[key] = self._node(x)
+                finally:
+                    self.readers.pop()
+        return self.memo[key]
+
+    def _write(self, w: torch.fx.Node, old: Any) -> Val:
+        """old[idx] = value (a setitem node) over slices of old's dims: where(inside, value, old)."""
+        base, idx, value = w.args
+        if not isinstance(old, Val):
+            raise Unextractable(f"{w.name}: a write into a number")
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        shape = fake(base).shape
+        if any(i is None or not isinstance(i, (slice, type(Ellipsis))) for i in idx):
+            raise Unextractable(f"{w.name}: a write into the mask at an index other than slices")
+        n_real = sum(1 for i in idx if i is not Ellipsis)
+        full: list = []
+        for i in idx:
+            full.extend([slice(None)] * (len(shape) - n_real) if i is Ellipsis else [i])
+        full += [slice(None)] * (len(shape) - len(full))
+        inside, region = _c(True), []
+        for a, size, i in zip(old.axes, shape, full):
+            start, stop = i.start or 0, i.stop
+            if i.step not in (None, 1) or not isinstance(start, int) or not (stop is None or isinstance(stop, int)):
+                raise Unextractable(f"{w.name}: a write into the mask over a slice that is not constant")
+            ax = _c(0) if a is None else ("ax", a)
+            if start < 0 or (stop is not None and stop < 0):
+                raise Unextractable(f"{w.name}: a write into the mask over a slice from the end")
+            if start:
+                inside = _op("and", inside, _op("ge", ax, _c(start)))
+            if stop is not None and not (isinstance(size, int) and stop >= size):
+                inside = _op("and", inside, _op("lt", ax, _c(stop)))
+            region.append(_op("sub", ax, _c(start)))
+        v = self._seen(value, w) if isinstance(value, torch.fx.Node) else value
+        if isinstance(v, Val):
+            if len(v.axes) > len(region):
+                raise Unextractable(f"{w.name}: a written value with more dims than the region")
+            m = {b: region[len(region) - len(v.axes) + d] for d, b in enumerate(v.axes) if b is not None}
+            new = _subst(v.expr, m)
+        else:
+            new = _c(v)
+        return Val(_op("where", inside, new, old.expr), old.axes)
 
     def value(self, x: Any, node: torch.fx.Node) -> Val:
         """x (a Val or a Python number) as a Val aligned to `node`'s output."""
@@ -246,6 +324,9 @@ class _Walk:
             raise Unextractable(f"the mask reads {node.name}, which is not a tensor or a number")
         seq_dims = [d for d, s in enumerate(v.shape) if any(same_size(s, n) for n in self.seq) and not
                     (isinstance(s, int) and s == 1)]
+        if _compat.is_vmap_batched(v):
+            raise Unextractable(f"{node.name}: a value inside torch.vmap that mask extraction does not read "
+                                f"({node.op} {getattr(node.target, '__name__', node.target)})")
         if len(seq_dims) > 1:
             raise Unextractable(
                 f"a stored [query, key] mask tensor ({node.name}, {node.op} "
@@ -286,6 +367,12 @@ class _Walk:
             if mode == "floor":
                 return self._pointwise(node, "floordiv", args[0], args[1])
             return self._leaf_or_fail(node, f"division with rounding_mode={mode!r}")
+        if _target_in(t, MASK_FROM_FN):
+            return self._mask_from_fn(node)
+        if t is ADD_BATCH_DIM:
+            return self._add_batch_dim(node)
+        if t is REMOVE_BATCH_DIM:
+            return self._remove_batch_dim(node)
         if _target_in(t, ARANGE):
             return self._arange(node)
         if _target_in(t, KEEP):
@@ -400,6 +487,64 @@ class _Walk:
         out = self._out(node)
         ax = _c(0) if out[0] is None else ("ax", out[0])
         return Val(_op("add", _op("mul", ax, _c(step)), _c(start)), out)
+
+    def _mask_from_fn(self, node: torch.fx.Node) -> Val:
+        """Another graph's mask output, read here as the function it carries (Note [Mask outputs]
+        in ringcc/sharded.py): its indices are the node's trailing dims b, h, q, kv, and each load
+        reads the function's tensor, itself walked, at its operands."""
+        fn = maskfn.parse(node.args[0])
+        tensors = list(node.args[4:]) + [node.kwargs.get(f"mask_t{i}") for i in range(len(node.args) - 4, 4)]
+        out = self._out(node)
+        env = {name: _c(0) for name in INDEX_NAMES}
+        env.update({name: _c(0) if a is None else ("ax", a) for name, a in zip(INDEX_NAMES[4 - len(out):], out)})
+        vals: list = []
+
+        def get(a):
+            kind, x = a
+            return vals[x] if kind == "v" else env[x] if kind == "i" else a
+
+        for op, args in fn.lines:
+            if op != "load":
+                vals.append(_op(op, *(get(a) for a in args)))
+                continue
+            x = self.eval(tensors[args[0][1]])
+            idx = [get(a) for a in args[1:]]
+            if not isinstance(x, Val) or len(idx) != len(x.axes):
+                raise Unextractable(f"{node.name}: a mask function's load of a tensor of another rank")
+            vals.append(_subst(x.expr, {a: i for a, i in zip(x.axes, idx) if a is not None}))
+        return Val(vals[-1], out)
+
+    def _add_batch_dim(self, node: torch.fx.Node) -> Val:
+        """x with dim in_dim hidden as vmap level `level` (Note [Mask extraction]): that dim's
+        axis becomes the level's variable, which the matching _remove_batch_dim turns back into
+        an axis."""
+        base, in_dim, level = node.args
+        x = self.eval(base)
+        if not isinstance(x, Val) or not isinstance(in_dim, int) or not isinstance(level, int):
+            raise Unextractable(f"{node.name}: a vmap batch dim of a number or at a dim that is not a constant")
+        in_dim %= len(x.axes)
+        out = self._out(node)
+        kept = [a for d, a in enumerate(x.axes) if d != in_dim]
+        m = {a: ("ax", o) for a, o in zip(kept, out) if a is not None and o is not None}
+        if x.axes[in_dim] is not None:
+            m[x.axes[in_dim]] = ("ax", ("vmap", level))
+        return Val(_subst(x.expr, m), out)
+
+    def _remove_batch_dim(self, node: torch.fx.Node) -> Val:
+        """vmap level `level`'s batch back as dim out_dim of the output."""
+        base, level, _, out_dim = node.args
+        x = self.eval(base)
+        out = self._out(node)
+        if not isinstance(level, int) or not isinstance(out_dim, int):
+            raise Unextractable(f"{node.name}: a vmap output at a level or dim that is not a constant")
+        out_dim %= len(out)
+        rest = [o for d, o in enumerate(out) if d != out_dim]
+        lv = _c(0) if out[out_dim] is None else ("ax", out[out_dim])
+        if not isinstance(x, Val):
+            return Val(_c(x), out)
+        m = {("vmap", level): lv}
+        m.update({a: _c(0) if o is None else ("ax", o) for a, o in zip(x.axes, rest) if a is not None})
+        return Val(_subst(x.expr, m), out)
 
     def _expand(self, node: torch.fx.Node, x: Any) -> Any:
         return self._same(node, x)  # new leading dims and widened size-1 dims: trailing alignment
@@ -542,8 +687,10 @@ def _values(e: tuple, depth: int = 0) -> Optional[set]:
     if tag == "c":
         return {float(e[1])}
     if tag == "where":
-        a, b = _values(e[2]), _values(e[3])
-        return None if a is None or b is None else a | b
+        # where(x != 0, a, x) (masked_fill(x, x.bool(), a)): x is 0 wherever it is kept
+        kept = {0.0} if e[1] in (("bool", e[3]), ("ne", e[3], _c(0)), ("ne", e[3], _c(0.0))) else _values(e[3])
+        a = _values(e[2])
+        return None if a is None or kept is None else a | kept
     if tag in ("float", "int"):
         inner = _values(e[1])
         return {0.0, 1.0} if inner is None and _is_bool(e[1]) else inner
@@ -575,30 +722,51 @@ def _is_bool(e: tuple) -> bool:
 # entry
 
 
-def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool) -> Extracted:
-    """The function of the SDPA mask `mask` ANDed with is_causal (Note [Mask extraction])."""
-    walk = _Walk(seq_lengths)
+def _expression(mask: torch.fx.Node, seq_lengths: tuple, reader: Optional[torch.fx.Node]) -> tuple[tuple, list]:
+    """The mask's value, as `reader` sees it, as an expression over the indices b, h, q, kv, and
+    the leaves it reads."""
+    walk = _Walk(seq_lengths, reader)
     val = walk.eval(mask)
-    mv = fake(mask)
     if not isinstance(val, Val):
         raise Unextractable("the mask is a number")
     nd = len(val.axes)
     if nd < 2 or nd > 4:
         raise Unextractable(f"a mask of {nd} dims (SDPA takes [.., q, kv])")
-    names = ("b", "h", "q", "kv")[4 - nd:]
-    m = {a: ("i", name) for a, name in zip(val.axes, names) if a is not None}
+    m = {a: ("i", name) for a, name in zip(val.axes, INDEX_NAMES[4 - nd:]) if a is not None}
     expr = _subst(val.expr, m)
-    left = _free_axes(expr, set())
-    if left:
+    if _free_axes(expr, set()):
         raise Unextractable("the mask's value depends on a dim that broadcasting drops")
-    if mv.dtype != torch.bool:
+    return expr, walk.leaves
+
+
+def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool, reader: Optional[torch.fx.Node] = None
+            ) -> Extracted:
+    """The function of the SDPA mask `mask` (as the site `reader` sees it) ANDed with is_causal
+    (Note [Mask extraction])."""
+    expr, leaves = _expression(mask, seq_lengths, reader)
+    if fake(mask).dtype != torch.bool:
         values = _values(expr)
         bad = None if values is None else sorted(v for v in values if v != 0 and v > VERY_NEGATIVE)
         if values is None or bad:
             what = "values the graph does not fix" if values is None else f"the values {bad[:4]}"
             raise Unextractable(f"an additive mask with {what}: a score bias, not a mask of 0 and -inf")
         expr = _op("eq", expr, _c(0.0))
-    return _finish(expr, walk.leaves, is_causal)
+    return _finish(expr, leaves, is_causal)
+
+
+def describe(mask: torch.fx.Node, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None
+             ) -> tuple[MaskFn, list]:
+    """The function that gives a mask's values (a bool mask, or an additive one of 0 and at
+    most -1e4; its causal part included), as `reader` sees it, and the leaves it reads in the
+    order of its tensors: how a mask leaves a graph (Note [Mask outputs] in ringcc/sharded.py)."""
+    expr, leaves = _expression(mask, seq_lengths, reader)
+    if fake(mask).dtype != torch.bool:
+        values = _values(expr)
+        if values is None or any(v != 0 and v > VERY_NEGATIVE for v in values):
+            raise Unextractable("a float value that is not an additive mask of 0 and at most -1e4")
+    _check_loads(expr, leaves)
+    fn, used = _emit(expr)
+    return fn, [leaves[k] for k in used]
 
 
 def _finish(expr: tuple, leaves: list, is_causal: bool) -> Extracted:
@@ -644,8 +812,6 @@ def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths
 def _always_false():
     raise Unextractable("the mask is always false")
 
-
-INDEX_NAMES = ("b", "h", "q", "kv")
 
 
 def _check_loads(expr: tuple, leaves: list, seen: Optional[set] = None) -> None:

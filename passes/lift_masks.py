@@ -49,7 +49,7 @@ from ringcc.report import SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 
 from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, CountedPositions,
-                             LiftedMask, SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, same_shape,
+                             LiftedMask, SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, propagate, same_shape,
                              same_size, static_float, static_int)
 from . import extract_mask
 from .base import PassContext, PassResult, written_between
@@ -96,7 +96,44 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         site.mask = lifted.spec()
         if MODS_META in node.meta:
             site.mask.update(node.meta[MODS_META].spec())
+    if not ctx.config.gather_outputs:
+        modified |= _mask_outputs(gm, ctx)
     return PassResult(modified)
+
+
+def _mask_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
+    """[.., n, n] graph outputs that are mask functions leave the graph as their functions
+    (Note [Mask outputs] in ringcc/sharded.py): the output's place gets an empty tensor, the
+    function's tensors follow the graph's own outputs, and ctx.scratch["mask_outputs"] =
+    (own output count, {index: (text, shape, dtype, positions of its tensors)}) tells the backend."""
+    out = gm.graph.output_node()
+    flat = out.args[0] if len(out.args) == 1 else None
+    if not isinstance(flat, (tuple, list)):
+        return False
+    outputs, extra, functions = list(flat), [], {}
+    for i, a in enumerate(flat):
+        v = fake(a) if isinstance(a, torch.fx.Node) else None
+        if not (isinstance(v, torch.Tensor) and (v.dtype == torch.bool or v.is_floating_point()) and 2 <= v.dim() <= 4
+                and all(isinstance(s, int) for s in v.shape) and v.shape[-1] > 1 and v.shape[-2] == v.shape[-1]):
+            continue
+        try:
+            fn, leaves = extract_mask.describe(a, (v.shape[-1],), out)
+        except extract_mask.Unextractable:
+            continue
+        for leaf in leaves:
+            if leaf not in extra:
+                extra.append(leaf)
+        with gm.graph.inserting_before(out):
+            outputs[i] = gm.graph.call_function(torch.empty, ((0,),), {"dtype": torch.bool, "device": v.device})
+        propagate(gm, outputs[i])
+        functions[i] = (fn.text, tuple(v.shape), v.dtype, tuple(len(flat) + extra.index(leaf) for leaf in leaves))
+        ctx.report.notes.append(f"output {i} ({a.name}, {tuple(v.shape)}) leaves the graph as its mask function "
+                                f"over {len(leaves)} per-token tensor(s)")
+    if not functions:
+        return False
+    out.args = (type(flat)(outputs + extra),)
+    ctx.scratch["mask_outputs"] = (len(flat), functions)
+    return True
 
 
 # ---------------------------------------------------------------------------------------
@@ -384,7 +421,7 @@ def _extract(sdpa: torch.fx.Node, call: SdpaCall, why_not_lifted: str) -> Union[
     if qv.dim() != 4 or kv.dim() != 4:
         return why_not_lifted
     try:
-        got = extract_mask.extract(call.attn_mask, (qv.shape[-2], kv.shape[-2]), bool(call.is_causal))
+        got = extract_mask.extract(call.attn_mask, (qv.shape[-2], kv.shape[-2]), bool(call.is_causal), sdpa)
     except extract_mask.Unextractable as e:
         return str(e)
     if len(got.inputs) > _ring_ops.MASK_TENSORS:

@@ -622,3 +622,18 @@ def below_autocast(device_type: str):
     own mechanism, private)."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key))
+
+
+def vmap_batch_dim_targets() -> tuple:
+    """(add, remove): the functions dynamo records where traced code calls torch.vmap,
+    `_add_batch_dim(x, in_dim, level)` (x with dim in_dim hidden as vmap level `level`'s batch)
+    and `_remove_batch_dim(y, level, batch_size, out_dim)` (that batch back as dim out_dim);
+    private, in 2.11 and 2.13."""
+    from torch._functorch.predispatch import _add_batch_dim, _remove_batch_dim
+
+    return _add_batch_dim, _remove_batch_dim
+
+
+def is_vmap_batched(value) -> bool:
+    """Whether a traced value is one of torch.vmap's batched tensors (its shape hides the batch)."""
+    return isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value)

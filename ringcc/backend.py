@@ -134,6 +134,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     compiled = _inner(gm, example_inputs, config)
     if ctx.scratch.get("sharded_outputs"):
         fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards
+    if ctx.scratch.get("sharded_outputs") or ctx.scratch.get("mask_outputs"):
         compiled = _sharded_outputs(compiled, ctx)
     decisions = list(ctx.scratch.get("shard_decisions", ()))
     if world == 1 or not decisions or not (dist.is_available() and dist.is_initialized()):
@@ -159,12 +160,14 @@ def _data_inputs(gm: torch.fx.GraphModule, example_inputs, ctx: PassContext) -> 
 
 def _sharded_outputs(compiled, ctx: PassContext):
     """The compiled graph, its sequence-sharded outputs handed out as SequenceSharded tensors
-    (Note [Sharded outputs], ringcc/sharded.py)."""
-    specs, comm = ctx.scratch["sharded_outputs"], (ctx.group_name, ctx.world_size, ctx.scratch["layout"])
+    (Note [Sharded outputs], ringcc/sharded.py) and its mask outputs as MaskFunctionOutput
+    (Note [Mask outputs] there)."""
+    specs, masks = ctx.scratch.get("sharded_outputs") or {}, ctx.scratch.get("mask_outputs")
+    comm = (ctx.group_name, ctx.world_size, ctx.scratch.get("layout", "contiguous"))
 
     @functools.wraps(compiled)
     def run(*args):
-        return wrap_outputs(compiled(*args), specs, *comm)
+        return wrap_outputs(compiled(*args), specs, *comm, masks)
 
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True

@@ -35,8 +35,8 @@ argument order, cross_entropy_loss's enum reduction, slices and selects as aten.
 aten.select, tensor indexing as aten.index / index_put_); they are respelled first so that the sharding rules read them. What the
 command takes and the contract, for users: docs/offline.md.
 
-Exit codes: 0 rewritten, 2 bad arguments or a model torch.export cannot capture (with what
-to change), 3 no attention site was rewritten (the report's reasons are printed and saved;
+Exit codes: 0 rewritten, 2 bad arguments, a model torch.export cannot capture, or a model of a
+transformers release older than the tested floor (with what to change), 3 no attention site was rewritten (the report's reasons are printed and saved;
 no program is written).
 """
 
@@ -159,6 +159,7 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
     from ringcc.config import Config
     from ringcc.passes.base import PassContext
     from ringcc.passes.pipeline import run_pipeline
+    from ringcc.releases import check_transformers_release
     from ringcc.report import GraphReport
 
     options = dict(options or {})
@@ -184,6 +185,10 @@ def rewrite(model, inputs, *, world_size: int, options: dict | None = None, dyna
         raise BadArguments(
             f"torch.export cannot capture {graph_name}: {type(e).__name__}: {first[:300]}\n{hint} "
             "Run torch.export.export yourself for the whole error") from e
+    try:
+        check_transformers_release(gm)  # as the backend does at compile time (ringcc/releases.py)
+    except RuntimeError as e:
+        raise BadArguments(str(e)) from None
     report = GraphReport(graph=graph_name, world_size=world_size)
     ctx = PassContext(config=config, report=report, world_size=world_size, group_name="",
                       example_inputs=list(inputs))

@@ -58,6 +58,25 @@ FSDP2 touches each block's inputs and outputs outside the graphs, and each touch
   gradient reaches the shard through the wrapper (Note [Sharded outputs and autograd]);
 - its input cast reads `torch.is_floating_point` and `.dtype`: metadata.
 So activations cross FSDP2's block boundaries as shards, in both directions.
+
+Note [Mask outputs]
+A graph break between a mask's construction and the attention that reads it (transformers'
+MoE layers break the graph inside a decoder layer; the next layer's attention is in a later
+graph) makes the mask a graph output and an input of the later graph: a dense [b, 1, n, n] on
+every rank, which the later graph could only read as data. A graph output [.., n, n] of static
+size, bool or an additive mask of 0 and at most -1e4, that the graph computes as a function of
+its indices and per-token tensors (Note [Mask extraction] in passes/extract_mask.py) leaves
+the graph as that function instead: the graph returns the function's per-token tensors
+(`lift_masks` puts them among its outputs, each replicated or, when the sharding pass makes it
+one, a SequenceSharded output), and the backend hands the caller a `MaskFunctionOutput` at the
+mask's place:
+- its metadata is the mask's (shape, dtype, device); it holds the text of the function that
+  gives its values, and the function's tensors;
+- any torch op on it first materialises the dense mask (`ringcc::mask_from_fn`, cached), so
+  code outside a graph reads the same values as eager;
+- a later graph that reads it traces that op (its Tensor methods are Python methods, as
+  SequenceSharded's), whose node the passes read as the function (extract_mask): the later
+  graph's attention sites take the function and its tensors, and no [n, n] value is built.
 """
 
 from __future__ import annotations
@@ -66,7 +85,7 @@ import torch
 
 from ringcc import _compat
 from ringcc.runtime import layout as L
-from ringcc.runtime.ops import gather_op, shard_op
+from ringcc.runtime.ops import gather_op, mask_from_fn_op, shard_op
 
 _TREE = _compat.pytree()  # tree_map, tree_flatten, tree_unflatten (on __torch_function__'s path)
 
@@ -190,8 +209,55 @@ def _rows(grad, dim: int, comm: tuple[str, int], layout: str, front: int, back: 
     return rows.flatten(dim - 1, dim) if outer > 1 else rows
 
 
+class MaskFunctionOutput(torch.Tensor):
+    """A mask graph output held as its mask function (Note [Mask outputs]): the mask's
+    metadata, the function's text and per-token tensors, materialised by the first op that
+    reads it."""
+
+    mask_fn: str
+    tensors: tuple
+
+    @staticmethod
+    def __new__(cls, mask_fn: str, shape, dtype: torch.dtype, tensors: tuple, device):
+        strides = torch.empty(shape, device="meta").stride()
+        self = _compat.make_wrapper_subclass(cls, shape, strides=strides, dtype=dtype, device=device)
+        self.mask_fn, self.tensors = mask_fn, tuple(tensors)
+        self._dense = None
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"MaskFunctionOutput(shape={tuple(self.shape)}, dtype={self.dtype}, tensors={len(self.tensors)}, mask_fn={self.mask_fn!r})"
+
+    def full_tensor(self) -> torch.Tensor:
+        """The dense mask (cached outside a graph; traced into one, read as the function)."""
+        if torch.compiler.is_compiling():
+            return self._materialize()
+        if self._dense is None:
+            self._dense = self._materialize()
+        return self._dense
+
+    def _materialize(self) -> torch.Tensor:
+        return mask_from_fn_op(self.mask_fn, list(self.shape), self.dtype, self.device, *self.tensors)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with _compat.no_torch_function_subclass():
+                return func(*args, **kwargs)
+        return _on_full(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"ringcc: {func} reached a MaskFunctionOutput below torch's Python API; call .full_tensor() "
+                        "first (the dense mask)")
+
+
 def _full(x):
-    return x.full_tensor() if isinstance(x, SequenceSharded) else x
+    return x.full_tensor() if isinstance(x, (SequenceSharded, MaskFunctionOutput)) else x
 
 
 def _on_full(func, args, kwargs):
@@ -255,17 +321,26 @@ _NOT_METHODS = {"__getattribute__", "__setattr__", "__delattr__", "__dir__", "__
                 "__sizeof__", "__format__", "__hash__", "__eq__", "__ne__", "__bool__", "__array__", "__array_wrap__",
                 "__index__", "__int__", "__float__", "__complex__", "__iter__", "__contains__", "__len__",
                 "register_hook", "backward", "__dlpack__", "__dlpack_device__", "__reversed__"}
-for _name, _attr in {**_compat.tensor_base_attributes(), **vars(torch.Tensor)}.items():  # public methods, operators
-    if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(SequenceSharded)
-            and (not _name.startswith("_") or _name.startswith("__"))
-            and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "function")):
-        setattr(SequenceSharded, _name, _method(_name))
+for _cls in (SequenceSharded, MaskFunctionOutput):
+    for _name, _attr in {**_compat.tensor_base_attributes(), **vars(torch.Tensor)}.items():  # public methods, operators
+        if (callable(_attr) and _attr not in _METADATA and _name not in _NOT_METHODS and _name not in vars(_cls)
+                and (not _name.startswith("_") or _name.startswith("__"))
+                and type(_attr).__name__ in ("method_descriptor", "wrapper_descriptor", "function")):
+            setattr(_cls, _name, _method(_name))
 
 
-def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str):
-    """The graph's outputs with the sharded ones (index -> (dim, front, back, outer)) wrapped."""
+def wrap_outputs(outputs, specs: dict, group_name: str, world_size: int, layout: str, masks: tuple | None = None):
+    """The graph's outputs with the sharded ones (index -> (dim, front, back, outer)) wrapped,
+    then, with `masks` = (the graph's own output count, {index: (text, shape, dtype, positions of
+    the function's tensors among the outputs after the own ones)}), each mask output as its
+    function (Note [Mask outputs]) and those trailing tensors dropped."""
     out = list(outputs)
     for i, (dim, front, back, outer) in specs.items():
         if isinstance(out[i], torch.Tensor):
             out[i] = SequenceSharded(out[i], dim, group_name, world_size, layout, front, back, outer)
+    if masks is not None:
+        own, functions = masks
+        for i, (text, shape, dtype, where) in functions.items():
+            out[i] = MaskFunctionOutput(text, shape, dtype, tuple(out[j] for j in where), out[i].device)
+        out = out[:own]
     return type(outputs)(out) if isinstance(outputs, tuple) else out

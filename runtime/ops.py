@@ -449,6 +449,31 @@ shard_op.register_autograd(_shard_backward, setup_context=_seq_setup_context)
 gather_op.register_autograd(_gather_backward, setup_context=_seq_setup_context)
 
 
+@torch.library.custom_op("ringcc::mask_from_fn", mutates_args=())
+def mask_from_fn_op(mask_fn: str, shape: list[int], dtype: torch.dtype, device: torch.device,
+                    mask_t0: Optional[torch.Tensor] = None, mask_t1: Optional[torch.Tensor] = None,
+                    mask_t2: Optional[torch.Tensor] = None, mask_t3: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dense mask [.., q, kv] of `shape` and `dtype` (bool, or an additive float mask) whose
+    values a mask function gives (Note [Mask functions] in maskfn.py; the indices are the
+    trailing dims b, h, q, kv): what a graph reads
+    when it uses another graph's mask output (Note [Mask outputs] in ringcc/sharded.py) as a
+    tensor. The passes read the node as its function instead (passes/extract_mask.py)."""
+    fn = maskfn.parse(mask_fn)
+    tensors = tuple(t for t in (mask_t0, mask_t1, mask_t2, mask_t3) if t is not None)
+    if len(tensors) != fn.n_tensors or not 2 <= len(shape) <= 4:
+        raise ValueError(f"mask_from_fn: the function reads {fn.n_tensors} tensors and takes a [.., q, kv] shape "
+                         f"of 2 to 4 dims; got {len(tensors)} tensors and shape {list(shape)}")
+    full = [1] * (4 - len(shape)) + list(shape)
+    idx = [torch.arange(s, device=device).view([-1 if d == i else 1 for d in range(4)]) for i, s in enumerate(full)]
+    m = torch.as_tensor(fn(*idx, tensors), device=device).to(dtype)
+    return m.expand(full).reshape(shape).clone(memory_format=torch.contiguous_format)
+
+
+@mask_from_fn_op.register_fake
+def _(mask_fn, shape, dtype, device, mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 # ---------------------------------------------------------------------------------------
 # public functional API
 

@@ -227,6 +227,97 @@ def test_sharded_output_feeds_another_graph_as_a_shard(pools):
         assert len(facts) == 2 and facts[1][1], facts  # the loss's one graph takes them as its shard
 
 
+class _MaskedBlock(torch.nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.norm = heads, torch.nn.LayerNorm(d)
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+def _written_mask(ids, attention_mask):
+    """transformers 4.x's additive causal padding mask, written in place (float, finite minimum)."""
+    n, low = ids.shape[1], torch.finfo(torch.float32).min
+    i = torch.arange(n, device=ids.device)
+    mask = torch.full((n, n), low, device=ids.device).triu(1)
+    mask *= i > i.reshape(-1, 1)
+    mask = mask[None, None, :, :].expand(ids.shape[0], 1, -1, -1).clone()
+    padding = (mask[:, :, :, :n] + attention_mask[:, None, None, :]) == 0
+    mask[:, :, :, :n] = mask[:, :, :, :n].masked_fill(padding, low)
+    return mask
+
+
+class _BreakAfterMask(torch.nn.Module):
+    """A causal padding mask built once, a graph break, then attention with it: the mask is an
+    output of one graph and an input of the next (as transformers' MoE layers break a decoder)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList([_MaskedBlock(), _MaskedBlock()])
+
+    def forward(self, ids, attention_mask):
+        if self.kind == "written":
+            mask = _written_mask(ids, attention_mask)
+        else:
+            i = torch.arange(ids.shape[1], device=ids.device)
+            mask = (i[None, None, :, None] >= i[None, None, None, :]) & attention_mask.bool()[:, None, None, :]
+        x = self.blocks[0](self.embed(ids), mask)
+        torch._dynamo.graph_break()
+        return self.blocks[1](x, mask)
+
+
+def case_mask_across_graph_break(rank, world, kind):
+    """The later graph reads the earlier graph's mask output as its function (Note [Mask
+    outputs]): no [b, 1, n, n] input, every site rewritten, and the forward, every gradient and
+    the set of parameters with one as eager's."""
+    from ringcc.sharded import MaskFunctionOutput
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = _BreakAfterMask(kind), _BreakAfterMask(kind)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, 24, dtype=torch.long)
+    attention_mask[1, -5:] = 0
+    proj = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(2))
+    inputs, backend = [], ringcc.backend(inner="aot_eager", strict=True)
+
+    def recording(gm, example_inputs):
+        inputs.append([tuple(x.shape) for x in example_inputs
+                       if isinstance(x, torch.Tensor) and not isinstance(x, (torch.nn.Parameter, MaskFunctionOutput))])
+        return backend(gm, example_inputs)
+
+    ringcc.reset_reports()
+    out = torch.compile(model, backend=recording)(ids, attention_mask)
+    (out * proj).sum().backward()
+    want = ref(ids, attention_mask)
+    (want * proj).sum().backward()
+    grads = {name: (p.grad is None, r.grad is None, 0.0 if p.grad is None or r.grad is None else
+                    float((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-3)))
+             for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters())}
+    sites = [(len(r.rewritten), len(r.skipped)) for r in ringcc.reports()]
+    return float((out - want).abs().max()), grads, sites, inputs
+
+
+@pytest.mark.parametrize("kind", ["bool", pytest.param("written", marks=pytest.mark.soak)])
+def test_mask_crosses_a_graph_break_as_its_function(pools, kind):
+    """bool: built from aranges and the padding mask; written: transformers 4.x's additive mask
+    written in place."""
+    for err, grads, sites, inputs in pools(2).run(case_mask_across_graph_break, kind, timeout=300):
+        assert err < 1e-5, err
+        assert all(a == b for a, b, _ in grads.values()) and not any(a for a, _, _ in grads.values()), grads
+        assert max(e for _, _, e in grads.values()) < 1e-5, grads
+        assert sites == [(1, 0), (1, 0)], sites  # two graphs, each one site rewritten
+        assert len(inputs) == 2 and all(s[-2:] != (24, 24) for shapes in inputs for s in shapes), inputs
+
+
 class _MergedLogits(torch.nn.Module):
     """The model's logits returned with the batch merged into the sequence dim, [b * n, V] (as
     a mixture-of-experts layer returns its router logits)."""

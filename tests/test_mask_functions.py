@@ -216,8 +216,42 @@ def position_causal(q, pos, valid):
     return (pos[:, None, None, :] <= pos[:, None, :, None]) & (d[:, None, :, None] == d[:, None, None, :])
 
 
+def inverted_padding(q, pos, valid):
+    """An additive padding mask as transformers 4.x's encoders build it: 1 - mask, then the
+    finite minimum wherever that is non-zero."""
+    inverted = 1.0 - valid[:, None, None, :].expand(-1, 1, q.shape[2], -1).to(q.dtype)
+    return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(q.dtype).min)
+
+
+def written_causal_padding(q, pos, valid):
+    """A causal padding mask written in place, as transformers 4.x's decoders build it with a
+    cache position (_prepare_4d_causal_attention_mask_with_cache_position): a triangle of the
+    finite minimum, multiplied in place, then its padded keys written through a slice."""
+    n, low = q.shape[2], torch.finfo(q.dtype).min
+    mask = torch.full((n, n), low, dtype=q.dtype, device=q.device).triu(1)
+    mask *= _ar(q) > _ar(q).reshape(-1, 1)
+    mask = mask[None, None, :, :].expand(q.shape[0], 1, -1, -1).clone()
+    padding = (mask[:, :, :, :n] + valid[:, None, None, :]) == 0
+    mask[:, :, :, :n] = mask[:, :, :, :n].masked_fill(padding, low)
+    return mask
+
+
+def vmapped_padding_causal(q, pos, valid):
+    """A mask function vmapped over (b, h, q, kv), one torch.vmap per index, as transformers
+    4.57 builds its SDPA masks (masking_utils._vmap_for_bhqkv)."""
+    def allowed(b, h, i, j):
+        return (j <= i) & valid.bool()[b, j]
+
+    fn = allowed
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
+    i = _ar(q)
+    return fn(torch.arange(q.shape[0]), torch.arange(1), i, i)
+
+
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
-                                 left_padding_causal, bidirectional_padding, position_causal)}
+                                 left_padding_causal, bidirectional_padding, position_causal, inverted_padding,
+                                 written_causal_padding, vmapped_padding_causal)}
 N = 16
 
 

@@ -428,3 +428,40 @@ def test_a_token_count_the_ranks_do_not_divide_is_padded_inside_the_program(pool
     assert "sequence of 31 tokens padded to 32" in open(os.path.join(out, "report.txt")).read()
     errs = pools(2).run(case_image_program, os.path.join(out, "program.pt2"), "tiny_vit_odd")
     assert max(errs) < 1e-5
+
+
+HF_FACTORY = """
+import torch
+import transformers
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+def llama(seq_len=24):
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return Logits(transformers.AutoModelForCausalLM.from_config(cfg)), (torch.randint(0, 64, (2, seq_len)),)
+"""
+
+
+def test_a_model_of_a_transformers_release_below_the_floor_exits_2(tmp_path, capsys, monkeypatch):
+    """`ringcc rewrite` checks the release of the model's transformers code as the backend does
+    (ringcc/releases.py): below the floor it exits 2 naming the release and the floor."""
+    import sys
+
+    (tmp_path / "hf_factory.py").write_text(HF_FACTORY)
+    target = f"{tmp_path / 'hf_factory.py'}:llama"
+    load_factory(target)()  # transformers replaces its entry in sys.modules while it first builds a model
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.45.2")
+    code, out = _rewrite(tmp_path, target)
+    err = capsys.readouterr().err
+    assert code == 2 and not os.path.exists(os.path.join(out, "program.pt2"))
+    assert err.startswith("ringcc rewrite: error: ringcc: this model's code comes from transformers 4.45.2"), err
+    assert "install transformers>=4.57" in err and "Traceback" not in err

@@ -74,3 +74,34 @@ def test_a_function_that_records_the_wrapper_itself_sends_its_gradient_to_the_sh
     torch.testing.assert_close(y, local[:, 1:])
     (y * w).sum().backward()
     torch.testing.assert_close(local.grad, torch.cat([torch.zeros(2, 1, 3), w], 1))
+
+
+CAUSAL_PADDING = "maskfn v1 tensors=1\n%0 = le kv q\n%1 = load t0 b kv\n%2 = and %0 %1\nreturn %2"
+
+
+def test_a_mask_output_is_its_function_until_an_op_reads_it():
+    """wrap_outputs puts a MaskFunctionOutput at a mask output's place (Note [Mask outputs]):
+    the mask's metadata, and the dense mask eager code builds when an op reads it; the trailing
+    tensors of the function are dropped from the outputs."""
+    from ringcc.sharded import MaskFunctionOutput
+
+    valid = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    x = torch.randn(2)
+    out = wrap_outputs((x, torch.empty(0, dtype=torch.bool), valid), {}, "", 1, "contiguous",
+                       (2, {1: (CAUSAL_PADDING, (2, 1, 5, 5), torch.bool, (2,))}))
+    assert len(out) == 2 and out[0] is x
+    mask = out[1]
+    assert isinstance(mask, MaskFunctionOutput) and mask.shape == (2, 1, 5, 5) and mask.dtype == torch.bool
+    assert mask._dense is None  # metadata alone builds nothing
+    i = torch.arange(5)
+    want = (i[None, None, :, None] >= i[None, None, None, :]) & valid[:, None, None, :]
+    sliced = mask[:, :, :, :5]
+    assert type(sliced) is torch.Tensor and torch.equal(sliced, want)
+    assert mask.full_tensor() is mask.full_tensor()
+
+
+def test_mask_from_fn_op_passes_opcheck():
+    from ringcc.runtime.ops import mask_from_fn_op
+
+    valid = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    torch.library.opcheck(mask_from_fn_op, (CAUSAL_PADDING, [2, 1, 3, 3], torch.bool, torch.device("cpu"), valid))
