@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ringcc import _compat
 
-from . import kernels, maskfn
+from . import maskfn
 from .dtypes import acc_dtype
 
 # Note [Flex blocks]
@@ -47,7 +47,7 @@ from .dtypes import acc_dtype
 # summed over the chunks in fp32): O(CALL_ROWS / TILE x Lk / TILE) per call, linear in the shard.
 # The planner counts these bytes (workspace.masked_calls).
 
-TILE = kernels.FLEX_TILE  # flex_attention's default sparse block size
+TILE = maskfn.FLEX_TILE  # flex_attention's default sparse block size
 CALL_ROWS = 65536  # query rows per flex call (a multiple of TILE)
 _FAR = 2**30  # a position difference bound no block reaches (int32-safe)
 

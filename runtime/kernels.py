@@ -266,9 +266,6 @@ def masked_kernel() -> str:
     return kind
 
 
-FLEX_TILE = 128  # flex_attention's sparse block size (flex.TILE)
-
-
 def flex_blocks(device, dtype) -> bool:
     """Whether masked and modified blocks of this device and dtype run flex_attention (flex.py):
     bf16/fp16 on CUDA, unless RINGCC_MASKED_KERNEL=math."""

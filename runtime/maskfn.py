@@ -212,6 +212,7 @@ def parse(text: str) -> MaskFn:
 # "pairs" (allowed (query, key) pairs this rank computes).
 STATS: Counter = Counter()
 TILE = 128
+FLEX_TILE = 128  # flex_attention's sparse block size: the tiles of runtime/flex.py's BlockMasks
 EVAL_ELEMENTS = 1 << 24  # (batch x heads x rows x keys) values per evaluation chunk
 
 

@@ -578,7 +578,7 @@ class FnBlocks:
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
                               b0, self.h0, c.causal, where)
             if self.whole:
-                state = maskfn.classify(m, kernels.FLEX_TILE)
+                state = maskfn.classify(m, maskfn.FLEX_TILE)
                 if state != "empty":
                     out.append((c, None) if state == "full" else (BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), m))
                 continue
