@@ -167,6 +167,8 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
     stack = [r for r in roots if isinstance(r, torch.fx.Node)]
     root_set = set(stack)
     erased: set[torch.fx.Node] = set()
+    for root in list(stack):
+        stack.extend(_erase_unread_writes(gm, root))
     while stack:
         node = stack.pop()
         if node in erased or real_users(node) or node.op not in ("call_function", "call_method"):
@@ -179,6 +181,36 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
         gm.graph.erase_node(node)
         erased.add(node)
         stack.extend(inputs)
+
+
+FRESH = ("clone", "full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "empty_like")
+
+
+def _erase_unread_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Erase the in-place writes `node[idx] = v` into a tensor of its own (a clone or a factory,
+    no view of another) that nothing after them reads (no node after a write depends on node):
+    their effect is never seen. Returns the inputs of the erased writes."""
+    name = getattr(node.target, "__name__", node.target)
+    if node.op not in ("call_function", "call_method") or not isinstance(name, str) or name not in FRESH:
+        return []
+    freed: list[torch.fx.Node] = []
+    while True:
+        writes = [u for u in node.users if u.op == "call_function" and u.target is operator.setitem
+                  and u.args[0] is node and not u.users]
+        if not writes:
+            return freed
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        last = max(writes, key=order.get)
+        seen, todo = set(), [u for u in node.users if u is not last]
+        while todo:
+            u = todo.pop()
+            if u not in seen:
+                seen.add(u)
+                todo.extend(u.users)
+        if any(order[u] > order[last] for u in seen):
+            return freed
+        freed.extend(x for x in last.all_input_nodes if x is not node)
+        gm.graph.erase_node(last)
 
 
 def _impure(node: torch.fx.Node) -> bool:

@@ -132,6 +132,7 @@ def _mask_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
     if not functions:
         return False
     out.args = (type(flat)(outputs + extra),)
+    erase_dead(gm, [flat[i] for i in functions])  # the dense masks, unless the graph's sites still read them
     ctx.scratch["mask_outputs"] = (len(flat), functions)
     return True
 
