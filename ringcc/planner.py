@@ -366,8 +366,7 @@ for _name in ("add", "iadd", "sub", "neg", "view", "reshape", "transpose", "perm
               "clone", "to", "float", "half", "bfloat16", "type_as", "sum", "mean", "t", "detach", "dropout",
               "ringcc::shard", "ringcc::gather", "_to_copy", "slice", "select", "narrow", "size", "new_zeros",
               "zeros", "ones", "arange", "full", "empty", "expand_as", "view_as", "repeat", "repeat_interleave",
-              "_unsafe_view", "alias", "copy", "output", "sym_size", "floordiv", "mod", "ringcc::key_runs",
-              "ringcc::one_run_keys"):
+              "_unsafe_view", "alias", "copy", "output", "sym_size", "floordiv", "mod", "ringcc::key_runs"):
     SAVES[_name] = "none"
 
 # Ops whose outputs live on the host whatever the graph's device (small tables the runtime
