@@ -449,8 +449,11 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         if scale.syms:
             return f"attention scores go through {what} under a symbolic scale; kept as written"
         region = (s, anchor, scale.const, what)
-        a, bt = (anchor.args[0], anchor.args[1]) if not _is(anchor, BADDBMM_FUNCS, ("baddbmm",)) else \
-            (anchor.kwargs.get("batch1", anchor.args[1]), anchor.kwargs.get("batch2", anchor.args[2]))
+        if _is(anchor, BADDBMM_FUNCS, ("baddbmm",)):
+            args = list(anchor.args) + [None] * 3
+            a, bt = anchor.kwargs.get("batch1", args[1]), anchor.kwargs.get("batch2", args[2])
+        else:
+            a, bt = anchor.args
         break
     q, cq = _scaled(a)
     kt, ck = _scaled(bt)
@@ -648,9 +651,10 @@ def _score_bias(m: Any, scores: torch.fx.Node) -> bool:
     m is read as a function (extract_mask.py) whose values are not only 0 and very negative
     ones, or are not fixed by the graph and never very negative (a mask sets masked scores to
     -inf or a very negative number; a bias does not)."""
-    sv = fake(scores)
-    if not isinstance(m, torch.fx.Node) or not isinstance(sv, torch.Tensor) or sv.dim() < 2:
-        return False
+    sv, mv = fake(scores), fake(m) if isinstance(m, torch.fx.Node) else None
+    if not isinstance(mv, torch.Tensor) or not mv.is_floating_point() or not isinstance(sv, torch.Tensor) \
+            or sv.dim() < 2:
+        return False  # a bool mask (masked_fill, where) is a mask
     walk = extract_mask._Walk((sv.shape[-2], sv.shape[-1]))
     try:
         val = walk.eval(m)
