@@ -401,14 +401,14 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         p = u
     # backward: scores -> casts / scales / one mask -> A @ B, or a score function of A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
-    mods, region = ScoreMods(), None
+    mods, region, shift_of = ScoreMods(), None, None
     if sink is not None:
         s, mods.sinks = sink
         x = s
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
-        if s is not x and not _single_user(s):
+        if s is not x and s is not shift_of and not _single_user(s):
             reused.append("scores")
         if _is_cast(s):
             s = s.args[0]
@@ -416,6 +416,10 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         inner, c = _scaled(s)
         if inner is not s:
             s, scale = inner, scale * c
+            continue
+        shifted = _row_shifted(s)
+        if shifted is not None:  # s - max(s) per row: a shift the softmax ignores
+            s = shift_of = shifted
             continue
         if mask is None:
             found = _mask_of(s)

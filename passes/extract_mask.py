@@ -231,6 +231,20 @@ class _Walk:
         self.leaves: list = []  # graph nodes read as tensors t0..
         self.counter = itertools.count()
 
+    def from_scores(self) -> set:
+        """The graph nodes computed from the anchor (the scores): never a tensor of the function."""
+        if not isinstance(self.anchor, torch.fx.Node):
+            return set()
+        if not hasattr(self, "_from_scores"):
+            seen, stack = set(), [self.anchor]
+            while stack:
+                for u in stack.pop().users:
+                    if u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+            self._from_scores = seen
+        return self._from_scores
+
     def fresh(self, size) -> Optional[int]:
         return None if isinstance(size, int) and size == 1 else next(self.counter)
 
@@ -274,6 +288,9 @@ class _Walk:
         if self.anchor is not None and v.requires_grad:
             raise Unextractable(f"the score function reads {node.name}, which needs a gradient (a learned bias or "
                                 "slope); the tensors of a score function take none")
+        if node in self.from_scores():
+            name = getattr(node.target, "__name__", node.target)
+            raise Unextractable(f"the scores go through {name} ({node.name}), which the walk does not read")
         if node not in self.leaves:
             self.leaves.append(node)
         k = self.leaves.index(node)
@@ -748,11 +765,21 @@ def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths
     res = ret.args[0]
     res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
     val = walk.eval(res)
+    _only_buffers(walk.leaves, outer, "mask_mod")
     if not isinstance(val, Val):
         return Extracted(None, [], False) if bool(val) else _always_false()
     if val.axes:
         raise Unextractable("a mask_mod whose value is not a scalar")
     return _finish(val.expr, [outer.get(n, n) for n in walk.leaves], False)
+
+
+def _only_buffers(leaves: list, outer: dict, what: str) -> None:
+    """The tensors a flex subgraph's function reads are its buffers (an op the walk does not read
+    inside the subgraph is no tensor of the outer graph)."""
+    for n in leaves:
+        if n not in outer:
+            name = getattr(n.target, "__name__", n.target)
+            raise Unextractable(f"the {what} uses {name} ({n.name}), which the walk does not read")
 
 
 def _always_false():
@@ -952,6 +979,7 @@ def extract_score_mod(score_mod: torch.fx.GraphModule, buffers: tuple, seq_lengt
     res = ret.args[0]
     res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
     val = walk.eval(res)
+    _only_buffers(walk.leaves, outer, "score_mod")
     if not isinstance(val, Val) or val.axes:
         raise Unextractable("a score_mod whose value is not a scalar function of the score")
     leaves = [outer.get(n, n) for n in walk.leaves]
