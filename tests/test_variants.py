@@ -446,3 +446,18 @@ def test_ring_with_score_modifiers_on_cuda(pools, world, dtype_name, tol, is_cau
                                          padded, window):
         for name, err in errs.items():
             assert err < (0.05 if name == "lse" and dtype_name == "bfloat16" else tol), (name, err, errs)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face score functions at p = 2 (default tier): loss and every gradient against eager
+
+
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_hf_score_functions_match_eager_p2(pools, name):
+    """Gemma2 in its default config (soft-capped eager attention, cap 50) and Bloom (ALiBi in
+    baddbmm): every site rewritten with its score function; the loss, every gradient and the set
+    of parameters with a gradient equal eager's (zoo.check)."""
+    import zoo
+
+    for rank, res in enumerate(pools(2).run(zoo.run_arch, name, ("loss_inside",), timeout=600)):
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)
