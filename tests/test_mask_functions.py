@@ -5,6 +5,8 @@ which parameters have one)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -365,40 +367,136 @@ def test_flex_attention_site_with_a_document_mask_mod_p2(pools):
         assert "load t0 b q" in mask["function"] and verdict and gathers == 0
 
 
-def case_flex_hf(rank, world):
-    """HF Llama with attn_implementation="flex_attention" on packed documents against the same
-    weights under SDPA, eager."""
+class FlexScoredAttention(FlexDocAttention):
+    """flex_attention with a score_mod (Gemma2's soft-cap and ALiBi slopes read per head from a
+    buffer) and a document mask_mod; or the same scores written in eager attention (the
+    reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, x, block_mask=None, dense=None):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        slopes = self.slopes
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return 2.0 * torch.tanh(score / 2.0) + slopes[h] * (kv_idx - q_idx)
+
+        if block_mask is not None:
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+        else:
+            i = torch.arange(n)
+            s = q @ k.repeat_interleave(self.h // self.g, 1).mT / math.sqrt(self.dh)
+            s = 2.0 * torch.tanh(s / 2.0) + slopes[:, None, None] * (i[None, :] - i[:, None])
+            p = torch.softmax(s.masked_fill(~dense, float("-inf")), -1)
+            out = p @ v.repeat_interleave(self.h // self.g, 1)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_flex_scored(rank, world, n):
+    """A flex_attention site with a score_mod and a mask_mod in user code, compiled for `world`
+    ranks, against the same scores in eager attention: the errors of the output and of every
+    gradient (inf where only one of them has a gradient) and the site."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = FlexScoredAttention(), FlexScoredAttention()
+    model.load_state_dict(ref.state_dict())
+    _, pos, _ = mask_inputs(n=n)
+    doc = _doc_ids(pos)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
+    i = torch.arange(n)
+    dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    x, proj = torch.randn(2, n, 32) * 3, torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():
+        out = compiled(x, block_mask)
+    (out * proj).sum().backward()
+    r = ref(x, dense=dense)
+    (r * proj).sum().backward()
+    errs = {"out": float((out - r).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        if (p.grad is None) != (rp.grad is None):
+            errs[pname] = float("inf")
+        elif p.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    rep = ringcc.last_report()
+    return errs, [(s.form, s.decision.value, s.mask) for s in rep.sites]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_flex_attention_site_with_a_score_mod_and_a_mask_mod(pools, world):
+    """The score_mod is the site's score function (the slopes buffer its tensor, read per head),
+    the mask_mod its mask function: rewritten, and the output and every gradient equal eager's."""
+    for errs, sites in pools(world).run(case_flex_scored, 12 * world, timeout=300):
+        assert max(errs.values()) < 2e-5, errs
+        ((form, decision, mask),) = sites
+        assert (form, decision, mask["causal"]) == ("flex", "rewritten", True), sites
+        assert "tanh" in mask["score_function"] and "load t0 h" in mask["score_function"], mask
+
+
+def case_flex_hf(rank, world, name="llama", packed=True):
+    """An HF model (zoo `name`) with attn_implementation="flex_attention" (on packed documents, or
+    plain causal) against the same weights under its default attention, eager."""
     import zoo
 
     from ringcc import _compat
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    ref = zoo.BY_NAME["llama"].factory().train()
-    model = zoo.BY_NAME["llama"].factory().train()
+    ref = zoo.BY_NAME[name].factory().train()
+    model = zoo.BY_NAME[name].factory().train()
     model.load_state_dict(ref.state_dict())
     model.config._attn_implementation = "flex_attention"
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N), generator=gen)
-    pos = zoo._packed_positions()
+    kw = dict(position_ids=zoo._packed_positions()) if packed else {}
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
     ringcc.reset_reports()
     with _compat.flex_cpu_backward():
-        loss = compiled(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+        loss = compiled(input_ids=ids, use_cache=False, labels=ids, **kw).loss
     loss.backward()
-    ref_loss = ref(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    ref_loss = ref(input_ids=ids, use_cache=False, labels=ids, **kw).loss
     ref_loss.backward()
     errs = zoo._grad_errors(model, ref)
     errs["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     sites = [(s.form, s.decision.value) for r in ringcc.reports() for s in r.sites]
-    return errs, sites
+    functions = [s.mask.get("score_function") for r in ringcc.reports() for s in r.sites if s.mask]
+    return errs, sites, functions
 
 
 @pytest.mark.soak
 def test_hf_flex_attention_path_with_packed_documents_p2(pools):
-    for errs, sites in pools(2).run(case_flex_hf, timeout=900):
+    for errs, sites, _ in pools(2).run(case_flex_hf, timeout=900):
         assert max(errs.values()) < 1e-5, errs
         assert sites == [("flex", "rewritten")] * 2, sites
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_hf_flex_attention_path_p2(pools, name):
+    """HF's flex path: Llama's score_mod returns the score (no score function), Gemma2's soft-caps
+    it (cap 50, its default config): every site rewritten, the loss and every gradient as eager's
+    under the model's default attention, and the same parameters with a gradient."""
+    for errs, sites, functions in pools(2).run(case_flex_hf, name, False, timeout=900):
+        assert max(errs.values()) < 1e-5, errs
+        assert sites == [("flex", "rewritten")] * 2, sites
+        if name == "llama":
+            assert functions == [None, None], functions
+        else:
+            assert all("tanh" in f for f in functions), functions
 
 
 # ---------------------------------------------------------------------------------------
