@@ -586,22 +586,54 @@ def doc_factory(seq_len: int = 40):
     return model, (torch.randn(2, seq_len, 32), pos, valid)
 
 
-def case_doc_program(rank, world, path):
+class ScoredAttention(nn.Module):
+    """Eager causal attention whose scores are soft-capped and get an ALiBi bias (slopes a buffer,
+    positions from an arange): a score function."""
+
+    def __init__(self, d: int = 32, h: int = 4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.dh)
+        i = torch.arange(n)
+        s = torch.tanh(s / 3.0) * 3.0 + self.slopes[:, None, None] * (i[None, :] - i[:, None])
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return self.o((torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def scored_factory(seq_len: int = 40):
+    """A factory for `ringcc rewrite`: attention with a score function (soft-cap and ALiBi)."""
+    torch.manual_seed(0)
+    return ScoredAttention(), (torch.randn(2, seq_len, 32) * 3,)
+
+
+def case_doc_program(rank, world, path, factory="doc_factory"):
     program = torch.export.load(path).module()
-    model, inputs = doc_factory()
+    model, inputs = globals()[factory]()
     program.load_state_dict(model.state_dict())
     return float((program(*inputs) - model(*inputs)).abs().max())
 
 
 @pytest.mark.soak
-def test_rewrite_saves_the_mask_function_in_the_program(pools, tmp_path):
+@pytest.mark.parametrize("factory,text", [("doc_factory", "maskfn v1 tensors=1"),
+                                          ("scored_factory", "scorefn v1 tensors=1")])
+def test_rewrite_saves_the_function_in_the_program(pools, tmp_path, factory, text):
+    """The mask function (documents from restarting positions) or the score function (soft-cap
+    and ALiBi slopes) travels in the program `ringcc rewrite` saves: the program at p = 2 equals
+    eager."""
     import os
 
     from ringcc import cli
 
     out = str(tmp_path / "out")
-    assert cli.main(["rewrite", f"{os.path.abspath(__file__)}:doc_factory", "--world-size", "2", "-o", out]) == 0
+    assert cli.main(["rewrite", f"{os.path.abspath(__file__)}:{factory}", "--world-size", "2", "-o", out]) == 0
     code = open(os.path.join(out, "program.py")).read()
-    assert "maskfn v1 tensors=1" in code and "cumsum" in code
-    for err in pools(2).run(case_doc_program, os.path.join(out, "program.pt2"), timeout=600):
+    assert text in code and ("cumsum" in code if factory == "doc_factory" else "tanh" in code)
+    for err in pools(2).run(case_doc_program, os.path.join(out, "program.pt2"), factory, timeout=600):
         assert err < 2e-5
