@@ -928,6 +928,24 @@ def extract_score(top: torch.fx.Node, anchor: torch.fx.Node, seq_lengths: tuple,
     return ExtractedScore(fn, [walk.leaves[k] for k in used], scale)
 
 
+def extract_bias(mask: torch.fx.Node, seq_lengths: tuple) -> ExtractedScore:
+    """The score function score + m of an SDPA float attn_mask m that is a score bias (values other
+    than 0 and -inf: ALiBi or relative-position terms computed from positions and per-token or
+    per-head tensors), read by the mask walk."""
+    walk = _Walk(seq_lengths)
+    walk.anchor = object()  # a score function: its tensors take no gradient
+    val = walk.eval(mask)
+    if not isinstance(val, Val) or not 2 <= len(val.axes) <= 4:
+        raise Unextractable("a float mask that is a number or not [.., q, kv]")
+    names = ("b", "h", "q", "kv")[4 - len(val.axes):]
+    expr = _subst(val.expr, {a: ("i", name) for a, name in zip(val.axes, names) if a is not None})
+    if _free_axes(expr, set()):
+        raise Unextractable("the bias depends on a dim that broadcasting drops")
+    _check_loads(expr, walk.leaves)
+    fn, used = _emit(_op("add", SCORE, expr), "score")
+    return ExtractedScore(fn, [walk.leaves[k] for k in used], 1.0)
+
+
 def _score_scales(e: tuple, acc: set) -> set:
     """The constants c of every read score * c of e (1.0 for a bare read)."""
     if e == SCORE:

@@ -82,6 +82,8 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             lifted = _lift(gm, node, call, key_nodes)
             if isinstance(lifted, str):
                 lifted = _extract(node, call, lifted)
+            if isinstance(lifted, str) and "a score bias" in lifted and MODS_META not in node.meta:
+                lifted = _bias(node, call, lifted)
         if isinstance(lifted, str):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, lifted)
             continue
@@ -465,6 +467,21 @@ def _spec(atoms: list, n_q: Any, n_k: Any, is_causal: bool) -> LiftedMask:
     if keys:
         lifted.key_valid = keys[0]
     return lifted
+
+
+def _bias(sdpa: torch.fx.Node, call: SdpaCall, why_not: str) -> Union[LiftedMask, str]:
+    """An additive float attn_mask that is a score bias, as the site's score function score + m
+    (Note [Score functions] in runtime/maskfn.py) with is_causal as its mask; or why not."""
+    qv, kv = fake(call.q), fake(call.k)
+    try:
+        got = extract_mask.extract_bias(call.attn_mask, (qv.shape[-2], kv.shape[-2]))
+    except extract_mask.Unextractable as e:
+        return f"{why_not}; as a score function: {e}"
+    if len(got.inputs) > _ring_ops.MASK_TENSORS:
+        return f"{why_not}; as a score function it reads {len(got.inputs)} tensors, the ring op at most " \
+            f"{_ring_ops.MASK_TENSORS}"
+    sdpa.meta[MODS_META] = ScoreMods(fn=got.fn, fn_inputs=tuple(got.inputs))
+    return LiftedMask(causal=bool(call.is_causal))
 
 
 def _key_valid_node(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, key: Key) -> torch.fx.Node:

@@ -17,6 +17,7 @@ import ringcc
 from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
 from ringcc.passes.lift_masks import lift_masks
+from ringcc.passes.rewrite_attention import rewrite_attention
 from ringcc.runtime import maskfn
 
 PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks)]
@@ -187,17 +188,21 @@ def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
     assert "a stored [query, key] mask tensor" in detail and "a query and a key dim whose values are data" in detail
 
 
-def test_an_additive_bias_is_a_score_modifier_not_a_mask():
+def test_an_additive_bias_is_a_score_function_not_a_mask():
+    """SDPA's float attn_mask with values other than 0 and -inf is a bias: the site's score
+    function score + bias, rewritten, equal to eager."""
     q, pos, _ = mask_inputs()
 
     def f(q, pos):
         i = _ar(q)
         return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] // 3 == i[:, None] // 3).float() * 0.5)
 
-    gm = dynamo_graph(f, q, pos)
-    run(gm, PASSES)
-    _, detail = _site(gm).meta[SKIP_META]
-    assert "a score bias, not a mask" in detail
+    gm, inputs = dynamo_graph(f, q, pos, with_inputs=True)
+    ctx = run(gm, PASSES + [("rewrite_attention", rewrite_attention)])
+    (site,) = ctx.report.sites
+    assert site.decision.value == "rewritten" and not site.mask["causal"], site
+    assert site.mask["score_function"].startswith("scorefn v1 tensors=0") and "add score" in site.mask["score_function"]
+    torch.testing.assert_close(gm(*inputs)[0], f(q, pos), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
