@@ -391,7 +391,7 @@ def test_deberta_relative_position_attention_is_found_and_skipped():
 
 
 # ---------------------------------------------------------------------------------------
-# GPU (NCCL): the modifiers on flex_attention (bf16) and the math path (fp32)
+# GPU (NCCL): score functions on the math path (bf16 and fp32 inputs)
 
 N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU_WORLDS = [w for w in (2, 4) if w <= N_GPU]
@@ -422,8 +422,7 @@ def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap,
     out.backward(sh(dout).to(dtype))
     from ringcc.runtime import kernels
 
-    # bf16 blocks run flex_attention (flex.py): a compile failure there would fall back to the
-    # math path, exact but many times slower
+    # blocks with a score function run the math path, never flex_attention
     assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED
     return {"out": rel_err(out, sh(ref.detach())), "lse": lse_err(lse, sh(ref_lse.detach())),
             "dq": rel_err(ql.grad, sh(qr.grad)), "dk": rel_err(kl.grad, sh(kr.grad)), "dv": rel_err(vl.grad, sh(vr.grad))}
@@ -435,11 +434,7 @@ def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap,
 @pytest.mark.parametrize("dtype_name,tol", [("bfloat16", 2e-2), ("float32", 1e-4)])
 @pytest.mark.parametrize("is_causal,layout,softcap,alibi,padded,window", [
     (True, "zigzag", 2.0, False, False, None), (False, "contiguous", None, True, False, None),
-    # exact, but on 2 x H200 with torch 2.11 inductor found no kernel for one bf16 block's flex
-    # backward there (NoValidChoicesError): that rank's blocks ran the math path
-    pytest.param(True, "contiguous", 2.0, True, True, 100, marks=pytest.mark.xfail(
-        reason="flex backward of a padded, windowed, soft-capped ALiBi block: inductor NoValidChoicesError "
-               "on torch 2.11 (falls back to the exact math path)", strict=False))])
+    (True, "contiguous", 2.0, True, True, 100)])
 def test_ring_with_score_modifiers_on_cuda(pools, world, dtype_name, tol, is_causal, layout, softcap, alibi, padded,
                                            window):
     for errs in pools(world, "nccl").run(case_ring_modified_cuda, dtype_name, is_causal, layout, softcap, alibi,
