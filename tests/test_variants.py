@@ -292,6 +292,27 @@ def test_bias_that_varies_along_queries_is_a_score_function():
     torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v, query_too=True), atol=1e-5, rtol=1e-5)
 
 
+def test_strict_raises_for_a_score_function_it_cannot_read():
+    """Scores through an op the walk does not read (erf), or a learned bias (a parameter that needs
+    a gradient): skipped with why, and an error under Config(strict=True)."""
+    bias = torch.nn.Parameter(torch.randn(4, 1, 1))
+
+    def erf_scores(q, k, v):
+        return F.softmax(torch.erf(q @ k.mT * 0.25), dim=-1) @ v
+
+    def learned(q, k, v):
+        return F.softmax(q @ k.mT * 0.25 + bias * torch.arange(q.shape[2]), dim=-1) @ v
+
+    q, k, v = _qkv()
+    for fn, why in ((erf_scores, "erf"), (learned, "needs a gradient")):
+        gm, _, report = _canonical(fn, q, k, v)
+        (site,) = report.sites
+        assert site.decision.value == "skipped" and why in site.detail, site.detail
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"Config\(strict=True\) but 1 attention site\(s\) were not rewritten"):
+            torch.compile(fn, backend=ringcc.backend(inner="eager", strict=True))(q, k, v)
+
+
 UNREAD_FORMS = {
     # a bias we do not lift (T5 / DeBERTa-like relative terms: data, not a slope times positions)
     "learned_bias": lambda q, k, v, bias: F.softmax(q @ k.mT * 0.25 + bias, dim=-1) @ v,
