@@ -1465,7 +1465,8 @@ def attention_rule(w: Sharder, node):
             st = w.state.get(t)
             if isinstance(st, Seq) and st.sharded:
                 raise Fallback(f"{kind} function input {t.name} computed on shards")
-            if padded and isinstance(st, Seq):
+            per_token = isinstance(st, Seq) or any(_eq(d, w.n) or _eq(d, w.N) for d in fake(t).shape)
+            if padded and (kind == "mask" or per_token):
                 raise ValueError(f"attention site {node.name} at {location(node)}: its {kind} is a function of "
                                  "per-token values, which Config(pad=True) does not pad; use a length divisible by "
                                  "the layout")
