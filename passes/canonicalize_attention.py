@@ -443,7 +443,8 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
                 break
         # a score function of the q.k product (Note [Score extraction] in extract_mask.py)
         anchor = _score_anchor(s)
-        what = s.target if isinstance(s.target, str) else getattr(s.target, "__name__", str(s.target))
+        op = s.args[0] if merged and _merges_heads(s, None) and isinstance(s.args[0], torch.fx.Node) else s
+        what = op.target if isinstance(op.target, str) else getattr(op.target, "__name__", str(op.target))
         if anchor is None:
             if _upstream_matmul(s):  # softmax(f(q @ k^T)) @ v with an f we do not read: a candidate
                 return f"attention scores go through {what}, which is not a constant scale, a mask or a cast"
