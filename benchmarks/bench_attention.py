@@ -407,7 +407,7 @@ def _causal_mod(b, h, q_idx, kv_idx):
 
 
 # --score-mod: what ringcc.ring_attention takes, and flex_attention's score_mod of the same
-# modifier (runtime/kernels.py, Note [Score modifiers]).
+# modifier (a score function: Note [Score functions] in runtime/maskfn.py).
 SOFTCAP = 50.0  # Gemma2's attention-logit cap
 SCORE_MODS = ("none", "softcap", "alibi")
 

@@ -301,37 +301,26 @@ MODS_META = "ringcc_score_mods"  # ScoreMods of a canonical node whose scores ar
 REPLACES_META = "ringcc_replaces"
 
 
-@dataclass(frozen=True)
-class CountedPositions:
-    """ALiBi positions counted over a padding mask (Note [Counted positions] in
-    canonicalize_attention.py): cumsum(count, -1), plus constants, times `factors`; all [b, n].
-    Mask lifting proves that count, factors and the site's key padding are one 0/1 mask."""
-
-    count: torch.fx.Node
-    factors: tuple = ()
-
-
 @dataclass
 class ScoreMods:
-    """What a site's softmax does that SDPA cannot say: score modifiers (runtime/kernels.py,
-    Note [Score modifiers]) and attention sinks. softcap c: s -> c * tanh(s / c) of the scaled
-    scores; alibi_slopes: a graph value of one slope per query head, [h] (bias
-    slope[h] * (j - i) in global positions); alibi_counted: where the bias's positions count a
-    padding mask's valid tokens (None: an arange); sinks: a graph value of one sink logit per
-    query head, [h], in every row's softmax denominator (Note [Attention sinks] in
-    runtime/ops.py)."""
+    """What a site's softmax does that SDPA cannot say: its score function (runtime/maskfn.py,
+    Note [Score functions]; a MaskFn of kind "score", with the graph values it reads,
+    `fn_inputs`), and attention sinks: a graph value of one sink logit per query head, [h], in
+    every row's softmax denominator (Note [Attention sinks] in runtime/ops.py)."""
 
-    softcap: Optional[float] = None
-    alibi_slopes: Optional[torch.fx.Node] = None
-    alibi_counted: Optional[CountedPositions] = None
+    fn: Any = None
+    fn_inputs: tuple = ()
     sinks: Optional[torch.fx.Node] = None
 
     def any(self) -> bool:
-        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
+        return self.fn is not None or self.sinks is not None
 
     def spec(self) -> dict:
-        return {"softcap": self.softcap, "alibi": None if self.alibi_slopes is None else self.alibi_slopes.name,
-                "sinks": None if self.sinks is None else self.sinks.name}
+        out: dict = {"sinks": None if self.sinks is None else self.sinks.name}
+        if self.fn is not None:
+            out["score_function"] = self.fn.text.replace("\n", "; ")
+            out["score_function_inputs"] = [n.name for n in self.fn_inputs]
+        return out
 
 
 @dataclass

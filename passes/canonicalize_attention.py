@@ -24,11 +24,12 @@ must have no other user: a probability or score tensor used elsewhere is not rep
 random stream does not change. 3-D (bmm) attention gets a leading batch dim of 1, unless the
 scores are viewed as [b, h, n, n] around the softmax and the probabilities back as [b * h, n, n]
 (Bloom): then q / k / v are viewed as [b, h, n, d] the same way.
-Score modifiers SDPA cannot say are read too and kept in the site's ScoreMods (attention_form):
-a soft-cap c * tanh(s / c) of the scaled scores, with the mask after it (a mask inside the cap
-is a recorded skip), and an ALiBi bias (Note [ALiBi bias]); so are attention sinks (Note [Sink
-column]). Such a site's canonical node is a shadow of the user's nodes
-(attention_form.REPLACES_META).
+What the scores go through between q.k and the mask that is not a constant scale or a cast is
+read as the site's score function (Note [Score extraction] in extract_mask.py: soft-caps, ALiBi,
+any elementwise program of the score, positions and per-head or per-token tensors) and kept in
+the site's ScoreMods (attention_form); so are attention sinks (Note [Sink column]). An add whose
+other operand is read as a bias rather than a mask (`_score_bias`) is part of the function. Such
+a site's canonical node is a shadow of the user's nodes (attention_form.REPLACES_META).
 A softmax that weights values with q.k scores in a form not read here is still recorded, as a
 skipped site with where the scores came from (`_scores_of_q_k`): no attention goes unreported.
 """
@@ -47,10 +48,12 @@ import torch.nn.functional as F
 
 from ringcc import _compat
 from ringcc.report import Decision, Site, SkipReason
+from ringcc.runtime.ops import MASK_TENSORS
 
-from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, CountedPositions, ScoreMods,
+from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, ScoreMods,
                              SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape,
                              same_size, static_float, static_int)
+from . import extract_mask
 from .base import PassContext, PassResult, location
 
 PASS = "canonicalize_attention"
@@ -115,11 +118,9 @@ MUL_FUNCS = (operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar)
 DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, aten.div.Tensor, aten.div.Scalar)
 ADD_FUNCS = (operator.add, torch.add, aten.add.Tensor)
 SUB_FUNCS = (operator.sub, torch.sub, aten.sub.Tensor)
-CUMSUM_FUNCS = (torch.cumsum, aten.cumsum.default)
 MASKED_FILL_FUNCS = (torch.masked_fill, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 WHERE_FUNCS = (torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf)
 DROPOUT_FUNCS = (F.dropout, torch.dropout, aten.dropout.default)
-TANH_FUNCS = (torch.tanh, F.tanh, aten.tanh.default)
 EINSUM_FUNCS = (torch.einsum, aten.einsum.default)
 LINEAR_FUNCS = (F.linear, aten.linear.default, aten.addmm.default, aten.mm.default)  # contract the last dim
 CAST_METHODS = ("to", "float", "type_as", "type", "half", "bfloat16", "double", "contiguous")
@@ -328,13 +329,6 @@ def _canonicalise_manual(gm: torch.fx.GraphModule, softmax: torch.fx.Node, ctx: 
         _skip_site(ctx, m.out, "manual", SkipReason.SHAPE, f"not expressible as one SDPA call: {e}"[:300])
         return False
     sdpa = out if not (three_d or m.split) else out.args[0]
-    if isinstance(m.mods.alibi_slopes, _SlopesPlan):
-        plan = m.mods.alibi_slopes
-        bb = Builder(gm, sdpa, PASS)
-        slopes = bb.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, plan.node, [-1])
-        if plan.coef != 1.0:
-            slopes = bb.call(operator.mul if not is_aten_graph(gm) else aten.mul.Tensor, slopes, plan.coef)
-        m.mods.alibi_slopes, m.mods.alibi_counted = slopes, plan.counted
     if isinstance(m.mods.sinks, _SinksPlan):
         bb = Builder(gm, sdpa, PASS)
         m.mods.sinks = bb.call(torch.reshape if not is_aten_graph(gm) else aten.reshape.default, m.mods.sinks.node, [-1])
@@ -405,77 +399,87 @@ def _match_manual(softmax: torch.fx.Node) -> Union[_Manual, str, None]:
         elif _drops_last_column(p, u):
             sliced = True
         p = u
-    # backward: scores -> casts / scales / one mask / one soft-cap -> A @ B
+    # backward: scores -> casts / scales / one mask -> A @ B, or a score function of A @ B
     s, scale, mask, mask_scale = x, ONE, None, ONE
-    mods, mask_before_cap = ScoreMods(), False
+    mods, region, shift_of = ScoreMods(), None, None
     if sink is not None:
         s, mods.sinks = sink
         x = s
     while True:
         if not isinstance(s, torch.fx.Node):
             return None
-        if s is not x and not _single_user(s):
+        if s is not x and s is not shift_of and not _single_user(s):
             reused.append("scores")
         if _is_cast(s):
             s = s.args[0]
-            continue
-        cap = _softcap_of(s)
-        if cap is not None:
-            if mods.softcap is not None or not scale.is_one:
-                return "attention scores go through a soft-cap c * tanh(s / c) with a second cap or a scale after it"
-            s, mods.softcap, mask_before_cap = cap[0], cap[1], mask is not None
             continue
         inner, c = _scaled(s)
         if inner is not s:
             s, scale = inner, scale * c
             continue
-        bias = _alibi_of(s)
-        if bias is not None:
-            if mods.alibi_slopes is not None or not scale.is_one or mods.softcap is not None:
-                return "attention scores get an ALiBi bias under a scale, a soft-cap or a second bias"
-            s, mods.alibi_slopes = bias
+        shifted = _row_shifted(s)
+        if shifted is not None:  # s - max(s) per row: a shift the softmax ignores
+            s = shift_of = shifted
             continue
         if mask is None:
             found = _mask_of(s)
-            if found is not None and mods.softcap is not None and not mask_before_cap:
-                return "a mask applied inside the soft-cap tanh (the cap of a masked score is not masked)"
-            if found is not None:
+            if found is not None and not _score_bias(found[1], found[0]):
                 (s, mask), mask_scale = found, scale  # scales seen so far apply to the mask too
                 continue
         if _is(s, MATMUL_FUNCS, MATMUL_METHODS) and len(s.args) == 2:
             a, bt = s.args
             break
-        if split is None and merged and _merges_heads(s, None):
+        if split is None and merged and _merges_heads(s, None) and _plain_product(s.args[0], mask):
             split = tuple(fake(s).shape[:2])
             s = s.args[0]
             continue
-        if _is(s, BADDBMM_FUNCS, ("baddbmm",)) and split is not None and mask is not None:
-            found = _merged_alibi_baddbmm(s, split)
-            if found is not None:
-                if not scale.is_one or mods.alibi_slopes is not None or mods.softcap is not None:
-                    return "attention scores get an ALiBi bias under a scale, a soft-cap or a second bias"
-                a, bt, alpha, mods.alibi_slopes = found
-                scale = _Scale(alpha)
-                break
         if _is(s, BADDBMM_FUNCS, ("baddbmm",)):
             found = _baddbmm(s, mask)
-            if found is None:
-                return _unread_bias(s)
-            if found[3] is not mask:
-                mask_scale = scale
-            a, bt, alpha, mask = found
-            scale = scale * _Scale(alpha)
-            break
-        if _upstream_matmul(s):  # softmax(f(q @ k^T)) @ v with an f we do not read: a candidate
-            what = s.target if isinstance(s.target, str) else getattr(s.target, "__name__", str(s.target))
-            return f"attention scores go through {what}, which is not a constant scale, a mask or a cast"
-        return None
+            if found is not None:
+                if found[3] is not mask:
+                    mask_scale = scale
+                a, bt, alpha, mask = found
+                scale = scale * _Scale(alpha)
+                break
+        # a score function of the q.k product (Note [Score extraction] in extract_mask.py)
+        anchor = _score_anchor(s)
+        op = s.args[0] if merged and _merges_heads(s, None) and isinstance(s.args[0], torch.fx.Node) else s
+        what = op.target if isinstance(op.target, str) else getattr(op.target, "__name__", str(op.target))
+        if anchor is None:
+            if _upstream_matmul(s):  # softmax(f(q @ k^T)) @ v with an f we do not read: a candidate
+                return f"attention scores go through {what}, which is not a constant scale, a mask or a cast"
+            return None
+        if split is None and merged and _merges_heads(s, None):  # heads merged into the batch (Bloom)
+            split = tuple(fake(s).shape[:2])
+        if scale.syms:
+            return f"attention scores go through {what} under a symbolic scale; kept as written"
+        region = (s, anchor, scale.const, what)
+        if _is(anchor, BADDBMM_FUNCS, ("baddbmm",)):
+            args = list(anchor.args) + [None] * 3
+            a, bt = anchor.kwargs.get("batch1", args[1]), anchor.kwargs.get("batch2", args[2])
+        else:
+            a, bt = anchor.args
+        break
     q, cq = _scaled(a)
     kt, ck = _scaled(bt)
     k = _transposed_last_two(kt)
     if k is not None:
         k_inner, ck2 = _scaled(k)
         k, ck = k_inner, ck * ck2
+    if region is not None:
+        top, anchor, outer, what = region
+        av = fake(anchor)
+        if (cq * ck).syms:
+            return f"attention scores go through {what} with q or k under a symbolic scale; kept as written"
+        try:
+            got = extract_mask.extract_score(top, anchor, (av.shape[-2], av.shape[-1]), outer, (cq * ck).const)
+        except extract_mask.Unextractable as e:
+            return f"attention scores go through {what}, whose score function is not read: {e}"[:400]
+        if len(got.inputs) > MASK_TENSORS:
+            return (f"attention scores go through {what}, a score function of {len(got.inputs)} tensors; the ring op "
+                    f"takes at most {MASK_TENSORS}")
+        mods.fn, mods.fn_inputs = got.fn, tuple(got.inputs)
+        scale, cq, ck = _Scale(got.scale), ONE, ONE
     qv, ktv, vv = fake(q), fake(kt), fake(v)
     if merged != (split is not None):
         return "a view merging batch and heads on one side of the softmax only"
@@ -502,70 +506,6 @@ def _merges_heads(x: torch.fx.Node, u: Optional[torch.fx.Node]) -> bool:
     b, h = static_int(big.shape[0]), static_int(big.shape[1])
     return (b is not None and h is not None and static_int(small.shape[0]) == b * h
             and same_shape(big.shape[2:], small.shape[1:]))
-
-
-def _unread_bias(node: torch.fx.Node) -> Optional[str]:
-    """Why baddbmm(bias, q, k^T, beta=, alpha=) with a bias the matcher does not read is skipped
-    (None: no bias to speak of, the caller's general reason applies)."""
-    bias = node.kwargs.get("input", node.args[0] if node.args else None)
-    beta = static_float(node.kwargs.get("beta", 1.0))
-    if not isinstance(bias, torch.fx.Node) or beta == 0:
-        return None
-    source = ("computed from the graph's inputs" if _has_placeholder_input(bias)
-              else "not slope[h] * key position")
-    return (f"attention scores get a bias ({bias.name}, baddbmm's input) that is not read as ALiBi, "
-            f"slope[h] * key position built from constants: it is {source}; kept as dense attention")
-
-
-def _merged_alibi_baddbmm(node: torch.fx.Node, split: tuple[int, int]):
-    """(a, b, alpha, slopes) of baddbmm(bias, a, b, beta=1, alpha=alpha) whose bias is an ALiBi
-    bias [h, 1, n] repeated over the batch, [b * h, 1, n] (Bloom: Note [ALiBi bias])."""
-    args = list(node.args) + [None] * 2
-    inp = node.kwargs.get("input", args[0])
-    a, bt = node.kwargs.get("batch1", args[1]), node.kwargs.get("batch2", args[2])
-    beta, alpha = static_float(node.kwargs.get("beta", 1.0)), static_float(node.kwargs.get("alpha", 1.0))
-    if beta != 1 or alpha is None or alpha <= 0 or not isinstance(a, torch.fx.Node) or not isinstance(bt, torch.fx.Node):
-        return None
-    while _is_cast(inp):
-        inp = inp.args[0]
-    if _is(inp, VIEW_FUNCS, ("view", "reshape")):
-        return _counted_alibi_baddbmm(inp, split, a, bt, alpha)
-    if not _is(inp, (aten.repeat.default,), ("repeat",)):
-        return None
-    repeats = inp.args[1] if len(inp.args) == 2 and isinstance(inp.args[1], (list, tuple)) else inp.args[1:]
-    if [static_int(r) for r in repeats] != [split[0], 1, 1]:
-        return None
-    x, xv = inp.args[0], fake(inp.args[0])
-    if not isinstance(xv, torch.Tensor) or xv.dim() != 3 or static_int(xv.shape[0]) != split[1] or not is_one(xv.shape[1]):
-        return None
-    try:
-        val = _eval_bias(x, 0)
-    except _NotAlibi:
-        return None
-    if not (isinstance(val, _Bias) and isinstance(val.pos, _Pos) and val.pos.dim == -1 and val.head.dim == -3
-            and val.pos.coef != 0):
-        return None
-    return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef)
-
-
-def _counted_alibi_baddbmm(view: torch.fx.Node, split: tuple[int, int], a, bt, alpha):
-    """(a, b, alpha, slopes) of baddbmm whose bias is ALiBi with positions counted per batch row
-    (Note [Counted positions]), [b, h, n] (or [b, h, 1, n]) viewed as [b * h, 1, n] (Bloom with a
-    padding mask)."""
-    x, xv, out = view.args[0], fake(view.args[0]), fake(view)
-    if not isinstance(xv, torch.Tensor) or xv.dim() not in (3, 4) or (xv.dim() == 4 and not is_one(xv.shape[2])) \
-            or [static_int(d) for d in xv.shape[:2]] != list(split) or out.dim() != 3 or not is_one(out.shape[1]) \
-            or not same_size(out.shape[2], xv.shape[-1]):
-        return None
-    try:
-        val = _eval_bias(x, 0)
-    except _NotAlibi:
-        return None
-    nd = xv.dim()
-    if not (isinstance(val, _Bias) and isinstance(val.pos, _Run) and val.pos.dim == -1 and val.pos.bdim == -nd
-            and val.head.dim == 1 - nd and val.pos.coef != 0):
-        return None
-    return a, bt, alpha, _SlopesPlan(val.head.node, val.pos.coef, val.pos.counted)
 
 
 # Note [Sink column]
@@ -689,300 +629,58 @@ def _drops_last_column(p: torch.fx.Node, u: torch.fx.Node) -> bool:
     return False
 
 
-# Note [ALiBi bias]
-# ALiBi adds slope[h] * (j - i) to the scores of head h (query i, key j). Models write it as a
-# tensor built from constants: Bloom / MPT take slope[h] * j (MPT: slope[h] * (j - n + 1)),
-# which differs by a per-row constant that the softmax ignores. `_alibi_of` reads the added
-# tensor with a small abstract evaluation over its fake shapes (nothing runs): positions
-# (_Pos: c * index along one trailing dim + const, from an arange through casts, views and
-# slices; its end, the length, may be symbolic), a per-head vector (_Head: a graph value with
-# one non-1 dim computed from constants, the slopes, kept as a graph value; times a number it
-# stays one), and their product. It must vary along the key dim (-1) and the head dim (-3)
-# only, and not along the query dim; the lifted slopes are the head vector times c.
-
-# Note [Counted positions]
-# With a padding mask, Bloom counts its ALiBi positions over the mask's valid tokens:
-# pos[b, j] = (cumsum(mask[b])[j] - 1) * mask[b, j], the bias slope[h] * pos[b, j]. Where the valid
-# tokens of row b are one run [s, e) (right padding: s = 0; left padding: s > 0), a valid key j
-# has pos = j - s, so the bias is slope[h] * j - slope[h] * s: ALiBi plus a constant per (row,
-# head), which the softmax ignores; the padded keys are masked by the key padding, whatever their
-# bias. With a gap (1 1 0 1) the key after it gets position 2, not 3: not ALiBi. `_eval_bias`
-# reads cumsum(count, -1), plus constants, times [b, n] factors, as positions that vary along the
-# batch (_Run), kept as ScoreMods.alibi_counted. Mask lifting then proves in the graph that count,
-# factors and the site's key padding come from one mask m by elementwise ops (casts, comparisons
-# with constants) such that, for m of 0s and 1s, count = m, each factor is 1 where m is 1, and the
-# key padding is m == 1; a site it cannot prove that of keeps its dense attention. The site's key
-# mask becomes ringcc::one_run_keys(m) (runtime/ops.py), which checks at run time that m holds 0
-# and 1 only, in one run per row (a row of padding only is one), and raises a ValueError naming
-# the row otherwise: m is the whole mask on every rank, so every rank raises.
-
-
-@dataclass(frozen=True)
-class _Pos:
-    dim: int  # the trailing dim it varies along
-    coef: float
-    const: float
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Positions counted over a [b, n] mask (Note [Counted positions]): coef times the running
-    count of its valid tokens, plus a constant per row, along trailing dim `dim`, per batch row
-    on trailing dim `bdim`."""
-
-    dim: int
-    bdim: int
-    coef: float
-    counted: CountedPositions
-
-
-@dataclass(frozen=True)
-class _Head:
-    node: torch.fx.Node  # any graph value holding the h values, in head order
-    dim: int
-
-
-@dataclass(frozen=True)
-class _Bias:
-    head: _Head
-    pos: Union[_Pos, _Run]
-
-
-def _pos_dims(pos: Union[_Pos, _Run]) -> set:
-    return {pos.dim, pos.bdim} if isinstance(pos, _Run) else {pos.dim}
-
-
-ARANGE_FUNCS = (torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
 VIEW_METHODS = ("view", "reshape", "unsqueeze", "squeeze")
 VIEW_FUNCS = (torch.reshape, torch.unsqueeze, torch.squeeze, aten.view.default, aten.reshape.default,
               aten.unsqueeze.default, aten.squeeze.dim)
 
 
-def _alibi_of(s: torch.fx.Node) -> Optional[tuple[torch.fx.Node, "_SlopesPlan"]]:
-    """(scores, slopes) when s = scores + an ALiBi bias (Note [ALiBi bias])."""
-    if not _is(s, ADD_FUNCS, ("add", "__add__")) or len(s.args) != 2 or s.kwargs:
-        return None
-    sv = fake(s)
-    if not isinstance(sv, torch.Tensor) or sv.dim() < 3:
-        return None
-    for scores, bias in (s.args, s.args[::-1]):
-        bv = fake(bias)
-        if not isinstance(bias, torch.fx.Node) or not _reaches_matmul(scores) or not isinstance(bv, torch.Tensor) \
-                or not bv.is_floating_point() or bv.dim() < 3:
-            continue
-        try:
-            val = _eval_bias(bias, 0)
-        except _NotAlibi:
-            continue
-        shape = bv.shape
-        if not (isinstance(val, _Bias) and val.pos.dim == -1 and val.head.dim == -3 and val.pos.coef != 0
-                and same_size(shape[-1], sv.shape[-1]) and same_size(shape[-3], sv.shape[-3])
-                and is_one(shape[-2]) and _batch_fits(val.pos, shape, sv.shape)):
-            continue
-        return scores, _SlopesPlan(val.head.node, val.pos.coef, getattr(val.pos, "counted", None))
-    return None
-
-
-def _batch_fits(pos: Union[_Pos, _Run], shape, scores_shape) -> bool:
-    """The bias's dims before the heads are 1, but for counted positions' batch dim (-4), the
-    scores' batch."""
-    if isinstance(pos, _Pos):
-        return all(is_one(x) for x in shape[:-3])
-    return (pos.bdim == -4 and len(shape) >= 4 and len(scores_shape) >= 4 and same_size(shape[-4], scores_shape[-4])
-            and all(is_one(x) for x in shape[:-4]))
-
-
-@dataclass(frozen=True)
-class _SlopesPlan:
-    """The lifted slopes: reshape(node, [-1]) * coef, built by the canonicalisation; `counted`:
-    the positions count a mask's valid tokens (Note [Counted positions])."""
-
-    node: torch.fx.Node
-    coef: float
-    counted: Optional[CountedPositions] = None
-
-    @property
-    def name(self) -> str:
-        return self.node.name
-
-
-class _NotAlibi(Exception):
-    pass
-
-
-def _eval_bias(node: Any, depth: int):
-    if depth > 24 or not isinstance(node, torch.fx.Node):
-        raise _NotAlibi
-    val = fake(node)
-    if not isinstance(val, torch.Tensor):
-        raise _NotAlibi
-    if _is(node, ARANGE_FUNCS):
-        # positions start + step * j: the end (the length, symbolic under a symbolic trace) does not matter
-        args = list(node.args)
-        if not args or len(args) > 3 or {"start", "end", "step"} & set(node.kwargs):
-            raise _NotAlibi
-        start, step = (0.0, 1.0) if len(args) == 1 else (static_float(args[0]),
-                                                          static_float(args[2]) if len(args) == 3 else 1.0)
-        if start is None or step is None:
-            raise _NotAlibi
-        return _Pos(-1, step, start)
-    if _is_cast(node):
-        return _eval_bias(node.args[0], depth + 1)
-    if _is(node, VIEW_FUNCS, VIEW_METHODS) or (node.op == "call_function" and node.target is operator.getitem):
-        return _map_dims(node, _eval_bias(node.args[0], depth + 1))
-    if _is(node, CUMSUM_FUNCS, ("cumsum",)):  # Note [Counted positions]
-        x = node.args[0]
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        xv = fake(x)
-        if isinstance(x, torch.fx.Node) and isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(dim, int) \
-                and dim % 2 == 1:
-            return _Run(-1, -2, 1.0, CountedPositions(x))
-    if _is(node, ADD_FUNCS + SUB_FUNCS + (aten.add.Scalar, aten.sub.Scalar), ("add", "__add__", "sub", "__sub__")) \
-            and len(node.args) == 2 and not node.kwargs:
-        a, b = node.args
-        sign = -1.0 if _is(node, SUB_FUNCS + (aten.sub.Scalar,), ("sub", "__sub__")) else 1.0
-        for x, y in ((a, b),) if sign < 0 else ((a, b), (b, a)):  # positions plus a number: shifted positions
-            c = static_float(y)
-            xv = _try_eval_bias(x, depth + 1) if c is not None else None
-            if isinstance(xv, _Pos):
-                return _Pos(xv.dim, xv.coef, xv.const + sign * c)
-            if isinstance(xv, _Run):
-                return xv
-    if _is(node, MUL_FUNCS, ("mul", "__mul__")) and len(node.args) == 2:
-        a, b = node.args
-        for x, y in ((a, b), (b, a)):
-            c = static_float(y)
-            if c is not None:
-                xv = _eval_bias(x, depth + 1)
-                if isinstance(xv, _Pos):
-                    return _Pos(xv.dim, xv.coef * c, xv.const * c)
-                if isinstance(xv, _Run):
-                    return _Run(xv.dim, xv.bdim, xv.coef * c, xv.counted)
-                if isinstance(xv, _Head):  # slopes times a number (MPT's 1 / 2^x * 1.0 in export graphs)
-                    return _Head(node, xv.dim)
-                raise _NotAlibi
-        va, vb = _try_eval_bias(a, depth + 1), _try_eval_bias(b, depth + 1)
-        for x, y, other in ((va, vb, b), (vb, va, a)):
-            if isinstance(x, _Head) and isinstance(y, (_Pos, _Run)) and x.dim not in _pos_dims(y):
-                return _Bias(x, y)
-            if isinstance(x, _Run) and y is None and (x.dim, x.bdim) == (-1, -2) and _same_2d(other, node):
-                # counted positions times a [b, n] tensor (Bloom's `* mask`): Note [Counted positions]
-                return _Run(x.dim, x.bdim, x.coef, CountedPositions(x.counted.count, x.counted.factors + (other,)))
-        raise _NotAlibi
-    # a per-head vector: a value with one dim of size > 1, computed from constants only
-    sizes = [static_int(x) for x in val.shape]
-    big = [i for i, x in enumerate(sizes) if x != 1]
-    if len(big) == 1 and sizes[big[0]] is not None and val.is_floating_point() and not _has_placeholder_input(node):
-        return _Head(node, big[0] - val.dim())
-    raise _NotAlibi
-
-
-def _try_eval_bias(node: Any, depth: int):
-    try:
-        return _eval_bias(node, depth)
-    except _NotAlibi:
-        return None
-
-
-def _same_2d(x: Any, node: torch.fx.Node) -> bool:
-    """x is a graph value of node's 2-D shape."""
-    xv, nv = fake(x), fake(node)
-    return (isinstance(x, torch.fx.Node) and isinstance(xv, torch.Tensor) and isinstance(nv, torch.Tensor)
-            and xv.dim() == nv.dim() == 2 and same_shape(xv.shape, nv.shape))
-
-
-def _has_placeholder_input(node: torch.fx.Node, depth: int = 32) -> bool:
-    """Whether node depends on a graph input (data, not constants)."""
-    seen, stack = set(), [(node, 0)]
+def _score_anchor(s: torch.fx.Node, depth: int = 24) -> Optional[torch.fx.Node]:
+    """The one q.k product (a matmul of two operands, or a baddbmm) that the scores `s` are
+    computed from, through any ops (Note [Score extraction] in extract_mask.py); None when there
+    is none or more than one."""
+    found, seen, stack = set(), set(), [(s, 0)]
     while stack:
         x, d = stack.pop()
-        if x in seen:
+        if x in seen or not isinstance(x, torch.fx.Node) or d > depth:
             continue
         seen.add(x)
-        if x.op in ("placeholder", "get_attr") or d > depth:
-            return True
-        stack.extend((a, d + 1) for a in x.all_input_nodes)
-    return False
-
-
-def _map_dims(node: torch.fx.Node, x):
-    """x (a _Pos / _Head / _Bias of node's input) on node's trailing dims, for views and
-    getitems that insert / remove size-1 dims or slice a dim from a start."""
-    src, out = fake(node.args[0]).shape, fake(node).shape
-    if node.op == "call_function" and node.target is operator.getitem:
-        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-        if any(isinstance(i, torch.fx.Node) for i in idx) or sum(1 for i in idx if i is Ellipsis) > 1:
-            raise _NotAlibi
-        mapping, k = {}, 0
-        real = [i for i in idx if i is not None and i is not Ellipsis]
-        expanded = []
-        for i in idx:
-            if i is Ellipsis:
-                expanded.extend([slice(None)] * (len(src) - len(real)))
-            else:
-                expanded.append(i)
-        expanded.extend([slice(None)] * (len(src) - sum(1 for i in expanded if i is not None)))
-        o = 0
-        for i in expanded:
-            if i is None:
-                o += 1
-                continue
-            if not isinstance(i, slice) or i.step not in (None, 1):
-                raise _NotAlibi
-            start = i.start or 0
-            if not isinstance(start, int):  # a start computed from sizes (MPT's max(0, size - n))
-                start = None  # unknown: positions along it shift by a constant (_Pos), heads do not map (_Head)
-            elif start < 0:
-                start += static_int(src[k]) if static_int(src[k]) is not None else 0
-            mapping[k - len(src)] = (o - len(out), start)
-            k, o = k + 1, o + 1
-        dmap = {d: m for d, (m, _) in mapping.items()}
-        starts = {d: st for d, (_, st) in mapping.items()}
-    else:
-        dmap, starts, j = {}, {}, 0
-        s_in, s_out = list(src), list(out)
-        for k, size in enumerate(s_in):
-            while j < len(s_out) and is_one(s_out[j]) and not is_one(size):
-                j += 1
-            if is_one(size) and (j >= len(s_out) or not is_one(s_out[j])):
-                continue
-            if j >= len(s_out) or not same_size(s_out[j], size):
-                raise _NotAlibi
-            dmap[k - len(s_in)], starts[k - len(s_in)] = j - len(s_out), 0
-            j += 1
-
-    def move(v):
-        if isinstance(v, _Run):  # positions per batch row: neither dim may be sliced
-            if v.dim not in dmap or v.bdim not in dmap or starts[v.dim] != 0 or starts[v.bdim] != 0:
-                raise _NotAlibi
-            return _Run(dmap[v.dim], dmap[v.bdim], v.coef, v.counted)
-        if isinstance(v, _Pos):
-            if v.dim not in dmap:
-                raise _NotAlibi
-            # an unknown start shifts every position by one constant: only the slope (coef) is lifted
-            return _Pos(dmap[v.dim], v.coef, v.const + v.coef * (starts[v.dim] or 0))
-        if isinstance(v, _Head):
-            if v.dim not in dmap or starts[v.dim] != 0:
-                raise _NotAlibi
-            return _Head(v.node, dmap[v.dim])
-        return _Bias(move(v.head), move(v.pos))
-
-    return move(x)
-
-
-def _softcap_of(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
-    """(z, c) when node = tanh(z / c) * c (or c * tanh(z * (1 / c))) with one constant c > 0:
-    attention-logit soft-capping (Gemma2's eager attention)."""
-    if not _is(node, MUL_FUNCS, ("mul", "__mul__")) or len(node.args) != 2:
-        return None
-    for t, c in (node.args, node.args[::-1]):
-        cv = static_float(c)
-        if cv is None or cv <= 0 or not _is(t, TANH_FUNCS, ("tanh",)) or not _single_user(t):
+        if (_is(x, MATMUL_FUNCS, MATMUL_METHODS) and len(x.args) == 2) or _is(x, BADDBMM_FUNCS, ("baddbmm",)):
+            found.add(x)
             continue
-        inner, ci = _scaled(t.args[0])
-        if inner is not t.args[0] and not ci.syms and math.isclose(ci.const * cv, 1.0, rel_tol=1e-12):
-            return inner, cv
-    return None
+        stack.extend((i, d + 1) for i in x.all_input_nodes)
+    return found.pop() if len(found) == 1 else None
+
+
+def _score_bias(m: Any, scores: torch.fx.Node) -> bool:
+    """s + m adds a score bias (ALiBi, a relative-position term read from positions), not a mask:
+    m is read as a function (extract_mask.py) whose values are not only 0 and very negative
+    ones, or are not fixed by the graph and never very negative (a mask sets masked scores to
+    -inf or a very negative number; a bias does not)."""
+    sv, mv = fake(scores), fake(m) if isinstance(m, torch.fx.Node) else None
+    if not isinstance(mv, torch.Tensor) or not mv.is_floating_point() or not isinstance(sv, torch.Tensor) \
+            or sv.dim() < 2:
+        return False  # a bool mask (masked_fill, where) is a mask
+    walk = extract_mask._Walk((sv.shape[-2], sv.shape[-1]))
+    try:
+        val = walk.eval(m)
+    except extract_mask.Unextractable:
+        return False
+    if not isinstance(val, extract_mask.Val):
+        return False
+    values = extract_mask._values(val.expr)
+    if values is not None:
+        return any(v != 0 and v > VERY_NEGATIVE for v in values)
+    return not _has_very_negative(val.expr)
+
+
+def _has_very_negative(e: tuple) -> bool:
+    if e[0] == "c":
+        return isinstance(e[1], (int, float)) and not isinstance(e[1], bool) and e[1] <= VERY_NEGATIVE
+    if e[0] in ("i", "ax"):
+        return False
+    if e[0] == "load":
+        return any(_has_very_negative(a) for a in e[2])
+    return any(_has_very_negative(a) for a in e[1:])
 
 
 def _scores_of_q_k(softmax: torch.fx.Node, depth: int = 12) -> str:
@@ -1106,26 +804,15 @@ def _is_very_negative(value: Any) -> bool:
     return v is not None and v <= VERY_NEGATIVE
 
 
-def _reaches_matmul(node: Any, depth: int = 6) -> bool:
-    """node is (a cast / scale / soft-cap of) a matmul: tells the scores apart from the mask in s + m."""
-    for _ in range(depth):
-        if not isinstance(node, torch.fx.Node):
-            return False
-        if _is(node, MATMUL_FUNCS + BADDBMM_FUNCS, MATMUL_METHODS + ("baddbmm",)):
-            return True
-        inner, c = _scaled(node)
-        cap = _softcap_of(node)
-        if cap is not None:
-            node = cap[0]
-        elif _merges_heads(node, None):
-            node = node.args[0]
-        elif inner is not node:
-            node = inner
-        elif _is_cast(node):
-            node = node.args[0]
-        else:
-            return False
-    return False
+def _reaches_matmul(node: Any, depth: int = 12) -> bool:
+    """node is computed from one q.k product: tells the scores apart from the mask in s + m."""
+    return isinstance(node, torch.fx.Node) and _score_anchor(node, depth) is not None
+
+
+def _plain_product(x: Any, mask: Any) -> bool:
+    """x is q.k as the canonical form takes it: a matmul, or a baddbmm that `_baddbmm` reads."""
+    return isinstance(x, torch.fx.Node) and ((_is(x, MATMUL_FUNCS, MATMUL_METHODS) and len(x.args) == 2)
+                                             or (_is(x, BADDBMM_FUNCS, ("baddbmm",)) and _baddbmm(x, mask) is not None))
 
 
 # ---------------------------------------------------------------------------------------

@@ -81,7 +81,13 @@ class Extracted:
 
 
 def _c(v) -> tuple:
-    return ("c", v)
+    # typed: True, 1 and 1.0 are equal (and hash alike) in Python, but not as the function's operands
+    return ("c", v, type(v).__name__)
+
+
+def _num(e, v) -> bool:
+    """e is the number v (not a bool)."""
+    return e[0] == "c" and not isinstance(e[1], bool) and e[1] == v
 
 
 def _is_c(e) -> bool:
@@ -95,9 +101,9 @@ def _op(name: str, *args) -> tuple:
             return _c(OPS[name][1](*(a[1] for a in args)))
         except (ZeroDivisionError, TypeError):
             pass
-    if name in ("add", "sub") and args[1] == _c(0) or name == "mul" and args[1] == _c(1):
+    if name in ("add", "sub") and _num(args[1], 0) or name in ("mul", "floordiv", "div") and _num(args[1], 1):
         return args[0]
-    if name in ("add", "mul") and args[0] == _c(0 if name == "add" else 1):
+    if name in ("add", "mul") and _num(args[0], 0 if name == "add" else 1):
         return args[1]
     if name == "add" and args[0][0] == "add" and _is_c(args[0][2]) and _is_c(args[1]):  # (x + a) + b
         return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
@@ -189,6 +195,16 @@ UNARY = {
                   aten.logical_not.default, aten.bitwise_not.default),
 }
 DIV = _names(torch.div, "div", aten.div.Tensor_mode, aten.div.Scalar_mode)
+TRUEDIV = _names(operator.truediv, torch.true_divide, "__truediv__", "true_divide", aten.div.Tensor, aten.div.Scalar)
+FLOAT_UNARY = {  # float functions a score function reads (Note [Score functions] in runtime/maskfn.py)
+    "tanh": _names(torch.tanh, "tanh", aten.tanh.default),
+    "exp": _names(torch.exp, "exp", aten.exp.default),
+    "log": _names(torch.log, "log", aten.log.default),
+    "sqrt": _names(torch.sqrt, "sqrt", aten.sqrt.default),
+    "sigmoid": _names(torch.sigmoid, "sigmoid", aten.sigmoid.default),
+}
+REPEAT = _names("repeat", aten.repeat.default)
+BADDBMM = _names(torch.baddbmm, "baddbmm", aten.baddbmm.default)
 ARANGE = _names(torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
 KEEP = _names("contiguous", "clone", "detach", torch.clone, aten.clone.default, aten.contiguous.default,
               aten.lift_fresh_copy.default, aten.alias.default, aten.detach.default)
@@ -227,14 +243,30 @@ def _target_in(t, group: set) -> bool:
 
 
 class _Walk:
-    def __init__(self, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None):
+    def __init__(self, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None,
+                 anchor: Optional[torch.fx.Node] = None):
         self.seq = seq_lengths
+        self.anchor = anchor  # the q.k product a score function reads as its `score` (extract_score)
         self.memo: dict = {}
         self.leaves: list = []  # graph nodes read as tensors t0..
         self.counter = itertools.count()
         self.reader = reader  # the node that reads the mask: writes after it do not count
         self.readers: list = []  # the node whose arguments are being read
         self.order: dict = {}
+
+    def from_scores(self) -> set:
+        """The graph nodes computed from the anchor (the scores): never a tensor of the function."""
+        if not isinstance(self.anchor, torch.fx.Node):
+            return set()
+        if not hasattr(self, "_from_scores"):
+            seen, stack = set(), [self.anchor]
+            while stack:
+                for u in stack.pop().users:
+                    if u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+            self._from_scores = seen
+        return self._from_scores
 
     def fresh(self, size) -> Optional[int]:
         return None if isinstance(size, int) and size == 1 else next(self.counter)
@@ -335,6 +367,12 @@ class _Walk:
                 "build the mask from positions and per-token values (e.g. torch.arange(n)[:, None] >= "
                 "torch.arange(n)[None, :], doc[:, :, None] == doc[:, None, :]), use flex_attention with a mask_mod, "
                 "or pass is_causal=True")
+        if self.anchor is not None and v.requires_grad:
+            raise Unextractable(f"the score function reads {node.name}, which needs a gradient (a learned bias or "
+                                "slope); the tensors of a score function take none")
+        if node in self.from_scores():
+            name = getattr(node.target, "__name__", node.target)
+            raise Unextractable(f"the scores go through {name} ({node.name}), which the walk does not read")
         if node not in self.leaves:
             self.leaves.append(node)
         k = self.leaves.index(node)
@@ -342,6 +380,8 @@ class _Walk:
         return Val(("load", k, tuple(_c(0) if a is None else ("ax", a) for a in axes)), axes)
 
     def _node(self, node: torch.fx.Node) -> Any:
+        if node is self.anchor:
+            return self._score(node)
         if node.op in ("placeholder", "get_attr"):
             return self._leaf(node)
         if node.op not in ("call_function", "call_method"):
@@ -362,10 +402,17 @@ class _Walk:
         for name, group in UNARY.items():
             if _target_in(t, group):
                 return self._pointwise(node, name, args[0])
+        for name, group in FLOAT_UNARY.items():
+            if _target_in(t, group):
+                return self._pointwise(node, name, args[0])
+        if _target_in(t, TRUEDIV):
+            return self._pointwise(node, "div", args[0], args[1] if len(args) > 1 else kw.get("other"))
         if _target_in(t, DIV):
             mode = kw.get("rounding_mode", args[2] if len(args) > 2 else None)
             if mode == "floor":
                 return self._pointwise(node, "floordiv", args[0], args[1])
+            if mode is None:
+                return self._pointwise(node, "div", args[0], args[1] if len(args) > 1 else kw.get("other"))
             return self._leaf_or_fail(node, f"division with rounding_mode={mode!r}")
         if _target_in(t, MASK_FROM_FN):
             return self._mask_from_fn(node)
@@ -373,6 +420,8 @@ class _Walk:
             return self._add_batch_dim(node)
         if t is REMOVE_BATCH_DIM:
             return self._remove_batch_dim(node)
+        if _target_in(t, REPEAT):
+            return self._repeat(node)
         if _target_in(t, ARANGE):
             return self._arange(node)
         if _target_in(t, KEEP):
@@ -550,7 +599,9 @@ class _Walk:
         return self._same(node, x)  # new leading dims and widened size-1 dims: trailing alignment
 
     def _reshape(self, node: torch.fx.Node, base: torch.fx.Node) -> Any:
-        """Only inserting or removing size-1 dims: the other dims keep their order."""
+        """Dims kept in order, size-1 dims inserted or removed, and runs of dims merged into one
+        (an index into the merged dim is a mixed-radix number of theirs) or one split into a run
+        (the other way round); the merged dims after the first need static sizes."""
         x = self.eval(base)
         if not isinstance(x, Val):
             return x
@@ -558,11 +609,75 @@ class _Walk:
         out_axes = self._out(node)
         real_in = [d for d, s in enumerate(src) if not (isinstance(s, int) and s == 1)]
         real_out = [d for d, s in enumerate(out) if not (isinstance(s, int) and s == 1)]
-        if len(real_in) != len(real_out) or not all(same_size(src[i], out[o]) for i, o in zip(real_in, real_out)):
-            raise Unextractable(f"{node.name}: a reshape of the mask that merges or splits dims "
-                                f"({tuple(src)} -> {tuple(out)})")
-        m = {x.axes[i]: ("ax", out_axes[o]) for i, o in zip(real_in, real_out) if x.axes[i] is not None}
+        m, i, j = {}, 0, 0
+        while i < len(real_in) and j < len(real_out):
+            si, so = src[real_in[i]], out[real_out[j]]
+            if same_size(si, so):
+                if x.axes[real_in[i]] is not None:
+                    m[x.axes[real_in[i]]] = ("ax", out_axes[real_out[j]])
+                i, j = i + 1, j + 1
+                continue
+            group_in = _run_to(src, real_in, i, so)
+            group_out = _run_to(out, real_out, j, si) if group_in is None else None
+            if group_in is not None:  # dims real_in[i:i2] merged into out dim real_out[j]
+                o = ("ax", out_axes[real_out[j]])
+                dims = real_in[i:i + group_in]
+                for t, d in enumerate(dims):
+                    stride = math.prod(src[e] for e in dims[t + 1:])
+                    e = _op("floordiv", o, _c(stride))
+                    if t:
+                        e = _op("remainder", e, _c(src[d]))
+                    if x.axes[d] is not None:
+                        m[x.axes[d]] = e
+                i, j = i + group_in, j + 1
+            elif group_out is not None:  # dim real_in[i] split into out dims real_out[j:j2]
+                dims = real_out[j:j + group_out]
+                e = _c(0)
+                for t, d in enumerate(dims):
+                    stride = math.prod(out[f] for f in dims[t + 1:])
+                    e = _op("add", e, _op("mul", ("ax", out_axes[d]), _c(stride)))
+                if x.axes[real_in[i]] is not None:
+                    m[x.axes[real_in[i]]] = e
+                i, j = i + 1, j + group_out
+            else:
+                raise Unextractable(f"{node.name}: a reshape of the mask that regroups dims "
+                                    f"({tuple(src)} -> {tuple(out)})")
+        if i != len(real_in) or j != len(real_out):
+            raise Unextractable(f"{node.name}: a reshape of the mask that regroups dims ({tuple(src)} -> {tuple(out)})")
         return Val(_subst(x.expr, m), out_axes)
+
+    def _repeat(self, node: torch.fx.Node) -> Any:
+        """x.repeat(r0, r1, ..): an index into a repeated dim of x's size s is the index mod s."""
+        x = self.eval(node.args[0])
+        if not isinstance(x, Val):
+            return x
+        reps = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        src = list(fake(node.args[0]).shape)
+        out_axes = self._out(node)
+        off = len(out_axes) - len(src)
+        m = {}
+        for d, a in enumerate(x.axes):
+            if a is None:
+                continue
+            r, o = reps[off + d], out_axes[off + d]
+            if not isinstance(r, int) or (r != 1 and not isinstance(src[d], int)):
+                raise Unextractable(f"{node.name}: repeat with a count or size that is not a constant")
+            m[a] = ("ax", o) if r == 1 else _op("remainder", ("ax", o), _c(src[d]))
+        return Val(_subst(x.expr, m), out_axes)
+
+    def _score(self, node: torch.fx.Node) -> Val:
+        """The anchor: q.k (a matmul), or baddbmm(bias, q, k^T) = beta * bias + alpha * q.k."""
+        out = self._out(node)
+        score = ("i", "score")
+        if not _target_in(node.target, BADDBMM):
+            return Val(score, out)
+        args = list(node.args) + [None] * 3
+        bias = node.kwargs.get("input", args[0])
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
+            raise Unextractable(f"{node.name}: baddbmm with a beta or alpha that is not a constant")
+        b = self._align(self.eval(bias), out)
+        return Val(_op("add", _op("mul", b, _c(beta)), _op("mul", score, _c(alpha))), out)
 
     def _getitem(self, node: torch.fx.Node) -> Any:
         base, idx = node.args
@@ -669,6 +784,23 @@ class _Walk:
         keep = _op("ge", diff, _c(k)) if upper else _op("le", diff, _c(k))
         zero = _c(False) if fake(node).dtype == torch.bool else _c(0)
         return Val(_op("where", keep, e, zero), out)
+
+
+def _run_to(sizes: list, dims: list, i: int, total) -> Optional[int]:
+    """k >= 2 when the static sizes of dims[i:i + k] multiply to `total` (static), else None."""
+    if not isinstance(total, int):
+        return None
+    prod = 1
+    for k in range(i, len(dims)):
+        s = sizes[dims[k]]
+        if not isinstance(s, int):
+            return None
+        prod *= s
+        if prod == total:
+            return k - i + 1 if k > i else None
+        if prod > total:
+            return None
+    return None
 
 
 def _concrete(size, node) -> int:
@@ -802,11 +934,21 @@ def extract_mask_mod(mask_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths
     res = ret.args[0]
     res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
     val = walk.eval(res)
+    _only_buffers(walk.leaves, outer, "mask_mod")
     if not isinstance(val, Val):
         return Extracted(None, [], False) if bool(val) else _always_false()
     if val.axes:
         raise Unextractable("a mask_mod whose value is not a scalar")
     return _finish(val.expr, [outer.get(n, n) for n in walk.leaves], False)
+
+
+def _only_buffers(leaves: list, outer: dict, what: str) -> None:
+    """The tensors a flex subgraph's function reads are its buffers (an op the walk does not read
+    inside the subgraph is no tensor of the outer graph)."""
+    for n in leaves:
+        if n not in outer:
+            name = getattr(n.target, "__name__", n.target)
+            raise Unextractable(f"the {what} uses {name} ({n.name}), which the walk does not read")
 
 
 def _always_false():
@@ -861,7 +1003,7 @@ def _is_causal(e: tuple) -> bool:
     return e in (("lt", KV, _op("add", Q, _c(1))), ("gt", _op("add", Q, _c(1)), KV))
 
 
-def _emit(body: tuple) -> tuple[MaskFn, list]:
+def _emit(body: tuple, kind: str = "mask") -> tuple[MaskFn, list]:
     """The program of an expression (shared subexpressions once), and the leaves it reads in
     the order of their tensor numbers."""
     lines: list = []
@@ -870,7 +1012,7 @@ def _emit(body: tuple) -> tuple[MaskFn, list]:
 
     def operand(e):
         if e[0] == "c":
-            return e
+            return ("c", e[1])
         if e[0] == "i":
             return e
         return ("v", emit(e))
@@ -882,7 +1024,7 @@ def _emit(body: tuple) -> tuple[MaskFn, list]:
             k = leaf_ids.setdefault(e[1], len(leaf_ids))
             line = ("load", (("t", k),) + tuple(operand(a) for a in e[2]))
         elif e[0] in ("c", "i"):
-            line = ("bool" if isinstance(e[1], bool) else "int", (e,)) if e[0] == "c" else ("add", (e, _c(0)))
+            line = ("bool" if isinstance(e[1], bool) else "int", (("c", e[1]),)) if e[0] == "c" else ("add", (e, ("c", 0)))
         else:
             line = (e[0], tuple(operand(a) for a in e[1:]))
         lines.append(line)
@@ -891,4 +1033,147 @@ def _emit(body: tuple) -> tuple[MaskFn, list]:
 
     emit(body)
     order = sorted(leaf_ids, key=leaf_ids.get)
-    return MaskFn(tuple(lines), len(order)), order
+    return MaskFn(tuple(lines), len(order), kind), order
+
+
+# ---------------------------------------------------------------------------------------
+# score functions
+
+# Note [Score extraction]
+# A site's scores between the q.k product and the softmax (past the mask the site's SDPA call
+# takes) are evaluated by the same walk, with the product (the `anchor`: a matmul, or a baddbmm
+# whose bias joins the function) read as the operand `score`: whatever elementwise program of
+# the score, the indices and per-head or per-token tensors the tracer left (a soft-cap's div,
+# tanh and mul, an ALiBi bias of slopes times aranges or times positions counted over a padding
+# mask, views that merge heads into the batch and back) becomes one score function
+# (runtime/maskfn.py, Note [Score functions]). Nothing is matched by its form. Then the scale:
+# when every read of the score is score * c for one constant c, c becomes the site's scale and
+# the function reads the scaled score; a function that is the scaled score alone is no function.
+# Its tensors are whole-length and replicated, as a mask function's are, and take no gradient.
+
+
+@dataclass
+class ExtractedScore:
+    fn: Optional[MaskFn]  # None: the scores are only scaled
+    inputs: list  # the tensor inputs t0.. (graph nodes)
+    scale: float
+
+
+SCORE = ("i", "score")
+
+
+def extract_score(top: torch.fx.Node, anchor: torch.fx.Node, seq_lengths: tuple, outer: float = 1.0,
+                  inner: float = 1.0) -> ExtractedScore:
+    """The score function of the scores `top` computes from the q.k product `anchor` (Note
+    [Score extraction]), times `outer`; `inner`: constants q and k were scaled by before the
+    product (the score is q.k * inner)."""
+    walk = _Walk(seq_lengths, anchor=anchor)
+    val = walk.eval(top)
+    if not isinstance(val, Val):
+        raise Unextractable("the scores are a number")
+    nd = len(val.axes)
+    if nd < 3 or nd > 4:
+        raise Unextractable(f"scores of {nd} dims")
+    names = ("b", "h", "q", "kv")[4 - nd:]
+    expr = _subst(val.expr, {a: ("i", name) for a, name in zip(val.axes, names) if a is not None})
+    if _free_axes(expr, set()):
+        raise Unextractable("the scores depend on a dim that broadcasting drops")
+    if outer != 1.0:
+        expr = _op("mul", expr, _c(outer))
+    if inner != 1.0:
+        expr = _subst_score(expr, _op("mul", SCORE, _c(inner)), {})
+    _check_loads(expr, walk.leaves)
+    if not _mentions(expr, {"score"}):
+        raise Unextractable("the softmax does not read the q.k scores")
+    scales = _score_scales(expr, set())
+    scale = scales.pop() if len(scales) == 1 and 1.0 not in scales else 1.0
+    if scale != 1.0:
+        expr = _subst_score(expr, SCORE, {}, scale)
+    if expr == SCORE:
+        return ExtractedScore(None, [], scale)
+    fn, used = _emit(expr, "score")
+    return ExtractedScore(fn, [walk.leaves[k] for k in used], scale)
+
+
+def extract_bias(mask: torch.fx.Node, seq_lengths: tuple) -> ExtractedScore:
+    """The score function score + m of an SDPA float attn_mask m that is a score bias (values other
+    than 0 and -inf: ALiBi or relative-position terms computed from positions and per-token or
+    per-head tensors), read by the mask walk."""
+    walk = _Walk(seq_lengths)
+    walk.anchor = object()  # a score function: its tensors take no gradient
+    val = walk.eval(mask)
+    if not isinstance(val, Val) or not 2 <= len(val.axes) <= 4:
+        raise Unextractable("a float mask that is a number or not [.., q, kv]")
+    names = ("b", "h", "q", "kv")[4 - len(val.axes):]
+    expr = _subst(val.expr, {a: ("i", name) for a, name in zip(val.axes, names) if a is not None})
+    if _free_axes(expr, set()):
+        raise Unextractable("the bias depends on a dim that broadcasting drops")
+    _check_loads(expr, walk.leaves)
+    fn, used = _emit(_op("add", SCORE, expr), "score")
+    return ExtractedScore(fn, [walk.leaves[k] for k in used], 1.0)
+
+
+def _score_scales(e: tuple, acc: set) -> set:
+    """The constants c of every read score * c of e (1.0 for a bare read)."""
+    if e == SCORE:
+        acc.add(1.0)
+    elif e[0] == "mul" and SCORE in e[1:] and any(_is_c(a) for a in e[1:]):
+        acc.add(float(next(a for a in e[1:] if _is_c(a))[1]))
+    elif e[0] == "load":
+        for a in e[2]:
+            _score_scales(a, acc)
+    elif e[0] not in ("c", "i", "ax"):
+        for a in e[1:]:
+            _score_scales(a, acc)
+    return acc
+
+
+def _subst_score(e: tuple, by: tuple, memo: dict, scaled: Optional[float] = None) -> tuple:
+    """e with each read of the score (with `scaled`: each score * scaled) replaced by `by`."""
+    if e in memo:
+        return memo[e]
+    if scaled is None and e == SCORE:
+        out = by
+    elif scaled is not None and e[0] == "mul" and SCORE in e[1:] and any(_is_c(a) and a[1] == scaled for a in e[1:]):
+        out = by
+    elif e[0] in ("c", "i", "ax"):
+        out = e
+    elif e[0] == "load":
+        out = ("load", e[1], tuple(_subst_score(a, by, memo, scaled) for a in e[2]))
+    else:
+        out = _op(e[0], *(_subst_score(a, by, memo, scaled) for a in e[1:]))
+    memo[e] = out
+    return out
+
+
+def extract_score_mod(score_mod: torch.fx.GraphModule, buffers: tuple, seq_lengths: tuple) -> ExtractedScore:
+    """The score function of a flex_attention site's score_mod subgraph (dynamo's HOP carries it
+    as a graph of 0-d ops over its placeholders score, b, h, q_idx, kv_idx and the score_mod's
+    other buffers, which are the site's `buffers` in the outer graph)."""
+    walk = _Walk(seq_lengths)
+    walk.anchor = object()  # a score function: its tensors take no gradient
+    holders = [n for n in score_mod.graph.nodes if n.op == "placeholder"]
+    if len(holders) != 5 + len(buffers):
+        raise Unextractable(f"a score_mod with {len(holders)} inputs for the score, 4 indices and {len(buffers)} "
+                            "buffers")
+    walk.memo[holders[0]] = Val(SCORE, ())
+    for node, name in zip(holders[1:5], INDEX_NAMES):
+        walk.memo[node] = Val(("i", name), ())
+    outer = dict(zip(holders[5:], buffers))
+    (ret,) = [n for n in score_mod.graph.nodes if n.op == "output"]
+    res = ret.args[0]
+    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
+    val = walk.eval(res)
+    _only_buffers(walk.leaves, outer, "score_mod")
+    if not isinstance(val, Val) or val.axes:
+        raise Unextractable("a score_mod whose value is not a scalar function of the score")
+    leaves = [outer.get(n, n) for n in walk.leaves]
+    for n in leaves:
+        if isinstance(fake(n), torch.Tensor) and fake(n).requires_grad:
+            raise Unextractable(f"the score_mod reads {n.name}, which needs a gradient (a learned bias or slope); "
+                                "the tensors of a score function take none")
+    _check_loads(val.expr, leaves)
+    if val.expr == SCORE:
+        return ExtractedScore(None, [], 1.0)
+    fn, used = _emit(val.expr, "score")
+    return ExtractedScore(fn, [leaves[k] for k in used], 1.0)

@@ -48,7 +48,7 @@ import torch.fx
 from ringcc.report import SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 
-from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, CountedPositions,
+from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, ScoreMods,
                              LiftedMask, SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, propagate, same_shape,
                              same_size, static_float, static_int)
 from . import extract_mask
@@ -56,7 +56,6 @@ from .base import PassContext, PassResult, written_between
 
 PASS = "lift_masks"
 aten = torch.ops.aten
-ONE_RUN_KEYS = torch.ops.ringcc.one_run_keys.default
 VERY_NEGATIVE = -1e4
 
 
@@ -77,20 +76,16 @@ def lift_masks(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if not isinstance(call.is_causal, bool):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, f"is_causal is not a constant ({call.is_causal!r})")
             continue
-        counted = node.meta[MODS_META].alibi_counted if MODS_META in node.meta else None
         if call.attn_mask is None:
-            lifted: Union[LiftedMask, str, tuple] = LiftedMask(causal=call.is_causal)
-            if counted is not None:
-                lifted = (SkipReason.OTHER, _not_counted(counted, "the site has no key padding"))
+            lifted: Union[LiftedMask, str] = LiftedMask(causal=call.is_causal)
         else:
-            lifted = _lift(gm, node, call, key_nodes, counted)
-            if isinstance(lifted, str) and counted is None:
+            lifted = _lift(gm, node, call, key_nodes)
+            if isinstance(lifted, str):
                 lifted = _extract(node, call, lifted)
+            if isinstance(lifted, str) and "a score bias" in lifted and MODS_META not in node.meta:
+                lifted = _bias(node, call, lifted)
         if isinstance(lifted, str):
             node.meta[SKIP_META] = (SkipReason.UNLIFTABLE_MASK, lifted)
-            continue
-        if isinstance(lifted, tuple):
-            node.meta[SKIP_META] = lifted
             continue
         node.meta[MASK_META] = lifted
         site.mask = lifted.spec()
@@ -148,13 +143,15 @@ def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) 
     """A flex_attention call (dynamo's higher-order op) is a site whose mask is its mask_mod, a
     subgraph (Note [Mask extraction] in extract_mask.py). It gets a canonical SDPA node that is a
     shadow of the call (attention_form.REPLACES_META): the rewrite replaces the call's output by
-    the ring op's; a skipped site keeps the call. Only the output is read (not the LSE), with
-    flex's default score_mod."""
+    the ring op's; a skipped site keeps the call. Only the output is read (not the LSE). Its
+    score_mod, a subgraph too, is read as the site's score function (Note [Score extraction] in
+    extract_mask.py)."""
     from ringcc.report import Decision, Site
 
     from .base import location
 
     q, k, v, score_mod, block_mask, scale = node.args[:6]
+    score_buffers = tuple(node.args[7]) if len(node.args) > 7 else ()
     mask_buffers = tuple(node.args[8]) if len(node.args) > 8 else ()
     outs = [u for u in node.users]
     site = Site(node=node.name, location=location(node), form="flex")
@@ -166,17 +163,21 @@ def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) 
 
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in outs) or len(outs) != 1:
         return skip(SkipReason.WEIGHTS_USED, "the flex_attention call's LSE (or max scores) is read")
-    if not _identity_score_mod(getattr(gm, score_mod.target)):
-        return skip(SkipReason.UNSUPPORTED_MASK, "a flex_attention score_mod (only mask_mod is read as a function)")
     qv, kv = fake(q), fake(k)
+    try:
+        scored = extract_mask.extract_score_mod(getattr(gm, score_mod.target), score_buffers,
+                                                (qv.shape[-2], kv.shape[-2]))
+    except extract_mask.Unextractable as e:
+        return skip(SkipReason.UNSUPPORTED_MASK, f"flex_attention score_mod: {e}")
     try:
         got = extract_mask.extract_mask_mod(getattr(gm, block_mask[-1].target), mask_buffers,
                                             (qv.shape[-2], kv.shape[-2]))
     except extract_mask.Unextractable as e:
         return skip(SkipReason.UNLIFTABLE_MASK, f"flex_attention mask_mod: {e}")
-    if len(got.inputs) > _ring_ops.MASK_TENSORS:
-        return skip(SkipReason.UNLIFTABLE_MASK, f"the mask_mod reads {len(got.inputs)} tensors; the ring op takes "
-                    f"at most {_ring_ops.MASK_TENSORS}")
+    for what, inputs in (("mask_mod", got.inputs), ("score_mod", scored.inputs)):
+        if len(inputs) > _ring_ops.MASK_TENSORS:
+            return skip(SkipReason.UNLIFTABLE_MASK, f"the {what} reads {len(inputs)} tensors; the ring op takes "
+                        f"at most {_ring_ops.MASK_TENSORS}")
     out = outs[0]
     b = Builder(gm, out, PASS)
     call = SdpaCall(q, k, v, None, 0.0, got.causal, scale, enable_gqa=not same_size(qv.shape[1], kv.shape[1]))
@@ -190,15 +191,10 @@ def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) 
     lifted = LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
     sdpa.meta[MASK_META] = lifted
     site.mask = lifted.spec()
+    if scored.fn is not None:
+        sdpa.meta[MODS_META] = ScoreMods(fn=scored.fn, fn_inputs=tuple(scored.inputs))
+        site.mask.update(sdpa.meta[MODS_META].spec())
     return True
-
-
-def _identity_score_mod(score_mod: torch.fx.GraphModule) -> bool:
-    holders = [n for n in score_mod.graph.nodes if n.op == "placeholder"]
-    (ret,) = [n for n in score_mod.graph.nodes if n.op == "output"]
-    res = ret.args[0]
-    res = res[0] if isinstance(res, (tuple, list)) and len(res) == 1 else res
-    return bool(holders) and res is holders[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -364,10 +360,8 @@ class Unliftable(Exception):
     pass
 
 
-def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nodes: dict,
-          counted: Optional[CountedPositions] = None) -> Union[LiftedMask, str, tuple]:
-    """The site's mask as a LiftedMask, or why not: a str (unliftable), or (reason, detail) for
-    ALiBi positions counted over a mask that is not the site's key padding."""
+def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nodes: dict) -> Union[LiftedMask, str]:
+    """The site's mask as a LiftedMask, or why not (unliftable)."""
     qv, kv = fake(call.q), fake(call.k)
     if qv.dim() != 4 or kv.dim() != 4:
         return "mask lifting needs 4-D q / k"
@@ -400,18 +394,10 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
         if not same_size(kn, n_k) or not (same_size(kb, qv.shape[0]) or is_one(kb) and isinstance(qv.shape[0], int)):
             return f"padding mask of shape {tuple(fake(key.node).shape)} for keys [{qv.shape[0]}, {n_k}]"
         ident = (key.node, key.truth, key.ops)
-        if counted is not None:  # Note [Counted positions]: the key mask is one_run_keys(m)
-            mask = _counted_mask(counted, key)
-            if isinstance(mask, str):
-                return SkipReason.OTHER, _not_counted(counted, mask)
-            ident = (mask, "one run")
-            key = Key(mask, True, key.dims, ())
         if ident not in key_nodes or written_between(key.node, key_nodes[ident], sdpa):
             # (again after an in-place write)
-            key_nodes[ident] = _key_valid_node(gm, sdpa, key, one_run=counted is not None)
+            key_nodes[ident] = _key_valid_node(gm, sdpa, key)
         lifted.key_valid = key_nodes[ident]
-    elif counted is not None:
-        return SkipReason.OTHER, _not_counted(counted, "the site has no key padding")
     return lifted
 
 
@@ -429,65 +415,6 @@ def _extract(sdpa: torch.fx.Node, call: SdpaCall, why_not_lifted: str) -> Union[
         return (f"the mask function reads {len(got.inputs)} per-token tensors "
                 f"({', '.join(n.name for n in got.inputs)}); the ring op takes at most {_ring_ops.MASK_TENSORS}")
     return LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
-
-
-def _not_counted(counted: CountedPositions, why: str) -> str:
-    return (f"attention scores get ALiBi positions counted over the valid tokens of {counted.count.name} "
-            f"(cumsum), which are ALiBi only with the same mask as the site's key padding, and only for masks "
-            f"whose valid tokens are one run (Note [Counted positions]): {why}; kept as dense attention")
-
-
-def _counted_mask(counted: CountedPositions, key: Key) -> Union[torch.fx.Node, str]:
-    """The one 0/1 mask m that the counted positions and the key padding are read from (count =
-    m, each factor 1 where m is 1, key valid = m == 1), or why there is none."""
-    mask, values = _zero_one_source(counted.count)
-    if values != (0, 1):
-        return (f"the count, {counted.count.name}, is not the mask itself (it is {values[0]} / {values[1]} where "
-                f"the mask {mask.name} is 0 / 1)")
-    for f in counted.factors:
-        root, (_, one) = _zero_one_source(f)
-        if root is not mask or one != 1:
-            return f"the positions are multiplied by {f.name}, which is not 1 where {mask.name} is 1"
-    root, values = _zero_one_source(key.node)
-    valid = tuple(_apply_key_ops(v, key) for v in values)
-    if root is not mask:
-        return f"the key padding comes from {root.name}, the count from {mask.name}"
-    if valid != (False, True):
-        return f"the key padding is not {mask.name} == 1"
-    return mask
-
-
-def _zero_one_source(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, int]]:
-    """(m, (v0, v1)): node is computed from m by elementwise casts, comparisons with a number and
-    logical nots, and is v0 where m is 0, v1 where m is 1 (m the first value up that is none of these)."""
-    steps = []
-    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], torch.fx.Node):
-        t = node.target
-        if t in KEEP or t in CAST_BOOL or t in CAST_FLOAT or t in CAST_INT:
-            steps.append(lambda v: v)
-        elif t in CMP and len(node.args) == 2 and static_float(node.args[1]) is not None:
-            steps.append(lambda v, op=getattr(operator, CMP[t]), c=static_float(node.args[1]): int(op(v, c)))
-        elif t in NOT and fake(node).dtype == torch.bool:
-            steps.append(lambda v: 1 - int(bool(v)))
-        else:
-            break
-        node = node.args[0]
-    values = []
-    for v in (0, 1):
-        for step in reversed(steps):
-            v = step(v)
-        values.append(int(v))
-    return node, (values[0], values[1])
-
-
-def _apply_key_ops(v: int, key: Key) -> bool:
-    """Whether Key `key` holds (the key is valid) where its tensor is v."""
-    for op in key.ops:
-        if op[0] == "cmp":
-            v = int(getattr(operator, op[1])(v, op[2]))
-        elif op[0] == "not":
-            v = 1 - int(bool(v))
-    return bool(v) == key.truth
 
 
 def _neg(v: Any) -> bool:
@@ -580,14 +507,28 @@ def _spec(atoms: list, n_q: Any, n_k: Any, is_causal: bool) -> LiftedMask:
     return lifted
 
 
-def _key_valid_node(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, key: Key, one_run: bool = False) -> torch.fx.Node:
-    """A bool [b, n] node, True = attend: the key tensor with its ops replayed (one_run: a 0/1
-    mask checked by ringcc::one_run_keys, Note [Counted positions])."""
-    if key.truth and not key.ops and fake(key.node).dtype == torch.bool and not one_run:
+def _bias(sdpa: torch.fx.Node, call: SdpaCall, why_not: str) -> Union[LiftedMask, str]:
+    """An additive float attn_mask that is a score bias, as the site's score function score + m
+    (Note [Score functions] in runtime/maskfn.py) with is_causal as its mask; or why not."""
+    qv, kv = fake(call.q), fake(call.k)
+    try:
+        got = extract_mask.extract_bias(call.attn_mask, (qv.shape[-2], kv.shape[-2]))
+    except extract_mask.Unextractable as e:
+        return f"{why_not}; as a score function: {e}"
+    if len(got.inputs) > _ring_ops.MASK_TENSORS:
+        return f"{why_not}; as a score function it reads {len(got.inputs)} tensors, the ring op at most " \
+            f"{_ring_ops.MASK_TENSORS}"
+    sdpa.meta[MODS_META] = ScoreMods(fn=got.fn, fn_inputs=tuple(got.inputs))
+    return LiftedMask(causal=bool(call.is_causal))
+
+
+def _key_valid_node(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, key: Key) -> torch.fx.Node:
+    """A bool [b, n] node, True = attend: the key tensor with its ops replayed."""
+    if key.truth and not key.ops and fake(key.node).dtype == torch.bool:
         return key.node
     b = Builder(gm, sdpa, PASS)
     at = is_aten_graph(gm)
-    x = b.call(ONE_RUN_KEYS, key.node) if one_run else key.node
+    x = key.node
     for op in key.ops:
         if op[0] == "cmp":
             x = b.call(getattr(aten, op[1]).Scalar if at else getattr(operator, op[1]), x, op[2])

@@ -6,9 +6,10 @@ An accepted site becomes
                                                  group_name, world_size, layout[, window])
     out = op[0]            # op[1] is the LSE
 
-(window, a lifted sliding window |i - j| < window, is passed only when there is one; so are
-the score modifiers softcap= and alibi_slopes=, Note [Score modifiers] in runtime/kernels.py,
-and attention sinks, sinks=, Note [Attention sinks] in runtime/ops.py).
+(window, a lifted sliding window |i - j| < window, is passed only when there is one; so are a
+mask function, mask_fn= with its tensors mask_t0.., a score function, score_fn= with its tensors
+score_t0.. (Notes [Mask functions] and [Score functions] in runtime/maskfn.py), and attention
+sinks, sinks=, Note [Attention sinks] in runtime/ops.py).
 
 with k/v carrying their own (GQA) heads. Under autocast q, k and v reach the op through the
 casts SDPA's autocast policy gives them at that site (`q.to(torch.bfloat16)`, ...: Note
@@ -58,12 +59,10 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             if REPLACES_META in node.meta:  # the user's nodes stay; their shadow goes
                 _, canonical_out = node.meta[REPLACES_META]
                 site.node = node.meta[REPLACES_META][0].name
-                # with its key mask when nothing else reads it: a one_run_keys check (Note
-                # [Counted positions]) guards only the sites it feeds
+                # with its key mask when nothing else reads it
                 lifted = node.meta.get(MASK_META)
                 mods = node.meta.get(MODS_META)
-                erase_dead(gm, [canonical_out, mods and mods.alibi_slopes, mods and mods.sinks,
-                                lifted and lifted.key_valid])
+                erase_dead(gm, [canonical_out, mods and mods.sinks, lifted and lifted.key_valid])
         else:
             accepted.append(node)
     layout = ctx.scratch.setdefault("layout", _resolve_layout(ctx, accepted))
@@ -136,7 +135,7 @@ def _choose_dilation(node, ctx: PassContext, lifted, q, k):
     if not isinstance(spec, DilatedSpec):
         raise ValueError(f"Config.dilation must be a DilatedSpec, or a callable returning one or None; got {spec!r}")
     if MODS_META in node.meta:
-        return SkipReason.UNSUPPORTED_MASK, ("score modifiers (soft-cap, ALiBi) or sinks with dilation: the dilated op "
+        return SkipReason.UNSUPPORTED_MASK, ("score modifiers (a score function) or sinks with dilation: the dilated op "
                                              "takes none")
     if not same_size(q.shape[3], fake(SdpaCall.of(node).v).shape[3]):
         return SkipReason.SHAPE, "a value head dim of its own with dilation: the dilated op takes v with q's head dim"
@@ -193,10 +192,11 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
     if spec is None:
         window = () if lifted.window is None else (lifted.window,)  # the op's 10th argument, default 0
         mods = node.meta.get(MODS_META)
-        extra = {} if mods is None else {k: v for k, v in (("softcap", mods.softcap), ("alibi_slopes", mods.alibi_slopes),
-                                                             ("sinks", mods.sinks)) if v is not None}
+        extra = {} if mods is None or mods.sinks is None else {"sinks": mods.sinks}
         if lifted.fn is not None:  # Note [Mask functions] in runtime/maskfn.py
             extra.update(mask_fn=lifted.fn.text, **{f"mask_t{i}": t for i, t in enumerate(lifted.fn_inputs)})
+        if mods is not None and mods.fn is not None:  # Note [Score functions] in runtime/maskfn.py
+            extra.update(score_fn=mods.fn.text, **{f"score_t{i}": t for i, t in enumerate(mods.fn_inputs)})
         with below:
             op = b.call(RING_OP, q, k, v, lifted.key_valid, lifted.causal, scale,
                         ctx.group_name, ctx.world_size, layout, *window, **extra)

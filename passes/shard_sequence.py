@@ -1458,16 +1458,20 @@ def attention_rule(w: Sharder, node):
         key_valid = w.new(torch.ones, (w.size(fake(q).shape[0]), w.size(w.n)), dtype=torch.bool)
         w.state[key_valid] = Seq(1, w.n)
         _set_arg(node, spec["key_valid"], "key_valid", key_valid)
-    for t in (node.kwargs.get(f"mask_t{i}") for i in range(4)):
-        if t is None:
-            continue
-        # Note [Mask functions] in runtime/maskfn.py: read whole at global positions, replicated
-        st = w.state.get(t)
-        if isinstance(st, Seq) and st.sharded:
-            raise Fallback(f"mask function input {t.name} computed on shards")
-        if padded:
-            raise ValueError(f"attention site {node.name} at {location(node)}: its mask is a function of per-token "
-                             "values, which Config(pad=True) does not pad; use a length divisible by the layout")
+    for kind in ("mask", "score"):
+        for t in (node.kwargs.get(f"{kind}_t{i}") for i in range(4)):
+            if t is None:
+                continue
+            # Notes [Mask functions] and [Score functions] in runtime/maskfn.py: read whole at
+            # global positions, replicated
+            st = w.state.get(t)
+            if isinstance(st, Seq) and st.sharded:
+                raise Fallback(f"{kind} function input {t.name} computed on shards")
+            per_token = isinstance(st, Seq) or any(_eq(d, w.n) or _eq(d, w.N) for d in fake(t).shape)
+            if padded and (kind == "mask" or per_token):
+                raise ValueError(f"attention site {node.name} at {location(node)}: its {kind} is a function of "
+                                 "per-token values, which Config(pad=True) does not pad; use a length divisible by "
+                                 "the layout")
     if key_valid is not None:
         st = w.state.get(key_valid) or Seq(1, expr(fake(key_valid).shape[1]))
         if st.sharded:
@@ -1511,14 +1515,6 @@ def index_along_rule(w: Sharder, node):
             any(isinstance(st, Seq) and st.sharded for st in seqs):
         raise Fallback("writes a replicated value in place at sharded indices")
     return _elementwise(w, node, tensors, cheap=in_place or not fake(node).is_floating_point())
-
-
-def one_run_keys_rule(w: Sharder, node):
-    """ringcc::one_run_keys checks a whole padding mask, the same on every rank (Note [Counted
-    positions] in canonicalize_attention.py): a mask that arrives sharded is gathered first."""
-    if isinstance(w.state.get(node.args[0]), Seq) and w.state[node.args[0]].sharded:
-        raise Fallback("checks the whole padding mask on every rank")
-    return pointwise(cheap=True)(w, node)
 
 
 def _share_key_runs(w: Sharder, node, index: int) -> None:
@@ -1642,7 +1638,6 @@ RULES: dict[str, Rule] = {
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),
-    "ringcc::one_run_keys": Rule(one_run_keys_rule),
     # factories: a dim of length n makes a replicated sequence value
     "arange": Rule(lambda w, node: None, creates=True),
     "ones": Rule(lambda w, node: None, creates=True),

@@ -13,7 +13,7 @@ import torch
 
 def masked_attention(q, k, v, allowed, *, scale=None, softcap=None, alibi_slopes=None):
     """q [b,h,n,d], k/v [b,g,n_k,d]; allowed: bool broadcastable to [b,h,n,n_k]. Scores modified
-    before the mask (runtime/kernels.py, Note [Score modifiers]): softcap c -> c * tanh(s / c);
+    before the mask (Note [Score functions] in runtime/maskfn.py): softcap c -> c * tanh(s / c);
     alibi_slopes [h] -> + slope[h] * (j - i)."""
     h, g = q.shape[1], k.shape[1]
     if g != h:

@@ -23,14 +23,15 @@ from .dtypes import acc_dtype
 
 # Note [Flex blocks]
 # The fused cuDNN/flash kernels take no masks, so a masked bf16/fp16 block (key padding, a
-# sliding window) on CUDA runs flex_attention compiled by inductor, and so does a block whose
-# scores are modified (soft-capping, ALiBi: Note [Score modifiers] in kernels.py), with the
-# modifier as flex's score_mod. Every mask ringcc lifts is
-# "key j visible to row i iff lo <= pos_q[i] - pos_k[j] < hi, and key j is valid in its batch
-# row", where pos are the block's positions (global ones for windows; 0.. for the causal
-# diagonal, which is top-left aligned) and (lo, hi) come from the call's causal flag and the
-# window. So one mask_mod serves every block, and the BlockMask is built from 128 x 128 tile
-# bounds of those positions and of the key mask: O(tiles), never the [Lq, Lk] mask (torch's
+# sliding window, a mask function) on CUDA runs flex_attention compiled by inductor, and so
+# does a block with a score function (soft-capping, ALiBi, any other: Note [Score functions]
+# in maskfn.py), the function at the block's global positions as flex's score_mod. A window
+# or key padding mask is "key j visible to row i iff lo <= pos_q[i] - pos_k[j] < hi, and key j
+# is valid in its batch row", where pos are the block's positions (global ones for windows; 0..
+# for the causal diagonal, which is top-left aligned) and (lo, hi) come from the call's causal
+# flag and the window; a mask function is itself at the block's global positions. The
+# BlockMask is built from 128 x 128 tile bounds (of the positions and the key mask, or of the
+# function: Note [Tile bounds] in maskfn.py): O(tiles), never the [Lq, Lk] mask (torch's
 # create_block_mask evaluates it whole). Full tiles skip the mask_mod; empty tiles are skipped.
 #
 # Backward: flex_attention's public backward recomputes P from its own forward's (out, lse),
@@ -281,7 +282,7 @@ def _fn_block_mask(mask: maskfn.FnMask, key_valid_bs, rows, backward: bool) -> M
     if key_valid_bs is not None:
         some, full = _with_key_tiles(some, full, key_valid_bs, lk)
     dev = mask.q_pos.device
-    b0, h0 = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (mask.b0, mask.h0))
+    b0, h0 = _offsets(mask.b0, mask.h0, dev)
     fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None),
             (sub.q_pos, sub.k_pos, b0, h0, *mask.tensors, *(() if key_valid_bs is None else (key_valid_bs,))))
     return _masked(some, full, fn, r1 - r0, lk, backward)
@@ -301,53 +302,29 @@ def _build_block_mask(lq, lk, causal, key_valid_bs, window, device, rows, backwa
     return _masked(some, full, _mask_fn(key_valid_bs, mod_tensors), rows[1] - rows[0], lk, backward)
 
 
-@functools.lru_cache(maxsize=4096)  # a few per block call of a ring (steps x calls x row and head chunks)
-def _values(values: tuple, dtype, device) -> torch.Tensor:
-    """A score_mod's numbers as a tensor, made (a host-to-device copy) once per value."""
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _score_mod(mod, device) -> Fn | None:
-    """flex_attention's score function of a kernels.ScoreMod (Note [Score modifiers]); None
-    when the block has none. flex hands it the scaled score; h is the call's query head, i / j
-    its row / key. It reads tensors of the same shapes at every call and no Python number (why:
-    Note [Score modifiers]), each whole (`_bound`)."""
+def _score_mod(mod: "maskfn.FnScore | None", device) -> Fn | None:
+    """flex_attention's score function of a block's score function (Note [Score functions] in
+    maskfn.py), None when the block has none: the function at the call's global positions,
+    batch rows from b0 and heads from h0, its tensors whole, every value an argument (no
+    Python number: the backward's traced graph takes them as inputs)."""
     if mod is None:
         return None
-    dev = torch.device(device)
-    cap = _values((float(mod.softcap),), torch.float32, dev)[0] if mod.softcap else None
-    if mod.slopes is None:
-        return Fn(_capped, (cap,), score=True)
-    q, k = mod.q, mod.k
-    for v in (q.a, q.cut, q.b, k.a, k.cut, k.b):
-        if not -2**31 <= v < 2**31:
-            raise ValueError(f"ALiBi positions must fit int32 on flex_attention; got a position offset of {v}")
-    offs = tuple(_values((q.a, q.cut, q.b, k.a, k.cut, k.b, mod.head0), torch.int32, dev).unbind())
-    slopes = mod.slopes.contiguous()
-    return Fn(_alibi, (*offs, slopes), True) if cap is None else Fn(_capped_alibi, (cap, *offs, slopes), True)
+    b0, h0 = _offsets(mod.b0, mod.h0, torch.device(device))
+    return Fn(_fn_score(mod.fn), (mod.q_pos, mod.k_pos, b0, h0, *mod.tensors), score=True)
 
 
-def _cap(score, cap):
-    return torch.tanh(score / cap) * cap
+@functools.lru_cache(maxsize=256)  # per function: the forward's and the backward's programs key on it
+def _fn_score(fn: maskfn.MaskFn):
+    def score_mod(score, b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
+        return fn(b + b0, h + h0, q_pos[i], k_pos[j], tensors, score=score)
+
+    return score_mod
 
 
-def _bias(score, h, i, j, qa, qcut, qb, ka, kcut, kb, head0, slopes):
-    """score + slope[head] * (pos_k - pos_q), the positions from the offsets (kernels.Positions)."""
-    pos_q = i + torch.where(i < qcut, qa, qb)
-    pos_k = j + torch.where(j < kcut, ka, kb)
-    return score + slopes[h + head0] * (pos_k - pos_q).to(torch.float32)
-
-
-def _capped(score, b, h, i, j, cap):
-    return _cap(score, cap)
-
-
-def _alibi(score, b, h, i, j, *offs_slopes):
-    return _bias(score, h, i, j, *offs_slopes)
-
-
-def _capped_alibi(score, b, h, i, j, cap, *offs_slopes):
-    return _bias(_cap(score, cap), h, i, j, *offs_slopes)
+@functools.lru_cache(maxsize=1024)
+def _offsets(b0: int, h0: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's first batch row and head as 0-d int32 tensors (made once per value)."""
+    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (b0, h0))
 
 
 def _call(q, k, v, mask: Masked, scale: float, mod=None):
@@ -427,7 +404,7 @@ def _row_chunks(lq: int) -> list[tuple[int, int]]:
 
 
 def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, window=None, mod=None):
-    """(out, lse) of a masked (or score-modified: kernels.ScoreMod) block, one flex call per
+    """(out, lse) of a masked (or score-modified: maskfn.FnScore) block, one flex call per
     CALL_ROWS rows."""
     (b, h, lq, d), lk, dev = q_bhsd.shape, k_bgsd.shape[2], q_bhsd.device
     chunks = _row_chunks(lq)

@@ -65,10 +65,10 @@ def setting() -> str:
     return raw
 
 
-def wanted(q: torch.Tensor, key_valid, key_runs, window: int, softcap: float = 0.0, slopes=None) -> bool:
-    """Whether this ring call runs from a CUDA graph (Note [Ring graphs])."""
+def wanted(q: torch.Tensor, key_valid, key_runs, window: int) -> bool:
+    """Whether this ring call (with no mask or score function) runs from a CUDA graph (Note [Ring graphs])."""
     choice = setting()
-    if not q.is_cuda or key_valid is not None or key_runs is not None or window or softcap or slopes is not None:
+    if not q.is_cuda or key_valid is not None or key_runs is not None or window:
         return False
     if choice == "off" or torch.cuda.is_current_stream_capturing():
         return False  # (under a capture of the caller's, the ring is captured there)

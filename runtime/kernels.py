@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from ringcc import _compat
 
 from .dtypes import acc_dtype
-from .maskfn import FnMask
+from .maskfn import FnMask, FnScore
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
@@ -54,91 +53,11 @@ def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor
     return torch.arange(c0, lk, device=device)[None, :] <= torch.arange(r0, r1, device=device)[:, None]
 
 
-# Note [Score modifiers]
-# A site may modify its scaled scores s = scale * q.k before the mask and the softmax:
-#   soft-capping  t = softcap * tanh(s / softcap)              (Gemma2's attention logits)
-#   ALiBi         t = t + slope[h] * (pos_k[j] - pos_q[i])     (Bloom, MPT: a per-head bias
-#                 linear in the key-query distance, in global positions)
-# Both are functions of the score and of (head, query position, key position) alone, so each
-# block computes its own share exactly and the LSE merge stays exact: the block's lse is that
-# of the modified scores. ALiBi written as slope * j (Bloom) or slope * (j - n + 1) (MPT)
-# differs from slope * (j - i) by a per-row constant, which the softmax ignores (the row's lse
-# shifts by it; the op's lse is the one of slope * (j - i)). Blocks with a modifier run the exact math
-# path (Note [Masked rows]) on CPU and for fp32, and flex_attention with the same function
-# as its score_mod on CUDA for bf16/fp16 (flex.py); the fused cuDNN/flash kernels take none.
-# Backward: dS = P * (dP - D) is the gradient of the modified score t; through the cap,
-# ds/dt = 1 - tanh(s / softcap)^2 = 1 - (t_cap / softcap)^2; the bias adds nothing.
-#
-# A call's positions are not a gathered tensor: a rank's local sequence is one or two runs of
-# consecutive global positions (contiguous: one chunk; zigzag: two), so the positions of a
-# call's rows (or keys) x = 0, 1, .. are x + (a if x < cut else b) (Positions). A call over
-# some of them shifts (a, cut, b) by its first row; a head chunk is an offset into the site's
-# slopes. So flex's score_mod (flex.py) reads the same tensors at every block: the cap, seven
-# int32 offsets, the slopes of all heads. Their shapes never change (gathered positions would
-# be one more shape per call, one more recompile), and it reads no Python number: dynamo
-# compiles a closure's float that differs from an earlier compile of flex_attention (another
-# cap; another flex_attention closure with something else in that cell) as a symbolic float,
-# which flex's backward cannot take ("RuntimeError when making fake tensor call"), and the
-# block would fall back to the math path.
-
-
-@dataclass(frozen=True)
-class Positions:
-    """Global positions of a call's rows or keys x = 0, 1, ..: x + (a if x < cut else b)."""
-
-    a: int
-    cut: int
-    b: int
-
-    def shift(self, x0: int) -> "Positions":
-        """The positions of rows x0, x0 + 1, .."""
-        return Positions(self.a + x0, self.cut - x0, self.b + x0)
-
-    def at(self, n: int, device) -> torch.Tensor:
-        """int64 [n]: the first n positions."""
-        x = torch.arange(n, device=device)
-        return x + torch.where(x < self.cut, self.a, self.b)
-
-
-@dataclass(frozen=True)
-class ScoreMod:
-    """The score modifier of a block call (Note [Score modifiers]). slopes: fp32 [H], one per
-    query head of the site (None: no ALiBi); head0: the site head of the call's first head;
-    q / k: the global positions of the call's query rows and keys (needed with slopes only)."""
-
-    softcap: float = 0.0
-    slopes: torch.Tensor | None = None
-    head0: int = 0
-    q: Positions | None = None
-    k: Positions | None = None
-
-    def sub(self, r0: int, c0: int = 0) -> "ScoreMod":
-        """The modifier of the call's rows from r0 and keys from c0 (where they end does not
-        change it)."""
-        if self.slopes is None:
-            return self
-        return ScoreMod(self.softcap, self.slopes, self.head0, self.q.shift(r0), self.k.shift(c0))
-
-    def bias(self, heads: int, rows: int, keys: int, dtype, device) -> torch.Tensor:
-        """The ALiBi bias [heads, rows, keys] in `dtype`."""
-        rel = (self.k.at(keys, device)[None, :] - self.q.at(rows, device)[:, None]).to(dtype)
-        return self.slopes[self.head0:self.head0 + heads].to(dtype)[:, None, None] * rel[None]
-
-    def apply_(self, s: torch.Tensor, keep_tanh: bool = False) -> torch.Tensor | None:
-        """s [b, h, rows, keys] (scaled scores) modified in place; with keep_tanh returns
-        tanh(s / softcap) (the backward's derivative) when capped, else None."""
-        th = None
-        if self.softcap:
-            s.div_(self.softcap).tanh_()
-            th = s.clone() if keep_tanh else None
-            s.mul_(self.softcap)
-        if self.slopes is not None:
-            s.add_(self.bias(s.shape[1], s.shape[2], s.shape[3], s.dtype, s.device)[None])
-        return th
-
-
-def is_identity(mod: "ScoreMod | None") -> bool:
-    return mod is None or (not mod.softcap and mod.slopes is None)
+# A block's score function (maskfn.FnScore, Note [Score functions] in maskfn.py) modifies its
+# scaled scores before the mask. Each block computes its share exactly, and the LSE merge stays
+# exact: the block's lse is that of the modified scores. No fused kernel takes a function, so
+# such blocks run the exact math path (Note [Masked rows]) on every device; backward multiplies
+# dS = P * (dP - D), the gradient of the modified score, by the function's derivative.
 
 
 FUSED_CUDA_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA flash and cuDNN kernels take
@@ -274,8 +193,9 @@ def flex_blocks(device, dtype) -> bool:
 
 def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
     """Whether a block runs flex_attention (flex.py): a masked or score-modified block (flex_blocks)
-    whose position mask, if any, is a window (ring.WindowMask) or a mask function (FnMask)."""
-    return (flex_blocks(device, dtype) and (key_valid_bs is not None or allowed_qk is not None or not is_identity(mod))
+    whose position mask, if any, is a window (ring.WindowMask) or a mask function (FnMask); a
+    score function (FnScore) is flex's score_mod."""
+    return (flex_blocks(device, dtype) and (key_valid_bs is not None or allowed_qk is not None or mod is not None)
             and not isinstance(allowed_qk, torch.Tensor))
 
 
@@ -301,10 +221,10 @@ def _try_flex(call, q_bhsd):
 
 
 def _math_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
-    """Whether a block runs the exact math path: a block with a score modifier (no fused kernel
+    """Whether a block runs the exact math path: a block with a score function (no fused kernel
     takes one), and on CUDA a masked block (the fused kernels take no masks) or a dtype they
     do not take."""
-    if not is_identity(mod):
+    if mod is not None:
         return True
     return device.type == "cuda" and (key_valid_bs is not None or allowed_qk is not None or _math_only(device, dtype))
 
@@ -334,13 +254,14 @@ def _rows_mask(key_valid_bs, causal: bool, allowed_qk, r0: int, r1: int, c0: int
     return m
 
 
-def _scores_(q_rows, k, scale: float, mask, mod: ScoreMod | None = None, keep_tanh: bool = False):
-    """[b, h, rows, Lk] scaled (and modified: Note [Score modifiers]) scores in k's dtype, -inf
-    where the mask hides the key; with keep_tanh also the cap's tanh (or None)."""
+def _scores_(q_rows, k, scale: float, mask, mod: FnScore | None = None, keep_grad: bool = False):
+    """[b, h, rows, Lk] scaled (and modified by the score function `mod`) scores in k's dtype,
+    -inf where the mask hides the key; with keep_grad also the function's derivative at them
+    (None without a function)."""
     s = torch.matmul(q_rows.to(k.dtype), k.transpose(-1, -2)).mul_(scale)
-    th = None if mod is None else mod.apply_(s, keep_tanh)
+    der = None if mod is None else mod.apply_(s, keep_grad)
     s = s if mask is None else s.masked_fill_(mask.logical_not(), float("-inf"))
-    return (s, th) if keep_tanh else s
+    return (s, der) if keep_grad else s
 
 
 def _add_matmul_(acc, a, b) -> None:
@@ -349,9 +270,9 @@ def _add_matmul_(acc, a, b) -> None:
 
 
 def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
-              mod: ScoreMod | None = None):
+              mod: FnScore | None = None):
     """Exact (out, lse) of a block, computed in the accumulator dtype (Note [Masked rows]), its
-    scores modified by `mod` (Note [Score modifiers]). Rows with no visible key: out = 0,
+    scores modified by the score function `mod`. Rows with no visible key: out = 0,
     lse = -inf."""
     dt, h, lk = acc_dtype(q_bhsd.dtype), q_bhsd.shape[1], k_bgsd.shape[2]
     k, v = _expand_kv(k_bgsd, h).to(dt), _expand_kv(v_bgsd, h).to(dt)
@@ -376,7 +297,7 @@ def _math_fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=N
 
 
 def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_valid_bs=None,
-              allowed_qk=None, mod: ScoreMod | None = None):
+              allowed_qk=None, mod: FnScore | None = None):
     """Exact (dq, dk, dv) of a block given its rows' global out and lse (as `bwd_lse` prepares
     it: +inf where a row saw no key); dK/dV summed over the row chunks in the accumulator dtype,
     returned in K/V's dtype with g heads (Note [Masked rows])."""
@@ -392,15 +313,15 @@ def _math_bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool
         k_c, v_c = k[:, :, c0:c1], v[:, :, c0:c1]
         q_r, do_r = q_bhsd[:, :, r0:r1].to(dt), dout[:, :, r0:r1].to(dt)
         delta = (do_r * out[:, :, r0:r1].to(dt)).sum(-1, keepdim=True)
-        p, th = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
-                         None if mod is None else mod.sub(r0, c0), keep_tanh=True)
+        p, der = _scores_(q_r, k_c, scale, _rows_mask(key_valid_bs, causal, allowed_qk, r0, r1, c0, c1, k.device),
+                          None if mod is None else mod.sub(r0, c0), keep_grad=True)
         p.sub_(lse[:, :, r0:r1, None].to(dt)).exp_()
         _add_matmul_(dv[:, :, c0:c1], p.transpose(-1, -2), do_r)
         ds = torch.matmul(do_r, v_c.transpose(-1, -2)).sub_(delta).mul_(p)
         del p
-        if th is not None:  # through the cap: d tanh(x) = 1 - tanh(x)^2 (Note [Score modifiers])
-            ds.mul_(th.square_().neg_().add_(1.0))
-            del th
+        if der is not None:  # through the score function: dS times its derivative
+            ds.mul_(der)
+            del der
         ds.mul_(scale)
         dq[:, :, r0:r1] = torch.matmul(ds, k_c)
         _add_matmul_(dk[:, :, c0:c1], ds.transpose(-1, -2), q_r)
@@ -461,21 +382,19 @@ def _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, **kw):
 
 
 def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_bs=None, allowed_qk=None,
-              mod: ScoreMod | None = None):
+              mod: FnScore | None = None):
     """allowed_qk: optional position mask (sliding windows), True = attend: bool [Lq, Lk], or
     an object whose rows(r0, r1) builds some of its rows (ring.WindowMask). mod: the block's
-    score modifier (Note [Score modifiers]), or None."""
+    score function (maskfn.FnScore), or None."""
     h, lq, lk = q_bhsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     dev = q_bhsd.device
-    mod = None if is_identity(mod) else mod
     if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         return _fwd_padded(q_bhsd, k_bgsd, v_bgsd, scale=scale, causal=causal, key_valid_bs=key_valid_bs,
                            allowed_qk=allowed_qk, mod=mod)
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
-        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk, mod),
-                        q_bhsd)
+        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk), q_bhsd)
         if res is not None:
             return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
@@ -534,13 +453,12 @@ def _zero_seed(device) -> torch.Tensor:
 
 
 def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: float, causal: bool,
-              key_valid_bs=None, allowed_qk=None, lse_prepared: bool = False, mod: ScoreMod | None = None):
+              key_valid_bs=None, allowed_qk=None, lse_prepared: bool = False, mod: FnScore | None = None):
     """Gradients of this block given the row's global (out, lse); dk/dv with g heads.
     lse_prepared: lse_bhs is already `bwd_lse(...)` (rows of it). mod: as in block_fwd."""
     h, g, lq, lk = q_bhsd.shape[1], k_bgsd.shape[1], q_bhsd.shape[2], k_bgsd.shape[2]
     lse = lse_bhs if lse_prepared else bwd_lse(lse_bhs)
     dev = q_bhsd.device
-    mod = None if is_identity(mod) else mod
     if q_bhsd.shape[-1] != v_bgsd.shape[-1] and not _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         return _bwd_padded(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale=scale, causal=causal,
                            key_valid_bs=key_valid_bs, allowed_qk=allowed_qk, mod=mod)
@@ -548,7 +466,7 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
         from . import flex
 
         res = _try_flex(lambda: flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal,
-                                         key_valid_bs, allowed_qk, mod), q_bhsd)
+                                         key_valid_bs, allowed_qk), q_bhsd)
         if res is not None:
             return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):

@@ -29,6 +29,32 @@ cuDNN / flash / CPU flash kernels), and a partial block is cut into stripes of r
 tiles are empty (no call), full (unmasked calls) or partial (masked calls, the function as their
 mask: the exact math path, or the CPU kernel with the mask). The passes extract the function
 from the graph (passes/extract_mask.py) or take it from a flex_attention call's mask_mod.
+
+Note [Score functions]
+A site's score modifier is `score_mod(score, b, h, q_idx, kv_idx) -> float`, flex_attention's
+model, applied to the scaled score q.k * scale before the mask, in global positions. It travels
+in the same text form with the header `scorefn v1 tensors=<k>` and one more operand, `score`:
+
+    scorefn v1 tensors=1
+    %0 = div score 50.0
+    %1 = tanh %0
+    %2 = mul %1 50.0              # soft-cap (Gemma2)
+    %3 = load t0 h                # ALiBi slopes, one per head
+    %4 = sub kv q
+    %5 = float %4
+    %6 = mul %3 %5
+    %7 = add %2 %6
+    return %7
+
+Float ops (div, tanh, exp, log, sqrt, sigmoid) join the mask ops. Tensors are read as for
+masks: per head (`load t0 h`), per token (`load t1 b kv`), or with both. The ring op takes the
+text as `score_fn` and its tensors as `score_t0..score_t3`, so it enters the schema, the rank
+fingerprint and saved programs as a mask does. A block that the function modifies runs
+flex_attention with the function as its score_mod where masked blocks do (bf16/fp16 on CUDA:
+runtime/flex.py, Note [Flex blocks]), else the exact math path (`FnScore`): the scores are
+modified in place, and backward multiplies dS by the derivative d score_mod / d score,
+evaluated by forward-mode differentiation of the program (`MaskFn.value_and_grad`), so the
+gradients of q, k and v are exact. The tensors take no gradient.
 """
 
 from __future__ import annotations
@@ -42,7 +68,9 @@ from dataclasses import dataclass
 import torch
 
 VERSION = "maskfn v1"
+SCORE_VERSION = "scorefn v1"
 INDICES = ("b", "h", "q", "kv")
+SCORE = "score"  # the score operand of a score function (Note [Score functions])
 
 
 def _where(c, a, b):
@@ -59,6 +87,10 @@ def _min(a, b):
 
 def _max(a, b):
     return _where(a < b, b, a)
+
+
+def _fn(tensor_op, number_op):
+    return lambda x: tensor_op(x) if isinstance(x, torch.Tensor) else number_op(x)
 
 
 def _to(kind):
@@ -80,21 +112,47 @@ OPS = {
     "gt": (2, operator.gt), "ge": (2, operator.ge),
     "and": (2, operator.and_), "or": (2, operator.or_), "xor": (2, operator.xor), "not": (1, _not),
     "where": (3, _where), "bool": (1, _to("bool")), "int": (1, _to("int")), "float": (1, _to("float")),
+    "div": (2, operator.truediv), "tanh": (1, _fn(torch.tanh, math.tanh)), "exp": (1, _fn(torch.exp, math.exp)),
+    "log": (1, _fn(torch.log, math.log)), "sqrt": (1, _fn(torch.sqrt, math.sqrt)),
+    "sigmoid": (1, _fn(torch.sigmoid, lambda x: 1.0 / (1.0 + math.exp(-x)))),
 }
+
+
+def _d_unary(op: str, x, y):
+    """d op(x) / dx, given y = op(x)."""
+    if op == "tanh":
+        return 1 - y * y
+    if op == "exp":
+        return y
+    if op == "log":
+        return 1 / x
+    if op == "sqrt":
+        return 0.5 / y
+    if op == "sigmoid":
+        return y * (1 - y)
+    if op == "neg":
+        return -1.0
+    if op == "abs":
+        return _where(x < 0, -1.0, 1.0)
+    if op == "float":
+        return 1.0
+    raise ValueError(f"a score function differentiates {op} of the score, which has no derivative here")
 
 
 @dataclass(frozen=True)
 class MaskFn:
-    """A mask function as a straight-line program (Note [Mask functions]). `lines`: (op, operands)
-    per value; an operand is ("v", i) (line i), ("i", name) (an index), ("c", literal), or for
+    """A mask function (Note [Mask functions]), or with kind "score" a score function (Note
+    [Score functions]), as a straight-line program. `lines`: (op, operands) per value; an
+    operand is ("v", i) (line i), ("i", name) (an index, or the score), ("c", literal), or for
     `load` its first operand ("t", k) (tensor k). The last line is the result."""
 
     lines: tuple
     n_tensors: int
+    kind: str = "mask"
 
     @functools.cached_property
     def text(self) -> str:
-        out = [f"{VERSION} tensors={self.n_tensors}"]
+        out = [f"{SCORE_VERSION if self.kind == 'score' else VERSION} tensors={self.n_tensors}"]
         for i, (op, args) in enumerate(self.lines):
             out.append(f"%{i} = {op} " + " ".join(_fmt(a) for a in args))
         out.append(f"return %{len(self.lines) - 1}")
@@ -102,7 +160,7 @@ class MaskFn:
 
     @functools.cached_property
     def indices(self) -> frozenset:
-        """The indices the function reads ("b", "h", "q", "kv")."""
+        """The indices the function reads ("b", "h", "q", "kv"; "score" for a score function)."""
         return frozenset(a[1] for _, args in self.lines for a in args if a[0] == "i")
 
     @functools.cached_property
@@ -114,21 +172,78 @@ class MaskFn:
                 out.setdefault(args[0][1], set()).update(a[1] for a in args[1:] if a[0] == "i" and a[1] in ("q", "kv"))
         return out
 
-    def __call__(self, b, h, q_idx, kv_idx, tensors=()):
-        env = {"b": b, "h": h, "q": q_idx, "kv": kv_idx}
-        vals = []
+    def __call__(self, b, h, q_idx, kv_idx, tensors=(), score=None):
+        return self._run({"b": b, "h": h, "q": q_idx, "kv": kv_idx, SCORE: score}, tensors, False)[0]
+
+    def value_and_grad(self, score, b, h, q_idx, kv_idx, tensors=()):
+        """(score_mod(score, ..), d score_mod / d score) of a score function, by forward-mode
+        differentiation of its program (Note [Score functions]); the derivative is a number or
+        a tensor that broadcasts against the value."""
+        return self._run({"b": b, "h": h, "q": q_idx, "kv": kv_idx, SCORE: score}, tensors, True)
+
+    def _run(self, env: dict, tensors, grad: bool):
+        vals, ders = [], []
 
         def get(a):
             kind, x = a
             return vals[x] if kind == "v" else env[x] if kind == "i" else x
 
+        def der(a):
+            kind, x = a
+            return ders[x] if kind == "v" else (1.0 if x == SCORE else None) if kind == "i" else None
+
         for op, args in self.lines:
             if op == "load":
                 t = tensors[args[0][1]]
                 vals.append(t[tuple(get(a) for a in args[1:])])
-            else:
-                vals.append(OPS[op][1](*(get(a) for a in args)))
-        return vals[-1]
+                ders.append(None)
+                continue
+            xs = [get(a) for a in args]
+            y = OPS[op][1](*xs)
+            vals.append(y)
+            if grad:
+                ders.append(_derivative(op, xs, [der(a) for a in args], y))
+        return vals[-1], (ders[-1] if grad else None)
+
+
+def _derivative(op: str, xs: list, ds: list, y):
+    """d y / d score of y = op(xs), given d x / d score per operand (None: zero)."""
+    if all(d is None for d in ds):
+        return None
+    if op in ("add", "sub"):
+        a, b = ds
+        if b is None:
+            return a
+        b = -b if op == "sub" else b
+        return b if a is None else a + b
+    if op == "mul":
+        a, b = ds
+        terms = [t for t in (None if a is None else a * xs[1], None if b is None else xs[0] * b) if t is not None]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    if op == "div":
+        a, b = ds
+        out = None if a is None else a / xs[1]
+        if b is not None:
+            t = -xs[0] * b / (xs[1] * xs[1])
+            out = t if out is None else out + t
+        return out
+    if op in ("minimum", "maximum"):
+        a, b = (0.0 if d is None else d for d in ds)
+        first = xs[0] < xs[1] if op == "minimum" else xs[1] < xs[0]
+        return _where(first, a, b)
+    if op == "where":
+        a, b = (0.0 if d is None else d for d in ds[1:])
+        return None if ds[1] is None and ds[2] is None else _where(xs[0], a, b)
+    if op == "remainder":
+        return ds[0] if ds[1] is None else _undifferentiable(op)
+    if op in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "not", "bool", "int", "floordiv"):
+        return None  # piecewise constant in the score
+    return ds[0] * _d_unary(op, xs[0], y)
+
+
+def _undifferentiable(op: str):
+    raise ValueError(f"a score function differentiates {op} with the score in its divisor, which has no "
+                     "derivative here")
 
 
 def _fmt(a) -> str:
@@ -146,7 +261,9 @@ def _fmt(a) -> str:
     return str(int(x))
 
 
-def _operand(tok: str, n_lines: int, n_tensors: int, line: str):
+def _operand(tok: str, n_lines: int, n_tensors: int, line: str, kind: str = "mask"):
+    if tok == SCORE and kind == "score":
+        return ("i", SCORE)
     if tok.startswith("%"):
         i = int(tok[1:])
         if not 0 <= i < n_lines:
@@ -176,11 +293,15 @@ def _operand(tok: str, n_lines: int, n_tensors: int, line: str):
 
 @functools.lru_cache(maxsize=256)
 def parse(text: str) -> MaskFn:
-    """The MaskFn of its text (cached per text: every layer and step reads the same few)."""
+    """The MaskFn (a mask or a score function) of its text (cached per text: every layer and step reads the same few)."""
     rows = [r.split("#")[0].strip() for r in text.strip().splitlines()]
     rows = [r for r in rows if r]
-    if not rows or not rows[0].startswith(VERSION + " tensors="):
-        raise ValueError(f"a mask function starts with '{VERSION} tensors=<k>'; got {rows[:1]!r}")
+    kinds = {VERSION: "mask", SCORE_VERSION: "score"}
+    head = rows[0].split(" tensors=")[0] if rows else ""
+    if head not in kinds:
+        raise ValueError(f"a mask function starts with '{VERSION} tensors=<k>', a score function with "
+                         f"'{SCORE_VERSION} tensors=<k>'; got {rows[:1]!r}")
+    kind = kinds[head]
     n_tensors = int(rows[0].split("=", 1)[1])
     lines = []
     for r in rows[1:-1]:
@@ -188,7 +309,7 @@ def parse(text: str) -> MaskFn:
         if lhs.strip() != f"%{len(lines)}":
             raise ValueError(f"mask function line {r!r} should define %{len(lines)}")
         op, *toks = rhs.split()
-        args = tuple(_operand(t, len(lines), n_tensors, r) for t in toks)
+        args = tuple(_operand(t, len(lines), n_tensors, r, kind) for t in toks)
         if op == "load":
             if not args or args[0][0] != "t":
                 raise ValueError(f"mask function line {r!r}: load takes a tensor t<k> first")
@@ -201,7 +322,7 @@ def parse(text: str) -> MaskFn:
         lines.append((op, args))
     if not lines or rows[-1] != f"return %{len(lines) - 1}":
         raise ValueError(f"a mask function ends with 'return %<last line>'; got {rows[-1]!r}")
-    return MaskFn(tuple(lines), n_tensors)
+    return MaskFn(tuple(lines), n_tensors, kind)
 
 
 # ---------------------------------------------------------------------------------------
@@ -658,3 +779,61 @@ def _load_bounds(mask: FnMask, args, qt: int, kt: int, tile: int):
             shape[1] = s
     shape[2 if which == "q" else 3] = sizes[-1]
     return lo.reshape(shape), hi.reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------
+# score functions (Note [Score functions])
+
+
+@dataclass(frozen=True)
+class FnScore:
+    """The score function of one block call: `fn` at the global positions of the call's rows
+    (q_pos) and keys (k_pos, from their first on: a call over some of them slices them), batch
+    rows from b0 and heads from h0 of the site."""
+
+    fn: MaskFn
+    tensors: tuple
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    b0: int = 0
+    h0: int = 0
+
+    def sub(self, r0: int, c0: int = 0) -> "FnScore":
+        """The function of the call's rows from r0 and keys from c0."""
+        return FnScore(self.fn, self.tensors, self.q_pos[r0:], self.k_pos[c0:], self.b0, self.h0)
+
+    def _indices(self, s: torch.Tensor):
+        dev, ind = s.device, self.fn.indices
+        b = torch.arange(self.b0, self.b0 + s.shape[0], device=dev)[:, None, None, None] if "b" in ind else 0
+        h = torch.arange(self.h0, self.h0 + s.shape[1], device=dev)[None, :, None, None] if "h" in ind else 0
+        return b, h, self.q_pos[:s.shape[2]][None, None, :, None], self.k_pos[:s.shape[3]][None, None, None, :]
+
+    def apply_(self, s: torch.Tensor, keep_grad: bool = False):
+        """s [b, h, rows, keys] (scaled scores) replaced by score_mod(s, ..) in place; with
+        keep_grad returns d score_mod / d score at s (a tensor that broadcasts against s, or
+        a number) for the backward."""
+        b, h, q, kv = self._indices(s)
+        if keep_grad:
+            val, der = self.fn.value_and_grad(s, b, h, q, kv, self.tensors)
+        else:
+            val, der = self.fn(b, h, q, kv, self.tensors, score=s), None
+        s.copy_(val)
+        if not keep_grad:
+            return None
+        return 0.0 if der is None else der
+
+
+def builtin_score_fn(softcap: float | None, alibi: bool) -> MaskFn | None:
+    """The score function of soft-capping c * tanh(s / c) (c = softcap) and an ALiBi bias
+    slope[h] * (kv - q) with the slopes as tensor t0, for ringcc.ring_attention's softcap= and
+    alibi_slopes=; None when there is neither."""
+    lines: list = []
+    top = ("i", SCORE)
+    if softcap:
+        lines += [("div", (top, ("c", float(softcap)))), ("tanh", (("v", 0),)), ("mul", (("v", 1), ("c", float(softcap))))]
+        top = ("v", 2)
+    if alibi:
+        n = len(lines)
+        lines += [("load", (("t", 0), ("i", "h"))), ("sub", (("i", "kv"), ("i", "q"))), ("float", (("v", n + 1),)),
+                  ("mul", (("v", n), ("v", n + 2))), ("add", (top, ("v", n + 3)))]
+    return MaskFn(tuple(lines), 1 if alibi else 0, "score") if lines else None

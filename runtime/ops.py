@@ -69,9 +69,9 @@ _SETUPS: dict = {}
 
 
 def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window=0, *,
-           forward: bool, softcap: float = 0.0) -> RingSetup:
+           forward: bool) -> RingSetup:
     group = _resolve_group(group_name, world_size)
-    key = (None if group is None else weakref.ref(group), world_size, layout, is_causal, scale, window, softcap,
+    key = (None if group is None else weakref.ref(group), world_size, layout, is_causal, scale, window,
            forward, q.shape, q.dtype, k.shape, k.dtype, None if key_valid is None else (key_valid.shape, key_valid.dtype),
            q.device.type, workspace.chunk_rule_settings())
     setup = _SETUPS.get(key)
@@ -81,7 +81,7 @@ def _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, wi
         # K/V heads per chunk: the planner's rule (workspace.py), per direction
         kv_chunk = workspace.ring_kv_chunk(q, k, key_valid, world, zigzag_causal=is_causal and lay is L.Layout.ZIGZAG,
                                            forward=forward)
-        setup = RingSetup(None, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk, softcap=softcap)
+        setup = RingSetup(None, rank, world, lay, is_causal, scale, window=window, kv_chunk=kv_chunk)
         if len(_SETUPS) >= 256:
             _SETUPS.clear()
         _SETUPS[key] = setup
@@ -124,47 +124,6 @@ def _(key_valid, group_name, world_size):
     return torch.empty((world_size, key_valid.shape[0], 2), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("ringcc::one_run_keys", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
-def one_run_keys_op(mask: torch.Tensor) -> torch.Tensor:
-    """The key mask `mask != 0` (bool [b, n]) of a [b, n] padding mask whose positions an ALiBi
-    bias counts (Note [Counted positions] in passes/canonicalize_attention.py), after checking
-    what makes that bias ALiBi: the mask holds 0 and 1 only, and each row's valid tokens are one
-    contiguous run (a row with none is fine). Otherwise a ValueError names the row and where it
-    breaks. The mask is the whole one on every rank (the graph keeps padding masks replicated and
-    slices them only for the ring op), so every rank decides alone, the same way, with no
-    collective: all raise, or none. One host sync (never inside a CUDA graph)."""
-    if mask.dim() != 2:
-        raise ValueError(f"one_run_keys takes a [batch, n] padding mask; got shape {tuple(mask.shape)}")
-    valid = mask != 0
-    wrong = valid & (mask != 1)
-    if bool(wrong.any()):
-        row, pos = (int(i) for i in wrong.nonzero()[0])
-        raise ValueError(
-            f"ringcc: attention mask row {row} holds {mask[row, pos].item()!r} at position {pos}; ALiBi positions "
-            "counted over the mask (the running count of its valid tokens, as Bloom's build_alibi_tensor computes "
-            "them) need a mask of 0 (padding) and 1 (token) only: pass such a mask, or run this model without ringcc")
-    _, _, one = row_runs(valid)
-    if not bool(one.all()):
-        row = int((~one).nonzero()[0, 0])
-        keys = valid[row].tolist()
-        a = keys.index(True)
-        c = keys.index(False, a)
-        g = keys.index(True, c)
-        span = lambda lo, hi: str(lo) if hi == lo + 1 else f"{lo}..{hi - 1}"  # noqa: E731
-        raise ValueError(
-            f"ringcc: attention mask row {row} has its valid tokens in more than one run: tokens at {span(a, c)}, "
-            f"padding at {span(c, g)}, tokens again from {g}. ALiBi positions counted over the mask (the running "
-            "count of its valid tokens, as Bloom's build_alibi_tensor computes them) are ALiBi only when each "
-            "row's valid tokens are one contiguous run (left or right padding; a row of padding only is fine). "
-            "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc")
-    return valid.contiguous()  # the fake's strides, whatever the mask's
-
-
-@one_run_keys_op.register_fake
-def _(mask):
-    return torch.empty(mask.shape, dtype=torch.bool, device=mask.device)
-
-
 @torch.library.custom_op("ringcc::balance_plan", mutates_args=(), tags=_compat.cudagraph_unsafe_tags())
 def balance_plan_op(mask_fn: str, is_causal: bool, batch: int, heads: int, group_name: str, world_size: int,
                     layout: str, threshold: float, mask_t0: Optional[torch.Tensor] = None,
@@ -204,35 +163,37 @@ def ring_attention_op(
     layout: str,
     window: int = 0,
     key_runs: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
     mask_fn: str = "",
     mask_t0: Optional[torch.Tensor] = None,
     mask_t1: Optional[torch.Tensor] = None,
     mask_t2: Optional[torch.Tensor] = None,
     mask_t3: Optional[torch.Tensor] = None,
+    score_fn: str = "",
+    score_t0: Optional[torch.Tensor] = None,
+    score_t1: Optional[torch.Tensor] = None,
+    score_t2: Optional[torch.Tensor] = None,
+    score_t3: Optional[torch.Tensor] = None,
     balance_plan: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True,
-                   softcap=softcap)
-    slopes = _slopes(alibi_slopes, q)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=True)
     _check_sinks(sinks, q)
     fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
-    moves = _moves(balance_plan, setup, q, fn, key_valid, slopes)
+    score = _score_fn(score_fn, (score_t0, score_t1, score_t2, score_t3), q)
+    moves = _moves(balance_plan, setup, q, fn, key_valid)
     if moves is not None:  # Note [Balanced ring] in balance.py
         q, k, v = moves.there(q, k, v)
         setup = dataclasses.replace(setup, chunks=moves.table)
-    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
-        def forward(q, k, v, slopes):
-            out, lse = ring_forward(q, k, v, None, setup, None, slopes)
+    if fn is None and score is None and graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+        def forward(q, k, v):
+            out, lse = ring_forward(q, k, v, None, setup, None)
             return out.contiguous(), lse.contiguous()
 
         out, lse = graphs.run(("ring_attention", group_name, world_size, layout, is_causal, scale,
-                               workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v, slopes),
+                               workspace.chunk_rule_settings(), schedule_settings()), forward, (q, k, v),
                               setup.group)
     else:
-        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, slopes, fn)
+        out, lse = ring_forward(q, k, v, key_valid, setup, key_runs, score, fn)
     if moves is not None:
         out, lse = moves.back(out, lse)
     if sinks is not None:  # Note [Attention sinks]
@@ -271,35 +232,45 @@ def _mask_fn(text: str, slots, q, window: int):
     return fn, inputs
 
 
-def _moves(plan, setup: RingSetup, q, fn, key_valid, slopes):
+def _moves(plan, setup: RingSetup, q, fn, key_valid):
     """The moves of this call's rows to the balance plan's chunks and back (Note [Balanced ring] in
     balance.py), or None: no plan, or the layout's own chunks."""
     if plan is None:
         return None
-    if fn is None or key_valid is not None or slopes is not None:
-        got = "no mask function" if fn is None else "a key padding mask" if key_valid is not None else "ALiBi slopes"
-        raise ValueError(f"ring_attention takes a balance plan with a mask function and no key padding mask or ALiBi "
-                         f"slopes (their runs and positions follow the layout); got {got}: drop balance_plan")
+    if fn is None or key_valid is not None:
+        got = "no mask function" if fn is None else "a key padding mask"
+        raise ValueError(f"ring_attention takes a balance plan with a mask function and no key padding mask (its runs "
+                         f"follow the layout); got {got}: drop balance_plan")
     table = balance.read_plan(plan, setup.world, setup.layout)
     if table is None:
         return None
     return balance.Moves(table, setup.world, setup.layout, setup.rank, q.shape[2], setup.group, q.device)
 
 
-def _slopes(alibi_slopes, q):
-    """ALiBi slopes as the kernels take them: fp32 [h] on q's device (Note [Score modifiers])."""
-    if alibi_slopes is None:
+def _score_fn(text: str, slots, q):
+    """(MaskFn, its tensors) of the op's score function (Note [Score functions] in maskfn.py), or None."""
+    inputs = tuple(t for t in slots if t is not None)
+    if not text:
+        if inputs:
+            raise ValueError(f"ring_attention got {len(inputs)} score tensors (score_t0..) but no score_fn")
         return None
-    if alibi_slopes.shape != (q.shape[1],):
-        raise ValueError(f"alibi_slopes must be a [heads={q.shape[1]}] tensor (one slope per query head); got "
-                         f"{tuple(alibi_slopes.shape)}")
-    return alibi_slopes.to(device=q.device, dtype=torch.float32)
+    fn = maskfn.parse(text)
+    if fn.kind != "score":
+        raise ValueError(f"score_fn must be a score function ('{maskfn.SCORE_VERSION} tensors=<k>'); got a mask "
+                         "function")
+    if len(inputs) != fn.n_tensors or any(t is None for t in slots[:fn.n_tensors]):
+        raise ValueError(f"the score function reads {fn.n_tensors} tensors, as score_t0..score_t{fn.n_tensors - 1}; "
+                         f"ring_attention got {[t is not None for t in slots]}")
+    for i, t in enumerate(inputs):
+        if t.device != q.device:
+            raise ValueError(f"score_t{i} is on {t.device}, q on {q.device}")
+    return fn, inputs
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, softcap=0.0,
-      alibi_slopes=None, sinks=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None,
-      balance_plan=None):
+def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window=0, key_runs=None, sinks=None,
+      mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None, score_fn="", score_t0=None, score_t1=None,
+      score_t2=None, score_t3=None, balance_plan=None):
     adt = kernels.acc_dtype(q.dtype)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=adt)
@@ -322,33 +293,35 @@ def ring_attention_backward_op(
     layout: str,
     window: int = 0,
     key_runs: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
     mask_fn: str = "",
     mask_t0: Optional[torch.Tensor] = None,
     mask_t1: Optional[torch.Tensor] = None,
     mask_t2: Optional[torch.Tensor] = None,
     mask_t3: Optional[torch.Tensor] = None,
+    score_fn: str = "",
+    score_t0: Optional[torch.Tensor] = None,
+    score_t1: Optional[torch.Tensor] = None,
+    score_t2: Optional[torch.Tensor] = None,
+    score_t3: Optional[torch.Tensor] = None,
     balance_plan: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ring attention given its (out, lse) (with sinks: the merged ones, which is
     all the ring's backward needs: Note [Attention sinks])."""
-    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False,
-                   softcap=softcap)
-    slopes = _slopes(alibi_slopes, q)
+    setup = _setup(q, k, key_valid, group_name, world_size, layout, is_causal, scale, window, forward=False)
     fn = _mask_fn(mask_fn, (mask_t0, mask_t1, mask_t2, mask_t3), q, window)
-    moves = _moves(balance_plan, setup, q, fn, key_valid, slopes)
+    score = _score_fn(score_fn, (score_t0, score_t1, score_t2, score_t3), q)
+    moves = _moves(balance_plan, setup, q, fn, key_valid)
     if moves is not None:  # Note [Balanced ring] in balance.py
         dout, q, k, v, out, lse = moves.there(dout, q, k, v, out, lse)
         setup = dataclasses.replace(setup, chunks=moves.table)
-    if fn is None and graphs.wanted(q, key_valid, key_runs, window, softcap, slopes):  # Note [Ring graphs]
-        def backward(dout, q, k, v, out, lse, slopes):
-            return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None, slopes))
+    if fn is None and score is None and graphs.wanted(q, key_valid, key_runs, window):  # Note [Ring graphs]
+        def backward(dout, q, k, v, out, lse):
+            return tuple(t.contiguous() for t in ring_backward(dout, q, k, v, None, out, lse, setup, None))
 
         return graphs.run(("ring_attention_backward", group_name, world_size, layout, is_causal, scale,
                            workspace.chunk_rule_settings(), schedule_settings()), backward,
-                          (dout, q, k, v, out, lse, slopes), setup.group)
-    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, slopes, fn)
+                          (dout, q, k, v, out, lse), setup.group)
+    dq, dk, dv = ring_backward(dout, q, k, v, key_valid, out, lse, setup, key_runs, score, fn)
     if moves is not None:
         dq, dk, dv = moves.back(dq, dk, dv)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -356,8 +329,8 @@ def ring_attention_backward_op(
 
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
-      key_runs=None, softcap=0.0, alibi_slopes=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None,
-      mask_t3=None, balance_plan=None):
+      key_runs=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None, score_fn="", score_t0=None,
+      score_t1=None, score_t2=None, score_t3=None, balance_plan=None):
     cf = torch.contiguous_format
     return (
         torch.empty_like(q, memory_format=cf),
@@ -367,16 +340,18 @@ def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_si
 
 
 def _ring_setup_context(ctx, inputs, output):
-    (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, softcap, slopes, sinks,
-     mask_fn, *mask_inputs, plan) = inputs
-    if slopes is not None and slopes.requires_grad:
-        raise ValueError("ring_attention takes ALiBi slopes that need no gradient (constants, as Bloom and MPT "
-                         "build them); got alibi_slopes with requires_grad=True")
+    (q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, window, key_runs, sinks,
+     mask_fn, *rest) = inputs
+    mask_inputs, score_fn = rest[:MASK_TENSORS], rest[MASK_TENSORS]
+    score_inputs, plan = rest[MASK_TENSORS + 1:-1], rest[-1]
+    if any(t is not None and t.requires_grad for t in score_inputs):
+        raise ValueError("ring_attention takes score function tensors that need no gradient (constants, as ALiBi "
+                         "slopes are); got a score_t<k> with requires_grad=True: detach it, or run this attention "
+                         "without ringcc")
     out, lse = output
-    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, slopes, sinks, plan, *mask_inputs)
+    ctx.save_for_backward(q, k, v, key_valid, out, lse, key_runs, sinks, plan, *mask_inputs, *score_inputs)
     ctx.args = (is_causal, scale, group_name, world_size, layout, window)
-    ctx.softcap = softcap
-    ctx.mask_fn = mask_fn
+    ctx.mask_fn, ctx.score_fn = mask_fn, score_fn
     ctx.mark_non_differentiable(lse)
     # dlse is never used: no zero-filled [b, h, s] gradient per backward call.
     ctx.set_materialize_grads(False)
@@ -384,12 +359,13 @@ def _ring_setup_context(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, dlse):
     if dout is None:  # nothing flows back through out
-        return (None,) * 20
-    q, k, v, key_valid, out, lse, key_runs, slopes, sinks, plan, *mask_inputs = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.softcap,
-                                            slopes, ctx.mask_fn, *mask_inputs, plan)
-    dsinks = None if sinks is None or not ctx.needs_input_grad[13] else sink_grad(dout, out, lse, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (dsinks,) + (None,) * 6
+        return (None,) * 23
+    q, k, v, key_valid, out, lse, key_runs, sinks, plan, *rest = ctx.saved_tensors
+    mask_inputs, score_inputs = rest[:MASK_TENSORS], rest[MASK_TENSORS:]
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.mask_fn,
+                                            *mask_inputs, ctx.score_fn, *score_inputs, plan)
+    dsinks = None if sinks is None or not ctx.needs_input_grad[11] else sink_grad(dout, out, lse, sinks)
+    return (dq, dk, dv) + (None,) * 8 + (dsinks,) + (None,) * 11
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
@@ -681,9 +657,10 @@ def ring_attention(
     global positions. Returns this rank's shard of the output (and the fp32 natural-log
     LSE [b, h, n_local] when return_lse; the LSE carries no gradient: it is marked
     non-differentiable, so a loss that uses it gets no gradient through it).
-    Score modifiers (Note [Score modifiers] in kernels.py), applied to the scaled scores s
-    before the mask: softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a [h] tensor,
-    adds slope[head] * (j - i) in global positions (ALiBi: Bloom, MPT).
+    Score modifiers, applied to the scaled scores s before the mask as one score function (Note
+    [Score functions] in maskfn.py): softcap c > 0 gives c * tanh(s / c) (Gemma2); alibi_slopes, a
+    [h] tensor that needs no gradient, adds slope[head] * (j - i) in global positions (ALiBi:
+    Bloom, MPT).
     v may have its own head dim dv (MLA): out is [b, h, n_local, dv]. sinks: optional float [h],
     one logit per query head added to every row's softmax denominator with no value (gpt-oss;
     Note [Attention sinks]); its gradient is this rank's share, to be summed over the ranks as
@@ -710,13 +687,14 @@ def ring_attention(
                              f"query head) or None; got {got}")
         lay = L.parse_layout(layout)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        score_fn = maskfn.builtin_score_fn(softcap, alibi_slopes is not None)
     except (TypeError, ValueError) as e:
         _check_same_call(-1, group, "", _device_of(q), error=e)
         raise
     s = q.shape[2]
     _check_same_call(s, group, call_signature(
         "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0, softcap=float(softcap or 0.0), alibi=alibi_slopes is not None,
+        layout=lay.value, window=window or 0, score_fn=score_fn.text if score_fn is not None else "",
         sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
@@ -726,7 +704,8 @@ def ring_attention(
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs, float(softcap or 0.0), alibi_slopes, sinks)
+                                 runs, sinks, score_fn=score_fn.text if score_fn is not None else "",
+                                 score_t0=None if alibi_slopes is None else alibi_slopes.to(q.device, torch.float32))
     return (out, lse) if return_lse else out
 
 

@@ -120,8 +120,6 @@ class RingSetup:
     # per chunk, so its transient buffers (received K/V, fp32 accumulators, dK/dV in flight)
     # are those of one chunk (Note [Head chunks]).
     kv_chunk: int = 0
-    # Soft-capping of the scaled scores (0: none; Note [Score modifiers] in kernels.py).
-    softcap: float = 0.0
     # Global chunk ids of each ring rank, in local order, all chunks of one length: a balance
     # plan's (Note [Balanced ring] in balance.py); None: the layout's.
     chunks: tuple[tuple[int, ...], ...] | None = None
@@ -372,20 +370,20 @@ def _copy_outside(dst, src, reg) -> None:
         copy_by_kernel(_at(dst, part), _at(src, part))
 
 
-def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, slopes=None, fn=None):
+def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, score=None, fn=None):
     """q [b,h,s,d], k/v [b,g,s,d], key_valid [b,s] bool or None -> (out [b,h,s,d], lse [b,h,s]).
-    key_runs: the mask's table (Note [Key runs per mask]; None: made here). slopes: ALiBi
-    slopes fp32 [h] or None (Note [Score modifiers] in kernels.py). fn: (MaskFn, tensors) or None
-    (Note [Mask functions] in maskfn.py)."""
+    key_runs: the mask's table (Note [Key runs per mask]; None: made here). score: the score
+    function, (MaskFn, tensors) or None (Note [Score functions] in maskfn.py). fn: the mask
+    function, (MaskFn, tensors) or None (Note [Mask functions] in maskfn.py)."""
     chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, slopes=slopes, fn=fn)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, score=score, fn=fn)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
         _ring_forward_chunk(q[:, hq], k[:, hk], v[:, hk], key_valid, setup, out[:, hq], lse[:, hq], runs,
-                            slopes, hq.start, fn)
+                            score, hq.start, fn)
     return out, lse
 
 
@@ -483,40 +481,32 @@ def _ring_key_mask(key_valid, setup: RingSetup, table=None):
 
 
 class _Mods:
-    """The score modifier of each block call (Note [Score modifiers] in kernels.py): the
-    setup's soft-cap, and ALiBi `slopes` (fp32 [h], every query head of the site, or None)
-    from head `head0` on, at the global positions of the call's rows and keys."""
+    """The score function of each block call (Note [Score functions] in maskfn.py): `score`,
+    (MaskFn, tensors) or None, at the global positions of the call's rows and keys, its batch
+    rows and the site's heads from `head0` on."""
 
-    def __init__(self, setup: RingSetup, slopes, s: int, head0: int = 0):
-        if slopes is not None and setup.chunks is not None:
-            raise AssertionError("ALiBi positions follow the layout's chunks; a balance plan's do not (the op "
-                                 "takes one of them)")
-        self.setup, self.slopes, self.s, self.head0 = setup, slopes, s, head0
-        self.plain = None if not setup.softcap and slopes is None else kernels.ScoreMod(setup.softcap)
-        self.q = None if slopes is None else self.positions(setup.rank)
-
-    def positions(self, rank: int) -> kernels.Positions:
-        """Rank `rank`'s local positions: one run per chunk (layout.global_positions)."""
-        per = chunks_per_rank(self.setup.layout)
-        c_len = self.s // per
-        first, *rest = local_chunks(rank, self.setup.world, self.setup.layout)
-        last = rest[-1] if rest else first
-        return kernels.Positions(first * c_len, c_len, (last - per + 1) * c_len)
+    def __init__(self, setup: RingSetup, score, s: int, head0: int, device):
+        self.setup, self.score, self.s, self.head0, self.device = setup, score, s, head0, device
+        # the positions of the rows the ring computes: a balance plan's chunks or the layout's
+        self.q_pos = None if score is None else setup.positions(setup.rank, s, device)
+        self.k_pos: dict = {}
 
     def of(self, src: int, c: BlockCall):
-        if self.slopes is None:
-            return self.plain
-        return kernels.ScoreMod(self.setup.softcap, self.slopes, self.head0, self.q.shift(c.q0),
-                                self.positions(src).shift(c.k0))
+        if self.score is None:
+            return None
+        if src not in self.k_pos:
+            self.k_pos[src] = self.setup.positions(src, self.s, self.device)
+        fn, tensors = self.score
+        return maskfn.FnScore(fn, tensors, self.q_pos[c.q0:c.q1], self.k_pos[src][c.k0:c.k1], c.b0, self.head0)
 
 
-def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, slopes=None,
+def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, score=None,
                         head0: int = 0, fn=None):
-    """-> (out in q's dtype, lse) of these heads (from head `head0` of `slopes` on), written
+    """-> (out in q's dtype, lse) of these heads (the site's from `head0` on), written
     into `out`/`lse` where given. out has v's head dim (Note [Value head dim] in kernels.py)."""
     b, h, s = q.shape[:3]
     d = v.shape[-1]
-    mods = _Mods(setup, slopes, s, head0)
+    mods = _Mods(setup, score, s, head0, q.device)
     adt = kernels.acc_dtype(q.dtype)
     dst = None if out is None else (out, lse)
     acc, done = None, False
@@ -702,7 +692,7 @@ def _carry(acc, step: int, adt, wide_first: bool = False):
     return acc.to(adt, memory_format=torch.contiguous_format)  # sent as it is: no second copy
 
 
-def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, slopes=None, fn=None):
+def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs=None, score=None, fn=None):
     """Gradients (dq, dk, dv) of ring attention, given the global out and lse (and the forward's
     key_runs table: Note [Key runs per mask]).
 
@@ -754,7 +744,7 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     for hq, hk in chunks:
         q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
         k_c, v_c = k[:, hk], v[:, hk]
-        mods = _Mods(setup, slopes, s, hq.start)
+        mods = _Mods(setup, score, s, hq.start, q.device)
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None

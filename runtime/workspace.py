@@ -428,9 +428,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
       (kernels._row_chunks);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
-    Blocks with a score modifier (softcap, alibi_slopes: Note [Score modifiers] in kernels.py)
-    count as masked ones (flex_attention, or the math path, which they take on CPU too), with
-    one more scores-sized buffer per call (the ALiBi bias, or the cap's tanh kept for backward).
+    Blocks with a score function (Note [Score functions] in maskfn.py) count as masked ones on
+    the math path (which they take on every device), with one more scores-sized buffer per call
+    (the function's value, or its derivative kept for backward).
     Zero for unmasked half-precision blocks."""
     from .kernels import MASKED_CALL_BYTES, masked_kernel
 
@@ -438,12 +438,12 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     b, h, s, d = q.shape
     zero = sympy.Integer(0)
     acc = _acc_itemsize(q.itemsize)
-    modified = bool(a.get("softcap")) or a.get("alibi_slopes") is not None
+    modified = bool(a.get("score_fn"))
     fn = bool(a.get("mask_fn"))  # a mask function: the math path (CUDA) or the CPU kernel's mask, per row chunk
     if q.device_type == "cuda" or modified:
         if kv_mask is None and not window and not fn and q.itemsize == 2 and not modified:  # the fused kernels
             return zero, zero
-        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex" and not fn:
+        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex" and not fn and not modified:
             return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows

@@ -463,8 +463,8 @@ class CountedAlibiAttention(torch.nn.Module):
 
 def case_counted_alibi_gap(rank, world):
     """The attention's dynamo graph through the passes for `world` ranks (the backend's rewrite,
-    without its memory plan), run on a right- and a left-padded batch (error on the valid rows),
-    then on a mask with a gap in row 1: the error this rank raises."""
+    without its memory plan), run on a right- and a left-padded batch and on a mask with a gap in
+    row 1 (errors on the valid rows), and the error a rank raised, if any."""
     torch.manual_seed(0)
     model = CountedAlibiAttention()
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
@@ -487,16 +487,12 @@ def case_counted_alibi_gap(rank, world):
     return errs, None
 
 
-def test_counted_alibi_mask_with_a_gap_raises_on_every_rank(pools):
-    """ALiBi positions counted over a padding mask (Note [Counted positions]) are exact ALiBi for
-    masks whose valid tokens are one run per row; a mask with a gap is a ValueError on every rank
-    (each rank checks the whole mask it was given), not a wrong result or a hang."""
+def test_counted_alibi_positions_are_exact_for_any_mask(pools):
+    """Bloom-style ALiBi positions counted over a padding mask are a per-token tensor of the
+    site's score function, read at the keys' global positions: exact for right and left padding
+    and for a mask with a gap in a row (which is no ALiBi, but the same function)."""
     for errs, message in pools(2).run(case_counted_alibi_gap, timeout=300):
-        assert max(errs) < 1e-5, errs
-        assert message is not None and message.startswith(
-            "ringcc: attention mask row 1 has its valid tokens in more than one run: tokens at 0..4, padding at "
-            "5..8, tokens again from 9."), message
-        assert "Pass a mask whose valid tokens are contiguous in every row, or run this model without ringcc" in message
+        assert message is None and len(errs) == 3 and max(errs) < 1e-5, (errs, message)
 
 
 def case_gradient_all_reduce_overlaps_the_backward(rank, world, inner):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from graphs import dynamo_graph, export_graph, run, targets
 
 from ringcc import rewrite as rw
-from ringcc.passes.attention_form import FORM_META, SDPA_ATEN_TARGET, SdpaCall, is_sdpa
+from ringcc.passes.attention_form import FORM_META, MODS_META, SDPA_ATEN_TARGET, SdpaCall, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
 from ringcc.passes.lift_masks import lift_masks
 from ringcc.passes.rewrite_attention import rewrite_attention
@@ -49,7 +49,7 @@ MANUAL_FORMS = {
     "permute_k": lambda q, k, v: F.softmax(q @ k.permute(0, 1, 3, 2) * 0.3, dim=-1) @ v,
     "masked_fill": lambda q, k, v: F.softmax((q @ k.mT * 0.25).masked_fill(~causal(), float("-inf")), -1) @ v,
     "where_finfo_min": lambda q, k, v: F.softmax(torch.where(causal(), q @ k.mT, torch.finfo(q.dtype).min), -1) @ v,
-    "additive_then_scale": lambda q, k, v: F.softmax((q @ k.mT + torch.full((N, N), -3.0).triu(1)) * 0.5, -1) @ v,
+    "additive_then_scale": lambda q, k, v: F.softmax((q @ k.mT + torch.full((N, N), -1e9).triu(1)) * 0.5, -1) @ v,
     "upcast_softmax": lambda q, k, v: F.softmax((q @ k.mT).float(), dim=-1, dtype=torch.float32).to(q.dtype) @ v,
     "eval_dropout": lambda q, k, v: F.dropout(F.softmax(q @ k.mT, -1), 0.1, training=False) @ v,
 }
@@ -99,10 +99,20 @@ def test_non_attention_does_not_match(name):
 
 
 def test_attention_with_unread_score_transform_is_recorded():
-    gm, sdpas, report = canonical(lambda q, k, v: F.softmax(torch.tanh(q @ k.mT) * 0.5, dim=-1) @ v, *qkv())
+    gm, sdpas, report = canonical(lambda q, k, v: F.softmax(torch.erf(q @ k.mT) * 0.5, dim=-1) @ v, *qkv())
     assert sdpas == []
     (site,) = report.sites
-    assert (site.form, site.reason) == ("manual", SkipReason.OTHER) and "tanh" in site.detail
+    assert (site.form, site.reason) == ("manual", SkipReason.OTHER) and "erf" in site.detail, site.detail
+
+
+def test_score_transform_is_read_as_a_score_function():
+    """tanh(q.k) * 0.5 is a score function of the unscaled score (Note [Score extraction]): a shadow
+    site with the function in its meta."""
+    gm, sdpas, report = canonical(lambda q, k, v: F.softmax(torch.tanh(q @ k.mT) * 0.5, dim=-1) @ v, *qkv())
+    (sdpa,) = sdpas
+    mods = sdpa.meta[MODS_META]
+    assert mods.fn.text == "scorefn v1 tensors=0\n%0 = tanh score\n%1 = mul %0 0.5\nreturn %1"
+    assert SdpaCall.of(sdpa).scale == 1.0
 
 
 def test_reused_probabilities_are_recorded_not_rewritten():
@@ -190,8 +200,8 @@ def _bloom_alibi(q, k, v, valid=None, count=None):
     """Bloom's ALiBi: slopes * key positions [h, 1, n] repeated over the batch and added by
     baddbmm to the scores of q, k [b * h, n, d], viewed as [b, h, n, n] around the softmax. With
     `valid` (a [b, n] padding mask of 0 / 1), the keys are padded by it and the positions count
-    the valid tokens of `count` (default: valid), as Bloom's build_alibi_tensor does: ALiBi when
-    `count` is `valid` and every row's valid tokens are one run (Note [Counted positions])."""
+    the valid tokens of `count` (default: valid), as Bloom's build_alibi_tensor does (a per-token
+    tensor the score function reads at the key)."""
     n = q.shape[1]
     slopes = torch.pow(torch.full((), 0.25), torch.arange(1, H + 1, dtype=torch.int32))
     excluded = torch.ones(n, n, dtype=torch.bool).triu(1)
@@ -267,7 +277,9 @@ def _symbolic_graph(fn, *inputs, dim: int):
 
 
 def _assert_alibi_site(site) -> None:
-    assert site.decision == Decision.REWRITTEN and site.mask["alibi"] and site.mask["causal"], site
+    """Rewritten, causal, with a score function that reads the slopes per head."""
+    assert site.decision == Decision.REWRITTEN and site.mask["causal"], site
+    assert "load t" in site.mask["score_function"] and " h" in site.mask["score_function"], site
 
 
 def _bloom_with_and_without_padding(q, k, v, valid):
@@ -277,8 +289,8 @@ def _bloom_with_and_without_padding(q, k, v, valid):
 def test_alibi_in_baddbmm_under_a_symbolic_length():
     """Bloom's ALiBi traced with a symbolic length: arange(n) has a symbolic end (the positions are
     0, 1, ... whatever n is), and the [b * h, n, d] values are viewed per head with -1 for n; with
-    a padding mask, its positions are counted over the mask's valid tokens (Note [Counted
-    positions]): both sites rewritten, with key padding."""
+    a padding mask, its positions are counted over the mask's valid tokens (a per-token tensor of
+    the score function): both sites rewritten, with key padding."""
     valid = torch.ones(B, N, dtype=torch.long)
     valid[1, :N // 2] = 0  # left padding, still one run in the longer mask the call makes (valid, valid[:, :4])
     gm, call = _symbolic_graph(_bloom_with_and_without_padding, *qkv(three_d=True), valid, dim=1)
@@ -290,9 +302,6 @@ def test_alibi_in_baddbmm_under_a_symbolic_length():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # the ring op at p = 1 against eager
     valid = torch.cat([valid, valid[:, :12 - N]], 1)
     torch.testing.assert_close(_valid_rows(got_padded, valid), _valid_rows(want_padded, valid), atol=1e-5, rtol=1e-5)
-
-
-ONE_RUN_KEYS = torch.ops.ringcc.one_run_keys.default
 
 
 def _counted_alibi_added(q, k, v, valid):
@@ -307,10 +316,10 @@ def _counted_alibi_added(q, k, v, valid):
                          ids=["baddbmm-dynamo", "baddbmm-export", "added-dynamo"])
 def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
     """Bloom with a padding mask: positions (cumsum(mask) - 1) * mask times the slopes, in
-    dynamo's and export's spelling (and added to 4-D scores), are ALiBi + key padding by that
-    mask: the site is rewritten, its key mask is checked by ringcc::one_run_keys, and it matches
-    eager on the valid rows of a right- and a left-padded batch. A mask whose valid tokens are
-    not one run is refused at run time."""
+    dynamo's and export's spelling (and added to 4-D scores), are a score function reading the
+    slopes per head and the counted positions per key, with key padding by that mask: the site is
+    rewritten and matches eager on the valid rows of a right-padded, a left-padded and a gapped
+    batch (the function holds for any mask)."""
     inputs = qkv(three_d=fn is _bloom_alibi) + [_padding()]
     q, k, v = inputs[:3]
     if graph == "dynamo":
@@ -320,28 +329,22 @@ def test_alibi_positions_counted_over_the_padding_mask(fn, graph):
         gm, order = _offline_graph(fn, *inputs), range(4)
     (site,) = run(gm, ALIBI_PASSES).report.sites
     _assert_alibi_site(site)
-    assert site.mask["key_padding"] and ONE_RUN_KEYS in targets(gm)
-    assert not any(t in (torch.cumsum, "cumsum", torch.ops.aten.cumsum.default) for t in targets(gm))
+    assert site.mask["key_padding"] and " kv" in site.mask["score_function"]
 
     def call(valid):
         args = [q, k, v, valid]
         return gm(*[args[i] for i in order])[0]
 
-    for left in (False, True):
-        valid = _padding(left=left)
+    gap = _padding()
+    gap[0, 2] = 0
+    for valid in (_padding(), _padding(left=True), gap):
         got = call(valid)
         want = fn(q, k, v, valid)
         torch.testing.assert_close(_valid_rows(got, valid), _valid_rows(want, valid), atol=1e-5, rtol=1e-5)
-    gap = _padding()
-    gap[0, 2] = 0
-    with pytest.raises(ValueError, match=r"row 0 has its valid tokens in more than one run: tokens at 0..1, padding "
-                                         r"at 2, tokens again from 3\..*one contiguous run"):
-        call(gap)
 
 
-def test_a_skipped_site_with_counted_alibi_positions_checks_no_mask():
-    """A site read as counted ALiBi but skipped later (the dilated op takes no score modifier)
-    runs as written, on any mask: its ringcc::one_run_keys check goes with it."""
+def test_a_skipped_site_with_a_score_function_runs_as_written():
+    """A site with a score function skipped later (the dilated op takes none) runs as written."""
     from ringcc.config import Config
     from ringcc.runtime.dilated import DilatedSpec
 
@@ -349,28 +352,15 @@ def test_a_skipped_site_with_counted_alibi_positions_checks_no_mask():
     gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
     (site,) = run(gm, ALIBI_PASSES, Config(dilation=DilatedSpec([4], [1]))).report.sites
     assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.UNSUPPORTED_MASK), site
-    assert ONE_RUN_KEYS not in targets(gm)
-    inputs[3][0, 2] = 0  # a gap: the dense site takes it
+    assert torch.ops.ringcc.ring_attention.default not in targets(gm)
+    inputs[3][0, 2] = 0
     torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
 
 
-def test_alibi_positions_counted_over_another_tensor_are_refused():
-    """Positions counted over a tensor other than the key padding mask: not provably ALiBi (the
-    padded keys of one are not those of the other), so the site keeps its dense attention."""
-    inputs = qkv(three_d=True) + [_padding(), _padding(left=True)]
-    gm, traced = dynamo_graph(_bloom_alibi, *inputs, with_inputs=True)
-    (site,) = run(gm, ALIBI_PASSES).report.sites
-    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
-    assert "ALiBi positions counted over the valid tokens" in site.detail, site.detail
-    assert "the key padding comes from" in site.detail, site.detail
-    assert ONE_RUN_KEYS not in targets(gm)
-    torch.testing.assert_close(gm(*traced)[0], _bloom_alibi(*inputs))
-
-
-def test_a_bias_of_mask_values_is_not_alibi():
-    """slopes * the mask's values (no count): a bias computed from the inputs that is no position,
-    kept as dense attention with why."""
-    inputs = qkv(three_d=True) + [_padding()]
+@pytest.mark.parametrize("form", ["counted over another mask", "mask values"])
+def test_biases_read_from_other_per_token_tensors_are_score_functions(form):
+    """Positions counted over a tensor other than the key padding mask, or slopes times the mask's
+    values: no ALiBi, but score functions of per-token tensors all the same, rewritten and exact."""
     slopes = torch.pow(torch.full((), 0.25), torch.arange(1, H + 1, dtype=torch.int32))
 
     def bias_of_values(q, k, v, valid):
@@ -379,11 +369,16 @@ def test_a_bias_of_mask_values_is_not_alibi():
         s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1) | (valid[:, None, None, :] == 0), -1e9)
         return torch.bmm(F.softmax(s, dim=-1).view(B * H, N, -1), v)
 
-    gm, traced = dynamo_graph(bias_of_values, *inputs, with_inputs=True)
+    if form == "mask values":
+        fn, inputs = bias_of_values, qkv(three_d=True) + [_padding()]
+    else:
+        fn, inputs = _bloom_alibi, qkv(three_d=True) + [_padding(), _padding(left=True)]
+    gm, traced = dynamo_graph(fn, *inputs, with_inputs=True)
     (site,) = run(gm, ALIBI_PASSES).report.sites
-    assert (site.decision, site.reason) == (Decision.SKIPPED, SkipReason.OTHER), site
-    assert "not read as ALiBi" in site.detail and "computed from the graph's inputs" in site.detail, site.detail
-    torch.testing.assert_close(gm(*traced)[0], bias_of_values(*inputs))
+    _assert_alibi_site(site)
+    valid = inputs[3]
+    torch.testing.assert_close(_valid_rows(gm(*traced)[0], valid), _valid_rows(fn(*inputs), valid), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_alibi_in_baddbmm_of_an_export_graph():
@@ -396,10 +391,11 @@ def test_alibi_in_baddbmm_of_an_export_graph():
 
 
 def test_alibi_bias_sliced_at_a_symbolic_start():
-    """MPT's ALiBi under a symbolic length: the bias's size, 64 - Max(0, 64 - n), is n by a guard."""
+    """MPT's ALiBi under a symbolic length: the bias is sliced at max(0, 64 - n), a start the score
+    function cannot read (it is no constant); the site is a recorded skip that runs as written."""
     gm, call = _symbolic_graph(_alibi_sliced_to_length, *qkv(), dim=2)
     (site,) = run(gm, ALIBI_PASSES).report.sites
-    _assert_alibi_site(site)
+    assert site.decision == Decision.SKIPPED and "a start or step that is not a constant" in site.detail, site
     torch.testing.assert_close(*call(gm), atol=1e-5, rtol=1e-5)
 
 

@@ -5,6 +5,8 @@ which parameters have one)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,6 +17,7 @@ import ringcc
 from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
 from ringcc.passes.lift_masks import lift_masks
+from ringcc.passes.rewrite_attention import rewrite_attention
 from ringcc.runtime import maskfn
 
 PASSES = [("canonicalize_attention", canonicalize_attention), ("lift_masks", lift_masks)]
@@ -299,17 +302,21 @@ def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
     assert "a stored [query, key] mask tensor" in detail and "a query and a key dim whose values are data" in detail
 
 
-def test_an_additive_bias_is_a_score_modifier_not_a_mask():
+def test_an_additive_bias_is_a_score_function_not_a_mask():
+    """SDPA's float attn_mask with values other than 0 and -inf is a bias: the site's score
+    function score + bias, rewritten, equal to eager."""
     q, pos, _ = mask_inputs()
 
     def f(q, pos):
         i = _ar(q)
         return F.scaled_dot_product_attention(q, q, q, attn_mask=(i[None, :] // 3 == i[:, None] // 3).float() * 0.5)
 
-    gm = dynamo_graph(f, q, pos)
-    run(gm, PASSES)
-    _, detail = _site(gm).meta[SKIP_META]
-    assert "a score bias, not a mask" in detail
+    gm, inputs = dynamo_graph(f, q, pos, with_inputs=True)
+    ctx = run(gm, PASSES + [("rewrite_attention", rewrite_attention)])
+    (site,) = ctx.report.sites
+    assert site.decision.value == "rewritten" and not site.mask["causal"], site
+    assert site.mask["score_function"].startswith("scorefn v1 tensors=0") and "add score" in site.mask["score_function"]
+    torch.testing.assert_close(gm(*inputs)[0], f(q, pos), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,40 +486,136 @@ def test_flex_attention_site_with_a_document_mask_mod_p2(pools):
         assert "load t0 b q" in mask["function"] and verdict and gathers == 0
 
 
-def case_flex_hf(rank, world):
-    """HF Llama with attn_implementation="flex_attention" on packed documents against the same
-    weights under SDPA, eager."""
+class FlexScoredAttention(FlexDocAttention):
+    """flex_attention with a score_mod (Gemma2's soft-cap and ALiBi slopes read per head from a
+    buffer) and a document mask_mod; or the same scores written in eager attention (the
+    reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, x, block_mask=None, dense=None):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        slopes = self.slopes
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return 2.0 * torch.tanh(score / 2.0) + slopes[h] * (kv_idx - q_idx)
+
+        if block_mask is not None:
+            out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+        else:
+            i = torch.arange(n)
+            s = q @ k.repeat_interleave(self.h // self.g, 1).mT / math.sqrt(self.dh)
+            s = 2.0 * torch.tanh(s / 2.0) + slopes[:, None, None] * (i[None, :] - i[:, None])
+            p = torch.softmax(s.masked_fill(~dense, float("-inf")), -1)
+            out = p @ v.repeat_interleave(self.h // self.g, 1)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_flex_scored(rank, world, n):
+    """A flex_attention site with a score_mod and a mask_mod in user code, compiled for `world`
+    ranks, against the same scores in eager attention: the errors of the output and of every
+    gradient (inf where only one of them has a gradient) and the site."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = FlexScoredAttention(), FlexScoredAttention()
+    model.load_state_dict(ref.state_dict())
+    _, pos, _ = mask_inputs(n=n)
+    doc = _doc_ids(pos)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
+    i = torch.arange(n)
+    dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    x, proj = torch.randn(2, n, 32) * 3, torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward():
+        out = compiled(x, block_mask)
+    (out * proj).sum().backward()
+    r = ref(x, dense=dense)
+    (r * proj).sum().backward()
+    errs = {"out": float((out - r).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        if (p.grad is None) != (rp.grad is None):
+            errs[pname] = float("inf")
+        elif p.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    rep = ringcc.last_report()
+    return errs, [(s.form, s.decision.value, s.mask) for s in rep.sites]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_flex_attention_site_with_a_score_mod_and_a_mask_mod(pools, world):
+    """The score_mod is the site's score function (the slopes buffer its tensor, read per head),
+    the mask_mod its mask function: rewritten, and the output and every gradient equal eager's."""
+    for errs, sites in pools(world).run(case_flex_scored, 12 * world, timeout=300):
+        assert max(errs.values()) < 2e-5, errs
+        ((form, decision, mask),) = sites
+        assert (form, decision, mask["causal"]) == ("flex", "rewritten", True), sites
+        assert "tanh" in mask["score_function"] and "load t0 h" in mask["score_function"], mask
+
+
+def case_flex_hf(rank, world, name="llama", packed=True):
+    """An HF model (zoo `name`) with attn_implementation="flex_attention" (on packed documents, or
+    plain causal) against the same weights under its default attention, eager."""
     import zoo
 
     from ringcc import _compat
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    ref = zoo.BY_NAME["llama"].factory().train()
-    model = zoo.BY_NAME["llama"].factory().train()
+    ref = zoo.BY_NAME[name].factory().train()
+    model = zoo.BY_NAME[name].factory().train()
     model.load_state_dict(ref.state_dict())
     model.config._attn_implementation = "flex_attention"
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, zoo.VOCAB, (zoo.BATCH, zoo.N), generator=gen)
-    pos = zoo._packed_positions()
+    kw = dict(position_ids=zoo._packed_positions()) if packed else {}
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
     ringcc.reset_reports()
     with _compat.flex_cpu_backward():
-        loss = compiled(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+        loss = compiled(input_ids=ids, use_cache=False, labels=ids, **kw).loss
     loss.backward()
-    ref_loss = ref(input_ids=ids, position_ids=pos, use_cache=False, labels=ids).loss
+    ref_loss = ref(input_ids=ids, use_cache=False, labels=ids, **kw).loss
     ref_loss.backward()
     errs = zoo._grad_errors(model, ref)
     errs["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     sites = [(s.form, s.decision.value) for r in ringcc.reports() for s in r.sites]
-    return errs, sites
+    functions = [s.mask.get("score_function") for r in ringcc.reports() for s in r.sites if s.mask]
+    return errs, sites, functions
 
 
 @pytest.mark.soak
 def test_hf_flex_attention_path_with_packed_documents_p2(pools):
-    for errs, sites in pools(2).run(case_flex_hf, timeout=900):
+    for errs, sites, _ in pools(2).run(case_flex_hf, timeout=900):
         assert max(errs.values()) < 1e-5, errs
         assert sites == [("flex", "rewritten")] * 2, sites
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_hf_flex_attention_path_p2(pools, name):
+    """HF's flex path: Llama's score_mod returns the score (no score function), Gemma2's soft-caps
+    it (cap 50, its default config): every site rewritten, the loss and every gradient as eager's
+    under the model's default attention, and the same parameters with a gradient."""
+    for errs, sites, functions in pools(2).run(case_flex_hf, name, False, timeout=900):
+        assert max(errs.values()) < 1e-5, errs
+        assert sites == [("flex", "rewritten")] * 2, sites
+        if name == "llama":
+            assert functions == [None, None], functions
+        else:
+            assert all("tanh" in f for f in functions), functions
 
 
 # ---------------------------------------------------------------------------------------
@@ -604,22 +707,54 @@ def doc_factory(seq_len: int = 40):
     return model, (torch.randn(2, seq_len, 32), pos, valid)
 
 
-def case_doc_program(rank, world, path):
+class ScoredAttention(nn.Module):
+    """Eager causal attention whose scores are soft-capped and get an ALiBi bias (slopes a buffer,
+    positions from an arange): a score function."""
+
+    def __init__(self, d: int = 32, h: int = 4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.dh)
+        i = torch.arange(n)
+        s = torch.tanh(s / 3.0) * 3.0 + self.slopes[:, None, None] * (i[None, :] - i[:, None])
+        s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return self.o((torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def scored_factory(seq_len: int = 40):
+    """A factory for `ringcc rewrite`: attention with a score function (soft-cap and ALiBi)."""
+    torch.manual_seed(0)
+    return ScoredAttention(), (torch.randn(2, seq_len, 32) * 3,)
+
+
+def case_doc_program(rank, world, path, factory="doc_factory"):
     program = torch.export.load(path).module()
-    model, inputs = doc_factory()
+    model, inputs = globals()[factory]()
     program.load_state_dict(model.state_dict())
     return float((program(*inputs) - model(*inputs)).abs().max())
 
 
 @pytest.mark.soak
-def test_rewrite_saves_the_mask_function_in_the_program(pools, tmp_path):
+@pytest.mark.parametrize("factory,text", [("doc_factory", "maskfn v1 tensors=1"),
+                                          ("scored_factory", "scorefn v1 tensors=1")])
+def test_rewrite_saves_the_function_in_the_program(pools, tmp_path, factory, text):
+    """The mask function (documents from restarting positions) or the score function (soft-cap
+    and ALiBi slopes) travels in the program `ringcc rewrite` saves: the program at p = 2 equals
+    eager."""
     import os
 
     from ringcc import cli
 
     out = str(tmp_path / "out")
-    assert cli.main(["rewrite", f"{os.path.abspath(__file__)}:doc_factory", "--world-size", "2", "-o", out]) == 0
+    assert cli.main(["rewrite", f"{os.path.abspath(__file__)}:{factory}", "--world-size", "2", "-o", out]) == 0
     code = open(os.path.join(out, "program.py")).read()
-    assert "maskfn v1 tensors=1" in code and "cumsum" in code
-    for err in pools(2).run(case_doc_program, os.path.join(out, "program.pt2"), timeout=600):
+    assert text in code and ("cumsum" in code if factory == "doc_factory" else "tanh" in code)
+    for err in pools(2).run(case_doc_program, os.path.join(out, "program.pt2"), factory, timeout=600):
         assert err < 2e-5

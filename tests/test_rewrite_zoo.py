@@ -425,7 +425,7 @@ def test_whole_sizes_of_shards_under_a_symbolic_length_are_exact(pools):
 @pytest.mark.zoo_offline
 def test_alibi_under_a_symbolic_length_is_exact(pools):
     """Bloom's ALiBi (slopes * arange(n), repeated over the batch, in baddbmm; with a padding mask,
-    positions counted over its valid tokens: Note [Counted positions]) and MPT's (a bias over
+    positions counted over its valid tokens, a per-token tensor of the score function) and MPT's (a bias over
     max_seq_len sliced at a start computed from n) compiled with a symbolic length: every site
     rewritten (the plan test below), and the logits match eager with nothing gathered."""
     names = ["zoo_bloom", "zoo_bloom_padded", "zoo_mpt", "zoo_mpt_padded"]

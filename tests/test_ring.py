@@ -467,23 +467,6 @@ def test_opcheck_forward_and_backward(is_causal):
     torch.library.opcheck(torch.ops.ringcc.gather.default, (x, 1, "", 1, "zigzag"))
 
 
-def test_one_run_keys_takes_masks_whose_valid_tokens_are_one_run():
-    """ringcc::one_run_keys (Note [Counted positions]): mask != 0 for 0/1 masks with one run of
-    valid tokens per row (right, left padding, none valid); otherwise an error naming the row."""
-    op = torch.ops.ringcc.one_run_keys.default
-    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 1, 0]])
-    for m in (mask, mask.bool(), mask.float()):
-        torch.testing.assert_close(op(m), mask == 1)
-    torch.library.opcheck(op, (mask,))
-    with pytest.raises(ValueError, match=r"row 3 has its valid tokens in more than one run: tokens at 1..3, padding at "
-                                         r"4, tokens again from 5\. .*Pass a mask whose valid tokens are contiguous "
-                                         r"in every row, or run this model without ringcc"):
-        op(torch.cat([mask, torch.tensor([[0], [0], [0], [1]])], 1))
-    with pytest.raises(ValueError, match=r"row 1 holds 2 at position 2; .* need a mask of 0 \(padding\) and 1 "
-                                         r"\(token\) only"):
-        op(torch.where(mask == 1, mask * torch.tensor([[1], [2], [1], [1]]), 0))
-
-
 @pytest.mark.parametrize("fn", ["shard_sequence", "gather_sequence"])
 def test_sequence_dim_out_of_range_is_an_error(fn):
     """A dim outside the tensor's dims is an error naming the range, also at p = 1 (no

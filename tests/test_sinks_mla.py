@@ -228,7 +228,7 @@ def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     from torch.nn.attention.flex_attention import flex_attention
 
     def f(q, k, v):
-        flex = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j))
+        flex = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: torch.sin(s) + (i - j))
         s = (q @ k.transpose(-1, -2)).sin()  # scores through an op the matcher does not read
         return flex.sum() + (torch.softmax(s, -1) @ v).sum()
 
@@ -236,9 +236,11 @@ def test_flex_attention_calls_and_unread_softmax_attention_are_reported():
     gm = dynamo_graph(f, q, q, q)
     ctx = make_ctx()
     canonicalize_attention(gm, ctx)
-    lift_masks(gm, ctx)  # flex_attention calls are its sites (a score_mod: skipped)
+    lift_masks(gm, ctx)  # flex_attention calls are its sites (a score_mod it does not read: skipped)
     got = sorted((s.form, s.decision.value, s.reason.value) for s in ctx.report.sites)
     assert got == [("flex", "skipped", "unsupported_mask"), ("manual", "skipped", "other")], ctx.report.sites
+    (flex,) = [s for s in ctx.report.sites if s.form == "flex"]
+    assert "score_mod" in flex.detail and "sin" in flex.detail, flex.detail
 
 
 @pytest.mark.gpu

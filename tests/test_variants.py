@@ -1,4 +1,4 @@
-"""Attention variants: score modifiers (soft-capping, ALiBi) in the ring against the dense
+"""Attention variants: score functions (soft-capping, ALiBi) in the ring against the dense
 reference, the lifted specs of the sites that carry them, Falcon's multi-query form, sites the
 matcher cannot take reported as skipped, and the lifted specs of Hugging Face models that use
 them (the `zoo` tier; their numbers against eager: tests/zoo.py)."""
@@ -75,10 +75,9 @@ def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
     """The ring's flex_attention blocks (flex.py, as on CUDA for bf16/fp16) run here on CPU in
     fp32: flex's own dense implementation, traced by dynamo as _flex compiles it, with every
     size and float symbolic, as automatic dynamic shapes compile it once they change between
-    calls. Zigzag, causal, GQA, ALiBi, then another soft-cap: every block's score_mod reads the
-    same tensors (the cap, the slopes, the offsets) and no Python number, so one forward and
-    one backward kernel serve them all, none falls back to the math path, and out, lse and
-    gradients equal the dense reference."""
+    calls. Zigzag, causal, GQA, ALiBi, then another soft-cap: every block's score function takes
+    its tensors and positions as arguments and no Python number, none falls back to the math
+    path, and out, lse and gradients equal the dense reference."""
     import functools
 
     import torch.nn.attention.flex_attention as fa
@@ -97,17 +96,8 @@ def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
         _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
         return torch.compile(fa.flex_attention, fullgraph=True, backend=eager, dynamic=True)
 
-    read, make = set(), flex._score_mod
-
-    def score_mod(mod, device):
-        fn = make(mod, device)
-        read.update((tuple(t.shape), t.stride(), t.storage_offset()) for t in fn.tensors)
-        return fn
-
     monkeypatch.setattr(flex, "_flex", compiled)
-    monkeypatch.setattr(flex, "_score_mod", score_mod)
-    monkeypatch.setattr(kernels, "_flex_path",
-                        lambda device, dtype, key_valid, allowed, mod=None: not kernels.is_identity(mod))
+    monkeypatch.setattr(kernels, "flex_blocks", lambda device, dtype: True)
     monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
     n, h, g = 2 * flex.TILE, 4, 2
     gen = torch.Generator().manual_seed(3)
@@ -125,48 +115,81 @@ def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
         assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED  # flex ran every block: no math-path fallback
         assert_shard_matches(lambda t: t, out, lse, ref_out, ref_lse,
                              ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
-    # the cap, seven offsets (0-d views of one tensor), the slopes
-    assert read == {((4,), (1,), 0), *(((), (), i) for i in range(7))}, read
-    assert len(graphs) == 1, len(graphs)  # the forward (the backward is traced by make_fx, not dynamo)
+    # the forward's compiles: one per function and its first shapes, then dynamic shapes (the
+    # backward is traced by make_fx, not dynamo); none failed over to the math path above
+    assert 2 <= len(graphs) <= 4, len(graphs)
+
+
+def _block_indices(shape):
+    return (torch.arange(x).view(*[-1 if d == a else 1 for d in range(4)]) for a, x in enumerate(shape))
 
 
 @pytest.mark.parametrize("heads", [slice(0, 4), slice(2, 3)])
-def test_flex_score_mod_is_the_math_paths_modifier(heads):
-    """flex's score_mod (positions from offsets) gives the math path's modified scores
-    (ScoreMod.apply_) for calls across the zigzag jump, shifted rows and keys, and head chunks."""
-    from ringcc.runtime import flex, kernels
+def test_flex_score_mod_is_the_math_paths_function(heads):
+    """flex's score_mod of a score function (flex._score_mod: the function's tensors, the block's
+    global positions and its batch and head offsets as explicit arguments) gives the math path's
+    modified scores (FnScore.apply_) for calls across the zigzag jump, shifted rows and keys,
+    and head chunks, and its derivative is autograd's."""
+    from ringcc.runtime import flex, maskfn
 
-    q_at, k_at = kernels.Positions(16, 5, 40), kernels.Positions(3, 9, 30)  # x + 16 for x < 5, else x + 40
-    mod = kernels.ScoreMod(2.5, SLOPES[:4] * 8, heads.start, q_at, k_at)
+    fn = maskfn.builtin_score_fn(2.5, True)
+    slopes = SLOPES[:4] * 8
+    q_pos = torch.cat([torch.arange(16, 21), torch.arange(45, 47)])  # a rank's two zigzag runs
+    k_pos = torch.cat([torch.arange(3, 12), torch.arange(39, 41)])
     for r0, c0 in ((0, 0), (3, 7), (6, 2)):
-        m = mod.sub(r0, c0)
-        s = torch.randn(2, heads.stop - heads.start, 7, 11, generator=torch.Generator().manual_seed(r0))
+        m = maskfn.FnScore(fn, (slopes,), q_pos, k_pos, 0, heads.start).sub(r0, c0)
+        s = torch.randn(2, heads.stop - heads.start, 7 - r0, 11 - c0, generator=torch.Generator().manual_seed(r0))
         want = s.clone()
-        m.apply_(want)
-        rel = torch.tensor([[j + (3 if j + c0 < 9 else 30) + c0 - i - (16 if i + r0 < 5 else 40) - r0
-                             for j in range(11)] for i in range(7)], dtype=torch.float32)
-        slopes = (SLOPES[:4] * 8)[heads]
-        assert torch.equal(m.bias(s.shape[1], 7, 11, torch.float32, "cpu"), slopes[:, None, None] * rel)
-        b, hh, i, j = (torch.arange(x).view(*[-1 if d == a else 1 for d in range(4)]).int()
-                       for a, x in enumerate(s.shape))
-        got = flex._score_mod(m, "cpu").bound()(s, b, hh, i, j)
+        der = m.apply_(want, keep_grad=True)
+        rel = (k_pos[c0:][None, :] - q_pos[r0:][:, None]).float()
+        sr = s.clone().requires_grad_()
+        ref = torch.tanh(sr / 2.5) * 2.5 + slopes[heads][:, None, None] * rel
+        torch.testing.assert_close(want, ref.detach())
+        (grad,) = torch.autograd.grad(ref.sum(), sr)
+        torch.testing.assert_close(der.expand_as(grad), grad)
+        b, h, i, j = _block_indices(s.shape)
+        got = flex._score_mod(m, "cpu").bound()(s, b, h, i, j)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ring_positions_of_score_modifiers_are_the_layouts(layout):
-    """The ring's ALiBi positions (offsets per run of a rank's chunks) are the layout's global
-    positions, for every rank and source rank, and for calls that start inside a block."""
-    from ringcc.runtime import ring
+def test_flex_score_mod_runs_in_flex_attention():
+    """flex's score_mod of a score function in flex_attention (its forward runs on CPU) gives the
+    math path's block (out, lse) under the same function."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
+    from ringcc.runtime import flex, kernels, maskfn
+
+    fn = maskfn.builtin_score_fn(3.0, True)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=gen) * 2 for _ in range(3))
+    q_pos, k_pos = torch.arange(16, 32), torch.arange(0, 16)
+    slopes = SLOPES[:4]
+    mod = maskfn.FnScore(fn, (slopes,), q_pos, k_pos)
+    out, aux = flex_attention(q, k, v, score_mod=flex._score_mod(mod, "cpu").bound(), scale=0.3,
+                              return_aux=AuxRequest(lse=True))
+    want_out, want_lse = kernels._math_fwd(q, k, v, 0.3, False, mod=mod)
+    torch.testing.assert_close(out, want_out, **TOL)
+    torch.testing.assert_close(aux.lse, want_lse, **TOL)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_positions_of_score_functions_are_the_layouts(layout):
+    """The positions a ring's block call gives its score function are the layout's global
+    positions of its rows and keys, for every rank and source rank, and for calls that start
+    inside a block."""
+    from ringcc.runtime import maskfn, ring
+
+    fn = maskfn.builtin_score_fn(None, True)
     for world in (1, 2, 3):
         for rank in range(world):
             setup = ring.RingSetup(None, rank, world, L.Layout(layout), True, 1.0)
-            mods = ring._Mods(setup, SLOPES[:2], 12, 0)
+            mods = ring._Mods(setup, (fn, (SLOPES[:2],)), 12, 1, "cpu")
+            mine = L.global_positions(rank, world, L.Layout(layout), 12)
             for src in range(world):
                 want = L.global_positions(src, world, L.Layout(layout), 12)
                 for x0 in (0, 5, 6):
-                    assert torch.equal(mods.positions(src).shift(x0).at(12 - x0, "cpu"), want[x0:])
+                    m = mods.of(src, ring.BlockCall(x0, 12, x0, 12, False))
+                    assert torch.equal(m.k_pos, want[x0:]) and torch.equal(m.q_pos, mine[x0:]) and m.h0 == 1
 
 
 def test_score_modifier_arguments_are_checked():
@@ -184,8 +207,10 @@ def test_opcheck_with_score_modifiers():
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 8, 8, generator=gen, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(ops.ring_attention_op, (q, k, v, None, True, 0.35, "", 1, "contiguous", 0, None, 2.0,
-                                                  SLOPES[:4]))
+    from ringcc.runtime import maskfn
+
+    torch.library.opcheck(ops.ring_attention_op, (q, k, v, None, True, 0.35, "", 1, "contiguous", 0, None),
+                          dict(score_fn=maskfn.builtin_score_fn(2.0, True).text, score_t0=SLOPES[:4]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,14 +245,18 @@ def test_softcap_site_is_lifted_and_rewritten():
     q, k, v = _qkv()
     gm, inputs, report = _canonical(_softcapped, q, k, v)
     (site,) = report.sites
-    assert site.decision.value == "rewritten" and site.mask["causal"] and site.mask["softcap"] == 5.0
+    assert site.decision.value == "rewritten" and site.mask["causal"]
+    assert site.mask["score_function"] == "scorefn v1 tensors=0; %0 = div score 5.0; %1 = tanh %0; %2 = mul %1 5.0; " \
+        "return %2"
     (op,) = _ring_nodes(gm)
-    assert op.kwargs["softcap"] == 5.0 and op.args[5] == 0.25
+    assert op.kwargs["score_fn"] == site.mask["score_function"].replace("; ", "\n") and op.args[5] == 0.25
     assert not [n for n in gm.graph.nodes if n.target in (torch.tanh, F.softmax)]  # the user's nodes are gone
     torch.testing.assert_close(gm(*inputs)[0], _softcapped(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-def test_mask_inside_the_cap_is_a_recorded_skip():
+def test_mask_inside_the_cap_is_part_of_the_score_function():
+    """A mask added inside the cap does not hide the key: its capped score is -5, not -inf. The
+    whole program is the score function, and the result is eager's."""
     def capped_after_mask(q, k, v):
         n = q.shape[2]
         mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -237,9 +266,9 @@ def test_mask_inside_the_cap_is_a_recorded_skip():
     q, k, v = _qkv()
     gm, inputs, report = _canonical(capped_after_mask, q, k, v)
     (site,) = report.sites
-    assert site.decision.value == "skipped" and "inside the soft-cap" in site.detail
-    assert not _ring_nodes(gm)
-    torch.testing.assert_close(gm(*inputs)[0], capped_after_mask(q, k, v))
+    assert site.decision.value == "rewritten" and not site.mask["causal"]
+    assert "where" in site.mask["score_function"] and "tanh" in site.mask["score_function"]
+    torch.testing.assert_close(gm(*inputs)[0], capped_after_mask(q, k, v), atol=1e-5, rtol=1e-5)
 
 
 def test_softcap_site_skipped_later_keeps_the_users_nodes():
@@ -292,19 +321,41 @@ def test_alibi_site_is_lifted_and_rewritten():
     q, k, v = _qkv()
     gm, inputs, report = _canonical(_alibi_mpt, q, k, v)
     (site,) = report.sites
-    assert site.decision.value == "rewritten" and site.mask["causal"] and site.mask["alibi"]
+    assert site.decision.value == "rewritten" and site.mask["causal"]
+    assert "load t0 h" in site.mask["score_function"] and "kv" in site.mask["score_function"]
     (op,) = _ring_nodes(gm)
-    slopes = op.kwargs["alibi_slopes"].meta["example_value"]
-    assert tuple(slopes.shape) == (4,) and "softcap" not in op.kwargs
+    slopes = op.kwargs["score_t0"].meta["example_value"]
+    assert tuple(slopes.shape) == (4,) and op.args[5] == 0.25
     torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-def test_bias_that_varies_along_queries_is_not_alibi():
+def test_bias_that_varies_along_queries_is_a_score_function():
     q, k, v = _qkv()
     gm, inputs, report = _canonical(lambda q, k, v: _alibi_mpt(q, k, v, query_too=True), q, k, v)
     (site,) = report.sites
-    assert site.decision.value == "skipped" and not _ring_nodes(gm)
-    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v, query_too=True))
+    assert site.decision.value == "rewritten" and " q" in site.mask["score_function"]
+    torch.testing.assert_close(gm(*inputs)[0], _alibi_mpt(q, k, v, query_too=True), atol=1e-5, rtol=1e-5)
+
+
+def test_strict_raises_for_a_score_function_it_cannot_read():
+    """Scores through an op the walk does not read (erf), or a learned bias (a parameter that needs
+    a gradient): skipped with why, and an error under Config(strict=True)."""
+    bias = torch.nn.Parameter(torch.randn(4, 1, 1))
+
+    def erf_scores(q, k, v):
+        return F.softmax(torch.erf(q @ k.mT * 0.25), dim=-1) @ v
+
+    def learned(q, k, v):
+        return F.softmax(q @ k.mT * 0.25 + bias * torch.arange(q.shape[2]), dim=-1) @ v
+
+    q, k, v = _qkv()
+    for fn, why in ((erf_scores, "erf"), (learned, "needs a gradient")):
+        gm, _, report = _canonical(fn, q, k, v)
+        (site,) = report.sites
+        assert site.decision.value == "skipped" and why in site.detail, site.detail
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"Config\(strict=True\) but 1 attention site\(s\) were not rewritten"):
+            torch.compile(fn, backend=ringcc.backend(inner="eager", strict=True))(q, k, v)
 
 
 UNREAD_FORMS = {
@@ -377,10 +428,10 @@ def test_hf_model_sites_carry_their_modifiers(name):
     sites = _lifted_sites(_hf_model(name).train(), ids)
     assert sites and all(s.decision.value == "rewritten" for s in sites), sites
     if name == "gemma2":
-        assert all(s.mask["softcap"] == 0.5 for s in sites)
+        assert all("tanh" in s.mask["score_function"] for s in sites)
         assert sorted(s.mask["window"] or 0 for s in sites) == [0, 8]
     if name in ("mpt", "bloom"):
-        assert all(s.mask["alibi"] for s in sites)
+        assert all("load t0" in s.mask["score_function"] for s in sites)
 
 
 @pytest.mark.zoo
@@ -406,7 +457,7 @@ def test_deberta_relative_position_attention_is_found_and_skipped():
 
 
 # ---------------------------------------------------------------------------------------
-# GPU (NCCL): the modifiers on flex_attention (bf16) and the math path (fp32)
+# GPU (NCCL): score functions on the math path (bf16 and fp32 inputs)
 
 N_GPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU_WORLDS = [w for w in (2, 4) if w <= N_GPU]
@@ -437,8 +488,7 @@ def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap,
     out.backward(sh(dout).to(dtype))
     from ringcc.runtime import kernels
 
-    # bf16 blocks run flex_attention (flex.py): a compile failure there would fall back to the
-    # math path, exact but many times slower
+    # blocks with a score function run the math path, never flex_attention
     assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED
     return {"out": rel_err(out, sh(ref.detach())), "lse": lse_err(lse, sh(ref_lse.detach())),
             "dq": rel_err(ql.grad, sh(qr.grad)), "dk": rel_err(kl.grad, sh(kr.grad)), "dv": rel_err(vl.grad, sh(vr.grad))}
@@ -450,14 +500,25 @@ def case_ring_modified_cuda(rank, world, dtype_name, is_causal, layout, softcap,
 @pytest.mark.parametrize("dtype_name,tol", [("bfloat16", 2e-2), ("float32", 1e-4)])
 @pytest.mark.parametrize("is_causal,layout,softcap,alibi,padded,window", [
     (True, "zigzag", 2.0, False, False, None), (False, "contiguous", None, True, False, None),
-    # exact, but on 2 x H200 with torch 2.11 inductor found no kernel for one bf16 block's flex
-    # backward there (NoValidChoicesError): that rank's blocks ran the math path
-    pytest.param(True, "contiguous", 2.0, True, True, 100, marks=pytest.mark.xfail(
-        reason="flex backward of a padded, windowed, soft-capped ALiBi block: inductor NoValidChoicesError "
-               "on torch 2.11 (falls back to the exact math path)", strict=False))])
+    (True, "contiguous", 2.0, True, True, 100)])
 def test_ring_with_score_modifiers_on_cuda(pools, world, dtype_name, tol, is_causal, layout, softcap, alibi, padded,
                                            window):
     for errs in pools(world, "nccl").run(case_ring_modified_cuda, dtype_name, is_causal, layout, softcap, alibi,
                                          padded, window):
         for name, err in errs.items():
             assert err < (0.05 if name == "lse" and dtype_name == "bfloat16" else tol), (name, err, errs)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face score functions at p = 2 (default tier): loss and every gradient against eager
+
+
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_hf_score_functions_match_eager_p2(pools, name):
+    """Gemma2 in its default config (soft-capped eager attention, cap 50) and Bloom (ALiBi in
+    baddbmm): every site rewritten with its score function; the loss, every gradient and the set
+    of parameters with a gradient equal eager's (zoo.check)."""
+    import zoo
+
+    for rank, res in enumerate(pools(2).run(zoo.run_arch, name, ("loss_inside",), timeout=600)):
+        assert zoo.check(zoo.BY_NAME[name], res) == [], (rank, res)

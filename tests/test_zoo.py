@@ -43,9 +43,9 @@ def test_default_config_decoder_is_exact_and_linear(pools, name):
 
 @pytest.mark.zoo
 def test_bloom_left_padded(pools):
-    """Bloom with a left-padded batch (its ALiBi positions counted from each row's first token:
-    Note [Counted positions]): both sites rewritten, the loss over the valid tokens and every
-    gradient as eager's."""
+    """Bloom with a left-padded batch (its ALiBi positions counted from each row's first token, a
+    per-token tensor of the score function): both sites rewritten, the loss over the valid tokens
+    and every gradient as eager's."""
     results = pools(2).run(zoo.run_arch, "bloom", ("left_padded",), timeout=1200)
     for rank, res in enumerate(results):
         assert zoo.check(zoo.BY_NAME["bloom"], res) == [], (rank, res)
