@@ -36,7 +36,6 @@ skipped site with where the scores came from (`_scores_of_q_k`): no attention go
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union

@@ -406,7 +406,7 @@ def _row_chunks(lq: int) -> list[tuple[int, int]]:
 def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, window=None, mod=None):
     """(out, lse) of a masked (or score-modified: maskfn.FnScore) block, one flex call per
     CALL_ROWS rows."""
-    (b, h, lq, d), lk, dev = q_bhsd.shape, k_bgsd.shape[2], q_bhsd.device
+    (b, h, lq, _), lk, dev = q_bhsd.shape, k_bgsd.shape[2], q_bhsd.device
     chunks = _row_chunks(lq)
     out = lse = None
     for r0, r1 in chunks:

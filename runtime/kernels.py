@@ -34,7 +34,7 @@ import torch
 from ringcc import _compat
 
 from .dtypes import acc_dtype
-from .maskfn import FnMask, FnScore
+from .maskfn import FnScore
 
 
 def _expand_kv(k_bgsd: torch.Tensor, h: int) -> torch.Tensor:
@@ -56,7 +56,8 @@ def _causal_band(r0: int, r1: int, lk: int, device, c0: int = 0) -> torch.Tensor
 # A block's score function (maskfn.FnScore, Note [Score functions] in maskfn.py) modifies its
 # scaled scores before the mask. Each block computes its share exactly, and the LSE merge stays
 # exact: the block's lse is that of the modified scores. No fused kernel takes a function, so
-# such blocks run the exact math path (Note [Masked rows]) on every device; backward multiplies
+# such blocks run flex_attention where masked blocks do (bf16/fp16 on CUDA: Note [Flex blocks]
+# in flex.py), else the exact math path (Note [Masked rows]), whose backward multiplies
 # dS = P * (dP - D), the gradient of the modified score, by the function's derivative.
 
 

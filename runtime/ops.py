@@ -23,7 +23,7 @@ from . import layout as L
 from .comm import group_extremes
 from . import graphs, maskfn, workspace
 from .merge import merge_sinks, sink_grad
-from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward, row_runs
+from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
 # ---------------------------------------------------------------------------------------
 # helpers

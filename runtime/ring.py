@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from . import kernels, maskfn
 from .comm import ring_comm
-from .layout import Layout, chunk_positions, chunks_per_rank, local_chunks
+from .layout import Layout, chunk_positions, local_chunks
 from .merge import add_into, contiguous, copy_by_kernel, merge_
 
 
