@@ -395,7 +395,8 @@ def block_fwd(q_bhsd, k_bgsd, v_bgsd, *, scale: float, causal: bool, key_valid_b
     if _flex_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
         from . import flex
 
-        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk), q_bhsd)
+        res = _try_flex(lambda: flex.fwd(q_bhsd, k_bgsd, v_bgsd, scale, causal, key_valid_bs, allowed_qk, mod),
+                        q_bhsd)
         if res is not None:
             return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
@@ -467,7 +468,7 @@ def block_bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse_bhs, *, scale: fl
         from . import flex
 
         res = _try_flex(lambda: flex.bwd(dout_bhsd, q_bhsd, k_bgsd, v_bgsd, out_bhsd, lse, scale, causal,
-                                         key_valid_bs, allowed_qk), q_bhsd)
+                                         key_valid_bs, allowed_qk, mod), q_bhsd)
         if res is not None:
             return res
     if _math_path(dev, q_bhsd.dtype, key_valid_bs, allowed_qk, mod):
