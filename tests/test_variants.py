@@ -115,9 +115,9 @@ def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
         assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED  # flex ran every block: no math-path fallback
         assert_shard_matches(lambda t: t, out, lse, ref_out, ref_lse,
                              ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
-    # the forward's compiles: one per function and its first shapes, then dynamic shapes (the
-    # backward is traced by make_fx, not dynamo); none failed over to the math path above
-    assert 2 <= len(graphs) <= 4, len(graphs)
+    # the forward's compiles (the backward is traced by make_fx, not dynamo): the two functions
+    # and every block share at most two; none failed over to the math path above
+    assert 1 <= len(graphs) <= 2, len(graphs)
 
 
 def _block_indices(shape):
