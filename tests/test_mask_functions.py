@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from graphs import dynamo_graph, lifted_dense, node_values, run
 
 import ringcc
-from ringcc.passes.attention_form import MASK_META, SKIP_META, SdpaCall, is_sdpa
+from ringcc.passes.attention_form import MASK_META, SKIP_META, is_sdpa
 from ringcc.passes.canonicalize_attention import canonicalize_attention
 from ringcc.passes.lift_masks import lift_masks
 from ringcc.passes.rewrite_attention import rewrite_attention
@@ -444,24 +444,30 @@ class FlexDocAttention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
-def case_flex_user(rank, world, n):
+def _flex_documents(n: int):
+    """(BlockMask, dense mask) of causal documents over mask_inputs' packed positions (b = 2):
+    a user's create_block_mask with a document mask_mod, and the same mask written densely."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from ringcc import _compat
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    ref, model = FlexDocAttention(), FlexDocAttention()
-    model.load_state_dict(ref.state_dict())
     _, pos, _ = mask_inputs(n=n)
     doc = _doc_ids(pos)
 
     def document(b, h, q_idx, kv_idx):
         return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
 
-    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
     i = torch.arange(n)
     dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    return create_block_mask(document, 2, None, n, n, device="cpu"), dense
+
+
+def case_flex_user(rank, world, n):
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = FlexDocAttention(), FlexDocAttention()
+    model.load_state_dict(ref.state_dict())
+    block_mask, dense = _flex_documents(n)
     x, proj = torch.randn(2, n, 32), torch.randn(2, n, 32)
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
     ringcc.reset_reports()
@@ -521,23 +527,13 @@ def case_flex_scored(rank, world, n):
     """A flex_attention site with a score_mod and a mask_mod in user code, compiled for `world`
     ranks, against the same scores in eager attention: the errors of the output and of every
     gradient (inf where only one of them has a gradient) and the site."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     from ringcc import _compat
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref, model = FlexScoredAttention(), FlexScoredAttention()
     model.load_state_dict(ref.state_dict())
-    _, pos, _ = mask_inputs(n=n)
-    doc = _doc_ids(pos)
-
-    def document(b, h, q_idx, kv_idx):
-        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
-
-    block_mask = create_block_mask(document, 2, None, n, n, device="cpu")
-    i = torch.arange(n)
-    dense = (doc[:, None, :, None] == doc[:, None, None, :]) & (i[None, :] <= i[:, None])
+    block_mask, dense = _flex_documents(n)
     x, proj = torch.randn(2, n, 32) * 3, torch.randn(2, n, 32)
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True)))
     ringcc.reset_reports()
