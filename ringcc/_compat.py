@@ -567,13 +567,14 @@ def aot_autograd(**kwargs):
     return make(**kwargs)
 
 
-def compile_with_inductor(gm, example_inputs, graph_pass, source_file: str):
+def compile_with_inductor(gm, example_inputs, graph_pass, source_files: tuple):
     """Inductor's compile_fx of `gm`, with graph_pass(graph) run as a post-grad pass before any
-    post-grad pass already configured (torch._inductor, private)."""
+    post-grad pass already configured (torch._inductor, private); its cache key covers
+    `source_files`' contents."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    post = _post_grad_pass(graph_pass, source_file, then=inductor_config.post_grad_custom_post_pass)
+    post = _post_grad_pass(graph_pass, source_files, then=inductor_config.post_grad_custom_post_pass)
     return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": post})
 
 
@@ -590,9 +591,9 @@ def tensor_base_attributes() -> dict:
     return dict(vars(torch._C.TensorBase))
 
 
-def _post_grad_pass(fn, source_file: str, then=None):
+def _post_grad_pass(fn, source_files: tuple, then=None):
     """An inductor post-grad pass (config.post_grad_custom_post_pass) that calls fn(graph), then
-    `then` (a pass already set), keyed for inductor's cache by `source_file`'s contents."""
+    `then` (a pass already set), keyed for inductor's cache by `source_files`' contents."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class _Pass(CustomGraphPass):
@@ -602,7 +603,8 @@ def _post_grad_pass(fn, source_file: str, then=None):
                 then(graph)
 
         def uuid(self):
-            return (get_hash_for_files((source_file,)), fn.__module__, fn.__qualname__, None if then is None else then.uuid())
+            return (get_hash_for_files(tuple(source_files)), fn.__module__, fn.__qualname__,
+                    None if then is None else then.uuid())
 
     return _Pass()
 

@@ -284,7 +284,11 @@ def _inner(gm, example_inputs, config: Config):
         # boxed: the backward frees each saved activation after its last use, as inductor's does
         # (the memory plan assumes it: Note [Memory plan], 3)
         return _compat.aot_autograd(fw_compiler=_compat.boxed_graph, bw_compiler=backward)(gm, example_inputs)
-    return _compat.compile_with_inductor(gm, example_inputs, _grad_waits_last, __file__)
+    # inductor's cache keys the compiled code by these files too: the graph calls ringcc's ops by
+    # name, so code compiled against another release's op schemas is never reused
+    from ringcc.runtime import ops
+
+    return _compat.compile_with_inductor(gm, example_inputs, _grad_waits_last, (__file__, ops.__file__))
 
 
 def ringcc_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
