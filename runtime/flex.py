@@ -83,17 +83,6 @@ def _bounds(causal: bool, window) -> tuple[int, int]:
     return lo, hi
 
 
-def _tile_range(pos: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tile of TILE positions, (min, max) in int64; the last tile's missing entries repeat
-    its last position (the kernel masks indices past the length itself)."""
-    p = pos.long()
-    pad = tiles * TILE - p.shape[0]
-    if pad:
-        p = torch.cat([p, p[-1:].expand(pad)])
-    p = p.view(tiles, TILE)
-    return p.amin(1), p.amax(1)
-
-
 def _ordered(tiles_bhqk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask's (count, indices) of the set tiles of each row of tiles, set ones first."""
     t = tiles_bhqk.to(torch.int32)
@@ -124,8 +113,8 @@ def _position_tiles(lq: int, lk: int, causal: bool, window, device, rows):
     pos_q = pos_q[r0:r1]
     qt, kt = -(-(r1 - r0) // TILE), -(-lk // TILE)
     lo, hi = _bounds(causal, window)
-    qmin, qmax = _tile_range(pos_q, qt)
-    kmin, kmax = _tile_range(pos_k, kt)
+    qmin, qmax = maskfn.tile_minmax(pos_q.long(), qt, TILE)
+    kmin, kmax = maskfn.tile_minmax(pos_k.long(), kt, TILE)
     dmin, dmax = qmin[:, None] - kmax[None, :], qmax[:, None] - kmin[None, :]
     some = ((dmax >= lo) & (dmin < hi))[None, None]
     full = ((dmin >= lo) & (dmax < hi))[None, None]

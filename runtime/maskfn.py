@@ -506,11 +506,6 @@ def _count_tiles(flat: torch.Tensor) -> None:
 _UNKNOWN = (-math.inf, math.inf)
 
 
-def _hull(a, b):
-    return (torch.minimum(torch.as_tensor(a[0]), torch.as_tensor(b[0])),
-            torch.maximum(torch.as_tensor(a[1]), torch.as_tensor(b[1])))
-
-
 def _ival_mul(a, b):
     ps = [x * y for x in a for y in b]
     lo, hi = ps[0], ps[0]
@@ -609,7 +604,7 @@ def _as_bool(g):
     return ((lo > 0) | (hi < 0), ~((lo == 0) & (hi == 0))), "bool"
 
 
-def _tile_minmax(x: torch.Tensor, tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_minmax(x: torch.Tensor, tiles: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(min, max) over each `tile` of the last dim (the last tile's missing entries repeat its last)."""
     pad = tiles * tile - x.shape[-1]
     if pad:
@@ -629,8 +624,8 @@ def tile_states(mask: FnMask, tile: int | None = None) -> tuple[torch.Tensor, to
     ind = fn.indices
     b = torch.arange(mask.b0, mask.b0 + mask.batch, device=dev)[:, None, None, None] if "b" in ind else 0
     h = torch.arange(mask.h0, mask.h0 + mask.heads, device=dev)[None, :, None, None] if "h" in ind else 0
-    qlo, qhi = (t[None, None, :, None] for t in _tile_minmax(mask.q_pos.long(), qt, tile))
-    klo, khi = (t[None, None, None, :] for t in _tile_minmax(mask.k_pos.long(), kt, tile))
+    qlo, qhi = (t[None, None, :, None] for t in tile_minmax(mask.q_pos.long(), qt, tile))
+    klo, khi = (t[None, None, None, :] for t in tile_minmax(mask.k_pos.long(), kt, tile))
     env = {"b": (b, b), "h": (h, h), "q": (qlo, qhi), "kv": (klo, khi)}
     vals, kinds = [], []
 
@@ -767,7 +762,7 @@ def _load_bounds(mask: FnMask, args, qt: int, kt: int, tile: int):
         else:
             lead.append(slice(mask.h0, mask.h0 + mask.heads) if t.shape[d] > 1 else slice(None))
     vals = t[tuple(lead)].index_select(-1, at) if lead else t.index_select(0, at)
-    lo, hi = _tile_minmax(vals, qt if which == "q" else kt, tile)
+    lo, hi = tile_minmax(vals, qt if which == "q" else kt, tile)
     # leading dims: b -> dim 0, h -> dim 1 of [b, h, q tiles, k tiles]
     names = [a[1] if a[0] == "i" else None for a in idx[:-1]]
     sizes = list(lo.shape)
