@@ -206,25 +206,126 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
             "speed_vs_flex": ms["flex"] / ms["ringcc"], "max_rel_diff": err}
 
 
+# --schedule P: (case, tokens per GPU)
+SCHEDULE_CELLS = [("soft-cap", 16384), ("ALiBi", 16384), ("window 4096", 16384), ("8 documents", 16384),
+                  ("soft-cap", 65536), ("ALiBi", 65536), ("window 4096", 65536), ("8 documents", 65536)]
+
+
+def schedule_cell(case: str, n_local: int, world: int, device, reps: int, warmup: int, smoke: bool) -> dict:
+    """One --schedule cell: one rank's block schedule of a ring of `world` ranks, without
+    transfers (RINGCC_SKIP_COMM=1: the rank's own K/V stand in for every rank's block, at that
+    rank's positions), against flex_attention alone over the same queries and all n = world *
+    n_local keys: every rank's block holds the rank's own K/V, so the two compute the same
+    attention and their outputs and gradients compare (dK, dV: ringcc's are the sums over the
+    blocks). Causal; zigzag rank 0 (the backend's layout), contiguous rank world - 1 with a
+    window (the backend keeps a window's ring contiguous: that rank sees the most keys)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ringcc.runtime import maskfn
+    from ringcc.runtime.ring import RingSetup, ring_backward, ring_forward
+
+    h, d = (2, 16) if smoke else (16, 128)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    n = world * n_local
+    window = WINDOW if case.startswith("window") else 0
+    layout = Layout.CONTIGUOUS if window else Layout.ZIGZAG
+    rank = world - 1 if window else 0
+    setup = RingSetup(dist.group.WORLD, rank, world, layout, True, d ** -0.5, window=window)
+    gen = torch.Generator().manual_seed(n_local)
+    q, k, v, dout = (torch.randn(1, h, n_local, d, generator=gen).to(device, dtype) for _ in range(4))
+    slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1) / h)).to(device)
+    docs = int(case.split()[0]) if "documents" in case else 0
+    doc = (torch.arange(n, device=device) // (n // docs))[None] if docs else None
+    pos_q = setup.positions(rank, n_local, device)
+    score = ((maskfn.builtin_score_fn(SOFTCAP, False), ()) if case == "soft-cap" else
+             (maskfn.builtin_score_fn(None, True), (slopes.float(),)) if case == "ALiBi" else None)
+    fn = (maskfn.parse(DOCUMENTS), (doc,)) if docs else None
+
+    def mask_mod(b, hh, i, j):
+        pi = pos_q[i]
+        m = j <= pi
+        if window:
+            m = m & (pi - j < window)
+        if docs:
+            m = m & (doc[0, pi] == doc[0, j])
+        return m
+
+    score_mod = None
+    if case == "soft-cap":
+        def score_mod(s, b, hh, i, j):
+            return torch.tanh(s / SOFTCAP) * SOFTCAP
+    elif case == "ALiBi":
+        def score_mod(s, b, hh, i, j):
+            return s + slopes[hh] * (j - pos_q[i]).to(torch.float32)
+    # all n keys: every rank's block is this rank's K/V at that rank's positions
+    where = torch.cat([setup.positions(r, n_local, device) for r in range(world)])
+    k_all, v_all = (torch.empty(1, h, n, d, device=device, dtype=dtype).index_copy_(2, where, t.repeat(1, 1, world, 1))
+                    for t in (k, v))
+    block = create_block_mask(mask_mod, 1, None, n_local, n, device=device, _compile=not smoke)
+    flex = torch.compile(flex_attention) if not smoke else flex_attention
+
+    def ring():
+        out, lse = ring_forward(q, k, v, None, setup, None, score, fn)
+        return out, ring_backward(dout, q, k, v, None, out, lse, setup, None, score, fn)
+
+    def alone():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k_all, v_all))
+        out = flex(qq, kk, vv, score_mod=score_mod, block_mask=block)
+        out.backward(dout)
+        # dK, dV of this rank's K/V: the sums over the blocks that hold it
+        return out, (qq.grad, *(g.grad.index_select(2, where).view(1, h, world, n_local, d).sum(2) for g in (kk, vv)))
+
+    runs = {"ringcc": ring, "flex": alone}
+    saved = os.environ.get("RINGCC_SKIP_COMM")
+    os.environ["RINGCC_SKIP_COMM"] = "1"
+    try:
+        results = {}
+        for name, fn_ in runs.items():
+            out, grads = fn_()
+            results[name] = [out.detach().float()] + [g.float() for g in grads]
+        err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(*results.values()))
+        del results
+        times = {name: [] for name in runs}
+        for it in range(warmup + reps):
+            for name, fn_ in runs.items():
+                ms = dist_setup.timed(fn_, device, barrier=False)
+                if it >= warmup:
+                    times[name].append(ms)
+    finally:
+        if saved is None:
+            os.environ.pop("RINGCC_SKIP_COMM")
+        else:
+            os.environ["RINGCC_SKIP_COMM"] = saved
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return {"case": case, "n_local": n_local, "p": world, "rank": rank, "layout": layout.value,
+            "ringcc_ms": ms["ringcc"], "flex_ms": ms["flex"], "speed_vs_flex": ms["flex"] / ms["ringcc"],
+            "max_rel_diff": err}
+
+
 def vs_flex(args) -> int:
     device, _ = dist_setup.start(args.smoke)
     if dist.get_world_size() != 1:
         raise SystemExit(f"--vs-flex runs on one process (a group of one); got {dist.get_world_size()}")
     from ringcc.runtime import kernels
 
-    cells = [(c, 256 if args.smoke else n) for c, n in FLEX_CELLS if not args.n_local or n in args.n_local]
+    table = SCHEDULE_CELLS if args.schedule else FLEX_CELLS
+    cells = [(c, 256 if args.smoke else n) for c, n in table if not args.n_local or n in args.n_local]
     rows = []
-    print(f"{'case':14} {'tokens':>7} {'ringcc ms':>10} {'flex ms':>9} {'vs flex':>8} {'max rel diff':>13}", flush=True)
+    tokens = "per GPU" if args.schedule else "tokens"
+    print(f"{'case':14} {tokens:>7} {'ringcc ms':>10} {'flex ms':>9} {'vs flex':>8} {'max rel diff':>13}", flush=True)
     from ringcc import _compat
 
     info = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke, gloo)",
             "torch": torch.__version__, "dtype": "bfloat16" if device.type == "cuda" else "float32", "heads": 16,
             "d": 128, "b": 1, "reps": args.reps, "warmup": args.warmup, "softcap": SOFTCAP, "window": WINDOW,
-            "rows": rows}
+            "schedule_p": args.schedule, "rows": rows}
     for case, n in cells:
         t0 = time.perf_counter()
         with _compat.flex_cpu_backward() if args.smoke else contextlib.nullcontext():  # CPU flex: its dense path
-            r = flex_cell(case, n, device, args.reps, args.warmup, args.smoke)
+            if args.schedule:
+                r = schedule_cell(case, n, args.schedule, device, args.reps, args.warmup, args.smoke)
+            else:
+                r = flex_cell(case, n, device, args.reps, args.warmup, args.smoke)
         rows.append(r)
         print(f"{case:14} {n:>7} {r['ringcc_ms']:10.2f} {r['flex_ms']:9.2f} {r['speed_vs_flex']:7.2f}x "
               f"{r['max_rel_diff']:13.2e}   ({time.perf_counter() - t0:.0f} s with compiles)", flush=True)
@@ -245,11 +346,16 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["contiguous", "zigzag", "auto"], default="contiguous",
                     help="sequence layout; auto: zigzag for causal cases without a window, as the backend picks")
     ap.add_argument("--json", dest="json_path", default="masked.json")
+    ap.add_argument("--schedule", type=int, default=0, metavar="P",
+                    help="with --vs-flex: one rank's block schedule of a ring of P ranks without transfers, against "
+                    "flex_attention over the same queries and all keys (see schedule_cell)")
     ap.add_argument("--vs-flex", action="store_true", help="one GPU: ringcc's masked and modified blocks against "
                     "flex_attention alone (see the module's docstring)")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 1:
         ap.error(f"--reps and --warmup must be >= 1; got {args.reps} and {args.warmup}")
+    if args.schedule and (not args.vs_flex or args.schedule < 2):
+        ap.error(f"--schedule P takes --vs-flex and P >= 2; got P={args.schedule}")
     if args.vs_flex:
         return vs_flex(args)
 
