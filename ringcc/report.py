@@ -98,7 +98,22 @@ class GraphReport:
         if self.plan is not None:
             lines.append(f"  memory: {getattr(self.plan, 'summary', lambda: str(self.plan))()}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if any(s.mask and s.mask.get("function") for s in self.sites):
+            lines.append(f"  {tiles_line()}")
         return "\n".join(lines)
+
+
+def tiles_line() -> str:
+    """How this process's calls under mask functions ran since ringcc.runtime.maskfn.reset_stats
+    (Note [Tile bounds], Note [Dense parts] in runtime/maskfn.py)."""
+    from ringcc.runtime.maskfn import STATS as st
+
+    if not any(st.values()):
+        return "mask functions at run time: no call yet"
+    return (f"mask functions at run time: calls {st['empty']} empty (skipped), {st['full']} full (fused kernel), "
+            f"{st['partial']} partial; tiles {st['tiles_empty']} empty, {st['tiles_full']} full, "
+            f"{st['tiles_partial']} partial; dense parts on the fused kernel: {st['calls_dense']} calls over "
+            f"{st['tiles_dense']} tiles")
 
 
 def balance_line(site: Site) -> str:

@@ -245,17 +245,23 @@ class Masked:
 
 
 @functools.lru_cache(maxsize=256)  # per mask function: the forward's and the backward's programs key on it
-def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool):
+def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool, skipped: bool = False):
     """The mask function of a call under a mask function (Note [Mask functions]): the function at
     the call's global positions, batch rows from b0 and heads from h0; its diagonal, if causal;
-    the key mask, if any (its last tensor)."""
+    not in the skipped tiles, if any (the tensor after the function's: Note [Dense parts]); the
+    key mask, if any (the last tensor)."""
+    extra = int(keyed) + int(skipped)
+
     def visible(b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
         qi, kj = q_pos[i], k_pos[j]
-        m = fn(b + b0, h + h0, qi, kj, tensors[:-1] if keyed else tensors)
+        own = tensors[:len(tensors) - extra]
+        m = fn(b + b0, h + h0, qi, kj, own)
         if not isinstance(m, torch.Tensor):
             m = (qi == qi) if m else (qi != qi)
         if causal:
             m = m & (kj <= qi)
+        if skipped:
+            m = m & ~tensors[len(own)][i // TILE, j // TILE]
         return m & tensors[-1][b, j] if keyed else m
 
     return visible
@@ -268,12 +274,19 @@ def _fn_block_mask(mask: maskfn.FnMask, key_valid_bs, rows, backward: bool) -> M
     lk = mask.k_pos.shape[0]
     sub = mask.sub(r0, r1, 0, lk)
     some, full = maskfn.tile_states(sub, TILE)
+    # tiles the fused kernels compute (Note [Dense parts] in maskfn.py): left out of the BlockMask,
+    # and out of the function too, so that a dense evaluation of it (flex's CPU implementation)
+    # computes what the kernel does
+    skip = maskfn.skipped_tiles(sub)
+    if skip is not None:
+        some, full = some & ~skip, full & ~skip
     if key_valid_bs is not None:
         some, full = _with_key_tiles(some, full, key_valid_bs, lk)
     dev = mask.q_pos.device
     b0, h0 = _offsets(mask.b0, mask.h0, dev)
-    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None),
-            (sub.q_pos, sub.k_pos, b0, h0, *mask.tensors, *(() if key_valid_bs is None else (key_valid_bs,))))
+    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None, skip is not None),
+            (sub.q_pos, sub.k_pos, b0, h0, *mask.tensors, *(() if skip is None else (skip,)),
+             *(() if key_valid_bs is None else (key_valid_bs,))))
     return _masked(some, full, fn, r1 - r0, lk, backward)
 
 

@@ -511,7 +511,7 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device, q.dtype)
+    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device, q.dtype, score is not None)
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
@@ -546,15 +546,20 @@ class FnBlocks:
     with the function as its position mask otherwise. `fn`: (MaskFn, tensors); heads [h0, h0 +
     heads) of the site, batch of `batch` rows."""
 
-    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device, dtype=None):
+    def __init__(self, fn, setup: RingSetup, s: int, batch: int, heads: int, h0: int, device, dtype=None,
+                 score: bool = False):
         self.fn, self.tensors = fn
         self.setup, self.batch, self.heads, self.h0 = setup, batch, heads, h0
         self.q_pos = setup.positions(setup.rank, s, device)
         self.s, self.device = s, device
-        # flex_attention takes a partial call whole, its tiles from the function's bounds
+        # flex_attention takes a partial call whole, its tiles from the function's bounds, less
+        # the dense parts the fused kernels take where they can (no score function: Note [Dense parts])
         self.whole = dtype is not None and kernels.flex_blocks(torch.device(device), dtype)
+        self.dense = self.whole and not score
 
-    def calls(self, calls, src: int):
+    def calls(self, calls, src: int, keyed: bool = False):
+        """The calls of the block of rank `src` (`keyed`: it holds a key mask, which the fused
+        kernels do not take)."""
         k_pos = self.setup.positions(src, self.s, self.device)
         out = []
         for c, allowed in calls:
@@ -569,8 +574,10 @@ class FnBlocks:
                               b0, self.h0, c.causal, where)
             if self.whole:
                 state = maskfn.classify(m, maskfn.FLEX_TILE)
-                if state != "empty":
-                    out.append((c, None) if state == "full" else (BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), m))
+                if state == "full":
+                    out.append((c, None))
+                elif state == "partial":
+                    out.extend(self._partial(c, m, keyed))
                 continue
             state, parts = maskfn.split(m)
             if state == "full":
@@ -578,6 +585,19 @@ class FnBlocks:
             for r0, r1, k0, k1, masked in parts:  # rows and keys of the call: the diagonal is in the mask
                 part = BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, False, c.b0, c.b1)
                 out.append((part, m.sub(r0, r1, k0, k1) if masked else None))
+        return out
+
+
+    def _partial(self, c: BlockCall, m: "maskfn.FnMask", keyed: bool) -> list:
+        """A partial call on flex_attention: its dense parts on the fused kernels, the rest whole
+        (Note [Dense parts] in maskfn.py)."""
+        parts, rest = maskfn.dense_parts(m, maskfn.FLEX_TILE) if self.dense and not keyed else ((), True)
+        out = [(BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, low, c.b0, c.b1), None)
+               for r0, r1, k0, k1, low in parts]
+        if rest:
+            skip = tuple((r0 // maskfn.FLEX_TILE, -(-r1 // maskfn.FLEX_TILE), k0 // maskfn.FLEX_TILE,
+                          -(-k1 // maskfn.FLEX_TILE), low) for r0, r1, k0, k1, low in parts)
+            out.append((BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), replace(m, skip=skip)))
         return out
 
 
@@ -624,7 +644,7 @@ def _ring_steps(setup: RingSetup, comm, k, v, key_valid, s: int, device, carry=N
         src = (setup.rank - step) % setup.world
         calls = setup.masked_calls(s, src, device, runs.get(src))
         if fn is not None:
-            calls = fn.calls(calls, src)
+            calls = fn.calls(calls, src, keyed=key_valid is not None and src not in runs)
         st = RingStep(step, held[0], held[1], held[2] if key_valid is not None and src not in runs else None,
                       calls, comm if recv else None, recv[n_held:] if carried and recv else None, src)
         yield st
@@ -748,7 +768,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
-        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device, q.dtype)
+        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device, q.dtype,
+                                                  score is not None)
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
                             runs=runs, fn=blocks)
         del k_c, v_c

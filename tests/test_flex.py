@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
 
+import ringcc
 from ringcc import reference
 from ringcc.runtime import flex
 from ringcc.runtime.ring import WindowMask
@@ -265,3 +266,101 @@ def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
     monkeypatch.setattr(flex, "fwd", lambda *a, **k: (_ for _ in ()).throw(ValueError("a real bug")))
     with pytest.raises(ValueError, match="a real bug"):
         kernels.block_fwd(q, k, v, **args)
+
+
+# ---------------------------------------------------------------------------------------
+# dense parts of partial calls (Note [Dense parts] in runtime/maskfn.py)
+
+DOCS = "maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2"
+
+
+def _doc_ids(lengths):
+    return torch.cat([torch.full((m,), i) for i, m in enumerate(lengths)])[None]
+
+
+@pytest.mark.parametrize("lengths, causal, rest", [
+    ([40, 24, 64], True, False),  # documents on tile bounds: one causal square each, nothing left
+    ([36, 28, 64], True, True),  # a boundary inside a tile: its tiles stay masked
+    ([40, 24, 64], False, False),  # bidirectional: a rectangle (here a square) of whole tiles each
+    ([36, 28, 64], False, True),
+])
+def test_dense_parts_cover_only_allowed_pairs_and_leave_the_rest(monkeypatch, lengths, causal, rest):
+    """The parts a partial call hands to the fused kernels hold only pairs the mask allows
+    (a causal part: its lower triangle), cover disjoint pairs, and every allowed pair outside
+    them is in a tile the masked call keeps."""
+    from ringcc.runtime import maskfn
+
+    monkeypatch.setattr(maskfn, "DENSE_SIDE", 2)
+    tile, n = 8, sum(lengths)
+    doc, pos = _doc_ids(lengths), torch.arange(n)
+    m = maskfn.FnMask(maskfn.parse(DOCS), (doc,), pos, pos, 1, 1, causal=causal)
+    allowed = m.rows(0, n)[0, 0]
+    parts, left, _ = maskfn._dense_parts(m, tile)
+    assert parts and left == rest, (parts, left)
+    cover = torch.zeros(n, n, dtype=torch.int)
+    for r0, r1, c0, c1, low in parts:
+        block = torch.ones(r1 - r0, c1 - c0, dtype=torch.int)
+        cover[r0:r1, c0:c1] += block.tril() if low else block
+        assert low == causal and (r0, r1) == (c0, c1) if low else True
+    assert int(cover.max()) == 1 and bool(allowed[cover.bool()].all())
+    # the tiles the masked call keeps hold every allowed pair the parts do not
+    skip = tuple((r0 // tile, -(-r1 // tile), c0 // tile, -(-c1 // tile), low) for r0, r1, c0, c1, low in parts)
+    kept = ~maskfn._covered(skip, n // tile, n // tile).repeat_interleave(tile, 0).repeat_interleave(tile, 1)
+    assert bool((allowed & ~cover.bool() <= kept).all())
+    assert bool((allowed & kept).any()) == rest
+
+
+def case_dense_parts(rank, world, lengths, layout):
+    """Ring attention under a document mask with flex blocks (as on CUDA; here flex's dense
+    implementation in fp32) and dense parts of 2 tiles: forward, LSE and gradients against dense
+    SDPA, and the calls and tiles the fused kernels took."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.nn.attention.flex_attention as fa
+
+    from ringcc import _compat
+    from ringcc.runtime import kernels, maskfn, ops
+
+    @functools.cache
+    def compiled():
+        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
+        return torch.compile(fa.flex_attention, fullgraph=True, backend="eager", dynamic=True)
+
+    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE
+    flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE = compiled, (lambda device, dtype: True), 2
+    kernels._FLEX_FAILED.clear()
+    try:
+        n, h, d = sum(lengths), 2, 16
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, h, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
+        doc = _doc_ids(lengths)
+        pos = torch.arange(n)
+        allowed = (doc[0, :, None] == doc[0, None, :]) & (pos[None, :] <= pos[:, None])
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed)
+        ref.backward(dout)
+        shard = lambda t: ringcc.shard_sequence(t, 2, layout=layout)  # noqa: E731
+        ql, kl, vl = (shard(t.float()).detach().requires_grad_() for t in (q, k, v))
+        maskfn.reset_stats()
+        with _compat.flex_cpu_backward():
+            out, _ = ops.ring_attention_op(ql, kl, vl, None, True, d ** -0.5, _compat.group_name(dist.group.WORLD),
+                                           world, layout, mask_fn=DOCS, mask_t0=doc)
+            out.backward(shard(dout.float()))
+        stats = dict(maskfn.STATS)
+        errs = [float((a - shard(b.float())).abs().max() / b.abs().max())
+                for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))]
+        return errs, stats, dict(kernels._FLEX_FAILED)
+    finally:
+        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE = saved
+
+
+@pytest.mark.parametrize("world, layout", [(1, "contiguous"), (2, "zigzag")])
+def test_ring_under_documents_runs_dense_parts_on_the_fused_kernels(pools, world, layout):
+    """Packed causal documents, some on tile bounds (their squares go to the fused kernel), one
+    short one and one across a tile bound (left to flex), at p = 1 and 2: exact, with dense
+    parts taken and nothing falling back to the math path."""
+    lengths = [256, 384, 128, 200, 312, 768]  # 2048 tokens
+    for errs, stats, failed in pools(world).run(case_dense_parts, lengths, layout):
+        assert max(errs) < 1e-5, errs
+        assert stats["calls_dense"] >= 2 and stats["tiles_dense"] > 0 and not failed, (stats, failed)

@@ -621,10 +621,12 @@ def test_hf_flex_attention_path_p2(pools, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_mask_function_dispatch_on_one_gpu():
-    """Packed documents in bf16 at 8K tokens on one GPU (p = 1): the block runs flex_attention
-    whole, with a BlockMask from the function's tile bounds (empty tiles skipped, full tiles
-    unmasked) in forward and in its one-kernel backward; the output and every gradient within
-    bf16's tolerance of eager SDPA with the dense mask, and the tile counts printed (run with -s)."""
+    """Packed documents in bf16 at 8K tokens on one GPU (p = 1): the block's tiles from the
+    function's bounds (empty tiles skipped); the squares of whole tiles inside the documents run
+    as causal calls of the fused cuDNN kernel (Note [Dense parts]), and the rest runs on
+    flex_attention with a BlockMask without them, in forward and in its one-kernel backward; the
+    output and every gradient within bf16's tolerance of eager SDPA with the dense mask, and the
+    report's tile counts printed (run with -s)."""
     from ringcc.runtime import kernels
 
     torch.manual_seed(0)
@@ -645,13 +647,17 @@ def test_mask_function_dispatch_on_one_gpu():
     r = ref(x, pos, valid)
     (r.float() * proj).sum().backward()
     print(f"\nmask function dispatch at n = {n}, documents {lengths}: {stats}")
+    print(ringcc.last_report().format())
     assert float((out - r).abs().max() / r.abs().max()) < 2e-2
     for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         assert (p.grad is None) == (rp.grad is None), pname
         assert float((p.grad - rp.grad).abs().max() / rp.grad.abs().max()) < 3e-2, pname
-    # forward and backward each take the one block whole: documents leave whole tiles empty and full
+    # forward and backward each take the one block: documents leave whole tiles empty and full
     assert stats["tiles_empty"] > stats["tiles_partial"] and stats["tiles_full"] > stats["tiles_partial"], stats
     assert stats["partial"] == 2 and not kernels._FLEX_FAILED, (stats, kernels._FLEX_FAILED)
+    # each document holds a square of at least DENSE_SIDE whole tiles: one causal cuDNN call each,
+    # in forward and in backward
+    assert stats["calls_dense"] == 2 * len(lengths) and stats["tiles_dense"] > stats["tiles_partial"], stats
 
 
 def case_llama4_chunked(rank, world):
