@@ -128,9 +128,9 @@ class RingSetup:
         return self.chunks[rank] if self.chunks is not None else local_chunks(rank, self.world, self.layout)
 
     def positions(self, rank: int, n_local: int, device=None) -> torch.Tensor:
-        """Global positions of ring rank `rank`'s local rows."""
+        """Global positions of ring rank `rank`'s local rows (shared: never written)."""
         chunks = self.local_chunks(rank)
-        return chunk_positions(chunks, n_local // len(chunks), device)
+        return _positions(tuple(chunks), n_local // len(chunks), None if device is None else torch.device(device))
 
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         mine, theirs = self.local_chunks(self.rank), self.local_chunks(src)
@@ -185,6 +185,15 @@ class RingSetup:
                 out.append((c, None if every else WindowMask(q_dev[c.q0:c.q1], k_dev[c.k0:c.k1], self.window,
                                                              self.is_causal, qs, ks)))
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(chunks: tuple[int, ...], chunk_len: int, device) -> torch.Tensor:
+    """chunk_positions, made once per chunks, length and device (the calls of every layer, step
+    and head chunk read them), int32 where they fit: the mask and score functions' index
+    arithmetic in flex's kernels then runs in 32 bits."""
+    pos = chunk_positions(chunks, chunk_len, device)
+    return pos.to(torch.int32) if (max(chunks) + 1) * chunk_len < 2**31 else pos
 
 
 @functools.lru_cache(maxsize=1024)
