@@ -364,3 +364,21 @@ def test_ring_under_documents_runs_dense_parts_on_the_fused_kernels(pools, world
     for errs, stats, failed in pools(world).run(case_dense_parts, lengths, layout):
         assert max(errs) < 1e-5, errs
         assert stats["calls_dense"] >= 2 and stats["tiles_dense"] > 0 and not failed, (stats, failed)
+
+
+def test_skipped_tiles_of_a_row_chunk_are_the_chunks_rows():
+    """A call's row chunk (flex.CALL_ROWS) keeps the skipped tiles of its rows, a lower part cut
+    across its diagonal included."""
+    from dataclasses import replace
+
+    from ringcc.runtime import maskfn
+
+    t, n = maskfn.FLEX_TILE, 6 * maskfn.FLEX_TILE
+    pos = torch.arange(n)
+    m = replace(maskfn.FnMask(maskfn.parse(DOCS), (_doc_ids([n]),), pos, pos, 1, 1, causal=True),
+                skip=((1, 5, 1, 5, True), (5, 6, 0, 2, False)))
+    whole = m.skipped()
+    assert int(whole.sum()) == t * t * (10 + 2)
+    for r0 in (0, 2 * t, 3 * t):
+        assert torch.equal(m.sub(r0, n, 0, n).skipped(), whole[r0:])
+        assert torch.equal(m.sub(r0, n, 0, n).rows(0, n - r0), m.rows(r0, n))

@@ -620,15 +620,17 @@ def test_hf_flex_attention_path_p2(pools, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_mask_function_dispatch_on_one_gpu():
+def test_mask_function_dispatch_on_one_gpu(monkeypatch):
     """Packed documents in bf16 at 8K tokens on one GPU (p = 1): the block's tiles from the
     function's bounds (empty tiles skipped); the squares of whole tiles inside the documents run
-    as causal calls of the fused cuDNN kernel (Note [Dense parts]), and the rest runs on
+    as causal calls of the fused cuDNN kernel (Note [Dense parts]; parts of 8 tiles a side here,
+    so that documents of this length take them), and the rest runs on
     flex_attention with a BlockMask without them, in forward and in its one-kernel backward; the
     output and every gradient within bf16's tolerance of eager SDPA with the dense mask, and the
     report's tile counts printed (run with -s)."""
     from ringcc.runtime import kernels
 
+    monkeypatch.setattr(maskfn, "DENSE_SIDE", 8)
     torch.manual_seed(0)
     dev, n = torch.device("cuda"), 8192
     ref = MaskedAttention("documents", d=256, h=4, g=2).to(dev, torch.bfloat16)
