@@ -785,7 +785,10 @@ def dense_parts(mask: FnMask, tile: int | None = None) -> tuple[tuple, bool]:
     """(parts, rest) of a partial call (Note [Dense parts]): parts (r0, r1, c0, c1, causal) in
     rows and keys of the call, and whether tiles are left for the masked call (`mask` with the
     parts' tiles in `skip`)."""
-    parts, rest, tiles = memo(mask, ("dense", tile), lambda: _dense_parts(mask, tile or TILE))
+    tile = tile or TILE
+    if min(mask.q_pos.shape[0], mask.k_pos.shape[0]) < DENSE_SIDE * tile:  # no part fits: no host read
+        return (), True
+    parts, rest, tiles = memo(mask, ("dense", tile), lambda: _dense_parts(mask, tile))
     STATS["calls_dense"] += len(parts)
     STATS["tiles_dense"] += tiles
     return parts, rest
