@@ -100,6 +100,11 @@ class GraphReport:
         lines.extend(f"  note: {n}" for n in self.notes)
         if any(s.mask and s.mask.get("function") for s in self.sites):
             lines.append(f"  {tiles_line()}")
+        from ringcc.runtime.kernels import fallback_line
+
+        fallback = fallback_line()
+        if fallback and self.rewritten:
+            lines.append(f"  {fallback}")
         return "\n".join(lines)
 
 

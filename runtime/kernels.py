@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 
 import torch
 
@@ -201,20 +202,36 @@ def _flex_path(device, dtype, key_valid_bs, allowed_qk, mod=None) -> bool:
 
 
 _FLEX_FAILED: dict = {}  # (device, dtype, head dim) -> why flex_attention could not run such blocks
+# block calls (forward and backward) that ran the exact math path because flex_attention failed
+# for blocks like theirs, per (device, dtype, head dim); the ringcc report prints them
+FLEX_FALLBACKS: Counter = Counter()
+
+
+def fallback_line() -> str | None:
+    """The report's line on masked blocks that ran the exact math path after flex_attention
+    failed for them (None: none did)."""
+    if not FLEX_FALLBACKS:
+        return None
+    parts = [f"{n} calls of {dt} blocks with head dim {d} on {dev} ({_FLEX_FAILED.get((dev, dt, d), '?')})"
+             for (dev, dt, d), n in FLEX_FALLBACKS.items()]
+    return "masked blocks on the exact math path (flex_attention failed for them): " + "; ".join(parts)
 
 
 def _try_flex(call, q_bhsd):
     """call() (a flex.py block call), or None when flex_attention cannot be compiled or launched
-    for blocks like q's here (warned once per device, dtype and head dim): the caller then runs
-    the exact math path, slower but correct, instead of failing the training step."""
+    for blocks like q's here (warned once per device, dtype and head dim; every such call counted
+    in FLEX_FALLBACKS): the caller then runs the exact math path, slower but correct, instead of
+    failing the training step."""
     key = (q_bhsd.device, q_bhsd.dtype, q_bhsd.shape[-1])
     if key in _FLEX_FAILED:
+        FLEX_FALLBACKS[key] += 1
         return None
     try:
         return call()
     except _compat.compile_errors() as e:
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         _FLEX_FAILED[key] = why
+        FLEX_FALLBACKS[key] += 1
         warnings.warn(f"ringcc: flex_attention could not run masked {q_bhsd.dtype} blocks with head dim "
                       f"{q_bhsd.shape[-1]} on {q_bhsd.device} ({why}); using the exact math path for them "
                       "(slower; RINGCC_MASKED_KERNEL=math selects it without trying flex)", stacklevel=3)

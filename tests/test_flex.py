@@ -235,7 +235,8 @@ def test_window_masks_are_built_once_per_window():
 def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
     """When flex_attention cannot be compiled or launched for some blocks (say, a head dim
     Triton has no configuration for), kernels.block_fwd/block_bwd warn once and run the exact
-    path for blocks like them, instead of failing the step; other errors still surface."""
+    path for blocks like them, instead of failing the step, and count every such call for the
+    report; other errors still surface."""
     import torch._dynamo.exc as dynamo_exc
 
     from ringcc.runtime import kernels
@@ -250,6 +251,8 @@ def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
     monkeypatch.setattr(flex, "fwd", failing)
     monkeypatch.setattr(flex, "bwd", failing)
     monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
+    monkeypatch.setattr(kernels, "FLEX_FALLBACKS", kernels.Counter())
+    assert kernels.fallback_line() is None
     b, h, n, d = 1, 2, 40, 8
     gen = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(b, h, n, d, generator=gen) for _ in range(4))
@@ -261,6 +264,9 @@ def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
     torch.testing.assert_close(out, ref)
     grads = kernels.block_bwd(dout, q, k, v, out, lse, **args)  # no second attempt, no second warning
     assert len(calls) == 1 and grads[0].shape == q.shape
+    assert kernels.FLEX_FALLBACKS == {(q.device, q.dtype, d): 2}
+    line = kernels.fallback_line()
+    assert "2 calls of torch.float32 blocks with head dim 8 on cpu" in line and "No valid triton configs" in line
 
     monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
     monkeypatch.setattr(flex, "fwd", lambda *a, **k: (_ for _ in ()).throw(ValueError("a real bug")))
