@@ -2,8 +2,12 @@
 tile states against the dense mask, and the BlockMask's mask_mod and tiles against the
 positions. The kernels themselves run on CUDA only (tests/test_ring_gpu.py)."""
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
 
 import ringcc
@@ -361,6 +365,7 @@ def case_dense_parts(rank, world, lengths, layout):
         flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE = saved
 
 
+@pytest.mark.soak  # the default tier runs documents through dense parts in test_fixed_masks_through_dense_parts_are_exact
 @pytest.mark.parametrize("world, layout", [(1, "contiguous"), (2, "zigzag")])
 def test_ring_under_documents_runs_dense_parts_on_the_fused_kernels(pools, world, layout):
     """Packed causal documents, some on tile bounds (their squares go to the fused kernel), one
@@ -388,3 +393,140 @@ def test_skipped_tiles_of_a_row_chunk_are_the_chunks_rows():
     for r0 in (0, 2 * t, 3 * t):
         assert torch.equal(m.sub(r0, n, 0, n).skipped(), whole[r0:])
         assert torch.equal(m.sub(r0, n, 0, n).rows(0, n - r0), m.rows(r0, n))
+
+
+# ---------------------------------------------------------------------------------------
+# random mask functions through the flex path with dense parts (soak: many; default: two fixed)
+
+
+def _fn_text(spec) -> str:
+    """The mask function of `spec`: documents, and a window |q - kv| < w, a bidirectional
+    prefix (kv <= q or kv < prefix) or chunks (q // c == kv // c) when set."""
+    lines = ["%0 = load t0 b q", "%1 = load t0 b kv", "%2 = eq %0 %1"]
+
+    def add(line):
+        lines.append(f"%{len(lines)} = {line}")
+        return len(lines) - 1
+
+    top = 2
+    w, pre, c = spec["window"], spec["prefix"], spec["chunk"]
+    if w:
+        a = add(f"abs %{add('sub q kv')}")
+        top = add(f"and %{top} %{add(f'lt %{a} {w}')}")
+    if pre:
+        a, b = add("le kv q"), add(f"lt kv {pre}")
+        top = add(f"and %{top} %{add(f'or %{a} %{b}')}")
+    if c:
+        a, b = add(f"floordiv q {c}"), add(f"floordiv kv {c}")
+        top = add(f"and %{top} %{add(f'eq %{a} %{b}')}")
+    return "\n".join(["maskfn v1 tensors=1", *lines, f"return %{top}"])
+
+
+def _dense_mask(spec, n):
+    """The same mask as a dense [n, n] bool, written directly."""
+    doc, i = _doc_ids(spec["lengths"])[0], torch.arange(n)
+    q, k = i[:, None], i[None, :]
+    m = doc[:, None] == doc[None, :]
+    if spec["window"]:
+        m &= (q - k).abs() < spec["window"]
+    if spec["prefix"]:
+        m &= (k <= q) | (k < spec["prefix"])
+    if spec["chunk"]:
+        m &= q // spec["chunk"] == k // spec["chunk"]
+    return m & (k <= q) if spec["causal"] else m
+
+
+def case_random_masks(rank, world, specs):
+    """Each spec through ring attention with flex blocks (flex's dense implementation here) and
+    dense parts of spec["side"] tiles, flex calls of spec["rows"] rows: the largest error of
+    output and gradients against dense SDPA in float64, and the dense calls taken."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.nn.attention.flex_attention as fa
+
+    from ringcc import _compat
+    from ringcc.runtime import kernels, maskfn, ops
+
+    @functools.cache
+    def compiled():
+        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
+        return torch.compile(fa.flex_attention, fullgraph=True, backend="eager", dynamic=True)
+
+    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS
+    out = []
+    try:
+        for spec in specs:
+            flex._flex, kernels.flex_blocks = compiled, (lambda device, dtype: True)
+            maskfn.DENSE_SIDE, flex.CALL_ROWS = spec["side"], spec["rows"]
+            kernels._FLEX_FAILED.clear()
+            n, h, d = sum(spec["lengths"]), 2, 8
+            gen = torch.Generator().manual_seed(spec["seed"])
+            q, k, v, dout = (torch.randn(1, h, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            allowed = _dense_mask(spec, n)
+            ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, attn_mask=allowed)
+            ref = torch.where(allowed.any(-1)[:, None], ref, 0.0)  # rows that see no key: 0, as ringcc
+            ref.backward(dout)
+            shard = lambda t: ringcc.shard_sequence(t, 2, layout=spec["layout"])  # noqa: E731
+            ql, kl, vl = (shard(t.float()).detach().requires_grad_() for t in (q, k, v))
+            maskfn.reset_stats()
+            with _compat.flex_cpu_backward():
+                o, _ = ops.ring_attention_op(ql, kl, vl, None, spec["causal"], d ** -0.5,
+                                             _compat.group_name(dist.group.WORLD), world, spec["layout"],
+                                             mask_fn=_fn_text(spec), mask_t0=_doc_ids(spec["lengths"]))
+                o.backward(shard(dout.float()))
+            err = max(float((a - shard(b.float())).abs().max() / b.abs().max().clamp_min(1e-9))
+                      for a, b in ((o.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
+                                   (vl.grad, vr.grad)))
+            out.append((spec, err, maskfn.STATS["calls_dense"], dict(kernels._FLEX_FAILED)))
+    finally:
+        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS = saved
+    return out
+
+
+def _check_random_masks(pools, world, specs):
+    for results in pools(world).run(case_random_masks, specs, timeout=900):
+        for spec, err, dense, failed in results:
+            assert err < 1e-5 and not failed, (spec, err, failed)
+    return [dense for _, _, dense, _ in results]
+
+
+FIXED_SPECS = [
+    dict(lengths=[640, 300, 84], window=0, prefix=0, chunk=0, causal=True, side=1, rows=256, layout="contiguous",
+         seed=1),
+    dict(lengths=[512, 512], window=300, prefix=200, chunk=0, causal=False, side=1, rows=384, layout="contiguous",
+         seed=2),
+]
+
+
+def test_fixed_masks_through_dense_parts_are_exact(pools):
+    """Documents (row chunks of 256 cutting a causal square across its diagonal), and a
+    bidirectional window with a prefix (rectangles off the diagonal), at p = 1: exact, with dense
+    parts taken."""
+    assert all(_check_random_masks(pools, 1, FIXED_SPECS))
+
+
+@st.composite
+def _mask_specs(draw):
+    t = flex.TILE
+    lengths = draw(st.lists(st.integers(1, 800), min_size=1, max_size=5))
+    n = sum(lengths)
+    world = draw(st.sampled_from([1, 2]))
+    layout = draw(st.sampled_from(["contiguous", "zigzag"]))
+    lengths[-1] += (-n) % (2 * world * 8)  # divisible by 2p (zigzag), in whole 8-row units
+    return world, dict(lengths=lengths, window=draw(st.sampled_from([0, 100, 300])),
+                       prefix=draw(st.sampled_from([0, 200])), chunk=draw(st.sampled_from([0, 256, 384])),
+                       causal=draw(st.booleans()), side=draw(st.integers(1, 3)),
+                       rows=draw(st.sampled_from([t, 2 * t, 1 << 16])), layout=layout, seed=draw(st.integers(0, 99)))
+
+
+@pytest.mark.soak
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "12")), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(_mask_specs())
+def test_random_masks_through_dense_parts_are_exact(pools, case):
+    """Random documents, windows, prefixes and chunks, causal or not, at p = 1 and 2 in both
+    layouts, with dense parts of 1 to 3 tiles and flex calls of 128 rows to all: exact."""
+    world, spec = case
+    _check_random_masks(pools, world, [spec])
