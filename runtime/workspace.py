@@ -384,7 +384,8 @@ def _forward_options(opts, i: int, g: int, itemsize: int) -> list[int]:
     return [j for j, o in enumerate(opts) if _forward_may_take(o[0], opts[i][0], g, itemsize)]
 
 
-FLEX_TILE_BYTES = 48  # per 128 x 128 tile and batch row: bool states, int32 counts and indices, both orders
+FLEX_TILE_BYTES = 50  # per 128 x 128 tile and batch row: bool states, int32 counts and indices, both orders; the
+# skipped tiles of dense parts and their negation (Note [Dense parts] in maskfn.py)
 
 
 def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
