@@ -516,10 +516,16 @@ def balance_moves(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
 
 def _ring_workspace(a: dict, p) -> Workspace:
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
-    budget = workspace_budget(q, k)
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
+    return _ring_workspace_of(q, k, kv_mask, zz, p, chunk_rule_settings(), uses_receive_area(q))
+
+
+# A model's layers repeat a few attention shapes, and each formula is sympy work of a large
+# part of a second: one per shape and the settings the rule reads.
+@functools.lru_cache(maxsize=256)
+def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, settings: tuple, area: bool) -> Workspace:
+    budget = workspace_budget(q, k)
     opts = _chunk_options(q, k, kv_mask, p, zz, rule=True)  # what the rule decides on
-    area = uses_receive_area(q)
     mem = _chunk_options(q, k, kv_mask, p, zz, area=area)  # what is allocated
     n_t = 2 + (kv_mask is not None)  # tensors per forward batch (K, V, mask); the backward adds dK, dV
 
