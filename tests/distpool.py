@@ -32,9 +32,6 @@ def _worker(rank, world, port, backend, jobs, results):
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # The ranks already fill the cores: inductor compiles each kernel in the rank's own process
-    # instead of starting a pool of compile workers per rank (each one importing torch).
-    torch._inductor.config.compile_threads = 1
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(
