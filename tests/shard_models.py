@@ -75,6 +75,8 @@ def build(name: str):
         return Bert()
     if name == "encoder":
         return Encoder()
+    if name == "encoder_1layer":
+        return Encoder(layers=1)
     if name == "vit":
         return ViT()
     raise ValueError(name)
@@ -82,7 +84,7 @@ def build(name: str):
 
 def batch(name: str, n: int, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    if name in ("bert", "encoder"):
+    if name in ("bert", "encoder", "encoder_1layer"):
         pad = torch.zeros(2, n, dtype=torch.bool)
         pad[1, n - 5:] = True  # batch 1: a padded tail (keys ignored)
         if name == "bert":
@@ -311,10 +313,10 @@ class Bert(nn.Module):
 class Encoder(nn.Module):
     """nn.TransformerEncoder (batch_first, key padding mask), trained (no fused fast path)."""
 
-    def __init__(self, d=32):
+    def __init__(self, d=32, layers=2):
         super().__init__()
         layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
-        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, 1)  # normalised outputs alone make a loss with ~1e-7 gradients
 
     def forward(self, x, pad):

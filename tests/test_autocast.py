@@ -241,10 +241,10 @@ def test_fp16_grad_scaler_skips_the_steps_eager_skips(pools):
 # HF Llama, default config, fp32 weights under CPU bf16 autocast
 
 
-def _llama():
+def _llama(layers: int):
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
 
@@ -260,11 +260,11 @@ def _step(model, ids, labels, amp: bool):
     return out.loss.detach(), logits.detach(), {k: p.grad for k, p in model.named_parameters()}
 
 
-def case_llama(rank, world):
+def case_llama(rank, world, layers):
     import ringcc
 
     torch.manual_seed(0)
-    eager = _llama()
+    eager = _llama(layers)
     ref, model = copy.deepcopy(eager).double(), copy.deepcopy(eager)
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
     ids, labels = _batch()
@@ -278,10 +278,11 @@ def case_llama(rank, world):
                 no_grad=[{k for k, g in run[2].items() if g is None} for run in (got, base)])
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.zoo)])
-def test_llama_under_cpu_bf16_autocast(pools, world):
-    for res in pools(world).run(case_llama, timeout=900):
-        assert res["sites"] == [("rewritten", "autocast: q/k/v in torch.bfloat16")] * 2, res["sites"]
+# one decoder layer at p = 2 (every layer's site is the same code); two layers at p = 4 in the zoo tier
+@pytest.mark.parametrize("world,layers", [(2, 1), pytest.param(4, 2, marks=pytest.mark.zoo)])
+def test_llama_under_cpu_bf16_autocast(pools, world, layers):
+    for res in pools(world).run(case_llama, layers, timeout=900):
+        assert res["sites"] == [("rewritten", "autocast: q/k/v in torch.bfloat16")] * layers, res["sites"]
         assert res["dtypes"] == (torch.bfloat16, torch.bfloat16)
         assert res["no_grad"][0] == res["no_grad"][1]
         assert_as_close_as_eager(res["judged"])
