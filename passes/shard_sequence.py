@@ -1576,12 +1576,13 @@ _PW_CHEAP = ("contiguous", "clone", "detach", "to", "type", "type_as", "float", 
              "double", "long", "int", "bool", "alias", "zeros_like", "ones_like", "empty_like", "full_like")
 _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "pow", "neg", "abs", "exp", "log",
        "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "mish",
-       "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "where", "masked_fill", "eq", "ne",
+       "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "clamp_", "clamp_min_", "clamp_max_", "where", "masked_fill", "eq", "ne",
        "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "logical_not", "logical_and",
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp", "floor", "ceil", "round", "trunc")
+       "fill_", "masked_fill_", "__and__", "__or__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
+       "__rmul__", "__truediv__", "logaddexp", "floor", "ceil", "round", "trunc")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's
