@@ -167,11 +167,12 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
     stack = [r for r in roots if isinstance(r, torch.fx.Node)]
     root_set = set(stack)
     erased: set[torch.fx.Node] = set()
-    for root in list(stack):
-        stack.extend(_erase_unread_writes(gm, root))
     while stack:
         node = stack.pop()
-        if node in erased or real_users(node) or node.op not in ("call_function", "call_method"):
+        if node in erased:
+            continue
+        stack.extend(_erase_unread_writes(gm, node))  # a mask built in place (x[..] = v) whose reader is gone
+        if real_users(node) or node.op not in ("call_function", "call_method"):
             continue
         if node not in root_set and node.op == "call_function" and _impure(node):
             continue

@@ -23,7 +23,8 @@ carries.
 
 The walk stops at per-token values: a node it cannot read (a graph input, cumsum, diff, an
 embedding of positions, ..) whose value has at most one dim of the sequence's length becomes
-a tensor input t_k of the function, read through its axes (load). Such values are whole-length
+a tensor input t_k of the function, read through its axes (load). A cumsum of a value that is
+the same along the summed dim (a mask of ones) is index arithmetic, x * (i + 1), not an input. Such values are whole-length
 and replicated in the graph (ids, positions, padding masks), so the ring op takes them as they
 are and reads them at global positions. A node with two sequence dims that the walk cannot read
 (a stored [n, n] mask) is not extractable: its values are data.
@@ -31,7 +32,7 @@ are and reads them at global positions. A node with two sequence dims that the w
 At the mask the dims are (from the right) kv, q, h, b; substituting the indices for their axes
 gives the function. A bool mask is the function; an additive float mask must take the value 0
 (attend) or at most -1e4 (masked) only, which the walk proves from its constants (where,
-masked_fill, full, sums of such); otherwise it is a score bias, not a mask. Nothing is
+masked_fill, full, torch.tensor of a number, sums of such); otherwise it is a score bias, not a mask. Nothing is
 evaluated on data: the function holds for every input.
 
 The top-level conjuncts `kv <= q` are the causal flag (the ring's causal schedule and its
@@ -205,6 +206,7 @@ FLOAT_UNARY = {  # float functions a score function reads (Note [Score functions
 }
 REPEAT = _names("repeat", aten.repeat.default)
 BADDBMM = _names(torch.baddbmm, "baddbmm", aten.baddbmm.default)
+CUMSUM = _names(torch.cumsum, "cumsum", aten.cumsum.default)
 ARANGE = _names(torch.arange, aten.arange.default, aten.arange.start, aten.arange.start_step)
 KEEP = _names("contiguous", "clone", "detach", torch.clone, aten.clone.default, aten.contiguous.default,
               aten.lift_fresh_copy.default, aten.alias.default, aten.detach.default)
@@ -218,6 +220,7 @@ FULL_LIKE = {torch.ones: 1, torch.zeros: 0, torch.ones_like: 1, torch.zeros_like
              aten.ones.default: 1, aten.zeros.default: 0, aten.new_ones.default: 1, aten.new_zeros.default: 0,
              aten.ones_like.default: 1, aten.zeros_like.default: 0}
 FULL = _names(torch.full, "new_full", torch.full_like, aten.full.default, aten.full_like.default, "fill_")
+SCALAR_TENSOR = _names(torch.tensor, torch.scalar_tensor, aten.scalar_tensor.default)  # a 0-d tensor of a number
 TRIL = _names(torch.tril, "tril", aten.tril.default)
 TRIU = _names(torch.triu, "triu", aten.triu.default)
 MASKED_FILL = _names(torch.masked_fill, "masked_fill", "masked_fill_", aten.masked_fill.Scalar,
@@ -424,6 +427,8 @@ class _Walk:
             return self._repeat(node)
         if _target_in(t, ARANGE):
             return self._arange(node)
+        if _target_in(t, CUMSUM):
+            return self._cumsum(node)
         if _target_in(t, KEEP):
             return self._same(node, self.eval(args[0]))
         if _target_in(t, CAST):
@@ -447,6 +452,8 @@ class _Walk:
             if not isinstance(value, (int, float, bool)):
                 raise Unextractable(f"{node.name}: full() with a value that is not a constant ({value!r})")
             return self._const(node, value)
+        if _target_in(t, SCALAR_TENSOR) and args and isinstance(args[0], (int, float, bool)):
+            return self._const(node, args[0])
         if _target_in(t, TRIL) or _target_in(t, TRIU):
             return self._band(node, upper=_target_in(t, TRIU))
         if _target_in(t, MASKED_FILL):
@@ -521,6 +528,25 @@ class _Walk:
         v = fake(node)
         value = bool(value) if v.dtype == torch.bool else float(value) if v.dtype.is_floating_point else int(value)
         return Val(_c(value), self._out(node))
+
+    def _cumsum(self, node: torch.fx.Node) -> Val:
+        """x.cumsum(d) of an x whose value does not change along d (a mask of ones): x * (i_d + 1).
+        Any other cumsum (positions from a padding mask) is a per-token value, a tensor input."""
+        x, d = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(x, torch.fx.Node) or not isinstance(d, int) or node.kwargs.get("dtype") is not None:
+            return self._leaf(node)
+        saved = dict(self.memo), list(self.leaves)
+        try:
+            val = self.eval(x)
+        except Unextractable:
+            val = None
+        out = self._out(node)
+        d = d % len(out)
+        if not isinstance(val, Val) or len(self.leaves) != len(saved[1]) or out[d] is None \
+                or out[d] in _free_axes(self._align(val, out), set()):
+            self.memo, self.leaves = saved  # nothing read on the way is an input of the function
+            return self._leaf(node)
+        return Val(_op("mul", self._align(val, out), _op("add", ("ax", out[d]), _c(1))), out)
 
     def _arange(self, node: torch.fx.Node) -> Val:
         args = list(node.args)

@@ -454,6 +454,11 @@ class Sharder:
         writes the gathered copy: the later readers of the shard read that copy instead."""
         gathered = [(a, self.state[a]) for a in node.all_input_nodes
                     if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
+        spec = _ATTENTION_ARGS.get(op_name(node))
+        if spec is not None:  # attention over full values on every rank: one rank's ring, no communication
+            args = list(node.args)
+            args[spec["comm"]] = [self.comm[0], 1, "contiguous"]
+            node.args = tuple(args)
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
             if isinstance(st, Partial):
@@ -1435,6 +1440,13 @@ _ATTENTION_ARGS = {
 def attention_rule(w: Sharder, node):
     spec = _ATTENTION_ARGS[op_name(node)]
     q, k, v = node.args[:3]
+    for kind in ("mask", "score"):
+        for t in (node.kwargs.get(f"{kind}_t{i}") for i in range(4)):
+            # Notes [Mask functions] and [Score functions] in runtime/maskfn.py: read whole at
+            # global positions, replicated
+            st = w.state.get(t) if t is not None else None
+            if isinstance(st, Seq) and st.sharded:
+                raise Fallback(f"{kind} function input {t.name} computed on shards")
     for i, a in enumerate((q, k, v)):
         st = w.state.get(a)
         if st is None:
@@ -1462,11 +1474,7 @@ def attention_rule(w: Sharder, node):
         for t in (node.kwargs.get(f"{kind}_t{i}") for i in range(4)):
             if t is None:
                 continue
-            # Notes [Mask functions] and [Score functions] in runtime/maskfn.py: read whole at
-            # global positions, replicated
             st = w.state.get(t)
-            if isinstance(st, Seq) and st.sharded:
-                raise Fallback(f"{kind} function input {t.name} computed on shards")
             per_token = isinstance(st, Seq) or any(_eq(d, w.n) or _eq(d, w.N) for d in fake(t).shape)
             if padded and (kind == "mask" or per_token):
                 raise ValueError(f"attention site {node.name} at {location(node)}: its {kind} is a function of "
@@ -1568,12 +1576,13 @@ _PW_CHEAP = ("contiguous", "clone", "detach", "to", "type", "type_as", "float", 
              "double", "long", "int", "bool", "alias", "zeros_like", "ones_like", "empty_like", "full_like")
 _PW = ("add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "pow", "neg", "abs", "exp", "log",
        "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "mish",
-       "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "where", "masked_fill", "eq", "ne",
+       "leaky_relu", "elu", "clamp", "clamp_min", "clamp_max", "clamp_", "clamp_min_", "clamp_max_", "where", "masked_fill", "eq", "ne",
        "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "logical_not", "logical_and",
        "logical_or", "dropout", "erf", "square", "reciprocal", "maximum", "minimum", "lerp", "sign",
        "iadd", "isub", "imul", "itruediv", "add_", "mul_", "sub_", "div_", "radd", "rsub", "rmul",
        "tanh_", "exp2", "expm1", "log1p", "hardtanh", "relu6", "hardswish", "hardsigmoid",
-       "fill_", "masked_fill_", "__and__", "__or__", "logaddexp", "floor", "ceil", "round", "trunc")
+       "fill_", "masked_fill_", "__and__", "__or__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
+       "__rmul__", "__truediv__", "logaddexp", "floor", "ceil", "round", "trunc")
 
 # The rule table, keyed by op_name(node) (functions and methods alike). An op missing here
 # that meets a shard is run on gathered inputs (recorded as an O(n) gather). DTensor's

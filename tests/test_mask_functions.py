@@ -252,9 +252,25 @@ def vmapped_padding_causal(q, pos, valid):
     return fn(torch.arange(q.shape[0]), torch.arange(1), i, i)
 
 
+def tensor_padding_causal(q, pos, valid):
+    """An additive mask whose 0 is a 0-d tensor, as transformers 5.17's eager_mask writes it:
+    torch.where(allowed, torch.tensor(0.0), min)."""
+    i = _ar(q)
+    allowed = (i[None, :] <= i[:, None]) & valid[:, None, None, :].bool()
+    return torch.where(allowed, torch.tensor(0.0, dtype=q.dtype), torch.finfo(q.dtype).min)
+
+
+def cumsum_of_ones_causal(q, pos, valid):
+    """Causality read from positions that are a running count over a mask of ones, as
+    transformers 4.57's Bloom and OPT count positions without a padding mask."""
+    count = torch.ones(q.shape[0], q.shape[2], device=q.device).cumsum(-1)
+    return count[:, None, None, :] <= count[:, None, :, None]
+
+
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
                                  left_padding_causal, bidirectional_padding, position_causal, inverted_padding,
-                                 written_causal_padding, vmapped_padding_causal)}
+                                 written_causal_padding, vmapped_padding_causal, tensor_padding_causal,
+                                 cumsum_of_ones_causal)}
 N = 16
 
 
@@ -292,6 +308,18 @@ def test_extracted_function_equals_the_eager_mask(name):
     assert torch.equal(got, want)
 
 
+def test_a_running_count_over_ones_is_index_arithmetic_not_a_tensor_input():
+    """A cumsum of a value that is the same along the sum is read as (i + 1) * value: the
+    function reads no tensor; a cumsum of per-token values (the documents' ids) stays one."""
+    q, pos, valid = mask_inputs()
+    for build, inputs in ((cumsum_of_ones_causal, 0), (documents, 1)):
+        gm = dynamo_graph(lambda q, pos, valid: F.scaled_dot_product_attention(q, q, q, attn_mask=build(q, pos, valid)),
+                          q, pos, valid)
+        run(gm, PASSES)
+        lifted = _site(gm).meta[MASK_META]
+        assert len(lifted.fn_inputs) == inputs, (build.__name__, lifted.fn.text, lifted.fn_inputs)
+
+
 def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
     q, _, _ = mask_inputs()
     table = torch.rand(N, N) > 0.5
@@ -324,7 +352,8 @@ def test_an_additive_bias_is_a_score_function_not_a_mask():
 
 
 class MaskedAttention(nn.Module):
-    """One attention layer whose mask is `MASKS[name]`, built in the forward from the inputs."""
+    """One attention layer whose mask is `MASKS[name]` (or `SHARDED_INPUT_MASKS[name]`), built in
+    the forward from the inputs."""
 
     def __init__(self, name: str, d: int = 32, h: int = 4, g: int = 2):
         super().__init__()
@@ -337,7 +366,7 @@ class MaskedAttention(nn.Module):
         b, n, _ = x.shape
         q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
         k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
-        mask = MASKS[self.name](q, pos, valid)
+        mask = {**MASKS, **SHARDED_INPUT_MASKS}[self.name](q, pos, valid)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -365,7 +394,7 @@ def case_ring_parity(rank, world, name, n, layout):
     r = ref(x, pos, valid)
     (r * proj).sum().backward()
     rep = ringcc.last_report()
-    want = MASKS[name](x.view(2, n, 4, 8).transpose(1, 2), pos, valid)
+    want = {**MASKS, **SHARDED_INPUT_MASKS}[name](x.view(2, n, 4, 8).transpose(1, 2), pos, valid)
     want = (want if want.dtype == torch.bool else want == 0).expand(2, 1, n, n)
     stats = dict(maskfn.STATS, dense_pairs=int(want.sum()), balance=maskfn.balance())
     errs = {"out": float((out - r).abs().max())}
@@ -396,6 +425,29 @@ def _check_parity(results, name, n):
         if n >= 32 and name in ("documents", "documents_additive"):  # (a window of 3 leaves no full tile)
             # runs of whole tiles take the unmasked kernel, empty tiles none
             assert total.get("calls_unmasked", 0) > 0 and total.get("tiles_empty", 0) > 0, total
+
+
+def float_count_causal(q, pos, valid):
+    """Causality read from a running count over a float padding mask: a float cumsum, which the
+    sharder computes on shards, while a mask function reads its inputs whole."""
+    count = valid.float().cumsum(-1)
+    return count[:, None, None, :] <= count[:, None, :, None]
+
+
+SHARDED_INPUT_MASKS = {"float_count_causal": float_count_causal}
+
+
+@pytest.mark.soak
+def test_a_mask_function_input_computed_on_shards_runs_the_site_on_full_values(pools):
+    """A site whose mask function reads a value the sharder left on shards runs on gathered
+    values, as one rank's attention (no ring): exact, every parameter with its gradient, and
+    the gathers recorded and counted by the plan."""
+    for errs, grads, sites, verdict, gathers, _ in pools(2).run(case_ring_parity, "float_count_causal", 40,
+                                                                 "contiguous", timeout=300):
+        assert all(a == b for a, b in grads.values()), grads
+        assert max(errs.values()) < 2e-5, errs
+        assert sites == [("rewritten", True)], sites
+        assert not verdict and any("mask function input" in g and "computed on shards" in g for g in gathers), gathers
 
 
 # the default tier: a few cases at p = 2; the whole matrix at p = 1..4 under soak
