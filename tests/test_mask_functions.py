@@ -319,38 +319,6 @@ def test_an_additive_bias_is_a_score_function_not_a_mask():
     torch.testing.assert_close(gm(*inputs)[0], f(q, pos), atol=1e-5, rtol=1e-5)
 
 
-def _bias_over_max_length(q, slopes):
-    """MPT's ALiBi: a bias over max_seq_len (64) sliced at a start computed from the length."""
-    n = q.shape[2]
-    bias = (torch.arange(1 - 64, 1)[None, None, :] * slopes[:, None, None])[:, :, max(0, 64 - n):]
-    scores = q @ q.transpose(-1, -2) * 0.5 + bias
-    return scores.softmax(-1) @ q
-
-
-def test_a_bias_sliced_at_a_start_computed_from_a_symbolic_length_is_a_tensor_of_the_score_function():
-    """Under a symbolic length the slice's start is no constant: the sliced bias, whole-length at
-    every n, is the score function's tensor (read at h and kv), and the rewritten site equals eager,
-    forward and the gradient of q, at the traced length and at another."""
-    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
-    q = mask_inputs()[0].requires_grad_()
-    torch._dynamo.mark_dynamic(q, 2)
-    gm, inputs = dynamo_graph(_bias_over_max_length, q, slopes, with_inputs=True)
-    ctx = run(gm, PASSES + [("rewrite_attention", rewrite_attention)])
-    (site,) = ctx.report.sites
-    assert site.decision.value == "rewritten", site
-    assert "load t0 h 0 kv" in site.mask["score_function"], site.mask
-    for n in (N, 24):
-        x = torch.randn(2, 4, n, 8, generator=torch.Generator().manual_seed(n), requires_grad=True)
-        args = [n if isinstance(a, torch.SymInt) else x if a is q else a for a in inputs]
-        got = gm(*args)[0]
-        want = _bias_over_max_length(x, slopes)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        r = torch.randn_like(want)
-        (g_got,) = torch.autograd.grad((got * r).sum(), x)
-        (g_want,) = torch.autograd.grad((want * r).sum(), x)
-        torch.testing.assert_close(g_got, g_want, atol=1e-5, rtol=1e-5)
-
-
 # ---------------------------------------------------------------------------------------
 # ring attention under mask functions, against eager
 
