@@ -26,8 +26,11 @@ embedding of positions, ..) whose value has at most one dim of the sequence's le
 a tensor input t_k of the function, read through its axes (load). A cumsum of a value that is
 the same along the summed dim (a mask of ones) is index arithmetic, x * (i + 1), not an input. Such values are whole-length
 and replicated in the graph (ids, positions, padding masks), so the ring op takes them as they
-are and reads them at global positions. A node with two sequence dims that the walk cannot read
-(a stored [n, n] mask) is not extractable: its values are data.
+are and reads them at global positions. A slice at a start the graph computes from the length
+(MPT's bias over max_seq_len, sliced at max(0, max_seq_len - n) under a symbolic length) is one
+of them: the function cannot name n, and the slice's value is whole-length at every n. A node
+with two sequence dims that the walk cannot read (a stored [n, n] mask) is not extractable: its
+values are data.
 
 At the mask the dims are (from the right) kv, q, h, b; substituting the indices for their axes
 gives the function. A bool mask is the function; an additive float mask must take the value 0
@@ -710,6 +713,8 @@ class _Walk:
         idx = idx if isinstance(idx, tuple) else (idx,)
         if any(isinstance(i, torch.fx.Node) for i in idx):
             return self._index(node, base, idx)
+        if any(isinstance(i, slice) and isinstance(i.start, torch.fx.Node) for i in idx):
+            return self._leaf(node)  # a start computed from the length (Note [Mask extraction])
         x = self.eval(base)
         if not isinstance(x, Val):
             raise Unextractable(f"{node.name}: indexing a number")

@@ -18,7 +18,7 @@ Note [Memory plan]
    n would be mistaken; trace with a dynamic sequence dim to avoid it. When the sharding pass
    ran, it says which dim of each value is the sequence (meta["ringcc_seq"]): that dim is
    mapped, and besides it only dims equal to the full N (the second n of an n x n value), so
-   a model dim equal to N/P stays a constant.
+   a model dim equal to N/P stays a constant. A parameter's constant dims are never n.
 2. Storage. A node that aliases an earlier node's storage (same fake storage; or, without
    fake storages, a view op by name) adds no bytes: it extends the owner's live range.
 3. Live ranges (program points = graph order). Forward: a storage lives from its producer
@@ -475,13 +475,14 @@ class _SizeMapper:
         self.seq_len = seq_len
         self.tracked = tracked  # the sharding pass recorded every value's sequence dim
 
-    def dim(self, d, sharding: Sharding, seq=None) -> sympy.Expr:
-        """seq: the sharding pass's state of this dim when it is the sequence dim, else None."""
+    def dim(self, d, sharding: Sharding, seq=None, weight: bool = False) -> sympy.Expr:
+        """seq: the sharding pass's state of this dim when it is the sequence dim, else None;
+        weight: a parameter's dim (a constant is a model dim, never the sequence)."""
         FloorDiv, CeilDiv = _compat.sympy_divisions()
 
         if not isinstance(d, torch.SymInt):
             d = int(d)
-            if self.seq_len is None:
+            if self.seq_len is None or weight:
                 return sympy.Integer(d)
             if self.tracked:  # the pass says which dim is the sequence ...
                 if seq is not None:
@@ -522,10 +523,10 @@ class _SizeMapper:
             return outer * (n + int(length) - self.seq_len)
         return sympy.Integer(d)
 
-    def tensor(self, t: torch.Tensor, sharding: Sharding, seq=None) -> TensorSize:
+    def tensor(self, t: torch.Tensor, sharding: Sharding, seq=None, weight: bool = False) -> TensorSize:
         seq_dim = getattr(seq, "dim", None)
-        return TensorSize(tuple(self.dim(d, sharding, seq if j == seq_dim else None) for j, d in enumerate(t.shape)),
-                          t.element_size(), self.device_type or t.device.type)
+        return TensorSize(tuple(self.dim(d, sharding, seq if j == seq_dim else None, weight)
+                                for j, d in enumerate(t.shape)), t.element_size(), self.device_type or t.device.type)
 
 
 def _graph_symbols(gm: torch.fx.GraphModule) -> dict:
@@ -759,7 +760,11 @@ class _Builder:
             self.sharding[node] = sh
             states = node.meta.get(SEQ_STATE_META)
             states = list(states) if isinstance(states, (tuple, list)) else [states] * len(ts)
-            sizes = [self.mapper.tensor(t, sh, st) for t, st in zip(ts, states + [None] * (len(ts) - len(states)))]
+            # a parameter's dims are the model's, whatever their value (DeepSeek-V3's kv_a_proj
+            # makes kv_lora_rank + qk_rope_head_dim rows, which may equal the traced length)
+            weight = node in param_nodes and any(t.requires_grad for t in ts)
+            sizes = [self.mapper.tensor(t, sh, st, weight) for t, st in
+                     zip(ts, states + [None] * (len(ts) - len(states)))]
             name = op_name(node)
             if name == "ringcc::gather":  # the op's semantics, not the trace's P (Note [Memory plan], 1)
                 a = self._bound_args(node)

@@ -11,7 +11,9 @@ backend makes one per mask function and tensors of a graph, which every layer's 
 backward share: passes/shard_sequence.py):
 1. The sequence is cut into C = k * p chunks of equal length (`chunks_per_rank`: k a multiple
    of the layout's chunks per rank, so that each layout chunk is a run of whole plan chunks;
-   chunks of at least MIN_CHUNK tokens where n allows, at most MAX_CHUNKS per rank).
+   chunks of at least MIN_CHUNK tokens where n allows, at most MAX_CHUNKS per rank). n is the
+   length of a tensor the function reads at a query or key position; a function that reads its
+   tensors per batch row or head only keeps the layout.
 2. Each rank counts, per chunk, the allowed pairs of its own rows against all n keys (the
    function evaluated in chunks of rows, as maskfn.split evaluates a block, and counted as split
    counts them: O(n^2 / p) per rank, once per step and mask), and one all-reduce of the C counts
@@ -101,10 +103,27 @@ def ratio(per_rank: list[int]) -> float:
     return max(per_rank) / mean if mean else 1.0
 
 
+def sequence_length(fn, tensors) -> int | None:
+    """n: the size of the dim along which the function reads one of its tensors at the query or the
+    key position (per-token tensors are whole-length: Note [Mask functions] in maskfn.py); None
+    when it reads none so (tensors of one value per batch row or head only)."""
+    for op, args in fn.lines:
+        if op == "load":
+            for d, a in enumerate(args[1:]):
+                if a in (("i", "q"), ("i", "kv")):
+                    return int(tensors[args[0][1]].shape[d])
+    return None
+
+
 def make_plan(fn, tensors, is_causal: bool, batch: int, heads: int, group, rank: int, world: int, layout,
               threshold: float) -> torch.Tensor:
     """The plan of Note [Balanced ring] for this call's mask: [world, MAX_CHUNKS] int64 on the host."""
-    n = int(tensors[0].shape[-1])
+    n = sequence_length(fn, tensors)
+    out = torch.full((world, MAX_CHUNKS), -1, dtype=torch.int64)
+    if n is None:  # values per batch row or head only: no per-token data to balance by
+        k = L.chunks_per_rank(L.Layout(layout))
+        out[:, :k] = torch.tensor(layout_table(world, layout, k), dtype=torch.int64)
+        return out
     k = chunks_per_rank(n, world, layout)
     chunk_len = n // (world * k)
     own = layout_table(world, layout, k)
@@ -123,7 +142,6 @@ def make_plan(fn, tensors, is_causal: bool, batch: int, heads: int, group, rank:
             table = candidate
     LAST[fn.text] = dict(layout=L.Layout(layout).value, chunks=world * k, before=before,
                          after=ratio(loads(table, counts)), pairs=loads(table, counts), moved=table != own)
-    out = torch.full((world, MAX_CHUNKS), -1, dtype=torch.int64)
     out[:, :k] = torch.tensor(table, dtype=torch.int64)
     return out
 

@@ -44,6 +44,42 @@ def test_plan_of_one_long_document_among_short_ones():
     assert sorted(c for cs in table for c in cs) == list(range(p * k))
 
 
+# Llama 4's chunked mask under left padding: chunks counted from each row's first valid token
+# (t0, one value per batch row) and the padded keys (t1, per token)
+CHUNKS_TEXT = """maskfn v1 tensors=2
+%0 = load t0 b
+%1 = sub kv %0
+%2 = floordiv %1 8
+%3 = sub q %0
+%4 = floordiv %3 8
+%5 = eq %2 %4
+%6 = load t1 b kv
+%7 = bool %6
+%8 = and %5 %7
+return %8"""
+
+
+def test_the_plan_reads_the_length_from_a_tensor_read_at_a_position():
+    """A function whose first tensor holds one value per batch row: the plan takes n from the
+    tensor it reads at the key, and its counts are the mask's allowed pairs; a function that
+    reads no tensor at a position keeps the layout's chunks."""
+    n, pad = 128, torch.tensor([3, 0])
+    valid = (torch.arange(n)[None, :] >= pad[:, None]).long()
+    fn = maskfn.parse(CHUNKS_TEXT)
+    assert balance.sequence_length(fn, (pad, valid)) == n
+    balance.LAST.clear()
+    plan = torch.ops.ringcc.balance_plan(CHUNKS_TEXT, True, 2, 4, "", 1, "contiguous", 1.1, pad, valid)
+    i = torch.arange(n)
+    chunk = (i[None, :] - pad[:, None]) // 8  # [b, n]
+    dense = (chunk[:, :, None] == chunk[:, None, :]) & valid.bool()[:, None, :] & (i[None, :] <= i[:, None])
+    assert plan.tolist() == [[0, 1] + [-1] * 6]
+    assert balance.LAST[CHUNKS_TEXT]["pairs"] == [int(dense.sum())]
+    rows_only = "maskfn v1 tensors=1\n%0 = load t0 b\n%1 = sub kv %0\n%2 = ge %1 0\nreturn %2"
+    assert balance.sequence_length(maskfn.parse(rows_only), (pad,)) is None
+    plan = torch.ops.ringcc.balance_plan(rows_only, True, 2, 4, "", 1, "zigzag", 1.1, pad)
+    assert plan.tolist() == [[0, 1] + [-1] * 6]
+
+
 @pytest.mark.parametrize("plan, match", [
     (torch.zeros(2, 3, dtype=torch.int64), r"int64 \[world=2, 8\]"),
     (torch.tensor([[0, 1] + [-1] * 6, [1, 2] + [-1] * 6]), "every chunk once"),

@@ -392,11 +392,24 @@ def test_alibi_in_baddbmm_of_an_export_graph():
 
 def test_alibi_bias_sliced_at_a_symbolic_start():
     """MPT's ALiBi under a symbolic length: the bias is sliced at max(0, 64 - n), a start the score
-    function cannot read (it is no constant); the site is a recorded skip that runs as written."""
-    gm, call = _symbolic_graph(_alibi_sliced_to_length, *qkv(), dim=2)
+    function cannot name; the sliced bias, whole-length at every n, is the function's tensor (read
+    at the head and the key), and the rewritten site equals eager at another length, forward and
+    every input's gradient."""
+    q, k, v = (x.requires_grad_() for x in qkv())
+    for x in (q, k, v):
+        torch._dynamo.mark_dynamic(x, 2)
+    gm, example = dynamo_graph(_alibi_sliced_to_length, q, k, v, with_inputs=True)
     (site,) = run(gm, ALIBI_PASSES).report.sites
-    assert site.decision == Decision.SKIPPED and "a start or step that is not a constant" in site.detail, site
-    torch.testing.assert_close(*call(gm), atol=1e-5, rtol=1e-5)
+    _assert_alibi_site(site)
+    assert "load t0 h 0 kv" in site.mask["score_function"] and site.mask["score_function_inputs"][0].startswith("bias")
+    longer = [torch.randn(B, H, 12, D, requires_grad=True) for _ in range(3)]
+    args = [longer[next(i for i, y in enumerate((q, k, v)) if y is x)] if isinstance(x, torch.Tensor) else 12
+            for x in example]
+    got, want = gm(*args)[0], _alibi_sliced_to_length(*longer)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    r = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad((got * r).sum(), longer), torch.autograd.grad((want * r).sum(), longer)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_alibi_slopes_times_a_number_in_an_export_graph():

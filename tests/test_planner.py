@@ -477,6 +477,51 @@ def test_ring_training_step_stays_within_its_plan_on_gloo(pools):
     assert all(0.79 <= r <= 1.1 for r in varying), varying
 
 
+class WideAsLong(nn.Module):
+    """Attention between two weights whose width (24) is the traced length, as DeepSeek-V3's
+    kv_a_proj makes kv_lora_rank + qk_rope_head_dim rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 24), nn.Linear(24, 48)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.down(self.up(x)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def case_weights_as_wide_as_the_sequence(rank, world):
+    """The compiled step against eager (the output, every gradient, the parameters that got one)
+    and the plan's verdict and culprits."""
+    import ringcc
+
+    torch.manual_seed(0)
+    m = WideAsLong()
+    x, r = torch.randn(2, 24, 16), torch.randn(2, 2, 24, 8)
+    out_ref = m(x)
+    (out_ref * r).sum().backward()
+    ref = {k: q.grad.clone() for k, q in m.named_parameters() if q.grad is not None}
+    m.zero_grad(set_to_none=True)
+    ringcc.reset_reports()
+    torch._dynamo.reset()
+    out = torch.compile(m, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))(x)
+    (out * r).sum().backward()
+    got = {k: q.grad for k, q in m.named_parameters() if q.grad is not None}
+    plan = ringcc.last_report().plan
+    torch._dynamo.reset()
+    return (float((out - out_ref).abs().max()), sorted(got) == sorted(ref),
+            max(float((got[k] - ref[k]).abs().max()) for k in ref), plan.verdict, [c.op for c in plan.culprits])
+
+
+def test_a_weight_as_wide_as_the_sequence_is_a_model_dim(pools):
+    """A parameter's dims are never the sequence, whatever their value: its gradient's sync
+    (sync_grads_view's bucket) is O(1), and the step is O(n/p) and exact at p = 2."""
+    for err, same_params, grad_err, verdict, culprits in pools(2).run(case_weights_as_wide_as_the_sequence):
+        assert err < 1e-5 and same_params and grad_err < 1e-5, (err, same_params, grad_err)
+        assert verdict and culprits == [], culprits
+
+
 # ---------------------------------------------------------------------------------------
 # the CLI
 

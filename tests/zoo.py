@@ -259,7 +259,7 @@ def _call(arch: Arch, model, pattern: str, inputs: dict, projection: dict):
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     if pattern == "projection":
-        h = model.base_model(**{data: x}).last_hidden_state
+        h = _base_model(model)(**{data: x}).last_hidden_state
         if "r" not in projection:
             projection["r"] = torch.randn(h.shape, generator=torch.Generator().manual_seed(2))
         return (h * projection["r"]).sum()
@@ -376,13 +376,20 @@ def check_amp(arch: Arch, res: dict) -> list[str]:
     return bad
 
 
+def _base_model(model):
+    """The task model's base model. Llama 4's causal LM names `language_model` as its base
+    (base_model_prefix) but holds the text model as `model`: its `base_model` is itself."""
+    base = model.base_model
+    return model.model if base is model else base
+
+
 class _CompiledBase:
-    """`model.base_model` compiled on its own (the projection pattern reads its hidden states)."""
+    """The base model compiled on its own (the projection pattern reads its hidden states)."""
 
     def __init__(self, model, cfg):
         import ringcc
 
-        self.base_model = torch.compile(model.base_model, backend=ringcc.backend(cfg))
+        self.base_model = torch.compile(_base_model(model), backend=ringcc.backend(cfg))
 
 
 def _linear(arch: Arch, pattern: str) -> bool:
