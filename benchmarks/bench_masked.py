@@ -130,6 +130,30 @@ SOFTCAP, WINDOW = 50.0, 4096
 DOCUMENTS = "maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2"
 
 
+def _flex_mods(case: str, causal: bool, window, doc, slopes, pos_q=None):
+    """flex_attention's (mask_mod, score_mod) of a --vs-flex cell; query row i at global position
+    pos_q[i] (None: i)."""
+    at = (lambda i: i) if pos_q is None else (lambda i: pos_q[i])  # noqa: E731
+
+    def mask_mod(b, hh, i, j):
+        pi = at(i)
+        m = j <= pi if causal else pi >= 0
+        if window:
+            m = m & (pi - j < window)
+        if doc is not None:
+            m = m & (doc[0, pi] == doc[0, j])
+        return m
+
+    score_mod = None
+    if case == "soft-cap":
+        def score_mod(s, b, hh, i, j):
+            return torch.tanh(s / SOFTCAP) * SOFTCAP
+    elif case == "ALiBi":
+        def score_mod(s, b, hh, i, j):
+            return s + slopes[hh] * (j - at(i)).to(torch.float32)
+    return mask_mod, score_mod
+
+
 def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) -> dict:
     """One --vs-flex cell: ringcc against flex_attention alone (see the module's docstring)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -149,21 +173,7 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
     doc = (torch.arange(n, device=device) // (n // docs))[None] if docs else None
     window = WINDOW if case.startswith("window") else None
 
-    def mask_mod(b, hh, i, j):
-        m = j <= i if causal else i >= 0
-        if window:
-            m = m & (i - j < window)
-        if docs:
-            m = m & (doc[0, i] == doc[0, j])
-        return m
-
-    score_mod = None
-    if case == "soft-cap":
-        def score_mod(s, b, hh, i, j):
-            return torch.tanh(s / SOFTCAP) * SOFTCAP
-    elif case == "ALiBi":
-        def score_mod(s, b, hh, i, j):
-            return s + slopes[hh] * (j - i).to(torch.float32)
+    mask_mod, score_mod = _flex_mods(case, causal, window, doc, slopes)
     block = create_block_mask(mask_mod, 1, None, n, n, device=device, _compile=not smoke)
     flex = torch.compile(flex_attention) if not smoke else flex_attention
     group = _compat.group_name(dist.group.WORLD)
@@ -241,24 +251,9 @@ def schedule_cell(case: str, n_local: int, world: int, device, reps: int, warmup
              (maskfn.builtin_score_fn(None, True), (slopes.float(),)) if case == "ALiBi" else None)
     fn = (maskfn.parse(DOCUMENTS), (doc,)) if docs else None
 
-    def mask_mod(b, hh, i, j):
-        pi = pos_q[i]
-        m = j <= pi
-        if window:
-            m = m & (pi - j < window)
-        if docs:
-            m = m & (doc[0, pi] == doc[0, j])
-        return m
-
-    score_mod = None
-    if case == "soft-cap":
-        def score_mod(s, b, hh, i, j):
-            return torch.tanh(s / SOFTCAP) * SOFTCAP
-    elif case == "ALiBi":
-        def score_mod(s, b, hh, i, j):
-            return s + slopes[hh] * (j - pos_q[i]).to(torch.float32)
+    mask_mod, score_mod = _flex_mods(case, True, window, doc, slopes, pos_q)
     # all n keys: every rank's block is this rank's K/V at that rank's positions
-    where = torch.cat([setup.positions(r, n_local, device) for r in range(world)])
+    where = torch.cat([setup.positions(r, n_local, device) for r in range(world)]).long()
     k_all, v_all = (torch.empty(1, h, n, d, device=device, dtype=dtype).index_copy_(2, where, t.repeat(1, 1, world, 1))
                     for t in (k, v))
     block = create_block_mask(mask_mod, 1, None, n_local, n, device=device, _compile=not smoke)

@@ -361,6 +361,23 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     assert all(r["verdict"] for r in rows)
 
 
+@pytest.mark.soak
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "2"]])
+def test_masked_blocks_against_flex_run_on_cpu(tmp_path, schedule):
+    """bench_masked.py --vs-flex (and --schedule 2: one rank's schedule without transfers) on one
+    CPU process in fp32, flex's dense implementation on both sides: every cell is timed, and
+    ringcc's output and gradients equal flex_attention's."""
+    out = tmp_path / "flex.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           str(ROOT / "benchmarks" / "bench_masked.py"), "--vs-flex", *schedule, "--smoke", "--reps",
+                           "1", "--warmup", "1", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["device"] == "cpu (smoke, gloo)" and len(rec["rows"]) == (8 if schedule else 12)
+    assert all(r["ringcc_ms"] > 0 and r["flex_ms"] > 0 and r["max_rel_diff"] < 1e-5 for r in rec["rows"]), rec["rows"]
+
+
 def _torchrun_smoke(script: str, tmp_path, *extra: str, timeout: float = 240):
     """benchmarks/<script> --smoke [extra] under torchrun at p = 2 (gloo): (the process, its JSON record)."""
     out = tmp_path / "record.json"
