@@ -41,6 +41,9 @@ RELEASE_O_N = {
     ("5.17.0", "mixtral"): _MOE_GROUPED_MM_BACKWARD,
     ("5.17.0", "qwen2_moe"): _MOE_GROUPED_MM_BACKWARD,
 }
+# rewrites of the two sites summed over the graphs where a release splits the model into more
+# graphs than the zoo's (the MoE layers' graph breaks recompile the attention layers' frames)
+RELEASE_SITES = {("5.17.0", "mixtral"): 25, ("5.17.0", "qwen2_moe"): 25}
 CORE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "bloom", "bert", "mixtral",
         "qwen2_moe")
 PATTERNS = ("loss_inside", "padded")
@@ -76,6 +79,7 @@ def test_core_architecture(pools, release, name):
     why = RELEASE_O_N.get((release, name))
     if why is not None:
         arch = dataclasses.replace(arch, linear=False, why=why)
+    arch = dataclasses.replace(arch, sites=RELEASE_SITES.get((release, name), arch.sites))
     try:
         results = pools(2).run(zoo.run_arch, name, PATTERNS, timeout=900)
     except (RuntimeError, TimeoutError) as e:
