@@ -63,7 +63,7 @@ import functools
 import math
 import operator
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -400,8 +400,7 @@ class FnMask:
     def skipped(self) -> torch.Tensor:
         """bool [rows, keys]: the pairs in the tiles of `skip`."""
         lq, lk = self.q_pos.shape[0], self.k_pos.shape[0]
-        cov = _covered(self.skip, -(-lq // FLEX_TILE), -(-lk // FLEX_TILE)).to(self.q_pos.device)
-        return cov.repeat_interleave(FLEX_TILE, 0)[:lq].repeat_interleave(FLEX_TILE, 1)[:, :lk]
+        return skipped_tiles(self).repeat_interleave(FLEX_TILE, 0)[:lq].repeat_interleave(FLEX_TILE, 1)[:, :lk]
 
     def sub(self, r0: int, r1: int, c0: int, c1: int, b0: int = 0, b1: int | None = None) -> "FnMask":
         b1 = self.batch if b1 is None else b1
@@ -781,38 +780,36 @@ DENSE_SIDE = 128
 DENSE_PARTS = 32
 
 
-def dense_parts(mask: FnMask, tile: int | None = None) -> tuple[tuple, bool]:
-    """(parts, rest) of a partial call (Note [Dense parts]): parts (r0, r1, c0, c1, causal) in
-    rows and keys of the call, and whether tiles are left for the masked call (`mask` with the
-    parts' tiles in `skip`)."""
-    tile = tile or TILE
-    if min(mask.q_pos.shape[0], mask.k_pos.shape[0]) < DENSE_SIDE * tile:  # no part fits: no host read
-        return (), True
-    parts, rest, tiles = memo(mask, ("dense", tile), lambda: _dense_parts(mask, tile))
+def dense_parts(mask: FnMask) -> tuple[tuple, FnMask | None]:
+    """(parts, rest) of a partial call (Note [Dense parts]): parts (r0, r1, c0, c1, causal) in rows
+    and keys of the call, and the masked call of the tiles they leave (`mask` with the parts'
+    tiles in `skip`), or None when they leave none."""
+    if min(mask.q_pos.shape[0], mask.k_pos.shape[0]) < DENSE_SIDE * FLEX_TILE:  # no part fits: no host read
+        return (), mask
+    parts, tiles, rest, n = memo(mask, ("dense",), lambda: _dense_parts(mask, FLEX_TILE))
     STATS["calls_dense"] += len(parts)
-    STATS["tiles_dense"] += tiles
-    return parts, rest
+    STATS["tiles_dense"] += n
+    return parts, (replace(mask, skip=tiles) if rest else None)
 
 
-def _dense_parts(mask: FnMask, tile: int) -> tuple[tuple, bool, int]:
+def _dense_parts(mask: FnMask, tile: int) -> tuple[tuple, tuple, bool, int]:
+    """(parts in rows and keys, the same in tiles, whether tiles are left, the tiles covered)."""
     lq, lk = mask.q_pos.shape[0], mask.k_pos.shape[0]
     plain = FnMask(mask.fn, mask.tensors, mask.q_pos, mask.k_pos, mask.batch, mask.heads, mask.b0, mask.h0)
     some, full = tile_states(plain, tile)
     some, full = some.flatten(0, 1).any(0), full.flatten(0, 1).all(0)  # every batch row and head
-    aligned = torch.tensor(lq == lk and bool(mask.causal))
-    if aligned:  # a causal diagonal: the kernel's causal mask is the positions' only when they are the same
-        aligned = (mask.q_pos == mask.k_pos).all()
-    some, full, aligned = some.cpu(), full.cpu(), bool(aligned)
+    # a causal diagonal: the kernel's causal mask is the positions' only when they are the same
+    same = (mask.q_pos == mask.k_pos).all() if lq == lk and mask.causal else torch.tensor(False)
+    states = torch.cat([some.flatten(), full.flatten(), same.to(some.device).view(1)]).cpu()  # one host read
     qt, kt = full.shape
-    if mask.causal:
-        below = torch.arange(kt)[None, :] <= torch.arange(qt)[:, None]  # tiles with some pair kv <= q
-        some = some & below if aligned else some
+    some, full, aligned = states[:qt * kt].view(qt, kt), states[qt * kt:-1].view(qt, kt), bool(states[-1])
+    if aligned:
+        some = some & (torch.arange(kt)[None, :] <= torch.arange(qt)[:, None])  # tiles with some pair kv <= q
     parts = _squares(full) if aligned else _rectangles(full) if not mask.causal else []
-    parts = sorted(parts, key=lambda p: -(p[1] - p[0]) * (p[3] - p[2]))[:DENSE_PARTS]
+    parts = tuple(sorted(parts, key=lambda p: -(p[1] - p[0]) * (p[3] - p[2]))[:DENSE_PARTS])
     covered = _covered(parts, qt, kt)
-    rest = bool((some & ~covered).any())
-    parts = tuple((r0 * tile, min(lq, r1 * tile), c0 * tile, min(lk, c1 * tile), low) for r0, r1, c0, c1, low in parts)
-    return parts, rest, int(covered.sum())
+    rows = tuple((r0 * tile, min(lq, r1 * tile), c0 * tile, min(lk, c1 * tile), low) for r0, r1, c0, c1, low in parts)
+    return rows, parts, bool((some & ~covered).any()), int(covered.sum())
 
 
 def _squares(full: torch.Tensor) -> list:

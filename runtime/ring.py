@@ -600,13 +600,11 @@ class FnBlocks:
     def _partial(self, c: BlockCall, m: "maskfn.FnMask", keyed: bool) -> list:
         """A partial call on flex_attention: its dense parts on the fused kernels, the rest whole
         (Note [Dense parts] in maskfn.py)."""
-        parts, rest = maskfn.dense_parts(m, maskfn.FLEX_TILE) if self.dense and not keyed else ((), True)
+        parts, rest = maskfn.dense_parts(m) if self.dense and not keyed else ((), m)
         out = [(BlockCall(c.q0 + r0, c.q0 + r1, c.k0 + k0, c.k0 + k1, low, c.b0, c.b1), None)
                for r0, r1, k0, k1, low in parts]
-        if rest:
-            skip = tuple((r0 // maskfn.FLEX_TILE, -(-r1 // maskfn.FLEX_TILE), k0 // maskfn.FLEX_TILE,
-                          -(-k1 // maskfn.FLEX_TILE), low) for r0, r1, k0, k1, low in parts)
-            out.append((BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), replace(m, skip=skip)))
+        if rest is not None:
+            out.append((BlockCall(c.q0, c.q1, c.k0, c.k1, False, c.b0, c.b1), rest))
         return out
 
 

@@ -305,7 +305,7 @@ def test_dense_parts_cover_only_allowed_pairs_and_leave_the_rest(monkeypatch, le
     doc, pos = _doc_ids(lengths), torch.arange(n)
     m = maskfn.FnMask(maskfn.parse(DOCS), (doc,), pos, pos, 1, 1, causal=causal)
     allowed = m.rows(0, n)[0, 0]
-    parts, left, _ = maskfn._dense_parts(m, tile)
+    parts, skip, left, _ = maskfn._dense_parts(m, tile)
     assert parts and left == rest, (parts, left)
     cover = torch.zeros(n, n, dtype=torch.int)
     for r0, r1, c0, c1, low in parts:
@@ -314,7 +314,6 @@ def test_dense_parts_cover_only_allowed_pairs_and_leave_the_rest(monkeypatch, le
         assert low == causal and (r0, r1) == (c0, c1) if low else True
     assert int(cover.max()) == 1 and bool(allowed[cover.bool()].all())
     # the tiles the masked call keeps hold every allowed pair the parts do not
-    skip = tuple((r0 // tile, -(-r1 // tile), c0 // tile, -(-c1 // tile), low) for r0, r1, c0, c1, low in parts)
     kept = ~maskfn._covered(skip, n // tile, n // tile).repeat_interleave(tile, 0).repeat_interleave(tile, 1)
     assert bool((allowed & ~cover.bool() <= kept).all())
     assert bool((allowed & kept).any()) == rest
