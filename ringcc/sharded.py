@@ -164,14 +164,11 @@ class SequenceSharded(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA:
-            with _compat.no_torch_function_subclass():
-                return func(*args, **kwargs)
         if _compat.is_fsdp_pre_backward_hook(func, args):
             # a trigger that returns its gradient as is: on the shard, it fires when the
             # output's gradient rows of this rank arrive (Note [Sharded outputs under FSDP2])
             return args[0].local.register_hook(*args[1:], **kwargs)
-        return _on_full(func, args, kwargs)
+        return _metadata_or_full(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -244,11 +241,7 @@ class MaskFunctionOutput(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _METADATA:
-            with _compat.no_torch_function_subclass():
-                return func(*args, **kwargs)
-        return _on_full(func, args, kwargs)
+        return _metadata_or_full(func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -258,6 +251,15 @@ class MaskFunctionOutput(torch.Tensor):
 
 def _full(x):
     return x.full_tensor() if isinstance(x, (SequenceSharded, MaskFunctionOutput)) else x
+
+
+def _metadata_or_full(func, args, kwargs):
+    """A wrapper's __torch_function__: a metadata query answered by the wrapper itself (shape,
+    dtype, ...: _METADATA), any other op on the full values."""
+    if func in _METADATA:
+        with _compat.no_torch_function_subclass():
+            return func(*args, **kwargs)
+    return _on_full(func, args, kwargs)
 
 
 def _on_full(func, args, kwargs):
