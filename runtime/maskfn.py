@@ -139,6 +139,14 @@ def _d_unary(op: str, x, y):
     raise ValueError(f"a score function differentiates {op} of the score, which has no derivative here")
 
 
+def _text(lines: tuple, n_tensors: int, kind: str) -> str:
+    out = [f"{SCORE_VERSION if kind == 'score' else VERSION} tensors={n_tensors}"]
+    for i, (op, args) in enumerate(lines):
+        out.append(f"%{i} = {op} " + " ".join(_fmt(a) for a in args))
+    out.append(f"return %{len(lines) - 1}")
+    return "\n".join(out)
+
+
 @dataclass(frozen=True)
 class MaskFn:
     """A mask function (Note [Mask functions]), or with kind "score" a score function (Note
@@ -150,13 +158,11 @@ class MaskFn:
     n_tensors: int
     kind: str = "mask"
 
-    @functools.cached_property
+    @property
     def text(self) -> str:
-        out = [f"{SCORE_VERSION if self.kind == 'score' else VERSION} tensors={self.n_tensors}"]
-        for i, (op, args) in enumerate(self.lines):
-            out.append(f"%{i} = {op} " + " ".join(_fmt(a) for a in args))
-        out.append(f"return %{len(self.lines) - 1}")
-        return "\n".join(out)
+        # not a cached_property: its lock stops dynamo, which traces ringcc.ring_attention
+        # inside a user's compiled function (a few lines: made at each read)
+        return _text(self.lines, self.n_tensors, self.kind)
 
     @functools.cached_property
     def indices(self) -> frozenset:

@@ -890,16 +890,29 @@ def test_window_calls_match_the_dense_position_test(layout, is_causal):
                             assert torch.equal(m.rows(0, c.q1 - c.q0), w)
 
 
-def test_compiles_with_dynamic_shapes_in_one_graph():
-    """ring_attention called inside torch.compile(dynamic=True, fullgraph=True): the cross-rank
-    call signature (sizes in a string, sorted arguments) stays out of the traced code."""
-    def f(q, k, v):
-        return ringcc.ring_attention(q, k, v, is_causal=True, window=6) * 2
+@pytest.mark.parametrize("mods,dynamic", [({"window": 6}, True), ({"softcap": 5.0, "alibi": True}, None)])
+def test_compiles_in_one_graph(mods, dynamic):
+    """ring_attention called inside torch.compile(fullgraph=True), with a window (dynamic=True) or
+    with score functions (automatic dynamic: under dynamic=True dynamo makes the float soft-cap
+    symbolic, and the function's text needs its value): the cross-rank call signature (sizes in a
+    string, sorted arguments) and the score function's text stay out of the traced code; output
+    and gradients are eager's."""
+    slopes = torch.tensor([0.5, 0.25]) if mods.get("alibi") else None
 
-    q, k, v = _qkv(s=16)
+    def f(q, k, v):
+        return ringcc.ring_attention(q, k, v, is_causal=True, window=mods.get("window"), softcap=mods.get("softcap"),
+                                     alibi_slopes=slopes) * 2
+
+    q, k, v = _qkv(h=2, g=2, s=16)
     torch._dynamo.reset()
-    out = torch.compile(f, fullgraph=True, backend="eager", dynamic=True)(q, k, v)
-    torch.testing.assert_close(out, f(q, k, v))
+    runs = {}
+    for name, fn in (("eager", f), ("compiled", torch.compile(f, fullgraph=True, backend="eager", dynamic=dynamic))):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        out.square().sum().backward()
+        runs[name] = [out, qq.grad, kk.grad, vv.grad]
+    for a, b in zip(runs["compiled"], runs["eager"]):
+        torch.testing.assert_close(a, b)
 
 
 def case_sub_ring_with_one_padded_rank(rank, world):
