@@ -244,16 +244,37 @@ class Masked:
     fn: Fn
 
 
+def _at(i, pos, start: bool):
+    """The global position of index i: start + i (pos a 0-d start), or pos[i] (Note [Consecutive
+    positions] in maskfn.py)."""
+    return i.to(pos.dtype) + pos if start else pos[i]
+
+
+@functools.lru_cache(maxsize=4096)
+def _start(x: int, dtype, device, role: str) -> torch.Tensor:
+    """A call's first row or key position as a 0-d tensor of the positions' dtype, made once per
+    value and role: the row's and the key's are never one tensor (flex takes a function's
+    tensors as separate buffers, and one passed twice computes wrong results)."""
+    return torch.tensor(x, dtype=dtype, device=device)
+
+
+def _pos_args(q_pos, k_pos, starts) -> tuple[tuple, tuple[bool, bool]]:
+    """((row positions, key positions) as the functions take them, (whether each is a start))."""
+    args = tuple(pos if at is None else _start(at, pos.dtype, pos.device, role)
+                 for pos, at, role in zip((q_pos, k_pos), starts, ("q", "kv")))
+    return args, tuple(at is not None for at in starts)
+
+
 @functools.lru_cache(maxsize=256)  # per mask function: the forward's and the backward's programs key on it
-def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool, skipped: bool = False):
+def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool, skipped: bool = False, starts=(False, False)):
     """The mask function of a call under a mask function (Note [Mask functions]): the function at
-    the call's global positions, batch rows from b0 and heads from h0; its diagonal, if causal;
-    not in the skipped tiles, if any (the tensor after the function's: Note [Dense parts]); the
-    key mask, if any (the last tensor)."""
+    the call's global positions (from their starts where `starts` says so), batch rows from b0
+    and heads from h0; its diagonal, if causal; not in the skipped tiles, if any (the tensor
+    after the function's: Note [Dense parts]); the key mask, if any (the last tensor)."""
     extra = int(keyed) + int(skipped)
 
     def visible(b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
-        qi, kj = q_pos[i], k_pos[j]
+        qi, kj = _at(i, q_pos, starts[0]), _at(j, k_pos, starts[1])
         own = tensors[:len(tensors) - extra]
         m = fn(b + b0, h + h0, qi, kj, own)
         if not isinstance(m, torch.Tensor):
@@ -284,8 +305,9 @@ def _fn_block_mask(mask: maskfn.FnMask, key_valid_bs, rows, backward: bool) -> M
         some, full = _with_key_tiles(some, full, key_valid_bs, lk)
     dev = mask.q_pos.device
     b0, h0 = _offsets(mask.b0, mask.h0, dev)
-    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None, skip is not None),
-            (sub.q_pos, sub.k_pos, b0, h0, *mask.tensors, *(() if skip is None else (skip,)),
+    pos, starts = _pos_args(sub.q_pos, sub.k_pos, sub.starts)
+    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None, skip is not None, starts),
+            (*pos, b0, h0, *mask.tensors, *(() if skip is None else (skip,)),
              *(() if key_valid_bs is None else (key_valid_bs,))))
     return _masked(some, full, fn, r1 - r0, lk, backward)
 
@@ -312,13 +334,14 @@ def _score_mod(mod: "maskfn.FnScore | None", device) -> Fn | None:
     if mod is None:
         return None
     b0, h0 = _offsets(mod.b0, mod.h0, torch.device(device))
-    return Fn(_fn_score(mod.fn), (mod.q_pos, mod.k_pos, b0, h0, *mod.tensors), score=True)
+    pos, starts = _pos_args(mod.q_pos, mod.k_pos, (mod.q_start, mod.k_start))
+    return Fn(_fn_score(mod.fn, starts), (*pos, b0, h0, *mod.tensors), score=True)
 
 
 @functools.lru_cache(maxsize=256)  # per function: the forward's and the backward's programs key on it
-def _fn_score(fn: maskfn.MaskFn):
+def _fn_score(fn: maskfn.MaskFn, starts=(False, False)):
     def score_mod(score, b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
-        return fn(b + b0, h + h0, q_pos[i], k_pos[j], tensors, score=score)
+        return fn(b + b0, h + h0, _at(i, q_pos, starts[0]), _at(j, k_pos, starts[1]), tensors, score=score)
 
     return score_mod
 

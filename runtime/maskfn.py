@@ -364,6 +364,20 @@ def balance(group=None) -> float:
     return float(top) / mean if mean else 1.0
 
 
+# Note [Consecutive positions]
+# A call's rows (keys) usually hold consecutive global positions: every call of a contiguous
+# ring, and each chunk's calls in zigzag. The call then also carries its first row's (key's)
+# position, and flex's mask and score functions compute a position as start + index instead of
+# loading it from the positions tensor per score (runtime/flex.py). Where the positions jump
+# (a call over both zigzag chunks), the start is None and the functions load them.
+
+
+def _shifted(starts: tuple, r0: int, c0: int) -> tuple:
+    """(q_start, k_start) of a sub-call from row r0 and key c0."""
+    q, k = starts
+    return (None if q is None else q + r0, None if k is None else k + c0)
+
+
 @dataclass(frozen=True)
 class FnMask:
     """The mask of one block call: the function at the global positions of the call's rows
@@ -385,6 +399,9 @@ class FnMask:
     # tiles other calls compute (Note [Dense parts]): (r0, r1, c0, c1, lower) in tiles of the
     # call, a rectangle (lower: its lower triangle, the diagonal in) the call leaves out
     skip: tuple = ()
+    # the global positions of the first row and key where the rows' (keys') positions follow
+    # each other, else None (Note [Consecutive positions])
+    starts: tuple = (None, None)
 
     def rows(self, r0: int, r1: int, c0: int = 0, c1: int | None = None) -> torch.Tensor:
         dev = self.q_pos.device
@@ -418,7 +435,7 @@ class FnMask:
             t0, u0 = r0 // FLEX_TILE, c0 // FLEX_TILE
             skip = tuple((a - t0, b - t0, c - u0, d - u0, low) for a, b, c, d, low in self.skip)
         return FnMask(self.fn, self.tensors, self.q_pos[r0:r1], self.k_pos[c0:c1], b1 - b0, self.heads, self.b0 + b0,
-                      self.h0, self.causal, where, skip)
+                      self.h0, self.causal, where, skip, _shifted(self.starts, r0, c0))
 
     def row_chunk(self, keys: int) -> int:
         ind = self.fn.indices
@@ -925,10 +942,13 @@ class FnScore:
     k_pos: torch.Tensor
     b0: int = 0
     h0: int = 0
+    q_start: int | None = None  # the first row's (key's) global position where the positions
+    k_start: int | None = None  # follow each other, else None (Note [Consecutive positions])
 
     def sub(self, r0: int, c0: int = 0) -> "FnScore":
         """The function of the call's rows from r0 and keys from c0."""
-        return FnScore(self.fn, self.tensors, self.q_pos[r0:], self.k_pos[c0:], self.b0, self.h0)
+        q_start, k_start = _shifted((self.q_start, self.k_start), r0, c0)
+        return FnScore(self.fn, self.tensors, self.q_pos[r0:], self.k_pos[c0:], self.b0, self.h0, q_start, k_start)
 
     def _indices(self, s: torch.Tensor):
         dev, ind = s.device, self.fn.indices

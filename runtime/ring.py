@@ -132,6 +132,16 @@ class RingSetup:
         chunks = self.local_chunks(rank)
         return _positions(tuple(chunks), n_local // len(chunks), None if device is None else torch.device(device))
 
+    def start(self, rank: int, n_local: int, r0: int, r1: int) -> int | None:
+        """The global position of rank `rank`'s local row r0 when rows [r0, r1) hold consecutive
+        positions (one chunk, or chunks that follow each other), else None."""
+        chunks = self.local_chunks(rank)
+        length = n_local // len(chunks)
+        first, last = r0 // length, (max(r1, r0 + 1) - 1) // length
+        if any(chunks[i + 1] != chunks[i] + 1 for i in range(first, last)):
+            return None
+        return chunks[first] * length + r0 % length
+
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         mine, theirs = self.local_chunks(self.rank), self.local_chunks(src)
         return list(_block_calls(mine, theirs, n_local // len(mine), self.is_causal))
@@ -506,7 +516,9 @@ class _Mods:
         if src not in self.k_pos:
             self.k_pos[src] = self.setup.positions(src, self.s, self.device)
         fn, tensors = self.score
-        return maskfn.FnScore(fn, tensors, self.q_pos[c.q0:c.q1], self.k_pos[src][c.k0:c.k1], c.b0, self.head0)
+        setup = self.setup
+        return maskfn.FnScore(fn, tensors, self.q_pos[c.q0:c.q1], self.k_pos[src][c.k0:c.k1], c.b0, self.head0,
+                              setup.start(setup.rank, self.s, c.q0, c.q1), setup.start(src, self.s, c.k0, c.k1))
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, score=None,
@@ -579,8 +591,9 @@ class FnBlocks:
             # layout's), the chunk length and the call's bounds (Note [Built once per mask])
             where = (self.setup.local_chunks(self.setup.rank), self.setup.local_chunks(src), self.s, c.q0, c.q1, c.k0,
                      c.k1, str(self.device))
+            starts = (self.setup.start(self.setup.rank, self.s, c.q0, c.q1), self.setup.start(src, self.s, c.k0, c.k1))
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
-                              b0, self.h0, c.causal, where)
+                              b0, self.h0, c.causal, where, starts=starts)
             if self.whole:
                 state = maskfn.classify(m, maskfn.FLEX_TILE)
                 if state == "full":

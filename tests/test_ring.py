@@ -960,3 +960,24 @@ def test_destroyed_group_is_not_kept_alive_by_ringcc(pools):
     """ringcc's caches hold groups weakly: after destroy_process_group the group (and gloo's
     worker threads) end there, not at interpreter shutdown (see ops._SETUPS)."""
     assert pools(2).run(case_group_released) == [True, True]
+
+
+def test_ring_setup_start_is_the_first_position_of_consecutive_rows():
+    """RingSetup.start (Note [Consecutive positions] in maskfn.py): for every rank, layout, balance
+    plan chunks and row range, the first row's global position where the rows' positions follow
+    each other, else None; checked against the positions themselves."""
+    from ringcc.runtime.ring import RingSetup
+
+    n_local = 12
+    for world in (1, 2, 3, 4):
+        for lay in (L.Layout.CONTIGUOUS, L.Layout.ZIGZAG):
+            setups = [RingSetup(None, 0, world, lay, True, 1.0)]
+            if world == 2:  # a balance plan's chunks: 4 per rank, some consecutive
+                setups.append(RingSetup(None, 0, world, lay, True, 1.0, chunks=((0, 1, 6, 7), (2, 5, 3, 4))))
+            for setup in setups:
+                for rank in range(world):
+                    pos = setup.positions(rank, n_local).tolist()
+                    for r0 in range(n_local):
+                        for r1 in range(r0 + 1, n_local + 1):
+                            want = pos[r0] if pos[r0:r1] == list(range(pos[r0], pos[r0] + r1 - r0)) else None
+                            assert setup.start(rank, n_local, r0, r1) == want, (world, lay, setup.chunks, rank, r0, r1)
