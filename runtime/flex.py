@@ -358,9 +358,12 @@ def _call(q, k, v, mask: Masked, scale: float, mod=None):
     # with dynamic ones (_flex), so it is said here (a guard: one kernel each way).
     divisible = q.shape[2] % TILE == 0 and k.shape[2] % TILE == 0
     score = _score_mod(mod, q.device)
+    # flex's main kernel for every call: its automatic choice sends calls of fewer than 128 rows to
+    # the decoding kernel, which has no valid configuration for some (GQA with key padding)
+    options = {"IS_DIVISIBLE": divisible, **({"BACKEND": "TRITON"} if q.is_cuda else {})}
     out, aux = _flex()(q, k, v, score_mod=None if score is None else score.bound(), block_mask=mask.block,
                        scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True),
-                       kernel_options={"IS_DIVISIBLE": divisible})
+                       kernel_options=options)
     return out, aux.lse
 
 
