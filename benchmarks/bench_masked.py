@@ -11,7 +11,8 @@ of one (its block kernels: flex.py, kernels.py) against flex_attention compiled 
 same BlockMask and score_mod, forward and backward, b = 1, h = 16, d = 128, bf16: soft-cap,
 ALiBi and a 4096 window at 16K and 64K tokens, causal document masks (8 equal documents in 32K,
 64 in 128K), and plain causal / non-causal (ringcc on cuDNN). Both run in one process, alternated
-per cell; the table gives the medians of steps timed one at a time (the GPU idle until the host
+per cell, each cell compiled afresh (static shapes, as a run at one length); the table gives
+the medians of steps timed one at a time (the GPU idle until the host
 issues the step's first kernel), ringcc's speed over flex's, the same speed back to back ("queued":
 --reps steps issued with no wait between them, as a training loop issues its layers), and the
 largest difference of ringcc's output and gradients from flex's (relative to the largest value).
@@ -320,6 +321,9 @@ def vs_flex(args) -> int:
             "d": 128, "b": 1, "reps": args.reps, "warmup": args.warmup, "softcap": SOFTCAP, "window": WINDOW,
             "schedule_p": args.schedule, "rows": rows}
     for case, n in cells:
+        # each cell compiles afresh, as a run at one length would: dynamo's kernels for an earlier
+        # cell's shapes would make this cell's recompile with dynamic shapes (slower kernels)
+        torch._dynamo.reset()
         t0 = time.perf_counter()
         with _compat.flex_cpu_backward() if args.smoke else contextlib.nullcontext():  # CPU flex: its dense path
             if args.schedule:
