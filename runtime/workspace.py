@@ -564,13 +564,15 @@ def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, setti
 
 
 def chunk_rule_settings() -> tuple:
-    """The settings the head-chunk rule reads (the workspace budget as set, the CUDA kernel, the
-    native-GQA switch), so that a cache of its answers never answers for other settings."""
+    """The settings the head-chunk rule reads (the workspace budget as set, its floor, the CUDA
+    kernel, the native-GQA switch), so that a cache of its answers never answers for other
+    settings."""
     import os
 
     from . import kernels
 
-    return os.environ.get("RINGCC_RING_WORKSPACE_MIB"), kernels._cuda_kernel(), kernels.native_gqa_setting()
+    return (os.environ.get("RINGCC_RING_WORKSPACE_MIB"), RING_BUDGET_FLOOR, kernels._cuda_kernel(),
+            kernels.native_gqa_setting())
 
 
 def ring_kv_chunk(q, k, key_valid, world: int, zigzag_causal: bool = False, forward: bool = False) -> int:
