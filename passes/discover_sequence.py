@@ -71,11 +71,11 @@ def attention_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def handoff_gathers(gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
     """`ringcc::gather` of a graph input for this graph's group: what dynamo traces when a
     SequenceSharded output of another ringcc graph is read here (Note [Sharded outputs]). Its
-    int arguments are the wrapper's attributes, which dynamo may trace as nodes
-    (`constant_ints` makes them ints first)."""
+    int arguments are the wrapper's attributes, which dynamo may trace as nodes (symbolic under
+    dynamic shapes; `constant_ints` makes them ints)."""
     return [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.gather.default
-            and n.args[0].op == "placeholder" and tuple(n.args[2:4]) == (ctx.group_name, ctx.world_size)
-            and ctx.world_size > 1]
+            and n.args[0].op == "placeholder" and n.args[2] == ctx.group_name
+            and constant_int(n.args[3]) == ctx.world_size and ctx.world_size > 1]
 
 
 def constant_int(arg) -> int | None:

@@ -329,7 +329,9 @@ class _Walk:
         full += [slice(None)] * (len(shape) - len(full))
         inside, region = _c(True), []
         for a, size, i in zip(old.axes, shape, full):
-            start, stop = i.start or 0, i.stop
+            start, stop = i.start or 0, fake(i.stop) if isinstance(i.stop, torch.fx.Node) else i.stop
+            if stop is not None and not isinstance(stop, int) and same_size(stop, size):
+                stop = None  # `[:n]` with n the dim's symbolic size: the whole dim
             if i.step not in (None, 1) or not isinstance(start, int) or not (stop is None or isinstance(stop, int)):
                 raise Unextractable(f"{w.name}: a write into the mask over a slice that is not constant")
             ax = _c(0) if a is None else ("ax", a)

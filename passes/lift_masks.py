@@ -45,6 +45,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx
 
+from ringcc import _compat
 from ringcc.report import SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 
@@ -100,16 +101,25 @@ def _mask_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
     """[.., n, n] graph outputs that are mask functions leave the graph as their functions
     (Note [Mask outputs] in ringcc/sharded.py): the output's place gets an empty tensor, the
     function's tensors follow the graph's own outputs, and ctx.scratch["mask_outputs"] =
-    (own output count, {index: (text, shape, dtype, positions of its tensors)}) tells the backend."""
+    (own output count, {index: (text, shape, dtype, positions of its tensors)}, input sizes)
+    tells the backend. Under dynamic shapes a shape holds sympy expressions in the symbols that
+    the graph's input sizes bind (input_sizes: symbol -> (input position, dim)), which the backend
+    evaluates at each call."""
     out = gm.graph.output_node()
     flat = out.args[0] if len(out.args) == 1 else None
     if not isinstance(flat, (tuple, list)):
         return False
-    outputs, extra, functions = list(flat), [], {}
+    outputs, extra, functions, sizes = list(flat), [], {}, input_sizes(gm)
     for i, a in enumerate(flat):
         v = fake(a) if isinstance(a, torch.fx.Node) else None
         if not (isinstance(v, torch.Tensor) and (v.dtype == torch.bool or v.is_floating_point()) and 2 <= v.dim() <= 4
-                and all(isinstance(s, int) for s in v.shape) and v.shape[-1] > 1 and v.shape[-2] == v.shape[-1]):
+                and (not isinstance(v.shape[-1], int) or v.shape[-1] > 1) and same_size(v.shape[-2], v.shape[-1])):
+            continue
+        shape = tuple(s if isinstance(s, int) else _compat.sym_expr(s) for s in v.shape)
+        unbound = {str(x) for s in shape if not isinstance(s, int) for x in s.free_symbols if x not in sizes}
+        if unbound:
+            ctx.report.notes.append(f"output {i} ({a.name}, {tuple(v.shape)}) leaves the graph as a dense mask: its "
+                                    f"size symbols {sorted(unbound)} are no size of the graph's inputs")
             continue
         try:
             fn, leaves = extract_mask.describe(a, (v.shape[-1],), out)
@@ -121,15 +131,29 @@ def _mask_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> bool:
         with gm.graph.inserting_before(out):
             outputs[i] = gm.graph.call_function(torch.empty, ((0,),), {"dtype": torch.bool, "device": v.device})
         propagate(gm, outputs[i])
-        functions[i] = (fn.text, tuple(v.shape), v.dtype, tuple(len(flat) + extra.index(leaf) for leaf in leaves))
+        functions[i] = (fn.text, shape, v.dtype, tuple(len(flat) + extra.index(leaf) for leaf in leaves))
         ctx.report.notes.append(f"output {i} ({a.name}, {tuple(v.shape)}) leaves the graph as its mask function "
                                 f"over {len(leaves)} per-token tensor(s)")
     if not functions:
         return False
     out.args = (type(flat)(outputs + extra),)
     erase_dead(gm, [flat[i] for i in functions])  # the dense masks, unless the graph's sites still read them
-    ctx.scratch["mask_outputs"] = (len(flat), functions)
+    ctx.scratch["mask_outputs"] = (len(flat), functions, sizes)
     return True
+
+
+def input_sizes(gm: torch.fx.GraphModule) -> dict:
+    """Where the graph's inputs bind each size symbol: symbol -> (input position, dim), dim None
+    for a SymInt input."""
+    where: dict = {}
+    for i, node in enumerate(p for p in gm.graph.nodes if p.op == "placeholder"):
+        v = fake(node)
+        dims = ([(None, v)] if isinstance(v, torch.SymInt) else
+                list(enumerate(v.shape)) if isinstance(v, torch.Tensor) else [])
+        for d, s in dims:
+            if isinstance(s, torch.SymInt) and (e := _compat.sym_expr(s)).is_Symbol:
+                where.setdefault(e, (i, d))
+    return where
 
 
 # ---------------------------------------------------------------------------------------

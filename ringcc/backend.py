@@ -15,6 +15,7 @@ import itertools
 import warnings
 import zlib
 
+import sympy
 import torch
 import torch.distributed as dist
 
@@ -161,13 +162,21 @@ def _data_inputs(gm: torch.fx.GraphModule, example_inputs, ctx: PassContext) -> 
 def _sharded_outputs(compiled, ctx: PassContext):
     """The compiled graph, its sequence-sharded outputs handed out as SequenceSharded tensors
     (Note [Sharded outputs], ringcc/sharded.py) and its mask outputs as MaskFunctionOutput
-    (Note [Mask outputs] there)."""
+    (Note [Mask outputs] there), their shapes evaluated from the call's input sizes."""
     specs, masks = ctx.scratch.get("sharded_outputs") or {}, ctx.scratch.get("mask_outputs")
     comm = (ctx.group_name, ctx.world_size, ctx.scratch.get("layout", "contiguous"))
 
     @functools.wraps(compiled)
     def run(*args):
-        return wrap_outputs(compiled(*args), specs, *comm, masks)
+        if masks is None:
+            return wrap_outputs(compiled(*args), specs, *comm)
+        own, functions, sizes = masks
+        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        # read before the call: a boxed call clears its list
+        values = {e: sympy.Integer(inputs[i] if d is None else inputs[i].shape[d]) for e, (i, d) in sizes.items()}
+        functions = {i: (text, tuple(s if isinstance(s, int) else int(s.xreplace(values)) for s in shape), *rest)
+                     for i, (text, shape, *rest) in functions.items()}
+        return wrap_outputs(compiled(*args), specs, *comm, (own, functions))
 
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True

@@ -63,15 +63,19 @@ Note [Mask outputs]
 A graph break between a mask's construction and the attention that reads it (transformers'
 MoE layers break the graph inside a decoder layer; the next layer's attention is in a later
 graph) makes the mask a graph output and an input of the later graph: a dense [b, 1, n, n] on
-every rank, which the later graph could only read as data. A graph output [.., n, n] of static
-size, bool or an additive mask of 0 and at most -1e4, that the graph computes as a function of
-its indices and per-token tensors (Note [Mask extraction] in passes/extract_mask.py) leaves
-the graph as that function instead: the graph returns the function's per-token tensors
-(`lift_masks` puts them among its outputs, each replicated or, when the sharding pass makes it
-one, a SequenceSharded output), and the backend hands the caller a `MaskFunctionOutput` at the
-mask's place:
+every rank, which the later graph could only read as data. A graph output [.., n, n], bool or
+an additive mask of 0 and at most -1e4, that the graph computes as a function of its indices
+and per-token tensors (Note [Mask extraction] in passes/extract_mask.py) leaves the graph as
+that function instead: the graph returns the function's per-token tensors (`lift_masks` puts
+them among its outputs, each replicated or, when the sharding pass makes it one, a
+SequenceSharded output), and the backend hands the caller a `MaskFunctionOutput` at the mask's
+place:
 - its metadata is the mask's (shape, dtype, device); it holds the text of the function that
-  gives its values, and the function's tensors;
+  gives its values, and the function's tensors. Under dynamic shapes (dynamic=True, or dynamo's
+  automatic dynamic after a length changes) the graph knows the mask's size as an expression
+  in the symbols of its inputs' sizes; the backend evaluates it with each call's inputs, so the
+  wrapper's shape is the call's, and the later graph, which dynamo compiles with symbolic sizes
+  too, reads it as symbols;
 - any torch op on it first materialises the dense mask (`ringcc::mask_from_fn`, cached), so
   code outside a graph reads the same values as eager;
 - a later graph that reads it traces that op (its Tensor methods are Python methods, as

@@ -273,49 +273,69 @@ class _BreakAfterMask(torch.nn.Module):
         return self.blocks[1](x, mask)
 
 
-def case_mask_across_graph_break(rank, world, kind):
+def case_mask_across_graph_break(rank, world, kind, dynamic, lengths):
     """The later graph reads the earlier graph's mask output as its function (Note [Mask
-    outputs]): no [b, 1, n, n] input, every site rewritten, and the forward, every gradient and
-    the set of parameters with one as eager's."""
+    outputs]): no [b, 1, n, n] input, every site rewritten, and, at each length in turn, the
+    forward, every gradient and the set of parameters with one as eager's."""
     from ringcc.sharded import MaskFunctionOutput
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     ref, model = _BreakAfterMask(kind), _BreakAfterMask(kind)
     model.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    attention_mask = torch.ones(2, 24, dtype=torch.long)
-    attention_mask[1, -5:] = 0
-    proj = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(2))
-    inputs, backend = [], ringcc.backend(inner="aot_eager", strict=True)
+    inputs, symbolic, backend = [], [], ringcc.backend(inner="aot_eager", strict=True)
 
     def recording(gm, example_inputs):
         inputs.append([tuple(x.shape) for x in example_inputs
                        if isinstance(x, torch.Tensor) and not isinstance(x, (torch.nn.Parameter, MaskFunctionOutput))])
+        symbolic.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
         return backend(gm, example_inputs)
 
     ringcc.reset_reports()
-    out = torch.compile(model, backend=recording)(ids, attention_mask)
-    (out * proj).sum().backward()
-    want = ref(ids, attention_mask)
-    (want * proj).sum().backward()
-    grads = {name: (p.grad is None, r.grad is None, 0.0 if p.grad is None or r.grad is None else
-                    float((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-3)))
-             for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters())}
+    compiled = torch.compile(model, backend=recording, dynamic=dynamic)
+    steps = []
+    for n in lengths:
+        ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(n))
+        attention_mask = torch.ones(2, n, dtype=torch.long)
+        attention_mask[1, -5:] = 0
+        proj = torch.randn(2, n, 32, generator=torch.Generator().manual_seed(2))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = compiled(ids, attention_mask)
+        (out * proj).sum().backward()
+        want = ref(ids, attention_mask)
+        (want * proj).sum().backward()
+        grads = {name: (p.grad is None, r.grad is None, 0.0 if p.grad is None or r.grad is None else
+                        float((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-3)))
+                 for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters())}
+        steps.append((n, float((out - want).abs().max()), grads))
     sites = [(len(r.rewritten), len(r.skipped)) for r in ringcc.reports()]
-    return float((out - want).abs().max()), grads, sites, inputs
+    return steps, sites, inputs, symbolic
 
 
-@pytest.mark.parametrize("kind", ["bool", pytest.param("written", marks=pytest.mark.soak)])
-def test_mask_crosses_a_graph_break_as_its_function(pools, kind):
+@pytest.mark.parametrize("kind, dynamic", [("bool", None), pytest.param("written", None, marks=pytest.mark.soak),
+                                           pytest.param("bool", True, marks=pytest.mark.soak)])
+def test_mask_crosses_a_graph_break_as_its_function(pools, kind, dynamic):
     """bool: built from aranges and the padding mask; written: transformers 4.x's additive mask
-    written in place."""
-    for err, grads, sites, inputs in pools(2).run(case_mask_across_graph_break, kind, timeout=300):
-        assert err < 1e-5, err
-        assert all(a == b for a, b, _ in grads.values()) and not any(a for a, _, _ in grads.values()), grads
-        assert max(e for _, _, e in grads.values()) < 1e-5, grads
-        assert sites == [(1, 0), (1, 0)], sites  # two graphs, each one site rewritten
-        assert len(inputs) == 2 and all(s[-2:] != (24, 24) for shapes in inputs for s in shapes), inputs
+    written in place. Two lengths in a row: under dynamo's automatic dynamic (None) the first
+    compiles both graphs with a constant n and the second recompiles them with n a symbol;
+    dynamic=True compiles them once, with n a symbol, for both. The mask's shape is evaluated per
+    call, and the later graph reads it as its function at every length."""
+    lengths = (24, 32)
+    for steps, sites, inputs, symbolic in pools(2).run(case_mask_across_graph_break, kind, dynamic, lengths,
+                                                       timeout=300):
+        assert [n for n, _, _ in steps] == list(lengths)
+        for n, err, grads in steps:
+            assert err < 1e-5, (n, err)
+            assert all(a == b for a, b, _ in grads.values()) and not any(a for a, _, _ in grads.values()), (n, grads)
+            assert max(e for _, _, e in grads.values()) < 1e-5, (n, grads)
+        assert sites and all(s == (1, 0) for s in sites), sites  # each graph: its one site rewritten
+        assert len(inputs) == len(sites) and not any(s[-2:] == (n, n) for shapes in inputs for s in shapes
+                                                     for n in lengths), inputs
+        if dynamic:
+            assert all(symbolic), symbolic
+        else:
+            assert symbolic == [False, False, True, True], symbolic  # two graphs, compiled twice
 
 
 class _MergedLogits(torch.nn.Module):
