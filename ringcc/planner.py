@@ -861,7 +861,7 @@ class _Builder:
         inputs = {self.index[nd] for nd in self.nodes if nd.op == "placeholder"}
         own = [ev for ev in events if not (ev[0] in inputs and ev[3])]  # the inputs' own storages
         sums = [c for _, c in _candidates(own, 2 * F if training else F)] or [_ZERO]
-        return (sympy.Max(*sums) if len(sums) > 1 else sums[0]), _receive_area(plans, training)
+        return (_max(tuple(sums)) if len(sums) > 1 else sums[0]), _receive_area(plans, training)
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
@@ -979,7 +979,14 @@ def _receive_area(plans, training: bool) -> sympy.Expr:
     """One receive area per group and device, grown to the largest batch: the largest need."""
     areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
     areas = [a for a in areas if a != 0]
-    return sympy.Max(*areas) if areas else _ZERO
+    return _max(tuple(areas)) if areas else _ZERO
+
+
+@functools.lru_cache(maxsize=1024)
+def _max(args: tuple) -> sympy.Expr:
+    """sympy.Max of `args`, evaluated (it proves which arguments another bounds: slow for long
+    symbolic ones) once per argument tuple: the regions of a model's layers repeat theirs."""
+    return sympy.Max(*args)
 
 
 def _differ(a: sympy.Expr, b: sympy.Expr) -> bool:
