@@ -64,6 +64,7 @@ Note [Memory plan]
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -474,12 +475,11 @@ class _SizeMapper:
         self.world = world_size
         self.seq_len = seq_len
         self.tracked = tracked  # the sharding pass recorded every value's sequence dim
+        self._symbolic: dict = {}  # (sympy dim, sharding) -> planner expression
 
     def dim(self, d, sharding: Sharding, seq=None, weight: bool = False) -> sympy.Expr:
         """seq: the sharding pass's state of this dim when it is the sequence dim, else None;
         weight: a parameter's dim (a constant is a model dim, never the sequence)."""
-        FloorDiv, CeilDiv = _compat.sympy_divisions()
-
         if not isinstance(d, torch.SymInt):
             d = int(d)
             if self.seq_len is None or weight:
@@ -496,7 +496,14 @@ class _SizeMapper:
             if sharding is not Sharding.SHARDED and d == self.seq_len:
                 return n
             return sympy.Integer(d)
-        e = sympy.sympify(_compat.sym_expr(d)).xreplace(self.symbols)
+        key = (_compat.sym_expr(d), sharding)
+        if key not in self._symbolic:
+            self._symbolic[key] = self._symbolic_dim(key[0], sharding)
+        return self._symbolic[key]
+
+    def _symbolic_dim(self, expr, sharding: Sharding) -> sympy.Expr:
+        FloorDiv, CeilDiv = _compat.sympy_divisions()
+        e = sympy.sympify(expr).xreplace(self.symbols)
         if self.world > 1:
             P = sympy.Integer(self.world)
             e = e.replace(lambda x: isinstance(x, (FloorDiv, CeilDiv)) and x.args[1] == P, lambda x: x.args[0] / p)
@@ -854,7 +861,7 @@ class _Builder:
         inputs = {self.index[nd] for nd in self.nodes if nd.op == "placeholder"}
         own = [ev for ev in events if not (ev[0] in inputs and ev[3])]  # the inputs' own storages
         sums = [c for _, c in _candidates(own, 2 * F if training else F)] or [_ZERO]
-        return (sympy.Max(*sums) if len(sums) > 1 else sums[0]), _receive_area(plans, training)
+        return (_max(tuple(sums)) if len(sums) > 1 else sums[0]), _receive_area(plans, training)
 
     def _input_like(self, plans) -> set:
         """Graph inputs, and the integer/bool values of at most O(n) bytes computed only from
@@ -933,7 +940,7 @@ class _Builder:
                     continue
                 base = plans[owner[node]]
                 mine = sum((s.nbytes for s in self.sizes[node]), _ZERO)
-                if op_name(node) in ("unbind", "split", "chunk", "split_with_sizes") or sympy.simplify(base.nbytes - mine) != 0:
+                if op_name(node) in ("unbind", "split", "chunk", "split_with_sizes") or _differ(base.nbytes, mine):
                     i = 2 * F - 1 - self.index[node]
                     ev.append((i, i, base.nbytes, False))
                     # and the part's own incoming gradient, until that backward consumes it
@@ -972,31 +979,74 @@ def _receive_area(plans, training: bool) -> sympy.Expr:
     """One receive area per group and device, grown to the largest batch: the largest need."""
     areas = [pl.workspace.area_training if training else pl.workspace.area_forward for pl in plans.values()]
     areas = [a for a in areas if a != 0]
-    return sympy.Max(*areas) if areas else _ZERO
+    return _max(tuple(areas)) if areas else _ZERO
+
+
+@functools.lru_cache(maxsize=1024)
+def _max(args: tuple) -> sympy.Expr:
+    """sympy.Max of `args`, evaluated (it proves which arguments another bounds: slow for long
+    symbolic ones) once per argument tuple: the regions of a model's layers repeat theirs."""
+    return sympy.Max(*args)
+
+
+def _differ(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """Whether two sizes differ (`sympy.simplify(a - b) != 0`): a difference that is not zero
+    at one point of positive integers (what every size symbol stands for) is not zero, which
+    settles most cases without simplify."""
+    d = a - b
+    if d == 0:
+        return False
+    point = {s: sympy.Integer(1009 + 2 * k) for k, s in enumerate(sorted(d.free_symbols, key=str))}
+    at = d.xreplace(point)
+    if at.is_Number and at != 0:
+        return True
+    return sympy.simplify(d) != 0
 
 
 def _candidates(events, points: int) -> list[tuple[int, sympy.Expr]]:
-    """Live sums at every program point, minus those another dominates term by term."""
+    """Live sums at every program point, minus those another dominates term by term.
+
+    The live sum is kept as its expanded terms (monomial -> coefficient): each interval's
+    bytes are expanded once and added at its first point, taken off after its last, so a
+    point's sum is the expansion of the sum of its live intervals (expansion is linear), and
+    only the sums that survive the pruning become expressions."""
     starts: dict[int, list] = {}
     ends: dict[int, list] = {}
     for a, b, e, _ in events:
         starts.setdefault(a, []).append(e)
         ends.setdefault(b, []).append(e)
-    live = _ZERO
+    live: dict = {}
     sums = []
     for t in range(points):
-        live = live + sympy.Add(*starts.get(t, []))
-        sums.append((t, sympy.expand(live)))
-        live = live - sympy.Add(*ends.get(t, []))
-    return _prune(sums)
+        for e in starts.get(t, ()):
+            _add_terms(live, _expanded_terms(e), 1)
+        sums.append((t, frozenset(live.items())))
+        for e in ends.get(t, ()):
+            _add_terms(live, _expanded_terms(e), -1)
+    return [(t, sympy.Add(*[c * m for m, c in terms])) for t, terms in _prune(sums)]
 
 
-def _terms(e: sympy.Expr) -> dict | None:
+@functools.lru_cache(maxsize=8192)
+def _expanded_terms(e: sympy.Expr) -> tuple:
+    """The terms of expand(e) as (monomial, non-zero numeric coefficient) pairs."""
+    return tuple((m, c) for m, c in sympy.expand(e).as_coefficients_dict().items() if c != 0)
+
+
+def _add_terms(live: dict, terms: tuple, sign: int) -> None:
+    for m, c in terms:
+        c = live.get(m, _ZERO) + sign * c
+        if c == 0:
+            live.pop(m, None)
+        else:
+            live[m] = c
+
+
+def _terms(terms) -> dict | None:
     """Monomial -> exact coefficient (Fraction), or None when a coefficient is not a number.
     A Min/Max factor counts as part of its monomial: every one the formulas write is
     non-negative (of sizes, or of Max(0, ...)), so monomials stay non-negative."""
     d = {}
-    for m, c in sympy.expand(e).as_coefficients_dict().items():
+    for m, c in terms:
         if not c.is_Rational:
             return None
         d[m] = Fraction(int(c.p), int(c.q))
@@ -1008,12 +1058,13 @@ def _dominates(big: dict, small: dict) -> bool:
 
 
 def _prune(sums):
-    """Keep the program points whose live sum no other dominates term by term (monomials of
-    positive symbols are positive, so a term-wise larger polynomial is larger everywhere)."""
+    """Keep the program points whose live sum (its expanded terms) no other dominates term by
+    term (monomials of positive symbols are positive, so a term-wise larger polynomial is
+    larger everywhere)."""
     first: dict = {}
     for t, e in sums:
         first.setdefault(e, t)
-    front: list[tuple[int, sympy.Expr, dict | None]] = []
+    front: list[tuple[int, frozenset, dict | None]] = []
     for e, t in first.items():
         d = _terms(e)
         if d is not None and any(d2 is not None and _dominates(d2, d) for _, _, d2 in front):
@@ -1056,9 +1107,10 @@ def upper_bound(e: sympy.Expr) -> sympy.Expr:
     return rewrite(e)
 
 
+@functools.lru_cache(maxsize=8192)
 def _degree(e: sympy.Expr, sym: sympy.Symbol = n) -> tuple[sympy.Integer, sympy.Expr]:
     """(degree in `sym`, leading coefficient) of a rational function in `sym`; Min/Max are
-    bounded from above first."""
+    bounded from above first. Cached: a graph's sizes repeat, and so do its graphs."""
     if e.has(sympy.Min, sympy.Max, sympy.Piecewise):
         e = upper_bound(e)
     e = sympy.together(sympy.expand(e))
@@ -1069,6 +1121,7 @@ def _degree(e: sympy.Expr, sym: sympy.Symbol = n) -> tuple[sympy.Integer, sympy.
     return sympy.Integer(pn.degree() - pd.degree()), pn.LC() / pd.LC()
 
 
+@functools.lru_cache(maxsize=8192)
 def growth(e: sympy.Expr) -> tuple[bool, str]:
     """(e / (n/p) bounded as n -> oo by a bound independent of p, how e grows)."""
     deg, lead = _degree(e, n)
