@@ -334,7 +334,7 @@ def _score_mod(mod: "maskfn.FnScore | None", device) -> Fn | None:
     if mod is None:
         return None
     b0, h0 = _offsets(mod.b0, mod.h0, torch.device(device))
-    pos, starts = _pos_args(mod.q_pos, mod.k_pos, (mod.q_start, mod.k_start))
+    pos, starts = _pos_args(mod.q_pos, mod.k_pos, mod.starts)
     return Fn(_fn_score(mod.fn, starts), (*pos, b0, h0, *mod.tensors), score=True)
 
 

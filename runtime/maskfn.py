@@ -373,7 +373,7 @@ def balance(group=None) -> float:
 
 
 def _shifted(starts: tuple, r0: int, c0: int) -> tuple:
-    """(q_start, k_start) of a sub-call from row r0 and key c0."""
+    """The (row, key) starts of a sub-call from row r0 and key c0."""
     q, k = starts
     return (None if q is None else q + r0, None if k is None else k + c0)
 
@@ -942,13 +942,14 @@ class FnScore:
     k_pos: torch.Tensor
     b0: int = 0
     h0: int = 0
-    q_start: int | None = None  # the first row's (key's) global position where the positions
-    k_start: int | None = None  # follow each other, else None (Note [Consecutive positions])
+    # the global positions of the first row and key where the rows' (keys') positions follow
+    # each other, else None (Note [Consecutive positions])
+    starts: tuple = (None, None)
 
     def sub(self, r0: int, c0: int = 0) -> "FnScore":
         """The function of the call's rows from r0 and keys from c0."""
-        q_start, k_start = _shifted((self.q_start, self.k_start), r0, c0)
-        return FnScore(self.fn, self.tensors, self.q_pos[r0:], self.k_pos[c0:], self.b0, self.h0, q_start, k_start)
+        return FnScore(self.fn, self.tensors, self.q_pos[r0:], self.k_pos[c0:], self.b0, self.h0,
+                       _shifted(self.starts, r0, c0))
 
     def _indices(self, s: torch.Tensor):
         dev, ind = s.device, self.fn.indices

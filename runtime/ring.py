@@ -142,6 +142,11 @@ class RingSetup:
             return None
         return chunks[first] * length + r0 % length
 
+    def starts(self, src: int, n_local: int, c: "BlockCall") -> tuple:
+        """(first row's, first key's) global position of call c against the block of rank `src`,
+        each None where its positions jump (`start`; Note [Consecutive positions] in maskfn.py)."""
+        return self.start(self.rank, n_local, c.q0, c.q1), self.start(src, n_local, c.k0, c.k1)
+
     def calls(self, n_local: int, src: int) -> list[BlockCall]:
         mine, theirs = self.local_chunks(self.rank), self.local_chunks(src)
         return list(_block_calls(mine, theirs, n_local // len(mine), self.is_causal))
@@ -516,9 +521,8 @@ class _Mods:
         if src not in self.k_pos:
             self.k_pos[src] = self.setup.positions(src, self.s, self.device)
         fn, tensors = self.score
-        setup = self.setup
         return maskfn.FnScore(fn, tensors, self.q_pos[c.q0:c.q1], self.k_pos[src][c.k0:c.k1], c.b0, self.head0,
-                              setup.start(setup.rank, self.s, c.q0, c.q1), setup.start(src, self.s, c.k0, c.k1))
+                              self.setup.starts(src, self.s, c))
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, score=None,
@@ -591,9 +595,8 @@ class FnBlocks:
             # layout's), the chunk length and the call's bounds (Note [Built once per mask])
             where = (self.setup.local_chunks(self.setup.rank), self.setup.local_chunks(src), self.s, c.q0, c.q1, c.k0,
                      c.k1, str(self.device))
-            starts = (self.setup.start(self.setup.rank, self.s, c.q0, c.q1), self.setup.start(src, self.s, c.k0, c.k1))
             m = maskfn.FnMask(self.fn, self.tensors, self.q_pos[c.q0:c.q1], k_pos[c.k0:c.k1], b1 - b0, self.heads,
-                              b0, self.h0, c.causal, where, starts=starts)
+                              b0, self.h0, c.causal, where, starts=self.setup.starts(src, self.s, c))
             if self.whole:
                 state = maskfn.classify(m, maskfn.FLEX_TILE)
                 if state == "full":

@@ -151,8 +151,8 @@ def test_flex_score_mod_is_the_math_paths_function(heads):
         got = flex._score_mod(m, "cpu").bound()(s, b, h, i, j)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         if r0 == 0 and c0 == 0:  # the first run of rows and keys, from their starts
-            run = maskfn.FnScore(fn, (slopes,), q_pos[:5], k_pos[:9], 0, heads.start, 16, 3).sub(1, 2)
-            assert (run.q_start, run.k_start) == (17, 5)
+            run = maskfn.FnScore(fn, (slopes,), q_pos[:5], k_pos[:9], 0, heads.start, (16, 3)).sub(1, 2)
+            assert run.starts == (17, 5)
             part = s[:, :, 1:5, 2:9]
             got = flex._score_mod(run, "cpu").bound()(part, *_block_indices(part.shape))
             torch.testing.assert_close(got, want[:, :, 1:5, 2:9], rtol=1e-6, atol=1e-6)
