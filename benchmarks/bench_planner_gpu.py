@@ -71,6 +71,39 @@ class MaskedAttentionLayer(AttentionLayer):
         return y.float().pow(2).mean()
 
 
+class DocumentsLayer(AttentionLayer):
+    """The attention layer over packed documents: a causal document mask built in the graph from
+    per-token document ids, which ringcc reads as a mask function (runtime/maskfn.py); its blocks
+    run on flex_attention on CUDA (Note [Flex blocks]), which the plan counts
+    (workspace.masked_calls)."""
+
+    def forward(self, x, doc):  # doc: int [b, n], the document of each token
+        b, s, dim = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        mask = (i[None, :] <= i[:, None])[None] & (doc[:, :, None] == doc[:, None, :])
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        y = self.out(a.transpose(1, 2).reshape(b, s, dim))
+        return y.float().pow(2).mean()
+
+
+class SoftcapLayer(AttentionLayer):
+    """The attention layer written out with Gemma 2's soft-capped scores and a causal additive
+    mask (a score function to ringcc: Note [Score functions] in runtime/maskfn.py)."""
+
+    cap = 50.0
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.tanh(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 / self.cap) * self.cap
+        i = torch.arange(s, device=x.device)
+        scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        a = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+        y = self.out(a.transpose(1, 2).reshape(b, s, dim))
+        return y.float().pow(2).mean()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -131,6 +164,14 @@ def make(model: str, n: int, device, dtype, smoke: bool):
         pad = torch.zeros(1, n, dtype=torch.bool)
         pad[:, n - n // 8:] = True  # the last eighth of the keys is padding
         inputs = (torch.randn(1, n, dim), pad)
+    elif model == "documents":
+        dim, heads = (48, 3) if smoke else (1536, 12)
+        m = DocumentsLayer(dim, heads)
+        inputs = (torch.randn(1, n, dim), (torch.arange(n) // (n // 8))[None])  # 8 equal documents
+    elif model == "softcap":
+        dim, heads = (48, 3) if smoke else (1536, 12)
+        m = SoftcapLayer(dim, heads)
+        inputs = (torch.randn(1, n, dim),)
     else:
         dim, heads, kv, hidden = (48, 4, 2, 80) if smoke else (1536, 12, 4, 4480)
         m = LlamaBlock(dim, heads, kv, hidden)
@@ -211,8 +252,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="*", default=None, help="sequence lengths n")
     ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4], help="group sizes p")
     ap.add_argument("--models", nargs="*", default=["attention", "llama"],
-                    choices=["attention", "llama", "masked"],
-                    help="masked: the attention layer with a sliding window and key padding")
+                    choices=["attention", "llama", "masked", "documents", "softcap"],
+                    help="masked: the attention layer with a sliding window and key padding; documents: "
+                         "with a causal document mask; softcap: soft-capped scores (eager attention)")
     ap.add_argument("--json", dest="json_path", default="planner_vs_measured.json")
     args = ap.parse_args(argv)
 

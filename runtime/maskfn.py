@@ -200,8 +200,7 @@ class MaskFn:
 
         for op, args in self.lines:
             if op == "load":
-                t = tensors[args[0][1]]
-                vals.append(t[tuple(get(a) for a in args[1:])])
+                vals.append(_load(tensors[args[0][1]], [get(a) for a in args[1:]]))
                 ders.append(None)
                 continue
             xs = [get(a) for a in args]
@@ -210,6 +209,16 @@ class MaskFn:
             if grad:
                 ders.append(_derivative(op, xs, [der(a) for a in args], y))
         return vals[-1], (ders[-1] if grad else None)
+
+
+def _load(t: torch.Tensor, index: list):
+    """t[index], its literal (int) indices taken first by select: beside index tensors, a
+    literal becomes a tensor constant of the traced function (flex's mask and score graphs),
+    which a compiled backward cannot hold ("FunctionalTensor on its own")."""
+    for dim in reversed(range(len(index))):
+        if isinstance(index[dim], int):
+            t = t.select(dim, index.pop(dim))
+    return t[tuple(index)] if index else t
 
 
 def _derivative(op: str, xs: list, ds: list, y):

@@ -412,8 +412,8 @@ def _flex_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
 def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
     for blocks of s = n_local keys, a bound:
-    - CUDA, masked bf16/fp16 blocks on flex_attention (Note [Flex blocks] in flex.py): the
-      block mask's tiles (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense
+    - CUDA, masked or score-modified bf16/fp16 blocks (a key mask, a window, a mask or a score
+      function) on flex_attention (Note [Flex blocks] in flex.py): the block mask's tiles (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense
       tile states it is built from); in backward also two fp32 [b, h, s] row values (the lse
       in base 2, rowsum(dO * O));
     - CUDA math path (Note [Masked rows] in kernels.py: fp32/fp64, or masked blocks under
@@ -429,9 +429,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
       (kernels._row_chunks);
     - CPU: the additive fp32 mask [b, 1, rows, Lk] and its bool source, where the mask has
       rows (causal or a window).
-    Blocks with a score function (Note [Score functions] in maskfn.py) count as masked ones on
-    the math path (which they take on every device), with one more scores-sized buffer per call
-    (the function's value, or its derivative kept for backward).
+    Blocks with a score function (Note [Score functions] in maskfn.py) off flex count as masked
+    ones on the math path, with one more scores-sized buffer per call (the function's value, or
+    its derivative kept for backward).
     Zero for unmasked half-precision blocks."""
     from .kernels import MASKED_CALL_BYTES, masked_kernel
 
@@ -444,7 +444,7 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     if q.device_type == "cuda" or modified:
         if kv_mask is None and not window and not fn and q.itemsize == 2 and not modified:  # the fused kernels
             return zero, zero
-        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex" and not fn and not modified:
+        if q.device_type == "cuda" and q.itemsize == 2 and masked_kernel() == "flex":
             return _flex_calls(a)
         rows = sympy.Min(s, sympy.Max(1, sympy.Integer(MASKED_CALL_BYTES) / (acc * b * h * s)))  # over s keys
         # zigzag calls may be over s/2 keys (a chunk of the block), with twice the rows

@@ -343,7 +343,8 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     masked, plan = tmp_path / "masked.json", tmp_path / "plan.json"
     for script, extra, out in (("bench_masked.py", ["--reps", "1", "--layout", "auto"], masked),
-                               ("bench_planner_gpu.py", ["--models", "masked", "--worlds", "2"], plan)):
+                               ("bench_planner_gpu.py", ["--models", "masked", "documents", "softcap", "--worlds", "2"],
+                                plan)):
         proc = subprocess.run(run + [str(ROOT / "benchmarks" / script), "--smoke", *extra, "--json", str(out)],
                               capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -357,7 +358,8 @@ def test_masked_benchmark_and_masked_planner_run_on_gloo(tmp_path):
     # --layout auto: as the backend, zigzag for the causal cases without a window
     assert [r["layout"] for r in rec["rows"]] == ["zigzag"] * 4 + ["contiguous"] * 2 + ["zigzag"] * 2
     rows = json.loads(plan.read_text())["rows"]
-    assert [(r["model"], r["n"], r["p"]) for r in rows] == [("masked", 64, 2), ("masked", 128, 2)]
+    assert [(r["model"], r["n"], r["p"]) for r in rows] == [(m, n, 2) for m in ("masked", "documents", "softcap")
+                                                            for n in (64, 128)]
     assert all(r["verdict"] for r in rows)
 
 
@@ -376,8 +378,9 @@ def test_masked_blocks_against_flex_run_on_cpu(tmp_path, schedule):
     rec = json.loads(out.read_text())
     assert rec["device"] == "cpu (smoke, gloo)" and len(rec["rows"]) == (8 if schedule else 12)
     assert all(r["ringcc_ms"] > 0 and r["flex_ms"] > 0 and r["max_rel_diff"] < 1e-5 for r in rec["rows"]), rec["rows"]
-    if not schedule:  # the back-to-back timing of each cell
-        assert all(r["ringcc_queued_ms"] > 0 and r["flex_queued_ms"] > 0 for r in rec["rows"]), rec["rows"]
+    if not schedule:  # the back-to-back timing of each cell, and ringcc's with whole heads
+        assert all(r["ringcc_queued_ms"] > 0 and r["flex_queued_ms"] > 0 and r["ringcc_whole_heads_ms"] > 0
+                   for r in rec["rows"]), rec["rows"]
 
 
 def _torchrun_smoke(script: str, tmp_path, *extra: str, timeout: float = 240):

@@ -155,6 +155,35 @@ def test_block_grads_under_the_global_lse_sum_to_the_dense_gradient(dtype):
     assert not bool(dq[1, :, :140].any())
 
 
+def test_a_literal_index_leaves_no_constant_in_the_backward_program(monkeypatch):
+    """A mask function that loads a tensor at a literal batch row (`load t0 0 q`: a [1, n] tensor
+    of a compiled model's graph) traces into flex's mask graph with no tensor constant, which the
+    backward program compiled by inductor on CUDA cannot hold; its gradients are the dense ones."""
+    from ringcc.runtime import kernels, maskfn
+
+    text = "maskfn v1 tensors=1\n%0 = load t0 0 q\n%1 = load t0 0 kv\n%2 = eq %0 %1\nreturn %2"
+    n, d = 200, 8
+    doc, pos = _doc_ids([70, 130]), torch.arange(n)
+    m = maskfn.FnMask(maskfn.parse(text), (doc,), pos, pos, 1, 2, 0, 0, True, ("literal", n), starts=(0, 0))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    allowed = (pos[None, :] <= pos[:, None]) & (doc[0][:, None] == doc[0][None, :])
+    ref, ref_lse = reference.masked_attention(qr, kr, vr, allowed[None, None], scale=0.5)
+    ref.backward(dout)
+    traced = []
+    run = flex._Program.__call__
+    monkeypatch.setattr(flex._Program, "__call__", lambda self, *a: (run(self, *a), traced.append(self.run))[0])
+    flex._bwd_program.cache_clear()
+    grads = flex.bwd(dout, q, k, v, ref.detach(), kernels.bwd_lse(ref_lse), 0.5, True, None, m)
+    for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    graphs = [mod for gm in traced for mod in gm.modules() if isinstance(mod, torch.fx.GraphModule)]
+    assert len(graphs) > 1  # the program and its function graphs
+    assert not [name for gm in graphs for name, _ in gm.named_buffers()] + \
+        [nd.target for gm in graphs for nd in gm.graph.nodes if "lift_fresh" in str(nd.target)]
+
+
 @torch.library.custom_op("ringcc_test::block_grads", mutates_args=())
 def _block_grads_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor) -> list[torch.Tensor]:

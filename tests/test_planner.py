@@ -819,6 +819,10 @@ def test_masked_flex_calls_are_counted_and_linear(monkeypatch):
     assert bwd.subs(long) == tiles + 4 * rows + 2 * 4 * 16 * r + 2 * (2 + 4) * 4 * 8 * r * 128
     twice = {s: 16 * flex.CALL_ROWS}
     assert bwd.subs(twice) < 2 * bwd.subs(long)  # linear in s past CALL_ROWS (tiles grow with the keys)
+    # a mask or score function's blocks run flex too (Note [Flex blocks]): counted as flex calls
+    q, k = (workspace.TensorSize((1, 16, s, 128), 2, "cuda") for _ in range(2))
+    for fn in ({"mask_fn": "maskfn v1 tensors=1"}, {"score_fn": "score v1 tensors=0"}):
+        assert workspace.masked_calls({"q": q, "k": k, "is_causal": True, **fn}) == workspace._flex_calls({"q": q, "k": k})
 
 
 def test_masked_ring_calls_are_counted_and_bounded(monkeypatch):
