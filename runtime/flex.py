@@ -132,8 +132,13 @@ def _arange_tiles(lq: int, lk: int, causal: bool, device, rows):
 
 # A cached BlockMask holds 4 int32 tiles-sized index arrays per direction; beyond this many
 # tiles (a 16K-row call over 64K keys) the kernels' time dwarfs the host's build, and the
-# cache (outside the planner's count, as long-lived as the window) would grow with the shard.
+# cache (outside the planner's count) would grow with the shard. The score functions' masks
+# of positions alone (_arange_mask) are kept up to CACHED_TILES in a process-wide cache of 64.
+# A window's are kept on the window (_per_window), one set per ring step, up to
+# WINDOW_CACHED_TILES (about 12 MB per window): a window's kernels are short (its band), and
+# a rebuild per call is host work and a few sorts ahead of each step's kernels.
 CACHED_TILES = 1 << 16
+WINDOW_CACHED_TILES = 1 << 18  # a 64K-row call over 64K keys
 
 
 def _tiles(rows, lk: int) -> int:
@@ -141,14 +146,14 @@ def _tiles(rows, lk: int) -> int:
 
 
 def _per_window(window, key, rows, lk: int, build):
-    """build(), kept on the window for the next call when the call has at most CACHED_TILES
-    tiles. What depends on a window's positions alone is the same at every step, head chunk
+    """build(), kept on the window for the next call when the call has at most
+    WINDOW_CACHED_TILES tiles. What depends on a window's positions alone is the same at every step, head chunk
     and iteration, and the window masks of a ring's calls live as long as its setup
     (ring.RingSetup._window_calls), so their tiles (and, with no key mask, whole BlockMasks)
     are built once instead of per kernel call (host time: a windowed ring is host-bound).
     Calls cut to a run of valid keys get fresh slices of those masks (ring.WindowMask.sub) and
     build theirs per call."""
-    if _tiles(rows, lk) > CACHED_TILES:
+    if _tiles(rows, lk) > WINDOW_CACHED_TILES:
         return build()
     cache = window.__dict__.setdefault("_flex_cache", {})  # a frozen dataclass: its __dict__ is writable
     if key not in cache:

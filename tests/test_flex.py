@@ -263,6 +263,11 @@ def test_window_masks_are_built_once_per_window():
     dense = [create_mask(m.block.mask_mod, 1, 1, 300, 300, device="cpu")
              for m in (a, flex.block_mask(300, 300, True, None, other, "cpu"))]
     assert int(dense[0].sum()) > int(dense[1].sum()) > 0
+    # kept up to a 64K-row call over 64K keys (flex.WINDOW_CACHED_TILES), built per call beyond
+    for n, kept in ((512 * flex.TILE, True), (513 * flex.TILE, False)):
+        big = torch.arange(4 * n).int()[:n]
+        wb = WindowMask(big, big, 4096, True, big.long(), big.long())
+        assert (flex.block_mask(n, n, True, None, wb, "cpu") is flex.block_mask(n, n, True, None, wb, "cpu")) == kept
 
 
 def test_a_flex_compile_failure_falls_back_to_the_exact_path(monkeypatch):
