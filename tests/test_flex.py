@@ -434,8 +434,11 @@ def test_skipped_tiles_of_a_row_chunk_are_the_chunks_rows():
 
 def _fn_text(spec) -> str:
     """The mask function of `spec`: documents, and a window |q - kv| < w, a bidirectional
-    prefix (kv <= q or kv < prefix) or chunks (q // c == kv // c) when set."""
-    lines = ["%0 = load t0 b q", "%1 = load t0 b kv", "%2 = eq %0 %1"]
+    prefix (kv <= q or kv < prefix) or chunks (q // c == kv // c) when set. The document ids
+    are read at batch row b, or for odd seeds at the literal row 0, as a compiled model's
+    [1, n] position ids are."""
+    row = "0" if spec["seed"] % 2 else "b"
+    lines = [f"%0 = load t0 {row} q", f"%1 = load t0 {row} kv", "%2 = eq %0 %1"]
 
     def add(line):
         lines.append(f"%{len(lines)} = {line}")
@@ -472,7 +475,9 @@ def _dense_mask(spec, n):
 def case_random_masks(rank, world, specs):
     """Each spec through ring attention with flex blocks (flex's dense implementation here) and
     dense parts of spec["side"] tiles, flex calls of spec["rows"] rows: the largest error of
-    output and gradients against dense SDPA in float64, and the dense calls taken."""
+    output and gradients against dense SDPA in float64, the dense calls taken, and the tensor
+    constants of the backward programs traced for it (inductor cannot compile a program that
+    holds one)."""
     import functools
 
     import torch.distributed as dist
@@ -486,8 +491,15 @@ def case_random_masks(rank, world, specs):
         _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
         return torch.compile(fa.flex_attention, fullgraph=True, backend="eager", dynamic=True)
 
-    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS
+    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake
     out = []
+    traced = []
+
+    def trace(fn, args):
+        traced.append(saved[-1](fn, args))
+        return traced[-1]
+
+    _compat.trace_fake = trace
     try:
         for spec in specs:
             flex._flex, kernels.flex_blocks = compiled, (lambda device, dtype: True)
@@ -512,17 +524,20 @@ def case_random_masks(rank, world, specs):
             err = max(float((a - shard(b.float())).abs().max() / b.abs().max().clamp_min(1e-9))
                       for a, b in ((o.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
                                    (vl.grad, vr.grad)))
-            out.append((spec, err, maskfn.STATS["calls_dense"], dict(kernels._FLEX_FAILED)))
+            constants = [name for gm in traced for mod in gm.modules() if isinstance(mod, torch.fx.GraphModule)
+                         for name, _ in mod.named_buffers()]
+            traced.clear()
+            out.append((spec, err, maskfn.STATS["calls_dense"], dict(kernels._FLEX_FAILED), constants))
     finally:
-        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS = saved
+        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake = saved
     return out
 
 
 def _check_random_masks(pools, world, specs):
     for results in pools(world).run(case_random_masks, specs, timeout=900):
-        for spec, err, dense, failed in results:
-            assert err < 1e-5 and not failed, (spec, err, failed)
-    return [dense for _, _, dense, _ in results]
+        for spec, err, dense, failed, constants in results:
+            assert err < 1e-5 and not failed and not constants, (spec, err, failed, constants)
+    return [dense for _, _, dense, _, _ in results]
 
 
 FIXED_SPECS = [
