@@ -526,6 +526,78 @@ def test_ring_attention_under_mask_functions_matrix(pools, world, name):
         _check_parity(pools(world).run(case_ring_parity, name, n, layout, timeout=600), name, n)
 
 
+class ScoredPaddedAttention(nn.Module):
+    """Eager attention with a score modifier before transformers' finite causal padding mask:
+    ALiBi (Bloom: a per-head linear bias of the distance) or a soft-cap (Gemma2: cap * tanh(s / cap))."""
+
+    def __init__(self, modifier: str, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.modifier, self.h, self.g, self.dh = modifier, h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, h + 1).float())
+
+    def forward(self, x, valid):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        k, v = (t.repeat_interleave(self.h // self.g, 1) for t in (k, v))
+        w = q @ k.transpose(2, 3) * self.dh ** -0.5
+        i = torch.arange(n)
+        if self.modifier == "alibi":
+            w = w + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
+        else:
+            w = torch.tanh(w / 2.0) * 2.0
+        allowed = (i[None, :] <= i[:, None]) & valid[:, None, None, :].bool()
+        w = w + torch.where(allowed, torch.tensor(0.0, dtype=x.dtype), torch.finfo(x.dtype).min)
+        out = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_scored_padding(rank, world, modifier, n):
+    """Every row and every gradient against eager (a soft-capped site: its rows with no key are 0
+    and weigh 0 in the loss, eager's outputs elsewhere)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = ScoredPaddedAttention(modifier), ScoredPaddedAttention(modifier)
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, n, 32)
+    _, _, valid = mask_inputs(n=n)  # sample 0: its first 3 rows see no key
+    keeps = torch.ones(2, n, 1)
+    if modifier == "softcap":
+        keeps[0, :3] = 0
+    proj = torch.randn(2, n, 32) * keeps
+    ringcc.reset_reports()
+    out = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True))(x, valid)
+    (out * proj).sum().backward()
+    r = ref(x, valid)
+    (r * proj).sum().backward()
+    errs = {"out": float(((out - r) * keeps).abs().max()), "empty_rows": float((out[0, :3] - model.o.bias).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        if p.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    return errs, [(s.decision.value, s.detail, (s.mask or {}).get("score_function", "")) for s in ringcc.last_report().sites]
+
+
+@pytest.mark.parametrize("modifier, world", [("alibi", 2), ("softcap", 1),
+                                             *(pytest.param(m, p, marks=pytest.mark.soak) for m in ("alibi", "softcap")
+                                               for p in (1, 2, 3, 4) if (m, p) not in (("alibi", 2), ("softcap", 1)))])
+def test_a_score_function_before_a_finite_mask(pools, modifier, world):
+    """ALiBi adds a bias (d score / d s = 1): rows with every key masked get eager's mean of the
+    values and eager's gradients. A soft-cap weighs each pair by its derivative: those rows stay 0,
+    the report says so (docs/sharp-edges.md), and every other row and gradient equals eager's."""
+    for errs, sites in pools(world).run(case_scored_padding, modifier, 12 * world, timeout=300):
+        ((decision, detail, score_fn),) = sites
+        assert decision == "rewritten" and ("tanh" in score_fn) is (modifier == "softcap"), sites
+        if modifier == "alibi":
+            assert "give the mean of the values, as eager" in detail and errs.pop("empty_rows") > 1e-3, (detail, errs)
+        else:
+            assert "give 0; eager gives the mean of the values" in detail and errs.pop("empty_rows") == 0, (detail, errs)
+        assert max(errs.values()) < 2e-5, errs
+
+
 # ---------------------------------------------------------------------------------------
 # flex_attention sites: the mask_mod is the function
 
