@@ -577,7 +577,8 @@ def case_hf_eager_left_padding(rank, world, n, pad):
     attention_mask[0, :5] = 0  # left padding: rows 0..4 of sample 0 see no key
     attention_mask[1, :1] = 0
     ringcc.reset_reports()
-    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True, pad=pad), dynamic=False)
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True, verify=True, pad=pad),
+                             dynamic=False)
     got = compiled(input_ids=ids, attention_mask=attention_mask, labels=ids)
     got.loss.backward()
     want = ref(input_ids=ids, attention_mask=attention_mask, labels=ids)
