@@ -35,8 +35,10 @@ values are data.
 At the mask the dims are (from the right) kv, q, h, b; substituting the indices for their axes
 gives the function. A bool mask is the function; an additive float mask must take the value 0
 (attend) or at most -1e4 (masked) only, which the walk proves from its constants (where,
-masked_fill, full, torch.tensor of a number, sums of such); otherwise it is a score bias, not a mask. Nothing is
-evaluated on data: the function holds for every input.
+masked_fill, full, torch.tensor of a number, sums of such); otherwise it is a score bias, not a mask. Its
+masked values are kept (Extracted.fills) where one is finite, with whether the function is true at
+kv = q: a row with every key masked by a finite value is eager's mean of the values (Note [Rows
+with no key] in runtime/ops.py). Nothing is evaluated on data: the function holds for every input.
 
 The top-level conjuncts `kv <= q` are the causal flag (the ring's causal schedule and its
 zigzag layout read it); the rest stays the function (runtime/maskfn.py, Note [Mask functions]).
