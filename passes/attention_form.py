@@ -329,13 +329,23 @@ class LiftedMask:
     """A mask understood: allowed(b, h, i, j) = causal? (j <= i) and window? (|i - j| < window)
     and key_valid[b, j] and fn(b, h, i, j). `key_valid` is a bool [b, n] node; `fn` a mask
     function (runtime/maskfn.py, Note [Mask functions]) reading the whole-length tensors
-    `fn_inputs` (graph nodes), extracted from the graph (passes/extract_mask.py)."""
+    `fn_inputs` (graph nodes), extracted from the graph (passes/extract_mask.py).
+    `fills`: the values an additive mask adds where it masks, in its dtype, when one of them is
+    finite (transformers' eager masks: finfo(dtype).min), else (); they decide what eager gives a
+    row whose keys are all masked (Note [Rows with no key] in runtime/ops.py). `keeps_diagonal`:
+    the mask is proved true at j = i, so that no row is without a key."""
 
     causal: bool = False
     window: Optional[int] = None
     key_valid: Optional[torch.fx.Node] = None
     fn: Any = None
     fn_inputs: tuple = ()
+    fills: tuple = ()
+    keeps_diagonal: bool = False
+
+    def rows_may_have_no_key(self) -> bool:
+        # causal, a window or no mask at all keep (i, i); a key mask or a function may not
+        return not self.keeps_diagonal and (self.key_valid is not None or self.fn is not None)
 
     def spec(self) -> dict:
         out = {"causal": self.causal, "window": self.window,
@@ -343,4 +353,6 @@ class LiftedMask:
         if self.fn is not None:
             out["function"] = self.fn.text.replace("\n", "; ")
             out["function_inputs"] = [n.name for n in self.fn_inputs]
+        if self.fills:
+            out["fill"] = list(self.fills)
         return out

@@ -35,8 +35,10 @@ values are data.
 At the mask the dims are (from the right) kv, q, h, b; substituting the indices for their axes
 gives the function. A bool mask is the function; an additive float mask must take the value 0
 (attend) or at most -1e4 (masked) only, which the walk proves from its constants (where,
-masked_fill, full, torch.tensor of a number, sums of such); otherwise it is a score bias, not a mask. Nothing is
-evaluated on data: the function holds for every input.
+masked_fill, full, torch.tensor of a number, sums of such); otherwise it is a score bias, not a mask. Its
+masked values are kept (Extracted.fills) where one is finite, with whether the function is true at
+kv = q: a row with every key masked by a finite value is eager's mean of the values (Note [Rows
+with no key] in runtime/ops.py). Nothing is evaluated on data: the function holds for every input.
 
 The top-level conjuncts `kv <= q` are the causal flag (the ring's causal schedule and its
 zigzag layout read it); the rest stays the function (runtime/maskfn.py, Note [Mask functions]).
@@ -82,6 +84,8 @@ class Extracted:
     fn: Optional[MaskFn]  # None: the mask is causal (or nothing) alone
     inputs: list  # the tensor inputs t0.. (graph nodes)
     causal: bool
+    fills: tuple = ()  # an additive mask's masked values, when one is finite (attention_form.LiftedMask)
+    keeps_diagonal: bool = False  # the function is true at kv = q: every row keeps a key
 
 
 def _c(v) -> tuple:
@@ -113,6 +117,13 @@ def _op(name: str, *args) -> tuple:
         return _op("add", args[0][1], _c(args[0][2][1] + args[1][1]))
     if name == "where" and _is_c(args[0]):
         return args[1] if args[0][1] else args[2]
+    if name == "eq" and args[0][0] == "where" and _is_c(args[1]) and _is_c(args[0][2]) and _is_c(args[0][3]):
+        # where(c, a, b) == a with b != a is c: an additive mask's test for 0 keeps its conjuncts
+        a, b, x = args[0][2][1], args[0][3][1], args[1][1]
+        if a == x != b:
+            return args[0][1]
+        if b == x != a:
+            return _op("not", args[0][1])
     if name in ("and", "or"):  # the unit (True for and, False for or) drops out, the other absorbs
         unit, absorbing = _c(name == "and"), _c(name == "or")
         a, b = args
@@ -909,14 +920,60 @@ def extract(mask: torch.fx.Node, seq_lengths: tuple, is_causal: bool, reader: Op
     """The function of the SDPA mask `mask` (as the site `reader` sees it) ANDed with is_causal
     (Note [Mask extraction])."""
     expr, leaves = _expression(mask, seq_lengths, reader)
+    fills: tuple = ()
     if fake(mask).dtype != torch.bool:
         values = _values(expr)
         bad = None if values is None else sorted(v for v in values if v != 0 and v > VERY_NEGATIVE)
         if values is None or bad:
             what = "values the graph does not fix" if values is None else f"the values {bad[:4]}"
             raise Unextractable(f"an additive mask with {what}: a score bias, not a mask of 0 and -inf")
+        fills = masked_values([v for v in values if v != 0], fake(mask).dtype)
         expr = _op("eq", expr, _c(0.0))
-    return _finish(expr, leaves, is_causal)
+    got = _finish(expr, leaves, is_causal)
+    got.fills = fills
+    got.keeps_diagonal = _on_diagonal(_op("and", expr, _op("le", KV, Q)) if is_causal else expr, leaves) == _c(True)
+    return got
+
+
+def masked_values(values, dtype: torch.dtype) -> tuple:
+    """The masked values of an additive mask in its dtype (a sum of two finite minima is -inf
+    there), when one of them is finite (Note [Rows with no key] in runtime/ops.py); else ()."""
+    got = tuple(sorted(set(torch.tensor(list(values), dtype=torch.float64).to(dtype).double().tolist())))
+    return got if any(math.isfinite(v) for v in got) else ()
+
+
+_REFLEXIVE = {"eq": True, "le": True, "ge": True, "ne": False, "lt": False, "gt": False}
+
+
+def _on_diagonal(e: tuple, leaves: list, memo: Optional[dict] = None) -> tuple:
+    """e at kv = q, folded (x op x of a comparison is constant where x cannot be NaN: it reads no
+    floating-point tensor): _c(True) proves that every row keeps its own key."""
+    memo = {} if memo is None else memo
+    if e in memo:
+        return memo[e]
+    tag = e[0]
+    if tag == "i":
+        out = Q if e == KV else e
+    elif tag in ("c", "ax"):
+        out = e
+    elif tag == "load":
+        out = ("load", e[1], tuple(_on_diagonal(a, leaves, memo) for a in e[2]))
+    else:
+        args = tuple(_on_diagonal(a, leaves, memo) for a in e[1:])
+        if tag in _REFLEXIVE and args[0] == args[1] and not _reads_float(args[0], leaves):
+            out = _c(_REFLEXIVE[tag])
+        else:
+            out = _op(tag, *args)
+    memo[e] = out
+    return out
+
+
+def _reads_float(e: tuple, leaves: list) -> bool:
+    if e[0] == "load":
+        return fake(leaves[e[1]]).is_floating_point() or any(_reads_float(a, leaves) for a in e[2])
+    if e[0] in ("c", "i", "ax"):
+        return e[0] == "c" and isinstance(e[1], float) and e[1] != e[1]
+    return any(_reads_float(a, leaves) for a in e[1:])
 
 
 def describe(mask: torch.fx.Node, seq_lengths: tuple, reader: Optional[torch.fx.Node] = None

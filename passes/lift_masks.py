@@ -399,17 +399,19 @@ def _lift(gm: torch.fx.GraphModule, sdpa: torch.fx.Node, call: SdpaCall, key_nod
         if not isinstance(val, Ind):
             raise Unliftable(f"mask evaluates to {type(val).__name__}")
         if val.on is True and val.off is False:
-            pred = val.pred
+            pred, masked = val.pred, None
         elif val.on is False and val.off is True:
-            pred = Not(val.pred)
+            pred, masked = Not(val.pred), None
         elif val.on == 0 and not isinstance(val.on, bool) and _neg(val.off):
-            pred = val.pred
+            pred, masked = val.pred, val.off
         elif val.off == 0 and not isinstance(val.off, bool) and _neg(val.on):
-            pred = Not(val.pred)
+            pred, masked = Not(val.pred), val.on
         else:
             raise Unliftable(f"mask takes values {val.on!r} / {val.off!r}, not attend / -inf")
         atoms = _conjunction(_push_not(pred, False))
         lifted = _spec(atoms, n_q, n_k, bool(call.is_causal))
+        if masked is not None:
+            lifted.fills = extract_mask.masked_values([masked], fake(call.attn_mask).dtype)
     except Unliftable as e:
         return str(e)
     if lifted.key_valid is not None:
@@ -438,7 +440,8 @@ def _extract(sdpa: torch.fx.Node, call: SdpaCall, why_not_lifted: str) -> Union[
     if len(got.inputs) > _ring_ops.MASK_TENSORS:
         return (f"the mask function reads {len(got.inputs)} per-token tensors "
                 f"({', '.join(n.name for n in got.inputs)}); the ring op takes at most {_ring_ops.MASK_TENSORS}")
-    return LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs))
+    return LiftedMask(causal=got.causal, fn=got.fn, fn_inputs=tuple(got.inputs), fills=got.fills,
+                      keeps_diagonal=got.keeps_diagonal)
 
 
 def _neg(v: Any) -> bool:

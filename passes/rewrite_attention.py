@@ -11,6 +11,13 @@ mask function, mask_fn= with its tensors mask_t0.., a score function, score_fn= 
 score_t0.. (Notes [Mask functions] and [Score functions] in runtime/maskfn.py), and attention
 sinks, sinks=, Note [Attention sinks] in runtime/ops.py).
 
+Where an additive mask's masked value is finite and erases the scores (transformers' eager
+masks) and a row may have every key masked, eager gives that row the mean of the values; the
+op's output then goes through `ringcc.fill_empty_rows(op[0], op[1], q, k, v, ...)`, which puts
+those rows there with eager's gradients (Note [Rows with no key] in runtime/ops.py). Where that
+does not hold exactly (a fill that does not erase the scores, several masked values, a
+non-linear score function), such rows stay 0 and the site's report detail says what eager gives.
+
 with k/v carrying their own (GQA) heads. Under autocast q, k and v reach the op through the
 casts SDPA's autocast policy gives them at that site (`q.to(torch.bfloat16)`, ...: Note
 [Attention under autocast] in runtime/amp.py), so the op returns what SDPA returned. The layout is resolved once per graph from
@@ -41,6 +48,11 @@ from .base import PassContext, PassResult
 
 PASS = "rewrite_attention"
 RING_OP = torch.ops.ringcc.ring_attention.default
+FILL_OP = torch.ops.ringcc.fill_empty_rows.default
+# A finite masked value erases the scores added to it when half the spacing of floats there
+# exceeds this (attention scores are far smaller): transformers' finfo(dtype).min in fp32, bf16 or
+# fp64 does, fp16's -65504 (spacing 32) or -1e4 does not.
+ERASED_SCORES = 1e6
 DILATED_OP = torch.ops.ringcc.dilated_attention.default
 DILATION_META = "ringcc_dilation"
 AUTOCAST_META = "ringcc_autocast"  # the dtype autocast casts the site's q/k/v to (absent: autocast off)
@@ -200,15 +212,22 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
         with below:
             op = b.call(RING_OP, q, k, v, lifted.key_valid, lifted.causal, scale,
                         ctx.group_name, ctx.world_size, layout, *window, **extra)
+        out = b.call(operator.getitem, op, 0)
+        fill, no_key = _rows_with_no_key(lifted, mods, fake(q).dtype)
+        if fill:  # Note [Rows with no key] in runtime/ops.py
+            out = b.call(FILL_OP, out, b.call(operator.getitem, op, 1), q, k, v, scale, ctx.group_name,
+                         ctx.world_size, layout)
     else:
         with below:
             op = b.call(DILATED_OP, q, k, v, list(spec.segment_lengths), list(spec.dilation_rates),
                         spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
-    out = _same_layout(b, b.call(operator.getitem, op, 0), fake(node), is_aten_graph(gm))
+        out, no_key = b.call(operator.getitem, op, 0), ""
+    out = _same_layout(b, out, fake(node), is_aten_graph(gm))
     node.replace_all_uses_with(out)
     site = node.meta[SITE_META]
     to = node.meta.get(AUTOCAST_META)
-    site.decision, site.reason, site.detail = Decision.REWRITTEN, None, "" if to is None else f"autocast: q/k/v in {to}"
+    site.decision, site.reason = Decision.REWRITTEN, None
+    site.detail = "; ".join(filter(None, ["" if to is None else f"autocast: q/k/v in {to}", no_key]))
     site.node = op.name
     erase_dead(gm, [node])
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output
@@ -220,6 +239,50 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
                 and call in set(gm.graph.nodes)):
             gm.graph.erase_node(call)  # a flex_attention site's call (passes/lift_masks.py: _flex_site)
     return op
+
+
+def _rows_with_no_key(lifted, mods, dtype: torch.dtype) -> tuple[bool, str]:
+    """(whether the site's output takes ringcc::fill_empty_rows, what the report says) for rows
+    whose keys are all masked by a finite masked value (Note [Rows with no key] in runtime/ops.py)."""
+    if not lifted.fills or not lifted.rows_may_have_no_key() or (mods is not None and mods.sinks is not None):
+        return False, ""  # no such row, or a row's weight goes to its sink in eager and in the ring
+    values = ", ".join(f"{f:g}" for f in lifted.fills)
+    if len(lifted.fills) > 1:
+        return False, (f"rows with every key masked give 0; eager's masked values {values} differ, and its softmax "
+                       "weighs the keys of the largest one")
+    if not _erases(lifted.fills[0], dtype):
+        return False, (f"rows with every key masked give 0; eager adds the masked value {values} without erasing the "
+                       f"scores in {dtype}: a softmax over every key")
+    if mods is not None and mods.fn is not None and not _adds_to_score(mods.fn):
+        return False, (f"rows with every key masked (by the finite value {values}) give 0; eager gives the mean of "
+                       "the values, and its gradients weigh each key by the score function's derivative")
+    return True, f"rows with every key masked (by the finite value {values}) give the mean of the values, as eager"
+
+
+def _erases(fill: float, dtype: torch.dtype) -> bool:
+    """fill + s == fill in `dtype` for every score |s| < ERASED_SCORES."""
+    if not math.isfinite(fill) or not dtype.is_floating_point:
+        return False
+    _, e = math.frexp(abs(fill))
+    return math.ldexp(torch.finfo(dtype).eps, e - 1) / 2 > ERASED_SCORES
+
+
+def _adds_to_score(fn) -> bool:
+    """The score function is score + (a value that does not read the score): d/d score is 1."""
+    kinds = []  # per line: "one" (score plus a constant of the score), "none" (reads no score), "other"
+
+    def kind(a):
+        return kinds[a[1]] if a[0] == "v" else "one" if a == ("i", "score") else "none"
+
+    for op, args in fn.lines:
+        ks = [kind(a) for a in args]
+        if all(k == "none" for k in ks):
+            kinds.append("none")
+        elif op == "add" and sorted(ks) == ["none", "one"] or op == "sub" and ks == ["one", "none"]:
+            kinds.append("one")
+        else:
+            kinds.append("other")
+    return kinds[-1] == "one"
 
 
 def _autocast_cast(b: Builder, x: torch.fx.Node, to) -> torch.fx.Node:

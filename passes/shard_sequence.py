@@ -454,10 +454,10 @@ class Sharder:
         writes the gathered copy: the later readers of the shard read that copy instead."""
         gathered = [(a, self.state[a]) for a in node.all_input_nodes
                     if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
-        spec = _ATTENTION_ARGS.get(op_name(node))
-        if spec is not None:  # attention over full values on every rank: one rank's ring, no communication
+        comm = _COMM_ARGS.get(op_name(node))
+        if comm is not None:  # attention over full values on every rank: one rank's ring, no communication
             args = list(node.args)
-            args[spec["comm"]] = [self.comm[0], 1, "contiguous"]
+            args[comm] = [self.comm[0], 1, "contiguous"]
             node.args = tuple(args)
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
@@ -1429,11 +1429,18 @@ def cross_entropy_rule(w: Sharder, node):
     return None
 
 
-# where the communication arguments (group_name, world_size, layout), the key mask and the
-# causal flag sit in each attention op's schema
+# where the key mask and the causal flag sit in each attention op's schema
 _ATTENTION_ARGS = {
-    "ringcc::ring_attention": dict(comm=slice(6, 9), key_valid=3, causal=4, key_runs=10),
-    "ringcc::dilated_attention": dict(comm=slice(8, 11), key_valid=None, causal=6),
+    "ringcc::ring_attention": dict(key_valid=3, causal=4, key_runs=10),
+    "ringcc::dilated_attention": dict(key_valid=None, causal=6),
+}
+# where the communication arguments (group_name, world_size, layout) sit in the schema of each op
+# that communicates over the sequence group inside: the sharder gives them its group, or one rank
+# (world size 1) where the op runs on full values
+_COMM_ARGS = {
+    "ringcc::ring_attention": slice(6, 9),
+    "ringcc::dilated_attention": slice(8, 11),
+    "ringcc::fill_empty_rows": slice(6, 9),
 }
 
 
@@ -1489,11 +1496,31 @@ def attention_rule(w: Sharder, node):
     if op_name(node) == "ringcc::ring_attention":
         _share_balance_plan(w, node, key_valid)
     args = list(node.args)
-    args[spec["comm"]] = list(w.comm)
+    args[_COMM_ARGS[op_name(node)]] = list(w.comm)
     node.args = tuple(args)
     w.decisions.append(f"{node.name}: {op_name(node)} {w.layout}")
     seq = Seq(2, w.n, sharded=True)
     return (seq, seq)
+
+
+def fill_empty_rows_rule(w: Sharder, node):
+    """ringcc::fill_empty_rows (Note [Rows with no key] in runtime/ops.py) after a sharded ring op:
+    out, lse, q, k and v are shards of the whole sequence; the op sums over the keys of every rank,
+    which are the first n positions where Config(pad=True) padded the sequence."""
+    for a in node.args[:5]:
+        st = w.state.get(a)
+        if not (isinstance(st, Seq) and st.dim == 2 and _eq(st.outer, 1)):
+            raise Fallback(f"{a.name} has no sequence dim 2 (state {st})")
+        if not st.sharded:
+            w.localize(node, a, st, None)
+        elif not (w.full(st) or (_zero(st.start) and _eq(st.length, w.n))):
+            raise Fallback(f"{a.name} is a narrowed shard")
+    args = list(node.args)
+    args[_COMM_ARGS[op_name(node)]] = list(w.comm)
+    node.args = tuple(args)
+    if not _eq(w.n, w.N):  # Note [Padding]
+        _set_arg(node, 9, "length", int(w.n))
+    return Seq(2, w.n, sharded=True)
 
 
 def index_along_rule(w: Sharder, node):
@@ -1647,6 +1674,7 @@ RULES: dict[str, Rule] = {
     # attention: q/k/v sharded, ring communication inside the op
     "ringcc::ring_attention": Rule(attention_rule),
     "ringcc::dilated_attention": Rule(attention_rule),
+    "ringcc::fill_empty_rows": Rule(fill_empty_rows_rule),
     # factories: a dim of length n makes a replicated sequence value
     "arange": Rule(lambda w, node: None, creates=True),
     "ones": Rule(lambda w, node: None, creates=True),

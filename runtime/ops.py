@@ -373,6 +373,129 @@ amp.register_autocast("ring_attention")  # Note [Attention under autocast] in am
 
 
 # ---------------------------------------------------------------------------------------
+# rows with no key under a finite additive mask
+
+# Note [Rows with no key]
+# An additive mask whose masked value is finite (transformers' eager masks add finfo(dtype).min)
+# and erases the score it is added to (s + fill == fill in the site's dtype) leaves a query row
+# whose keys are all masked with n equal scores: eager's softmax gives it P_ij = 1/n over the n
+# keys of the whole sequence, out_i = vbar = mean_j v_j, and its autograd differentiates that
+# softmax as if the scores were there. With D_i = dO_i . out_i = dO_i . vbar, per batch row and kv
+# head (the query heads of its group summed), over the empty rows E of every rank:
+#   dq_i  = (scale / n) (M dO_i - D_i ksum),     M = sum_j k_j v_j^T, ksum = sum_j k_j
+#   dk_j += (scale / n) A (v_j - vbar),          A = sum_{i in E} q_i dO_i^T  (A vbar = sum_i D_i q_i)
+#   dv_j += (1 / n) sum_{i in E} dO_i
+# The ring gives such a row no key (out 0, lse -inf; with attention sinks a row always has its
+# sink, as in eager, where the sink outweighs a finite fill): ringcc::fill_empty_rows, after the
+# ring op, puts eager's row there. Every term is a sum over keys or rows, O(b h d^2): local sums and
+# one all-reduce over the group per direction, issued by every rank whatever rows it holds. Sums
+# are order-free, so the layout (zigzag, balance plans) does not matter; where Config(pad=True)
+# padded the sequence, the keys at global positions >= `length` are not keys of the sequence.
+# A score function that adds a bias (ALiBi) keeps d score / d s = 1, so the formulas hold; a
+# non-linear one (soft-cap) weighs each pair by its derivative, and the rewrite leaves such rows at
+# 0 and says so in the report (passes/rewrite_attention.py).
+
+
+def _keys_of_sequence(k, rank: int, world: int, layout: str, length: int) -> tuple[Optional[torch.Tensor], int]:
+    """(which local key rows are keys of the sequence, [n_local] bool, or None for all; n)."""
+    n_local = k.shape[2]
+    total = n_local * world
+    if not length or length == total:
+        return None, total
+    if not 0 < length < total:
+        raise ValueError(f"fill_empty_rows: length {length} must be in (0, {total}] (the padded length)")
+    pos = L.global_positions(rank, world, L.Layout(layout), n_local, k.device)
+    return pos < length, length
+
+
+def _all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _key_sums(v, keys, adt) -> torch.Tensor:
+    """sum over the local keys of the sequence of v [b, g, n, d]: [b, g, d] in `adt`."""
+    v = v.to(adt)
+    return (v if keys is None else v * keys[:, None]).sum(2)
+
+
+@torch.library.custom_op("ringcc::fill_empty_rows", mutates_args=())
+def fill_empty_rows_op(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float, group_name: str, world_size: int, layout: str, length: int = 0) -> torch.Tensor:
+    """`out` of a ring op with eager's rows where its `lse` is -inf: the mean of every value of
+    the sequence (Note [Rows with no key]). q [b, h, n, d], k [b, g, n, d], v [b, g, n, dv]:
+    the ring op's inputs; `length`: the keys of the sequence (0: every key of every rank)."""
+    group, rank, world = _group_from(group_name, world_size)
+    keys, n = _keys_of_sequence(k, rank, world, layout, length)
+    with torch.autocast(q.device.type, enabled=False):
+        vbar = _all_reduce_sum(_key_sums(v, keys, kernels.acc_dtype(q.dtype)), group) / n
+        rows = vbar.repeat_interleave(q.shape[1] // k.shape[1], 1)[:, :, None].to(out.dtype)
+        return torch.where((lse == -math.inf)[..., None], rows, out).contiguous()
+
+
+@fill_empty_rows_op.register_fake
+def _(out, lse, q, k, v, scale, group_name, world_size, layout, length=0):
+    return torch.empty_like(out, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("ringcc::fill_empty_rows_backward", mutates_args=())
+def fill_empty_rows_backward_op(dout: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, scale: float, group_name: str, world_size: int, layout: str,
+                                length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d out, dq, dk, dv) of ringcc::fill_empty_rows (Note [Rows with no key])."""
+    group, rank, world = _group_from(group_name, world_size)
+    keys, n = _keys_of_sequence(k, rank, world, layout, length)
+    b, h, _, d = q.shape
+    g, dv_ = k.shape[1], v.shape[-1]
+    adt = kernels.acc_dtype(q.dtype)
+    with torch.autocast(q.device.type, enabled=False):
+        empty = lse == -math.inf
+        e = empty[..., None].to(adt)
+        kf, vf = k.to(adt), v.to(adt)
+        kk = kf if keys is None else kf * keys[:, None]
+        do_e = (dout.to(adt) * e).unflatten(1, (g, h // g))  # [b, g, r, n, dv], the empty rows only
+        q_e = (q.to(adt) * e).unflatten(1, (g, h // g))
+        parts = [_key_sums(v, keys, adt), torch.einsum("bgnd,bgne->bgde", kk, vf), kk.sum(2),
+                 torch.einsum("bgrnd,bgrne->bgde", q_e, do_e), do_e.sum((2, 3))]
+        sizes = [p.numel() for p in parts]
+        flat = _all_reduce_sum(torch.cat([p.reshape(-1) for p in parts]), group)
+        vsum, m, ksum, a, dsum = (x.view_as(p) for x, p in zip(flat.split(sizes), parts))
+        vbar = vsum / n
+        dq = (torch.einsum("bgde,bgrne->bgrnd", m, do_e)
+              - torch.einsum("bgrne,bge->bgrn", do_e, vbar)[..., None] * ksum[:, :, None, None]) * (scale / n)
+        dk = torch.einsum("bgde,bgne->bgnd", a, vf - vbar[:, :, None]) * (scale / n)
+        dvv = (dsum / n)[:, :, None].expand(b, g, k.shape[2], dv_)
+        if keys is not None:
+            dk, dvv = dk * keys[:, None], dvv * keys[:, None]
+        dout_ring = dout * ~empty[..., None]
+    return (dout_ring.contiguous(), dq.flatten(1, 2).to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dvv.to(v.dtype).contiguous())
+
+
+@fill_empty_rows_backward_op.register_fake
+def _(dout, lse, q, k, v, scale, group_name, world_size, layout, length=0):
+    cf = torch.contiguous_format
+    return (torch.empty_like(dout, memory_format=cf), torch.empty_like(q, memory_format=cf),
+            torch.empty_like(k, memory_format=cf), torch.empty_like(v, memory_format=cf))
+
+
+def _fill_setup_context(ctx, inputs, output):
+    _, lse, q, k, v, *args = inputs
+    ctx.save_for_backward(lse, q, k, v)
+    ctx.args = tuple(args)
+
+
+def _fill_backward(ctx, dout):
+    lse, q, k, v = ctx.saved_tensors
+    dout_ring, dq, dk, dv = fill_empty_rows_backward_op(dout, lse, q, k, v, *ctx.args)
+    return (dout_ring, None, dq, dk, dv) + (None,) * 5
+
+
+fill_empty_rows_op.register_autograd(_fill_backward, setup_context=_fill_setup_context)
+
+
+# ---------------------------------------------------------------------------------------
 # sequence shard / gather (mirrors of each other in backward)
 
 

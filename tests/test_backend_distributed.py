@@ -556,3 +556,54 @@ def test_gradient_all_reduce_overlaps_the_backward(pools, inner):
         assert len(rings) == 2 and len(starts) == len(waits) > 2, names
         assert starts[0] < rings[0], names  # a bucket travels during the attention backward
         assert min(waits) > max(starts) and min(waits) > max(rings), names
+
+
+def case_hf_eager_left_padding(rank, world, n, pad):
+    """HF Llama under attn_implementation="eager" on a left-padded batch, the loss over every
+    position (labels = input_ids, no -100): the padded rows' logits count. Returns the errors of
+    the loss, the logits (every row) and every gradient against single-process eager, the
+    parameters with a gradient on each side, and the sites' decisions and details."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=shard_models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="eager", use_cache=False)
+    ref, model = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, shard_models.VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, n, dtype=torch.long)
+    attention_mask[0, :5] = 0  # left padding: rows 0..4 of sample 0 see no key
+    attention_mask[1, :1] = 0
+    ringcc.reset_reports()
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True, verify=True, pad=pad),
+                             dynamic=False)
+    got = compiled(input_ids=ids, attention_mask=attention_mask, labels=ids)
+    got.loss.backward()
+    want = ref(input_ids=ids, attention_mask=attention_mask, labels=ids)
+    want.loss.backward()
+    errs = {"loss": float((got.loss - want.loss).abs()),
+            "logits": float((torch.as_tensor(got.logits) - want.logits).abs().max() / want.logits.abs().max())}
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.grad is not None and r.grad is not None:
+            errs[name] = float((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-3))
+    with_grad = ({name for name, p in model.named_parameters() if p.grad is not None},
+                 {name for name, p in ref.named_parameters() if p.grad is not None})
+    sites = [(s.decision.value, s.detail) for r in ringcc.reports() for s in r.sites]
+    return errs, with_grad, sites
+
+
+@pytest.mark.parametrize("world, n, pad", [(1, 16, False), (2, 16, False),
+                                           *(pytest.param(p, 24, False, marks=pytest.mark.soak) for p in (3, 4)),
+                                           *(pytest.param(p, n, True, marks=pytest.mark.soak) for p, n in ((2, 13), (3, 22)))])
+def test_hf_eager_attention_on_left_padding_equals_eager_on_every_row(pools, world, n, pad):
+    """transformers' eager mask adds finfo.min: a left-padded row has every key masked, and eager's
+    softmax gives it the mean of the values (Note [Rows with no key] in runtime/ops.py). The sites
+    are rewritten, and every row's logits, the loss over every position and every gradient equal
+    eager's; Config(pad=True) (13 tokens padded to 16, 22 to 24) counts the sequence's keys only."""
+    for errs, (got, want), sites in pools(world).run(case_hf_eager_left_padding, n, pad, timeout=600):
+        assert got == want, (got ^ want)
+        assert max(errs.values()) < 1e-5, errs
+        assert sites and all(d == "rewritten" and "give the mean of the values, as eager" in detail
+                             for d, detail in sites), sites

@@ -5,12 +5,14 @@ which parameters have one)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from graphs import dynamo_graph, lifted_dense, node_values, run
 
 import ringcc
@@ -260,6 +262,13 @@ def tensor_padding_causal(q, pos, valid):
     return torch.where(allowed, torch.tensor(0.0, dtype=q.dtype), torch.finfo(q.dtype).min)
 
 
+def finite_documents_causal(q, pos, valid):
+    """The 5.17 form without padding: every row keeps its own key, so no row is without one."""
+    i, d = _ar(q), _doc_ids(pos)
+    allowed = (i[None, :] <= i[:, None]) & (d[:, None, :, None] == d[:, None, None, :])
+    return torch.where(allowed, torch.tensor(0.0, dtype=q.dtype), torch.finfo(q.dtype).min)
+
+
 def cumsum_of_ones_causal(q, pos, valid):
     """Causality read from positions that are a running count over a mask of ones, as
     transformers 4.57's Bloom and OPT count positions without a padding mask."""
@@ -270,8 +279,11 @@ def cumsum_of_ones_causal(q, pos, valid):
 MASKS = {f.__name__: f for f in (documents, documents_window, documents_additive, chunked, prefix_lm,
                                  left_padding_causal, bidirectional_padding, position_causal, inverted_padding,
                                  written_causal_padding, vmapped_padding_causal, tensor_padding_causal,
-                                 cumsum_of_ones_causal)}
+                                 finite_documents_causal, cumsum_of_ones_causal)}
 N = 16
+# finite masked values (finfo.min) where a row may have every key masked (left padding under
+# causality, a fully padded sample): eager gives such a row the mean of the values
+FILLED_MASKS = {"tensor_padding_causal", "written_causal_padding", "inverted_padding"}
 
 
 def mask_inputs(b=2, n=N, seed=0):
@@ -306,6 +318,36 @@ def test_extracted_function_equals_the_eager_mask(name):
     want = (want if want.dtype == torch.bool else want == 0).expand(q.shape[0], 1, N, N)
     got = lifted_dense(node.meta[MASK_META], values, q.shape[0], N)
     assert torch.equal(got, want)
+
+
+def test_finite_masked_values_are_recorded_with_whether_every_row_keeps_a_key():
+    """The lift records a finite masked value (in the mask's dtype) and whether the mask keeps
+    (i, i); the rewrite puts ringcc::fill_empty_rows after the ring op exactly where a row may
+    have every key masked by a finite value (Note [Rows with no key] in runtime/ops.py)."""
+    q, pos, valid = mask_inputs()
+    low = torch.finfo(torch.float32).min
+    for name, fills, keeps in (("tensor_padding_causal", (low,), False), ("written_causal_padding", (low,), False),
+                               ("inverted_padding", (low,), False), ("finite_documents_causal", (low,), True),
+                               ("documents_additive", (), None), ("left_padding_causal", (), False),
+                               ("bidirectional_padding", (), False)):
+        build = MASKS[name]
+        gm = dynamo_graph(lambda q, pos, valid: F.scaled_dot_product_attention(q, q, q, attn_mask=build(q, pos, valid)),
+                          q, pos, valid)
+        ctx = run(gm, PASSES)
+        lifted = _site(gm).meta[MASK_META]
+        assert lifted.fills == fills, (name, lifted.fills)
+        if keeps is not None:  # (a -inf mask: nothing depends on it)
+            assert (lifted.keeps_diagonal or not lifted.rows_may_have_no_key()) is keeps, name
+        rewrite_attention(gm, ctx)
+        (site,) = ctx.report.sites
+        fill_ops = [n for n in gm.graph.nodes if n.target is torch.ops.ringcc.fill_empty_rows.default]
+        assert site.decision.value == "rewritten" and tuple(site.mask.get("fill", ())) == fills, (name, site)
+        assert len(fill_ops) == (1 if name in FILLED_MASKS else 0), (name, gm.graph)
+        assert ("give the mean of the values, as eager" in site.detail) is (name in FILLED_MASKS), (name, site.detail)
+    # where(c, 0, min) == 0 folds to c: the causal conjunct stays visible as the causal flag
+    gm = dynamo_graph(lambda q, pos, valid: F.scaled_dot_product_attention(
+        q, q, q, attn_mask=finite_documents_causal(q, pos, valid)), q, pos, valid)
+    assert run(gm, PASSES).report.sites[0].mask["causal"] is True
 
 
 def test_a_running_count_over_ones_is_index_arithmetic_not_a_tensor_input():
@@ -379,12 +421,11 @@ def case_ring_parity(rank, world, name, n, layout):
     _, pos, valid = mask_inputs(n=n)
     x = torch.randn(2, n, 32)
     want = {**MASKS, **SHARDED_INPUT_MASKS}[name](x.view(2, n, 4, 8).transpose(1, 2), pos, valid)
+    # every row is compared, rows whose keys are all masked too: under a finite masked value eager
+    # gives them the mean of the values (and its gradients), under -inf or a bool mask 0
+    finite = want.dtype != torch.bool and bool(torch.isfinite(want).all())
     want = (want if want.dtype == torch.bool else want == 0).expand(2, 1, n, n)
-    # rows that see no key (padded queries) are compared out: under a finite masked value eager
-    # averages every value there, ringcc gives 0 (docs/sharp-edges.md); the loss weighs them 0,
-    # as a padded loss does
-    keeps = want.any(-1)[:, 0, :, None]
-    proj = torch.randn(2, n, 32) * keeps
+    proj = torch.randn(2, n, 32)
     compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager", strict=True,
                                                                          layout=layout)))
     ringcc.reset_reports()
@@ -397,17 +438,20 @@ def case_ring_parity(rank, world, name, n, layout):
         (out * proj).sum().backward()
     finally:
         maskfn.TILE, maskfn.SPLIT_ROWS = tile, rows
-    r = ref(x, pos, valid)
+    # eager's softmax over a finite fill is SDPA's math backend (its fused CPU kernel's gradient of
+    # a row with every key masked is not that softmax's); -inf rows: 0 as the fused kernel gives
+    with sdpa_kernel(SDPBackend.MATH) if finite else contextlib.nullcontext():
+        r = ref(x, pos, valid)
     (r * proj).sum().backward()
     rep = ringcc.last_report()
     stats = dict(maskfn.STATS, dense_pairs=int(want.sum()), balance=maskfn.balance())
-    errs = {"out": float(((out - r) * keeps).abs().max())}
+    errs = {"out": float((out - r).abs().max())}
     grads = {}
     for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         grads[pname] = (p.grad is None, rp.grad is None)
         if p.grad is not None and rp.grad is not None:
             errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
-    sites = [(s.decision.value, "function" in (s.mask or {})) for s in rep.sites]
+    sites = [(s.decision.value, "function" in (s.mask or {}), s.detail) for s in rep.sites]
     return errs, grads, sites, bool(rep.plan.verdict), [g.why for g in rep.gathers], stats
 
 
@@ -417,10 +461,12 @@ def _check_parity(results, name, n):
         assert all(a == b for a, b in grads.values()), grads  # the same parameters have a gradient
         assert max(errs.values()) < 2e-5, errs
         assert [s[0] for s in sites] == ["rewritten"], sites
+        # rows with every key masked by a finite value: rewritten, and eager's rows put there
+        assert ("give the mean of the values, as eager" in sites[0][2]) is (name in FILLED_MASKS), sites
         assert verdict and not gathers, (verdict, gathers)
         for key, value in stats.items():
             total[key] = total.get(key, 0) + value
-    if any(has_fn for _, has_fn in results[0][2]):
+    if any(site[1] for site in results[0][2]):
         assert total.get("partial", 0) + total.get("full", 0) > 0, total
         # every allowed pair computed once in forward and once in backward, over the ranks
         assert total["pairs"] == 2 * results[0][5]["dense_pairs"], total
@@ -450,7 +496,7 @@ def test_a_mask_function_input_computed_on_shards_runs_the_site_on_full_values(p
                                                                  "contiguous", timeout=300):
         assert all(a == b for a, b in grads.values()), grads
         assert max(errs.values()) < 2e-5, errs
-        assert sites == [("rewritten", True)], sites
+        assert [s[:2] for s in sites] == [("rewritten", True)], sites
         assert not verdict and any("mask function input" in g and "computed on shards" in g for g in gathers), gathers
 
 
@@ -463,6 +509,14 @@ def test_ring_attention_under_mask_functions_p2(pools, name, layout):
     _check_parity(pools(2).run(case_ring_parity, name, 40, layout, timeout=300), name, 40)
 
 
+def test_rows_with_every_key_masked_by_a_finite_value_are_eager_rows_p2(pools):
+    """transformers 5.17's eager mask on a left-padded batch: where(causal & padding, tensor(0.0),
+    finfo.min). Its padded rows have every key masked, and eager's softmax gives them the mean of
+    the values: rewritten, and every row and every gradient equals eager's (p = 1..4: the matrix)."""
+    _check_parity(pools(2).run(case_ring_parity, "tensor_padding_causal", 12, "zigzag", timeout=300),
+                  "tensor_padding_causal", 12)
+
+
 @pytest.mark.soak
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", sorted(MASKS))
@@ -470,6 +524,78 @@ def test_ring_attention_under_mask_functions_matrix(pools, world, name):
     for layout in ("contiguous", "zigzag"):
         n = 2 * world * 10  # no model dim (32) equals n: the plan reads dims of size n as n
         _check_parity(pools(world).run(case_ring_parity, name, n, layout, timeout=600), name, n)
+
+
+class ScoredPaddedAttention(nn.Module):
+    """Eager attention with a score modifier before transformers' finite causal padding mask:
+    ALiBi (Bloom: a per-head linear bias of the distance) or a soft-cap (Gemma2: cap * tanh(s / cap))."""
+
+    def __init__(self, modifier: str, d: int = 32, h: int = 4, g: int = 2):
+        super().__init__()
+        self.modifier, self.h, self.g, self.dh = modifier, h, g, d // h
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * g * self.dh)
+        self.o = nn.Linear(d, d)
+        self.register_buffer("slopes", 2.0 ** -torch.arange(1, h + 1).float())
+
+    def forward(self, x, valid):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        k, v = (t.repeat_interleave(self.h // self.g, 1) for t in (k, v))
+        w = q @ k.transpose(2, 3) * self.dh ** -0.5
+        i = torch.arange(n)
+        if self.modifier == "alibi":
+            w = w + self.slopes[:, None, None] * (i[None, :] - i[:, None]).float()
+        else:
+            w = torch.tanh(w / 2.0) * 2.0
+        allowed = (i[None, :] <= i[:, None]) & valid[:, None, None, :].bool()
+        w = w + torch.where(allowed, torch.tensor(0.0, dtype=x.dtype), torch.finfo(x.dtype).min)
+        out = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        return self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def case_scored_padding(rank, world, modifier, n):
+    """Every row and every gradient against eager (a soft-capped site: its rows with no key are 0
+    and weigh 0 in the loss, eager's outputs elsewhere)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = ScoredPaddedAttention(modifier), ScoredPaddedAttention(modifier)
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(2, n, 32)
+    _, _, valid = mask_inputs(n=n)  # sample 0: its first 3 rows see no key
+    keeps = torch.ones(2, n, 1)
+    if modifier == "softcap":
+        keeps[0, :3] = 0
+    proj = torch.randn(2, n, 32) * keeps
+    ringcc.reset_reports()
+    out = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True))(x, valid)
+    (out * proj).sum().backward()
+    r = ref(x, valid)
+    (r * proj).sum().backward()
+    errs = {"out": float(((out - r) * keeps).abs().max()), "empty_rows": float((out[0, :3] - model.o.bias).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        if p.grad is not None:
+            errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    return errs, [(s.decision.value, s.detail, (s.mask or {}).get("score_function", "")) for s in ringcc.last_report().sites]
+
+
+@pytest.mark.parametrize("modifier, world", [("alibi", 2), ("softcap", 2),
+                                             *(pytest.param(m, p, marks=pytest.mark.soak) for m in ("alibi", "softcap")
+                                               for p in (1, 3, 4))])
+def test_a_score_function_before_a_finite_mask(pools, modifier, world):
+    """ALiBi adds a bias (d score / d s = 1): rows with every key masked get eager's mean of the
+    values and eager's gradients. A soft-cap weighs each pair by its derivative: those rows stay 0,
+    the report says so (docs/sharp-edges.md), and every other row and gradient equals eager's."""
+    for errs, sites in pools(world).run(case_scored_padding, modifier, 12 * world, timeout=300):
+        ((decision, detail, score_fn),) = sites
+        assert decision == "rewritten" and ("tanh" in score_fn) is (modifier == "softcap"), sites
+        if modifier == "alibi":
+            assert "give the mean of the values, as eager" in detail and errs.pop("empty_rows") > 1e-3, (detail, errs)
+        else:
+            assert "give 0; eager gives the mean of the values" in detail and errs.pop("empty_rows") == 0, (detail, errs)
+        assert max(errs.values()) < 2e-5, errs
 
 
 # ---------------------------------------------------------------------------------------

@@ -416,6 +416,71 @@ def test_dynamic_seq_of_an_image_model_says_what_to_do():
         rw.rewrite(*tiny_vit(), world_size=2, dynamic=True)
 
 
+class _LeftPaddedEager(torch.nn.Module):
+    """Eager attention as transformers writes it: an additive causal padding mask of the finite
+    minimum, a left-padded batch, a loss that reads every row."""
+
+    def __init__(self, d: int = 32, h: int = 4):
+        super().__init__()
+        self.h, self.dh = h, d // h
+        self.emb = torch.nn.Embedding(64, d)
+        self.q, self.kv, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, d)
+        self.register_buffer("proj", torch.randn(d, d, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, ids, attention_mask):
+        b, n = ids.shape
+        x = self.emb(ids)
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.h, self.dh).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n, device=ids.device)
+        allowed = (i[None, :] <= i[:, None]) & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(b, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        w = torch.softmax(q @ k.transpose(2, 3) * self.dh ** -0.5 + mask, dim=-1)
+        y = self.o((w @ v).transpose(1, 2).reshape(b, n, -1))
+        return (y @ self.proj).pow(2).mean()
+
+
+def left_padded_eager():
+    torch.manual_seed(0)
+    attention_mask = torch.ones(2, 16, dtype=torch.long)
+    attention_mask[0, :5] = 0
+    return _LeftPaddedEager(), (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),
+                                attention_mask)
+
+
+def case_left_padded_program(rank, world, path):
+    import ringcc  # noqa: F401 - registers the ringcc ops the program calls
+
+    model, inputs = left_padded_eager()
+    program = torch.export.load(path).module()
+    program.load_state_dict(model.state_dict())
+    ref, got = model(*inputs), program(*inputs)
+    ref.backward()
+    got.backward()
+    torch.testing.assert_close(got, ref, **TOL)
+    grads = dict(program.named_parameters())
+    assert {n for n, p in grads.items() if p.grad is not None} == {n for n, p in model.named_parameters()
+                                                                   if p.grad is not None}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, **TOL, msg=f"grad of {name}")
+    return float((got - ref).abs())
+
+
+def test_rows_with_no_key_under_a_finite_mask_round_trip_in_the_program(pools, tmp_path):
+    """The saved program carries ringcc::fill_empty_rows (Note [Rows with no key]): loaded in fresh
+    processes at p = 2, the left-padded rows get eager's mean of the values, and the loss and every
+    gradient equal eager's."""
+    code, out = _rewrite(tmp_path, f"{os.path.abspath(__file__)}:left_padded_eager", "--world-size", "2")
+    assert code == rw.EXIT_OK
+    report = json.load(open(os.path.join(out, "report.json")))
+    assert [s["decision"] for s in report["sites"]] == ["rewritten"]
+    assert "give the mean of the values, as eager" in report["sites"][0]["detail"]
+    program = open(os.path.join(out, "program.py")).read()
+    assert program.count("torch.ops.ringcc.fill_empty_rows.default(") == 1 and ", '', 2, 'zigzag')" in program
+    errs = pools(2).run(case_left_padded_program, os.path.join(out, "program.pt2"))
+    assert max(errs) < 1e-5
+
+
 @pytest.mark.soak
 def test_a_token_count_the_ranks_do_not_divide_is_padded_inside_the_program(pools, tmp_path, capsys):
     """30 patches + [CLS] on 2 ranks: without --pad the user's error (exit 2) names --pad; with it

@@ -1,5 +1,6 @@
 """Ring attention vs the dense reference: real gloo groups, p = 1, 2, 3, 4 (tier 2 + 3)."""
 
+import math
 import os
 
 import pytest
@@ -981,3 +982,45 @@ def test_ring_setup_start_is_the_first_position_of_consecutive_rows():
                         for r1 in range(r0 + 1, n_local + 1):
                             want = pos[r0] if pos[r0:r1] == list(range(pos[r0], pos[r0] + r1 - r0)) else None
                             assert setup.start(rank, n_local, r0, r1) == want, (world, lay, setup.chunks, rank, r0, r1)
+
+
+def _eager_finite_fill(q, k, v, allowed, scale):
+    """Eager attention under an additive mask of finfo.min: a row with every key masked is a
+    softmax of equal values, the mean of the values, and autograd differentiates that softmax."""
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    low = torch.tensor(torch.finfo(q.dtype).min, dtype=q.dtype)
+    s = q @ k.transpose(-1, -2) * scale + torch.where(allowed, torch.tensor(0.0, dtype=q.dtype), low)
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("length", [12, 9])
+def test_fill_empty_rows_gives_eager_rows_and_gradients(length):
+    """ringcc::fill_empty_rows after the ring op (Note [Rows with no key]): GQA, a value head dim of
+    its own, a fully padded sample and left padding; with `length` < n the keys past it are not the
+    sequence's (Config(pad=True)), and the result equals eager on the first `length` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    b, h, g, n, d, dv, scale = 3, 4, 2, 12, 8, 6, 0.3
+    q, k = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64), torch.randn(b, g, n, d, generator=gen,
+                                                                                     dtype=torch.float64)
+    v = torch.randn(b, g, n, dv, generator=gen, dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[0, :4] = False  # left padding
+    valid[1] = False  # a fully padded sample
+    valid[:, length:] = False  # the padding Config(pad=True) adds
+    out, lse = torch.ops.ringcc.ring_attention(q, k, v, valid, True, scale, "", 1, "contiguous")
+    got = torch.ops.ringcc.fill_empty_rows(out, lse, q, k, v, scale, "", 1, "contiguous", length)
+    i, m = torch.arange(length), slice(0, length)
+    allowed = (i[None, :] <= i[:, None])[None, None] & valid[:, None, None, m]
+    want = _eager_finite_fill(q[:, :, m], k[:, :, m], v[:, :, m], allowed, scale)
+    dout = torch.randn(b, h, n, dv, generator=gen, dtype=torch.float64)
+    dout[:, :, length:] = 0  # the padded rows are never read
+    grads = torch.autograd.grad((got * dout).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * dout[:, :, m]).sum(), (q, k, v))
+    assert int((lse[:, :, m] == -math.inf).sum()) == 4 * h + length * h  # the rows with no key
+    torch.testing.assert_close(got[:, :, m], want, atol=1e-12, rtol=1e-12)
+    for a, w in zip(grads, wants):
+        torch.testing.assert_close(a, w, atol=1e-12, rtol=1e-12)
+    torch.library.opcheck(torch.ops.ringcc.fill_empty_rows.default,
+                          (out.detach(), lse, q.detach(), k.detach(), v.detach(), scale, "", 1, "contiguous", length))

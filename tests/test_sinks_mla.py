@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import ringcc
 from ringcc.runtime import layout as L
+from shard_models import capturing
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -152,7 +153,30 @@ class MlaAttention(torch.nn.Module):
         return (self.o(out.transpose(1, 2).reshape(b, n, -1)) @ self.proj).pow(2).mean()
 
 
-MODELS = {"sinks": SinkAttention, "mla": MlaAttention}
+class PaddedSinkAttention(SinkAttention):
+    """gpt-oss's eager attention under transformers' eager mask of a left-padded batch:
+    where(causal & padding, tensor(0.0), finfo.min). A padded row has every key masked and puts its
+    whole weight on its sink (eager's sink outweighs the finite fill), as the ring does: no row is
+    without a key, and nothing is filled in after the ring."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        i = torch.arange(n)
+        allowed = (i[None, :] <= i[:, None]) & (i > n // 2)  # left padding past the first shard
+        mask = torch.where(allowed, torch.tensor(0.0, dtype=x.dtype), torch.finfo(x.dtype).min)
+        q = self.q(x).view(b, n, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.d).permute(2, 0, 3, 1, 4)
+        k, v = (t.repeat_interleave(self.h // self.g, 1) for t in (k, v))
+        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
+        combined = torch.cat([w, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        p = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        out = torch.matmul(p, v).transpose(1, 2).reshape(b, n, -1)
+        return (self.o(out) @ self.proj).pow(2).mean()
+
+
+MODELS = {"sinks": SinkAttention, "mla": MlaAttention, "padded_sinks": PaddedSinkAttention}
 
 
 def case_compiled(rank, world, name):
@@ -162,7 +186,8 @@ def case_compiled(rank, world, name):
     model.load_state_dict(ref.state_dict())
     x = torch.randn(2, 8 * world, 32)
     ringcc.reset_reports()
-    loss = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True))(x)
+    backend, graphs = capturing(ringcc.Config(inner="aot_eager", strict=True))
+    loss = torch.compile(model, backend=backend)(x)
     ref_loss = ref(x)
     loss.backward()
     ref_loss.backward()
@@ -172,18 +197,21 @@ def case_compiled(rank, world, name):
         {n for n, p in ref_grads.items() if p.grad is None}
     for pname, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[pname].grad, **TOL)
-    sites = [(s.decision.value, s.mask) for r in ringcc.reports() for s in r.sites]
-    return sites, [g.why for r in ringcc.reports() for g in r.gathers]
+    sites = [(s.decision.value, s.mask, s.detail) for r in ringcc.reports() for s in r.sites]
+    fills = sum(n.target is torch.ops.ringcc.fill_empty_rows.default for g in graphs for n in g.graph.nodes)
+    return sites, [g.why for r in ringcc.reports() for g in r.gathers], fills
 
 
-@pytest.mark.parametrize("name", ["sinks", "mla"])
+@pytest.mark.parametrize("name", ["sinks", "mla", "padded_sinks"])
 @pytest.mark.parametrize("world", [2, *(pytest.param(p, marks=pytest.mark.soak) for p in (1, 3, 4))])
 def test_compiled_sinks_and_mla_match_eager(pools, name, world):
-    for sites, gathers in pools(world).run(case_compiled, name, timeout=600):
-        assert [d for d, _ in sites] == ["rewritten"], sites
+    for sites, gathers, fills in pools(world).run(case_compiled, name, timeout=600):
+        assert [d for d, _, _ in sites] == ["rewritten"], sites
         assert gathers == [], gathers
-        if name == "sinks":
+        if name != "mla":
             assert sites[0][1]["sinks"], sites
+        if name == "padded_sinks":  # a finite fill, and no row without its sink: nothing filled in
+            assert sites[0][1]["fill"] and "every key masked" not in sites[0][2] and fills == 0, (sites, fills)
 
 
 def test_opcheck_with_sinks_and_a_value_head_dim():
