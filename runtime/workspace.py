@@ -753,6 +753,20 @@ def sync_grads(a: dict, p) -> Workspace:
     return Workspace(sympy.Integer(0), 2 * sum((x.nbytes for x in xs), sympy.Integer(0)))
 
 
+def fill_empty_rows(a: dict, p) -> Workspace:
+    """ringcc::fill_empty_rows (Note [Rows with no key] in ops.py), a bound: forward, V in the
+    accumulator dtype (and its copy weighed by the keys of the sequence); backward, q and dO of
+    the empty rows and dQ in the accumulator dtype (with the casts they are made from: four
+    q-sized), and K, V, the weighed K, V - mean(V) and dK in the accumulator dtype (five
+    k-sized); the sums themselves are O(b h d^2)."""
+    q, k = a.get("q"), a.get("k")
+    if not isinstance(q, TensorSize) or not isinstance(k, TensorSize):
+        return Workspace()
+    acc = _acc_itemsize(q.itemsize)
+    q32, k32 = q.with_itemsize(acc).nbytes, k.with_itemsize(acc).nbytes
+    return Workspace(2 * k32, 4 * q32 + 5 * k32)
+
+
 def scale_grads(a: dict, p) -> Workspace:
     """A bucket's gradient scaling (runtime/seqops.py): its backward makes the scaled copies of
     the bucket's cotangents at once: one bucket."""
@@ -770,6 +784,7 @@ FORMULAS: dict[str, Callable[[dict, sympy.Expr], Workspace]] = {
     "scaled_dot_product_attention": dense_attention,
     "multi_head_attention_forward": multi_head_attention,
     "pow": pow_,
+    "ringcc::fill_empty_rows": fill_empty_rows,
     "ringcc::sync_grads": sync_grads,
     "sync_grads_view": sync_grads,
     "scale_grads_view": scale_grads,

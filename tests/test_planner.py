@@ -925,3 +925,34 @@ def test_sequence_inputs_are_traced_with_one_length():
     plans, reports = trace_plans(_PaddingAtKeyPositions(), (ids, mask), world_size=2, trace_len=24, training=False)
     assert [len(r.rewritten) for r in reports] == [1] and all(p.verdict for p in plans), reports[0].format()
     assert reports[0].rewritten[0].mask["key_padding"] is not None
+
+
+class _FinitePaddingMask(_PaddingAtKeyPositions):
+    """The same attention under an additive mask with a finite masked value, as eager attention
+    builds it: rows whose keys are all padding get eager's mean of the values
+    (ringcc::fill_empty_rows)."""
+
+    def forward(self, ids, mask):
+        b, length = ids.shape
+        q, k, v = self.proj(self.embed(ids)).view(b, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        kv = torch.arange(length)
+        allowed = (kv[None, None, None, :] <= kv[None, None, :, None]) & mask.bool()[:, None, None, :]
+        low = torch.finfo(q.dtype).min
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(allowed, 0.0, low))
+
+
+def test_rows_with_no_key_have_their_workspace_planned():
+    """ringcc::fill_empty_rows (Note [Rows with no key]) holds O(n/p) temporaries: the plan counts
+    them (workspace.fill_empty_rows), linear in the shard, and stays O(n/p)."""
+    from ringcc.planner_cli import trace_plans
+
+    ids = torch.randint(0, 16, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: rows 0-4 of batch row 1 see no key
+    plans, reports = trace_plans(_FinitePaddingMask(), (ids, mask), world_size=2, trace_len=24, training=True)
+    fills = [nd for pl in plans for nd in pl.nodes if nd.op == "ringcc::fill_empty_rows"]
+    assert len(fills) == 1 and all(pl.verdict for pl in plans), reports[0].format()
+    ws = fills[0].workspace
+    assert ws.forward != 0 and ws.backward != 0
+    s = next(iter(ws.backward.free_symbols))
+    assert sympy.degree(sympy.expand(ws.backward), s) == 1
