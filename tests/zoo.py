@@ -73,9 +73,9 @@ def _llama_like(config_cls: str, **extra):
     def make():
         import transformers
 
-        cfg = getattr(transformers, config_cls)(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa", **extra)
+        cfg = getattr(transformers, config_cls)(**{
+            **dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa"), **extra})
         return transformers.AutoModelForCausalLM.from_config(_no_dropout(cfg), attn_implementation="sdpa")
     return make
 
@@ -157,10 +157,11 @@ ZOO: list[Arch] = [
     # group-limited routing (scatter_, gather, topk(sorted=False)) and a hybrid of gated delta-net
     # and attention layers; torch.compile(backend="aot_eager") of Qwen3-Next fails without ringcc too
     Arch("glm4_moe", _llama_like("Glm4MoeConfig", **_GROUPED)),
-    Arch("deepseek_v3_grouped", _llama_like("DeepseekV3Config", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-                                    qk_nope_head_dim=4, v_head_dim=8, **_GROUPED), linear=False,
-         why="DeepSeek-V3's expand_kv writes k_nope and k_rot into a new_empty tensor with copy_: run on gathered "
-             "tokens"),
+    # multi-head latent attention expands the latent into one K/V head per query head: HF's
+    # repeat_kv (taken under a padding mask) repeats them again unless num_key_value_heads says so
+    Arch("deepseek_v3_grouped", _llama_like("DeepseekV3Config", num_key_value_heads=4, q_lora_rank=16,
+                                            kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                            **_GROUPED)),
     Arch("qwen3_next", _llama_like("Qwen3NextConfig", num_experts=4, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=32, head_dim=8, linear_num_value_heads=4,
                                    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
