@@ -13,7 +13,10 @@ formula changes honest between GPU runs.
   there the plan is a bound, not an estimate;
 - benchmarks/results/2026-11-27_4xH200_planner_p2.json (p = 2 on 4 x H200,
   the runtime that lets go of a sent accumulator): the same layer with masked blocks on
-  flex_attention (the default), and the plain attention layer, both on the copy-engine ring."""
+  flex_attention (the default), and the plain attention layer, both on the copy-engine ring;
+- benchmarks/results/2026-11-29_1xH200_planner_p1_flex.json (1 x H200, p = 1): the masked
+  layer, packed documents (a mask function) and soft-capped scores (a score function), their
+  blocks on flex_attention."""
 
 import json
 from pathlib import Path
@@ -31,6 +34,7 @@ COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_planne
 MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_masked_math_p4.json"
 # p = 2 on a 4 x H200 machine, on the runtime that lets go of a sent accumulator
 P2_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_p2.json"
+FLEX_P1_RECORD = ROOT / "benchmarks" / "results" / "2026-11-29_1xH200_planner_p1_flex.json"
 
 
 @pytest.fixture
@@ -139,3 +143,18 @@ def test_copy_engine_plan_matches_the_allocator_at_p2(monkeypatch, floor_of_the_
     assert [r["n"] for r in rows] == [16384, 32768, 65536]
     ratios = _ratios(rows, step_bytes)
     assert all(0.9999 <= x <= 1.02 for x in ratios.values()), ratios
+
+
+@pytest.mark.parametrize("model", ["documents", pytest.param("softcap", marks=pytest.mark.soak),
+                                   pytest.param("masked", marks=pytest.mark.soak)])
+def test_flex_function_plans_match_the_recorded_gpu_measurement(monkeypatch, model):
+    """Blocks under a mask function (packed documents), a score function (soft-cap) or a window
+    with key padding, on flex_attention at p = 1 (Note [Flex blocks]; workspace.masked_calls):
+    the plan within 10% of the step the GPU measured, at 16K and 64K tokens. Traced at 8192
+    tokens: a window of 2048 and eight documents stay shorter than the sequence."""
+    monkeypatch.delenv("RINGCC_RING_WORKSPACE_MIB", raising=False)
+    monkeypatch.delenv("RINGCC_RING_TRANSPORT", raising=False)
+    monkeypatch.setenv("RINGCC_MASKED_KERNEL", "flex")
+    rows, _, step_bytes = _replan(monkeypatch, FLEX_P1_RECORD, model, 1, trace_len=8192)
+    assert [r["n"] for r in rows] == [16384, 65536]
+    _check_steps(rows, step_bytes, model, 1)

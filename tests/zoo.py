@@ -14,8 +14,10 @@ ranks against single-process eager and returns what the tests assert on:
 - packed (not in PATTERNS: run by the tests that name it): packed documents (PACKED_DOCS),
   position ids restarting per document, use_cache=False, no attention mask, loss inside;
 - left_padded (not in PATTERNS: run by the tests that name it): left padding, cross-entropy
-  outside over the valid tokens' logits (the padded tokens attend to no key: their rows are
-  not eager's, and the one before the first token would predict it in a loss inside).
+  outside over the valid tokens' logits (in a loss inside, the padded token before a row's
+  first would predict it). The padded tokens see no key; their rows are eager's too (0 under
+  SDPA's boolean masks, the mean of the values under eager attention's finite ones: Note [Rows
+  with no key] in runtime/ops.py).
 
 Gradient errors are max |g - g_eager| over max |g_eager| of that parameter, with a floor of
 1e-3 of the largest gradient of the model: gradients that are zero in exact math (attention
