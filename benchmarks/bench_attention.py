@@ -80,6 +80,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+import dist_setup
+
 T0 = time.monotonic()
 HERE = Path(__file__).resolve().parent
 GiB, MiB = 2**30, 2**20
@@ -334,19 +336,6 @@ def make_inputs(env: Env, cell: Cell, n_local: int):
     return rand(h, True), rand(h_kv, True), rand(h_kv, True), rand(h, False)
 
 
-@contextlib.contextmanager
-def _env_var(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _sdpa_backend(kernel: str):
     from torch.nn.attention import SDPBackend
 
@@ -519,8 +508,8 @@ def ring_method(layout: str, skip_comm: bool, whole_heads: bool = False, transpo
         budget = "0" if whole_heads else os.environ.get("RINGCC_RING_WORKSPACE_MIB", "auto")
         transport_ = transport or os.environ.get("RINGCC_RING_TRANSPORT", "auto")
         graphs_ = graphs or os.environ.get("RINGCC_RING_GRAPHS", "auto")
-        with _env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), _env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
-                _env_var("RINGCC_RING_TRANSPORT", transport_), _env_var("RINGCC_RING_GRAPHS", graphs_):
+        with dist_setup.env_var("RINGCC_SKIP_COMM", "1" if skip_comm else "0"), dist_setup.env_var("RINGCC_RING_WORKSPACE_MIB", budget), \
+                dist_setup.env_var("RINGCC_RING_TRANSPORT", transport_), dist_setup.env_var("RINGCC_RING_GRAPHS", graphs_):
             q, k, v, dout = make_inputs(env, cell, cell.n // cell.p)
             zz = cell.causal and layout == "zigzag"
             notes = {"layout": layout, "kernel": os.environ.get("RINGCC_CUDA_KERNEL", "cudnn") if env.cuda else "cpu flash",

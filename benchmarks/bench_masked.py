@@ -217,7 +217,7 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
     queued = {name: dist_setup.timed(lambda: [step(fn) for _ in range(reps)], device, barrier=False) / reps
               for name, fn in runs.items()}
     # ringcc with whole heads (RINGCC_RING_WORKSPACE_MIB=0: no head chunks, more workspace), one at a time
-    with _env("RINGCC_RING_WORKSPACE_MIB", "0"):
+    with dist_setup.env_var("RINGCC_RING_WORKSPACE_MIB", "0"):
         whole = [dist_setup.timed(lambda: step(ring), device, barrier=False) for _ in range(warmup + reps)][warmup:]
     whole_ms = statistics.median(whole)
     return {"case": case, "n": n, "ringcc_ms": ms["ringcc"], "flex_ms": ms["flex"],
@@ -225,19 +225,6 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
             "flex_queued_ms": queued["flex"], "queued_speed_vs_flex": queued["flex"] / queued["ringcc"],
             "ringcc_whole_heads_ms": whole_ms, "whole_heads_speed_vs_flex": ms["flex"] / whole_ms,
             "max_rel_diff": err}
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = saved
 
 
 # --schedule P: (case, tokens per GPU)
@@ -295,9 +282,7 @@ def schedule_cell(case: str, n_local: int, world: int, device, reps: int, warmup
         return out, (qq.grad, *(g.grad.index_select(2, where).view(1, h, world, n_local, d).sum(2) for g in (kk, vv)))
 
     runs = {"ringcc": ring, "flex": alone}
-    saved = os.environ.get("RINGCC_SKIP_COMM")
-    os.environ["RINGCC_SKIP_COMM"] = "1"
-    try:
+    with dist_setup.env_var("RINGCC_SKIP_COMM", "1"):
         results = {}
         for name, fn_ in runs.items():
             out, grads = fn_()
@@ -310,11 +295,6 @@ def schedule_cell(case: str, n_local: int, world: int, device, reps: int, warmup
                 ms = dist_setup.timed(fn_, device, barrier=False)
                 if it >= warmup:
                     times[name].append(ms)
-    finally:
-        if saved is None:
-            os.environ.pop("RINGCC_SKIP_COMM")
-        else:
-            os.environ["RINGCC_SKIP_COMM"] = saved
     ms = {name: statistics.median(t) for name, t in times.items()}
     return {"case": case, "n_local": n_local, "p": world, "rank": rank, "layout": layout.value,
             "ringcc_ms": ms["ringcc"], "flex_ms": ms["flex"], "speed_vs_flex": ms["flex"] / ms["ringcc"],

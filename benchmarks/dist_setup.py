@@ -5,6 +5,7 @@ step."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -70,3 +71,17 @@ def finish(info: dict | None, path: str | None) -> None:
         exit_worker()
     dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """os.environ[name] = value inside the block, restored (or removed) after it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

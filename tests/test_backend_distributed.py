@@ -594,7 +594,7 @@ def case_hf_eager_left_padding(rank, world, n, pad):
     return errs, with_grad, sites
 
 
-@pytest.mark.parametrize("world, n, pad", [(1, 16, False), (2, 16, False),
+@pytest.mark.parametrize("world, n, pad", [pytest.param(1, 16, False, marks=pytest.mark.soak), (2, 16, False),
                                            *(pytest.param(p, 24, False, marks=pytest.mark.soak) for p in (3, 4)),
                                            *(pytest.param(p, n, True, marks=pytest.mark.soak) for p, n in ((2, 13), (3, 22)))])
 def test_hf_eager_attention_on_left_padding_equals_eager_on_every_row(pools, world, n, pad):

@@ -21,6 +21,8 @@ BENCH = ROOT / "benchmarks" / "bench_attention.py"
 
 
 def _load_bench():
+    if str(BENCH.parent) not in sys.path:  # its sibling modules (dist_setup), as a script finds them
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules

@@ -734,7 +734,7 @@ def case_flex_scored(rank, world, n):
     return errs, [(s.form, s.decision.value, s.mask) for s in rep.sites]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.soak)])
 def test_flex_attention_site_with_a_score_mod_and_a_mask_mod(pools, world):
     """The score_mod is the site's score function (the slopes buffer its tensor, read per head),
     the mask_mod its mask function: rewritten, and the output and every gradient equal eager's."""
