@@ -323,10 +323,11 @@ def build(name: str):
                       first_k_dense_replace=1)
         if name == "glm4_moe":
             model = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(head_dim=16, **routed, **common))
-        else:  # multi-head latent attention: a value head dim of its own
+        else:  # multi-head latent attention: a value head dim of its own, one K/V head per query head (HF's
+            # own SDPA path repeats fewer K/V heads again under a padding mask)
             model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
                 q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **routed,
-                **common))
+                **dict(common, num_key_value_heads=4)))
     elif name == "qwen3_next":  # a gated delta-net layer, then an attention layer
         model = T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
             intermediate_size=128, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
