@@ -103,13 +103,15 @@ class SinkAttention(torch.nn.Module):
         self.sinks = torch.nn.Parameter(torch.randn(heads))
         self.register_buffer("proj", torch.randn(hidden, hidden))
 
+    def mask(self, n: int, dtype):
+        return torch.full((n, n), torch.finfo(dtype).min).triu(1)[None, None]
+
     def forward(self, x):
         b, n, _ = x.shape
         q = self.q(x).view(b, n, self.h, self.d).transpose(1, 2)
         k, v = self.kv(x).view(b, n, 2, self.g, self.d).permute(2, 0, 3, 1, 4)
         k, v = (t.repeat_interleave(self.h // self.g, 1) for t in (k, v))
-        mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
-        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask
+        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + self.mask(n, x.dtype)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
         combined = torch.cat([w, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -159,21 +161,10 @@ class PaddedSinkAttention(SinkAttention):
     whole weight on its sink (eager's sink outweighs the finite fill), as the ring does: no row is
     without a key, and nothing is filled in after the ring."""
 
-    def forward(self, x):
-        b, n, _ = x.shape
+    def mask(self, n: int, dtype):
         i = torch.arange(n)
         allowed = (i[None, :] <= i[:, None]) & (i > n // 2)  # left padding past the first shard
-        mask = torch.where(allowed, torch.tensor(0.0, dtype=x.dtype), torch.finfo(x.dtype).min)
-        q = self.q(x).view(b, n, self.h, self.d).transpose(1, 2)
-        k, v = self.kv(x).view(b, n, 2, self.g, self.d).permute(2, 0, 3, 1, 4)
-        k, v = (t.repeat_interleave(self.h // self.g, 1) for t in (k, v))
-        w = torch.matmul(q, k.transpose(2, 3)) * self.d ** -0.5 + mask
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, n, -1)
-        combined = torch.cat([w, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        p = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        out = torch.matmul(p, v).transpose(1, 2).reshape(b, n, -1)
-        return (self.o(out) @ self.proj).pow(2).mean()
+        return torch.where(allowed, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min)
 
 
 MODELS = {"sinks": SinkAttention, "mla": MlaAttention, "padded_sinks": PaddedSinkAttention}
