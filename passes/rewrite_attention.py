@@ -221,13 +221,14 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext, la
         with below:
             op = b.call(DILATED_OP, q, k, v, list(spec.segment_lengths), list(spec.dilation_rates),
                         spec.offsets, lifted.causal, scale, ctx.group_name, ctx.world_size, layout)
-        out, no_key = b.call(operator.getitem, op, 0), ""
+        out, fill, no_key = b.call(operator.getitem, op, 0), False, ""
     out = _same_layout(b, out, fake(node), is_aten_graph(gm))
     node.replace_all_uses_with(out)
     site = node.meta[SITE_META]
     to = node.meta.get(AUTOCAST_META)
     site.decision, site.reason = Decision.REWRITTEN, None
     site.detail = "; ".join(filter(None, ["" if to is None else f"autocast: q/k/v in {to}", no_key]))
+    site.differs = "" if fill else no_key
     site.node = op.name
     erase_dead(gm, [node])
     if REPLACES_META in node.meta:  # a shadow site: the user's P @ v takes the ring's output

@@ -121,6 +121,19 @@ def _warn_dense(report: GraphReport, config: Config) -> None:
                   stacklevel=2)
 
 
+def _warn_differs(report: GraphReport, config: Config) -> None:
+    """One warning line on rank 0 of the sequence group for a graph with rewritten sites whose rows
+    with every key masked by a finite value are not eager's (Note [Rows with no key] in
+    runtime/ops.py): which sites, and what eager gives."""
+    differ = [s for s in report.rewritten if s.differs]
+    if not differ or (dist.is_available() and dist.is_initialized() and dist.get_rank(sequence_group(config)) != 0):
+        return
+    sites = "; ".join(f"{s.form} at {s.location}: {s.differs}" for s in differ)
+    warnings.warn(f"ringcc: {len(differ)} rewritten attention site(s) of {report.graph} differ from eager on query "
+                  f"rows that see no key, and only there (a loss that weighs those rows 0, as labels of -100 on "
+                  f"padding do, is eager's): {sites}. docs/sharp-edges.md says why", stacklevel=2)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     check_transformers_release(gm)
     world, name = _world(config)
@@ -132,6 +145,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     _plan(gm, ctx)
     record(report)
     _warn_dense(report, config)
+    _warn_differs(report, config)
     compiled = _inner(gm, example_inputs, config)
     if ctx.scratch.get("sharded_outputs"):
         fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards

@@ -41,6 +41,9 @@ class Site:
     mask: Optional[dict] = None  # the lifted mask spec (causal, padding, window, ...)
     dilation: Optional[str] = None
     detail: str = ""  # free text: why, in words
+    # a rewritten site's rows whose result is not eager's, in words (rows with every key masked by a
+    # finite value that the ring cannot give as eager does: Note [Rows with no key] in runtime/ops.py)
+    differs: str = ""
     # the rank's share of allowed pairs over the mean above which the ring rebalances at run time
     # (Note [Balanced ring] in runtime/balance.py); None: the site keeps the layout
     balance: Optional[float] = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -569,7 +570,10 @@ def case_scored_padding(rank, world, modifier, n):
         keeps[0, :3] = 0
     proj = torch.randn(2, n, 32) * keeps
     ringcc.reset_reports()
-    out = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True))(x, valid)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend=ringcc.backend(inner="aot_eager", strict=True))(x, valid)
+    warned = [str(w.message) for w in caught if "differ from eager" in str(w.message)]
     (out * proj).sum().backward()
     r = ref(x, valid)
     (r * proj).sum().backward()
@@ -578,7 +582,8 @@ def case_scored_padding(rank, world, modifier, n):
         assert (p.grad is None) == (rp.grad is None), pname
         if p.grad is not None:
             errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
-    return errs, [(s.decision.value, s.detail, (s.mask or {}).get("score_function", "")) for s in ringcc.last_report().sites]
+    sites = [(s.decision.value, s.detail, (s.mask or {}).get("score_function", "")) for s in ringcc.last_report().sites]
+    return errs, sites, rank, warned
 
 
 @pytest.mark.parametrize("modifier, world", [("alibi", 2), ("softcap", 2),
@@ -588,13 +593,16 @@ def test_a_score_function_before_a_finite_mask(pools, modifier, world):
     """ALiBi adds a bias (d score / d s = 1): rows with every key masked get eager's mean of the
     values and eager's gradients. A soft-cap weighs each pair by its derivative: those rows stay 0,
     the report says so (docs/sharp-edges.md), and every other row and gradient equals eager's."""
-    for errs, sites in pools(world).run(case_scored_padding, modifier, 12 * world, timeout=300):
+    for errs, sites, rank, warned in pools(world).run(case_scored_padding, modifier, 12 * world, timeout=300):
         ((decision, detail, score_fn),) = sites
         assert decision == "rewritten" and ("tanh" in score_fn) is (modifier == "softcap"), sites
         if modifier == "alibi":
             assert "give the mean of the values, as eager" in detail and errs.pop("empty_rows") > 1e-3, (detail, errs)
+            assert not warned, warned
         else:
             assert "give 0; eager gives the mean of the values" in detail and errs.pop("empty_rows") == 0, (detail, errs)
+            # one warning line, on rank 0 alone
+            assert len(warned) == (rank == 0) and all("give 0; eager gives the mean" in w for w in warned), warned
         assert max(errs.values()) < 2e-5, errs
 
 
