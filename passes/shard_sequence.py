@@ -454,11 +454,8 @@ class Sharder:
         writes the gathered copy: the later readers of the shard read that copy instead."""
         gathered = [(a, self.state[a]) for a in node.all_input_nodes
                     if isinstance(self.state.get(a), Seq) and not self.state[a].sharded]
-        comm = _COMM_ARGS.get(op_name(node))
-        if comm is not None:  # attention over full values on every rank: one rank's ring, no communication
-            args = list(node.args)
-            args[comm] = [self.comm[0], 1, "contiguous"]
-            node.args = tuple(args)
+        if op_name(node) in _COMM_ARGS:  # attention over full values on every rank: one rank's ring
+            _set_comm(node, [self.comm[0], 1, "contiguous"])
         for a in list(node.all_input_nodes):
             st = self.state.get(a)
             if isinstance(st, Partial):
@@ -1444,6 +1441,13 @@ _COMM_ARGS = {
 }
 
 
+def _set_comm(node: torch.fx.Node, comm: list) -> None:
+    """The op's (group_name, world_size, layout) arguments set to `comm`."""
+    args = list(node.args)
+    args[_COMM_ARGS[op_name(node)]] = comm
+    node.args = tuple(args)
+
+
 def attention_rule(w: Sharder, node):
     spec = _ATTENTION_ARGS[op_name(node)]
     q, k, v = node.args[:3]
@@ -1495,9 +1499,7 @@ def attention_rule(w: Sharder, node):
         _share_key_runs(w, node, spec["key_runs"])
     if op_name(node) == "ringcc::ring_attention":
         _share_balance_plan(w, node, key_valid)
-    args = list(node.args)
-    args[_COMM_ARGS[op_name(node)]] = list(w.comm)
-    node.args = tuple(args)
+    _set_comm(node, list(w.comm))
     w.decisions.append(f"{node.name}: {op_name(node)} {w.layout}")
     seq = Seq(2, w.n, sharded=True)
     return (seq, seq)
@@ -1515,9 +1517,7 @@ def fill_empty_rows_rule(w: Sharder, node):
             w.localize(node, a, st, None)
         elif not (w.full(st) or (_zero(st.start) and _eq(st.length, w.n))):
             raise Fallback(f"{a.name} is a narrowed shard")
-    args = list(node.args)
-    args[_COMM_ARGS[op_name(node)]] = list(w.comm)
-    node.args = tuple(args)
+    _set_comm(node, list(w.comm))
     if not _eq(w.n, w.N):  # Note [Padding]
         _set_arg(node, 9, "length", int(w.n))
     return Seq(2, w.n, sharded=True)

@@ -106,12 +106,17 @@ def _plan(gm: torch.fx.GraphModule, ctx: PassContext) -> None:
         ctx.report.notes.append(f"memory planner failed: {type(e).__name__}: {e}")
 
 
+def _first_rank(config: Config) -> bool:
+    """Whether this process is rank 0 of the sequence group (or runs without one): the rank
+    that prints the backend's warnings."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(sequence_group(config)) == 0
+
+
 def _warn_dense(report: GraphReport, config: Config) -> None:
     """One warning line on rank 0 of the sequence group for a graph with attention sites left
     dense: which sites and why (Config(strict=True) raises in the pipeline instead)."""
     skipped = report.skipped
-    if not skipped or (dist.is_available() and dist.is_initialized()
-                       and dist.get_rank(sequence_group(config)) != 0):
+    if not skipped or not _first_rank(config):
         return
     sites = "; ".join(f"{s.form} at {s.location}: {s.reason.value}" + (f" ({s.detail})" if s.detail else "")
                       for s in skipped)
@@ -126,7 +131,7 @@ def _warn_differs(report: GraphReport, config: Config) -> None:
     with every key masked by a finite value are not eager's (Note [Rows with no key] in
     runtime/ops.py): which sites, and what eager gives."""
     differ = [s for s in report.rewritten if s.differs]
-    if not differ or (dist.is_available() and dist.is_initialized() and dist.get_rank(sequence_group(config)) != 0):
+    if not differ or not _first_rank(config):
         return
     sites = "; ".join(f"{s.form} at {s.location}: {s.differs}" for s in differ)
     warnings.warn(f"ringcc: {len(differ)} rewritten attention site(s) of {report.graph} differ from eager on query "
@@ -180,10 +185,14 @@ def _sharded_outputs(compiled, ctx: PassContext):
     specs, masks = ctx.scratch.get("sharded_outputs") or {}, ctx.scratch.get("mask_outputs")
     comm = (ctx.group_name, ctx.world_size, ctx.scratch.get("layout", "contiguous"))
 
+    # mask shapes in the input sizes' symbols (dynamic shapes) are evaluated per call, static ones never
+    symbolic = masks is not None and any(not isinstance(d, int) for _, shape, *_ in masks[1].values() for d in shape)
+    static = None if masks is None else masks[:2]
+
     @functools.wraps(compiled)
     def run(*args):
-        if masks is None:
-            return wrap_outputs(compiled(*args), specs, *comm)
+        if not symbolic:
+            return wrap_outputs(compiled(*args), specs, *comm, static)
         own, functions, sizes = masks
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         # read before the call: a boxed call clears its list

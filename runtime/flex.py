@@ -147,8 +147,8 @@ def _tiles(rows, lk: int) -> int:
 
 def _per_window(window, key, rows, lk: int, build):
     """build(), kept on the window for the next call when the call has at most
-    WINDOW_CACHED_TILES tiles. What depends on a window's positions alone is the same at every step, head chunk
-    and iteration, and the window masks of a ring's calls live as long as its setup
+    WINDOW_CACHED_TILES tiles. What depends on a window's positions alone is the same at every
+    step, head chunk and iteration, and the window masks of a ring's calls live as long as its setup
     (ring.RingSetup._window_calls), so their tiles (and, with no key mask, whole BlockMasks)
     are built once instead of per kernel call (host time: a windowed ring is host-bound).
     Calls cut to a run of valid keys get fresh slices of those masks (ring.WindowMask.sub) and

@@ -456,7 +456,7 @@ def fill_empty_rows_backward_op(dout: torch.Tensor, lse: torch.Tensor, q: torch.
         kk = kf if keys is None else kf * keys[:, None]
         do_e = (dout.to(adt) * e).unflatten(1, (g, h // g))  # [b, g, r, n, dv], the empty rows only
         q_e = (q.to(adt) * e).unflatten(1, (g, h // g))
-        parts = [_key_sums(v, keys, adt), torch.einsum("bgnd,bgne->bgde", kk, vf), kk.sum(2),
+        parts = [_key_sums(vf, keys, adt), torch.einsum("bgnd,bgne->bgde", kk, vf), kk.sum(2),
                  torch.einsum("bgrnd,bgrne->bgde", q_e, do_e), do_e.sum((2, 3))]
         sizes = [p.numel() for p in parts]
         flat = _all_reduce_sum(torch.cat([p.reshape(-1) for p in parts]), group)

@@ -413,9 +413,9 @@ def masked_calls(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
     """(forward, backward) bytes of the ring's masked kernel calls beyond the fused kernels'
     for blocks of s = n_local keys, a bound:
     - CUDA, masked or score-modified bf16/fp16 blocks (a key mask, a window, a mask or a score
-      function) on flex_attention (Note [Flex blocks] in flex.py): the block mask's tiles (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense
-      tile states it is built from); in backward also two fp32 [b, h, s] row values (the lse
-      in base 2, rowsum(dO * O));
+      function) on flex_attention (Note [Flex blocks] in flex.py): the block mask's tiles
+      (FLEX_TILE_BYTES per 128 x 128 tile and batch row, with the dense tile states it is built
+      from); in backward also two fp32 [b, h, s] row values (the lse in base 2, rowsum(dO * O));
     - CUDA math path (Note [Masked rows] in kernels.py: fp32/fp64, or masked blocks under
       RINGCC_MASKED_KERNEL=math): K and V expanded to q's heads
       in the accumulator dtype, in backward also their dK/dV accumulators; per call of R rows
