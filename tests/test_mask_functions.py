@@ -790,7 +790,8 @@ def test_hf_flex_attention_path_with_packed_documents_p2(pools):
         assert sites == [("flex", "rewritten")] * 2, sites
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+# Gemma2 (soft-cap and sliding windows through HF's flex path) in the soak tier
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma2", marks=pytest.mark.soak)])
 def test_hf_flex_attention_path_p2(pools, name):
     """HF's flex path: Llama's score_mod returns the score (no score function), Gemma2's soft-caps
     it (cap 50, its default config): every site rewritten, the loss and every gradient as eager's

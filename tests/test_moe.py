@@ -307,7 +307,7 @@ def build(name: str):
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, attn_implementation="sdpa", pad_token_id=0)
-    if name == "qwen2_moe":  # the configuration (a shared expert besides the routed ones)
+    if name == "qwen2_moe":  # Qwen2-MoE's own layout (a shared expert besides the routed ones)
         model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
             intermediate_size=128, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             **common))

@@ -74,7 +74,8 @@ def _check_steps(rows, step_bytes, model, p):
 
 
 # the attention layer at p = 1 in the soak tier: the same record's attention rows at p = 2 stay
-@pytest.mark.parametrize("model,p", [pytest.param("attention", 1, marks=pytest.mark.soak), ("attention", 2), ("llama", 4)])
+@pytest.mark.parametrize("model,p", [pytest.param("attention", 1, marks=pytest.mark.soak), ("attention", 2),
+                                     pytest.param("llama", 4, marks=pytest.mark.soak)])
 def test_plan_matches_the_recorded_gpu_measurement(monkeypatch, model, p):
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "512")
     monkeypatch.setenv("RINGCC_RING_TRANSPORT", "nccl")

@@ -155,6 +155,7 @@ def case_ties(rank, world):
     return errors
 
 
+@pytest.mark.soak  # make test traces the same model to its sites (test_shard_sequence)
 def test_batch_equal_to_length_is_exact(pools):
     for rank_errors in pools(2).run(case_ties, timeout=300):
         for shape, err, traced in rank_errors:

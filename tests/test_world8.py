@@ -1,4 +1,4 @@
-"""p = 8 on gloo (CPU): the correctness half of the 8-GPU issue, runnable without GPUs.
+"""p = 8 on gloo (CPU): the correctness of an 8-GPU ring, runnable without GPUs.
 
 One pool of 8 real processes: exact ring attention (zigzag causal GQA with key padding, and
 non-causal contiguous MQA) and dilated attention with segments inside a shard and spanning
