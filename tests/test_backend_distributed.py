@@ -607,3 +607,52 @@ def test_hf_eager_attention_on_left_padding_equals_eager_on_every_row(pools, wor
         assert max(errs.values()) < 1e-5, errs
         assert sites and all(d == "rewritten" and "give the mean of the values, as eager" in detail
                              for d, detail in sites), sites
+
+
+class _DropoutAttribute(torch.nn.Module):
+    """Attention whose dropout probability is a float attribute read in training, as Hugging Face
+    attention reads `self.attention_dropout` (a symbolic float input under dynamic=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 50)
+        self.attention_dropout = 0.0
+
+    def forward(self, ids, labels):
+        b, n = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        dropout = self.attention_dropout if self.training else 0.0
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        logits = self.head(a.transpose(1, 2).reshape(b, n, 16))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def case_dynamic_float_dropout(rank, world):
+    import warnings
+
+    torch.manual_seed(0)
+    ref = _DropoutAttribute()
+    model = _DropoutAttribute()
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager"), dynamic=True)
+    ids, labels = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+    ringcc.reset_reports()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(ids, labels)
+    _assert_same_loss_and_grads(loss, ref(ids, labels), model, ref)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    torch._dynamo.reset()
+    return ([(len(r.rewritten), len(r.sites)) for r in ringcc.reports()],
+            [str(w.message) for w in caught if "ringcc" in str(w.message)], with_grad)
+
+
+def test_dynamic_float_dropout_reports_only_the_graph_that_runs(pools):
+    """dynamic=True makes a float attribute (the dropout probability) a graph input; AOT autograd
+    specialises it and dynamo traces again. The graph dropped is neither reported nor warned about
+    (its site would read 'left dense'); the one that runs rings its site."""
+    for reports, messages, with_grad in pools(2).run(case_dynamic_float_dropout, timeout=300):
+        assert reports == [(1, 1)], reports
+        assert messages == [], messages
+        assert with_grad == {"embed.weight", "qkv.weight", "qkv.bias", "head.weight", "head.bias"}
