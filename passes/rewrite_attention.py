@@ -104,7 +104,9 @@ def _check(node: torch.fx.Node, ctx: PassContext, autocast: dict):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (q, k, v)]
         return SkipReason.SHAPE, f"q/k/v must be 4-D [b, h, n, d]; got {shapes}"
     if not same_size(q.shape[2], k.shape[2]):
-        return SkipReason.CROSS_ATTENTION, f"query length {q.shape[2]} != key length {k.shape[2]}"
+        return SkipReason.CROSS_ATTENTION, (f"query length {q.shape[2]} != key length {k.shape[2]}: keys from "
+                                            "another sequence, or a decoding step's new queries against a KV "
+                                            "cache (decoding runs dense on every rank)")
     if not same_shape(k.shape[:3], v.shape[:3]) or not same_size(q.shape[0], k.shape[0]) \
             or not same_size(q.shape[3], k.shape[3]):
         return SkipReason.SHAPE, (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "

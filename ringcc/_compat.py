@@ -143,6 +143,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
     return compile_fx(gm, example_inputs)
 
 
+def restart_analysis() -> type:
+    """The exception by which a compiler asks dynamo to trace the frame again (AOT autograd's
+    tensorify pass, specialising a float input): the graph the compiler was given never runs."""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return RestartAnalysis
+
+
 def compile_errors() -> tuple[type, ...]:
     """Exceptions meaning torch.compile could not build or launch a kernel here (dynamo and
     inductor failures, the recompile limit under fullgraph, Triton out of resources): a

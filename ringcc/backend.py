@@ -139,6 +139,13 @@ def _warn_differs(report: GraphReport, config: Config) -> None:
                   f"padding do, is eager's): {sites}. docs/sharp-edges.md says why", stacklevel=2)
 
 
+def _publish(report: GraphReport, config: Config) -> None:
+    """The graph's report recorded (ringcc.last_report()) and its warnings shown on rank 0."""
+    record(report)
+    _warn_dense(report, config)
+    _warn_differs(report, config)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     check_transformers_release(gm)
     world, name = _world(config)
@@ -148,10 +155,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, config: Config):
     data = _data_inputs(gm, example_inputs, ctx)  # before the passes take the hand-offs' gathers away
     gm = run_pipeline(gm, ctx)
     _plan(gm, ctx)
-    record(report)
-    _warn_dense(report, config)
-    _warn_differs(report, config)
-    compiled = _inner(gm, example_inputs, config)
+    try:
+        compiled = _inner(gm, example_inputs, config)
+    except _compat.restart_analysis():
+        # dynamo traces the frame again (AOT specialises a float input that SDPA's dropout_p or
+        # scale reads under dynamic shapes): this graph never runs, so it is neither reported nor
+        # warned about; the graph traced again is
+        raise
+    except Exception:
+        _publish(report, config)
+        raise
+    _publish(report, config)
     if ctx.scratch.get("sharded_outputs"):
         fsdp_hooks_take_shards(_compat._dynamo_frame_module())  # an FSDP2 block's outputs stay shards
     if ctx.scratch.get("sharded_outputs") or ctx.scratch.get("mask_outputs"):

@@ -607,3 +607,169 @@ def test_hf_eager_attention_on_left_padding_equals_eager_on_every_row(pools, wor
         assert max(errs.values()) < 1e-5, errs
         assert sites and all(d == "rewritten" and "give the mean of the values, as eager" in detail
                              for d, detail in sites), sites
+
+
+class _DropoutAttribute(torch.nn.Module):
+    """Attention whose dropout probability is a float attribute read in training, as Hugging Face
+    attention reads `self.attention_dropout` (a symbolic float input under dynamic=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 50)
+        self.attention_dropout = 0.0
+
+    def forward(self, ids, labels):
+        b, n = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        dropout = self.attention_dropout if self.training else 0.0
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        logits = self.head(a.transpose(1, 2).reshape(b, n, 16))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def case_dynamic_float_dropout(rank, world):
+    import warnings
+
+    torch.manual_seed(0)
+    ref = _DropoutAttribute()
+    model = _DropoutAttribute()
+    model.load_state_dict(ref.state_dict())
+    compiled = torch.compile(model, backend=ringcc.backend(inner="aot_eager"), dynamic=True)
+    ids, labels = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 12))
+    ringcc.reset_reports()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(ids, labels)
+    _assert_same_loss_and_grads(loss, ref(ids, labels), model, ref)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    torch._dynamo.reset()
+    return ([(len(r.rewritten), len(r.sites)) for r in ringcc.reports()],
+            [str(w.message) for w in caught if "ringcc" in str(w.message)], with_grad)
+
+
+def test_dynamic_float_dropout_reports_only_the_graph_that_runs(pools):
+    """dynamic=True makes a float attribute (the dropout probability) a graph input; AOT autograd
+    specialises it and dynamo traces again. The graph dropped is neither reported nor warned about
+    (its site would read 'left dense'); the one that runs rings its site."""
+    for reports, messages, with_grad in pools(2).run(case_dynamic_float_dropout, timeout=300):
+        assert reports == [(1, 1)], reports
+        assert messages == [], messages
+        assert with_grad == {"embed.weight", "qkv.weight", "qkv.bias", "head.weight", "head.bias"}
+
+
+def _grad_errors(model, ref) -> tuple[float, bool]:
+    """(max gradient error relative to each eager gradient, floored at 1e-3; whether the same
+    parameters got a gradient)."""
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    got = {n.replace("_orig_mod.", "").replace("module.", ""): p.grad for n, p in model.named_parameters()}
+    same = {n for n, g in got.items() if g is not None} == {n for n, g in ref_grads.items() if g is not None}
+    errs = [float((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-3))
+            for n, g in got.items() if g is not None and ref_grads.get(n) is not None]
+    return max(errs), same
+
+
+def case_training_setups(rank, world, setup):
+    """HF Llama in its default config (use_cache=True in training) against eager: two micro-batches
+    accumulated (loss / 2), under DDP wrapped around the compiled model or compiled around DDP, the
+    first micro-batch in no_sync(); model.compile(); an AdamW step and a second step; then eval
+    under inference_mode. Returns (loss errors, gradient errors, same parameters with a gradient,
+    eval logits error)."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zoo import _llama_like
+
+    torch.manual_seed(0)
+    ref = _llama_like("LlamaConfig")()
+    torch.manual_seed(0)
+    model = _llama_like("LlamaConfig")()
+    backend = ringcc.backend(inner="aot_eager")
+    if setup == "ddp_outside":
+        step = DistributedDataParallel(torch.compile(model, backend=backend))
+    elif setup == "ddp_inside":
+        step = torch.compile(DistributedDataParallel(model), backend=backend)
+    else:
+        model.compile(backend=backend)
+        step = model
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (2, 24), generator=gen), torch.randint(0, 64, (2, 24), generator=gen))
+               for _ in range(3)]
+    loss_errs, grad_errs, same = [], [], []
+    for micro in ([batches[0], batches[1]], [batches[2]]):  # step 1 accumulates two micro-batches
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for i, (ids, labels) in enumerate(micro):
+            sync = step.no_sync() if setup != "module" and i < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                loss = step(input_ids=ids, labels=labels).loss / len(micro)
+                loss.backward()
+            ref_loss = ref(input_ids=ids, labels=labels).loss / len(micro)
+            ref_loss.backward()
+            loss_errs.append(float((loss - ref_loss).abs()))
+        err, ok = _grad_errors(model, ref)
+        grad_errs.append(err)
+        same.append(ok)
+        opt.step()
+        ref_opt.step()
+    model.eval()
+    ref.eval()
+    with torch.inference_mode():
+        logits_err = float((step(input_ids=batches[0][0]).logits - ref(input_ids=batches[0][0]).logits).abs().max())
+    rewritten = [(len(r.rewritten), len(r.sites)) for r in ringcc.reports()]
+    torch._dynamo.reset()
+    return loss_errs, grad_errs, same, logits_err, rewritten
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("setup", ["ddp_outside", "ddp_inside", "module"])
+def test_training_setups_match_eager(pools, setup):
+    ringcc.reset_reports()
+    for loss_errs, grad_errs, same, logits_err, rewritten in pools(2).run(case_training_setups, setup, timeout=600):
+        assert max(loss_errs) < 1e-5, loss_errs
+        # the second step follows AdamW's first update (which scales each entry's rounding by 1 / sqrt(v))
+        assert grad_errs[0] < 1e-5 and grad_errs[1] < 5e-4, grad_errs
+        assert all(same)
+        assert logits_err < 1e-5
+        assert rewritten and all(r == s > 0 for r, s in rewritten), rewritten
+
+
+def case_generate(rank, world):
+    """A training step, then `generate(max_new_tokens=4)` with the default KV cache from the same
+    model.compile()d HF Llama: the prefill is rewritten, every decoding graph says it runs dense."""
+    from zoo import _llama_like
+
+    torch.manual_seed(0)
+    ref = _llama_like("LlamaConfig")()
+    torch.manual_seed(0)
+    model = _llama_like("LlamaConfig")()
+    model.compile(backend=ringcc.backend(inner="aot_eager"))
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 64, (2, 24), generator=gen), torch.randint(0, 64, (2, 24), generator=gen)
+    ringcc.reset_reports()
+    loss, ref_loss = model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    ref_loss.backward()
+    grad_err, same = _grad_errors(model, ref)
+    model.eval()
+    ref.eval()
+    prompt = torch.randint(0, 64, (2, 24), generator=gen)
+    with torch.no_grad():
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+        ref_tokens = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    sites = [(s.decision.value, s.detail) for r in ringcc.reports() for s in r.sites]
+    torch._dynamo.reset()
+    return float((loss - ref_loss).abs()), grad_err, same, torch.equal(tokens, ref_tokens), sites
+
+
+@pytest.mark.soak
+def test_generate_with_a_cache_after_training(pools):
+    for loss_err, grad_err, same, equal, sites in pools(2).run(case_generate, timeout=600):
+        assert loss_err < 1e-5 and grad_err < 1e-5 and same
+        assert equal
+        rewritten = [d for d, _ in sites if d == "rewritten"]
+        dense = [detail for d, detail in sites if d != "rewritten"]
+        assert len(rewritten) >= 4  # training and the prompt's prefill, two layers each
+        assert dense and all("decoding runs dense on every rank" in detail for detail in dense), dense
