@@ -82,13 +82,13 @@ def _llama_like(config_cls: str, **extra):
     return make
 
 
-def _hf_default_attention(config_cls: str, **kwargs):
-    """A causal LM with the attention transformers picks for it (eager where the model needs
-    it: soft-capping, ALiBi)."""
+def _hf_default_attention(config_cls: str, auto: str = "AutoModelForCausalLM", **kwargs):
+    """A task model with the attention transformers picks for it (eager where the model needs
+    it: soft-capping, ALiBi, DeBERTa's disentangled attention)."""
     def make():
         import transformers
 
-        return transformers.AutoModelForCausalLM.from_config(_no_dropout(getattr(transformers, config_cls)(**kwargs)))
+        return getattr(transformers, auto).from_config(_no_dropout(getattr(transformers, config_cls)(**kwargs)))
     return make
 
 
@@ -214,6 +214,64 @@ ZOO: list[Arch] = [
 # documents' ids (Note [Mask functions] in runtime/maskfn.py).
 ZOO.append(Arch("gemma3", _llama_like("Gemma3TextConfig", head_dim=8, sliding_window=8),
                 patterns=("loss_inside", "ce_outside", "projection")))
+# architectures beyond the core: alternating local / global windows (ModernBERT, Cohere2,
+# Exaone 4, Ministral), layers without positional embedding (SmolLM3), partial rotary (GLM-4),
+# Falcon's K/V groups broadcast to the queries, GraniteMoE's multipliers and experts,
+# encoder-decoders (T5, BART), DeBERTa's disentangled attention, and hybrids of attention and
+# Mamba layers (Jamba, Bamba, Falcon-H1)
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128)
+_SLIDING_FULL = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+_SSM_WHY = "the Mamba layers' causal conv1d and selective scan mix the sequence: run on gathered tokens"
+ZOO += [
+    Arch("modernbert", _config("ModernBertConfig", "AutoModelForMaskedLM", local_attention=8,
+                               layer_types=["full_attention", "sliding_attention"], pad_token_id=0, eos_token_id=1,
+                               bos_token_id=2, cls_token_id=2, sep_token_id=1, **_SMALL), kind="encoder"),
+    Arch("cohere2", _llama_like("Cohere2Config", head_dim=8, **_SLIDING_FULL)),
+    Arch("exaone4", _llama_like("Exaone4Config", **_SLIDING_FULL)),
+    Arch("ministral", _llama_like("MinistralConfig", head_dim=8, sliding_window=8,
+                                  layer_types=["sliding_attention", "sliding_attention"])),
+    Arch("smollm3", _llama_like("SmolLM3Config", no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2)),
+    Arch("glm4", _llama_like("Glm4Config", head_dim=8, pad_token_id=0, eos_token_id=1)),
+    Arch("helium", _llama_like("HeliumConfig", head_dim=8)),
+    Arch("seed_oss", _llama_like("SeedOssConfig", head_dim=8)),
+    Arch("ernie4_5", _llama_like("Ernie4_5Config", head_dim=8)),
+    Arch("granitemoe", _llama_like("GraniteMoeConfig", num_local_experts=4, **_MOE)),
+    Arch("falcon", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                           new_decoder_architecture=False)),
+    Arch("falcon_gqa", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                               new_decoder_architecture=True)),
+    # encoder-decoders, decoder inputs (the shifted labels) as long as the encoder's: one sequence per
+    # graph. T5's self-attention adds a learned relative position bias (a table read at every
+    # query-key pair, which needs a gradient: dense); its cross-attention and all of BART's sites are
+    # rings. T5 builds no decoder inputs without labels: no loss outside.
+    Arch("t5", _config("T5Config", "AutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
+                       num_layers=2, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0),
+         patterns=("loss_inside", "padded"), sites=2, skipped=4, linear=False,
+         why="the self-attention sites add T5's learned relative position bias, a [query, key] table that needs a "
+             "gradient: they run dense"),
+    Arch("bart", _config("BartConfig", "AutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32, encoder_layers=2,
+                         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128),
+         patterns=("loss_inside", "ce_outside", "padded"), sites=6),
+    # DeBERTa-v3's configuration (relative attention, both disentangled terms); eager attention
+    Arch("deberta_v2", _hf_default_attention("DebertaV2Config", "AutoModelForMaskedLM", relative_attention=True,
+                                             pos_att_type=["p2c", "c2p"], position_buckets=8,
+                                             max_relative_positions=-1, position_biased_input=False, **_BERT),
+         kind="encoder", sites=0, skipped=2,
+         linear=False, why="DeBERTa's disentangled attention adds content-to-position and position-to-content "
+                           "scores (a query or key projection read at a relative position bucket): dense"),
+    Arch("jamba", _llama_like("JambaConfig", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, mamba_dt_rank=4, **_MOE),
+         sites=1, linear=False, why=_SSM_WHY),
+    Arch("bamba", _llama_like("BambaConfig", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                              mamba_d_state=8, mamba_chunk_size=8), sites=1, linear=False, why=_SSM_WHY),
+    Arch("falcon_h1", _llama_like("FalconH1Config", head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                  mamba_d_state=8, mamba_chunk_size=8), linear=False, why=_SSM_WHY),
+]
 PACKED = ("llama", "qwen3", "mistral", "gemma3", "mixtral")
 PACKED_DOCS = ((10, 6, 8), (3, 21))  # document lengths per batch row (N tokens each)
 
