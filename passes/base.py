@@ -152,7 +152,7 @@ def remove_dead(gm: torch.fx.GraphModule) -> None:
     as pure, so an unused `x.masked_fill_(...)` would be removed) and the calls that enter and
     leave a torch.vmap level inlined by dynamo (unused results; without them the batched values
     between them have no level: HF Jamba's associative scan)."""
-    levels = _compat.functorch_level_targets()
+    levels = _compat.vmap_level_targets()
     gm.graph.eliminate_dead_code(
         is_impure_node=lambda n: n.is_impure() or writes_any(n) or (n.op == "call_function" and n.target in levels))
 

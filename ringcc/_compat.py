@@ -636,15 +636,14 @@ def vmap_batch_dim_targets() -> tuple:
     return _add_batch_dim, _remove_batch_dim
 
 
-def functorch_level_targets() -> tuple:
-    """The functions dynamo records where traced code enters and leaves a torch.vmap or
-    torch.func.jvp level (`_vmap_increment_nesting(batch_size, randomness)` ...
-    `_vmap_decrement_nesting()`): calls for their effect on functorch's level stack, whose
-    results nothing reads (private, in 2.11 and 2.13)."""
-    from torch._functorch import predispatch
+def vmap_level_targets() -> tuple:
+    """(enter, exit): the functions dynamo records where traced code enters and leaves a
+    torch.vmap level, `_vmap_increment_nesting(batch_size, randomness)` and
+    `_vmap_decrement_nesting()`: calls for their effect on functorch's level stack, whose results
+    nothing reads (private, in 2.11 and 2.13)."""
+    from torch._functorch.predispatch import _vmap_decrement_nesting, _vmap_increment_nesting
 
-    return (predispatch._vmap_increment_nesting, predispatch._vmap_decrement_nesting,
-            predispatch._jvp_increment_nesting, predispatch._jvp_decrement_nesting)
+    return _vmap_increment_nesting, _vmap_decrement_nesting
 
 
 def is_vmap_batched(value) -> bool:
