@@ -148,9 +148,13 @@ def writes_any(node: torch.fx.Node) -> bool:
 
 
 def remove_dead(gm: torch.fx.GraphModule) -> None:
-    """gm.graph.eliminate_dead_code, keeping nodes that write in place: FX counts method calls
-    as pure, so an unused `x.masked_fill_(...)` would be removed."""
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_any(n))
+    """gm.graph.eliminate_dead_code, keeping nodes that write in place (FX counts method calls
+    as pure, so an unused `x.masked_fill_(...)` would be removed) and the calls that enter and
+    leave a torch.vmap level inlined by dynamo (unused results; without them the batched values
+    between them have no level: HF Jamba's associative scan)."""
+    levels = _compat.vmap_level_targets()
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.is_impure() or writes_any(n) or (n.op == "call_function" and n.target in levels))
 
 
 def is_view(node: torch.fx.Node) -> bool:

@@ -378,6 +378,12 @@ class _Walk:
         if _compat.is_vmap_batched(v):
             raise Unextractable(f"{node.name}: a value inside torch.vmap that mask extraction does not read "
                                 f"({node.op} {getattr(node.target, '__name__', node.target)})")
+        if len(seq_dims) > 1 and v.requires_grad:
+            raise Unextractable(
+                f"a [query, key] bias that needs a gradient ({node.name}, {node.op} "
+                f"{getattr(node.target, '__name__', node.target)}, shape {tuple(v.shape)}): a learned table read at "
+                "every (query, key) pair, such as a relative position bias; a score function reads its tensors at "
+                "b, h, q or kv and takes no gradient for them, so the site runs dense")
         if len(seq_dims) > 1:
             raise Unextractable(
                 f"a stored [query, key] mask tensor ({node.name}, {node.op} "

@@ -829,8 +829,8 @@ def linear_rule(w: Sharder, node):
 
 
 def _sizes_arg(node) -> tuple[list, Callable[[list], None]]:
-    """The size list of view/reshape/expand and a setter for it (sizes given as varargs or a
-    sequence; torch.reshape(x, shape) too)."""
+    """The size list of view/reshape/expand/broadcast_to and a setter for it (sizes given as
+    varargs or a sequence; torch.reshape(x, shape) too)."""
     rest = list(node.args[1:])
     if "size" in node.kwargs or "shape" in node.kwargs:
         key = "size" if "size" in node.kwargs else "shape"
@@ -1636,6 +1636,7 @@ RULES: dict[str, Rule] = {
     "reshape": Rule(view_rule, creates=True, unary=True),
     "flatten": Rule(flatten_rule, creates=True, unary=True),
     "expand": Rule(expand_rule, creates=True, unary=True),
+    "broadcast_to": Rule(expand_rule, creates=True, unary=True),
     "unflatten": Rule(unflatten_rule, unary=True),
     "repeat": Rule(repeat_rule, unary=True),
     "repeat_interleave": Rule(repeat_interleave_rule, unary=True),
@@ -2039,8 +2040,8 @@ ROWS_RULES: dict[str, Rule] = {
     **{name: Rule(rows_view, unary=True) for name in ("view", "reshape", "flatten")},
     **{name: Rule(rule, unary=True) for name, rule in (
         ("transpose", transpose_rule), ("t", t_rule), ("permute", permute_rule), ("unsqueeze", unsqueeze_rule),
-        ("squeeze", squeeze_rule), ("movedim", movedim_rule), ("expand", expand_rule), ("split", split_rule),
-        ("chunk", split_rule), ("unbind", split_rule))},
+        ("squeeze", squeeze_rule), ("movedim", movedim_rule), ("expand", expand_rule), ("broadcast_to", expand_rule),
+        ("split", split_rule), ("chunk", split_rule), ("unbind", split_rule))},
     "getitem": Rule(rows_getitem),
     "index_select": Rule(rows_index_select),
     "index_add": Rule(rows_index_add),

@@ -644,6 +644,16 @@ def vmap_batch_dim_targets() -> tuple:
     return _add_batch_dim, _remove_batch_dim
 
 
+def vmap_level_targets() -> tuple:
+    """(enter, exit): the functions dynamo records where traced code enters and leaves a
+    torch.vmap level, `_vmap_increment_nesting(batch_size, randomness)` and
+    `_vmap_decrement_nesting()`: calls for their effect on functorch's level stack, whose results
+    nothing reads (private, in 2.11 and 2.13)."""
+    from torch._functorch.predispatch import _vmap_decrement_nesting, _vmap_increment_nesting
+
+    return _vmap_increment_nesting, _vmap_decrement_nesting
+
+
 def is_vmap_batched(value) -> bool:
     """Whether a traced value is one of torch.vmap's batched tensors (its shape hides the batch)."""
     return isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value)

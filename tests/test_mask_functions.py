@@ -373,6 +373,31 @@ def test_a_stored_query_by_key_mask_is_not_extracted_and_says_why():
     assert "a stored [query, key] mask tensor" in detail and "a query and a key dim whose values are data" in detail
 
 
+class RelativeBias(nn.Module):
+    """T5's relative position bias: a learned [buckets, heads] table read at a bucket of kv - q,
+    added to the scores as SDPA's float mask."""
+
+    def __init__(self, heads=1, buckets=8):
+        super().__init__()
+        self.table = nn.Embedding(buckets, heads)
+
+    def forward(self, q):
+        n = q.shape[-2]
+        rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        bias = self.table(rel.clamp(-4, 3) + 4).permute(2, 0, 1)[None]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+
+
+def test_a_learned_query_by_key_bias_runs_dense_and_says_why():
+    """A learned table read at every (query, key) pair needs a gradient, which the tensors of a score
+    function do not take: the site is skipped, and the reason says what the table is."""
+    q, _, _ = mask_inputs()
+    gm = dynamo_graph(RelativeBias(), q)
+    run(gm, PASSES)
+    reason, detail = _site(gm).meta[SKIP_META]
+    assert "a [query, key] bias that needs a gradient" in detail and "relative position bias" in detail
+
+
 def test_an_additive_bias_is_a_score_function_not_a_mask():
     """SDPA's float attn_mask with values other than 0 and -inf is a bias: the site's score
     function score + bias, rewritten, equal to eager."""

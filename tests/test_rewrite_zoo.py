@@ -136,7 +136,7 @@ if os.path.dirname(THIS) not in sys.path:
     sys.path.insert(0, os.path.dirname(THIS))
 import zoo  # noqa: E402 - tests/zoo.py, from this file's folder
 
-ZOO_OFFLINE = [arch.name for arch in zoo.ZOO if arch.kind in ("decoder", "encoder")]
+ZOO_OFFLINE = [arch.name for arch in zoo.ZOO if arch.kind in ("decoder", "encoder") and arch.offline]
 
 
 def _zoo_factory(name: str, padded: bool):
@@ -168,7 +168,7 @@ class ImageLogits(nn.Module):
 
 # The zoo's image classifiers: `zoo_<name>` takes the zoo's images (no input carries the
 # sequence: the model makes its tokens from the image's patches)
-ZOO_OFFLINE_VISION = [arch.name for arch in zoo.ZOO if arch.kind == "vision"]
+ZOO_OFFLINE_VISION = [arch.name for arch in zoo.ZOO if arch.kind == "vision" and arch.offline]
 
 
 def _zoo_vision_factory(name: str):

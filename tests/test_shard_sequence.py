@@ -278,6 +278,52 @@ def test_a_list_index_off_the_sequence_dim_keeps_the_shard():
     assert count(gm, GATHER) == 0 and rep.gathers == []
 
 
+class GroupedBroadcast(nn.Module):
+    """Falcon's grouped K/V (new_decoder_architecture): per K/V group, r query heads and one K
+    and one V head fused; K and V broadcast_to the queries' shape, then the groups flattened."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 32)
+
+    def forward(self, x):
+        fused = self.proj(x).view(2, x.shape[1], 2, 4, 4)  # 2 groups of 2 queries, K, V
+        q, k, v = fused[:, :, :, :-2], fused[:, :, :, [-2]], fused[:, :, :, [-1]]
+        k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+        q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_a_broadcast_of_grouped_keys_keeps_the_shard():
+    gm, rep = rewrite(GroupedBroadcast(), torch.randn(2, 12, 16))
+    assert count(gm, GATHER) == 0 and rep.gathers == []
+    assert len(rep.rewritten) == 1
+
+
+class VmapAfterAttention(nn.Module):
+    """torch.vmap over the batch after attention (HF Jamba's associative scan vmaps its combine
+    function): dynamo inlines it as calls that enter and leave a functorch level around the
+    batched values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.vmap(lambda a, b: a * b)(y, y.sigmoid()).sum()
+
+
+def test_a_vmap_in_the_graph_keeps_its_level_calls():
+    from ringcc import _compat
+
+    gm, rep = rewrite(VmapAfterAttention(), torch.randn(2, 12, 16))
+    levels = _compat.vmap_level_targets()
+    assert [sum(n.target is t for n in gm.graph.nodes) for t in levels] == [1, 1]
+    assert len(rep.rewritten) == 1
+
+
 class WholeSizeViews(nn.Module):
     """HF GPT-2's Conv1D (`x.view(x.size()[:-1] + (nf,))`: under a symbolic length dynamo records
     torch.Size([2, s, 48])) and OPT's MLP (`shape = h.shape`, rows, `.view(shape)`: h.size())."""

@@ -1,10 +1,10 @@
 """The model zoo: Hugging Face architectures as people run them, with tiny random configs.
 
-Each `Arch` names a factory of the task model (causal LM, masked LM or image classifier, in
-its default config: a decoder keeps use_cache=True in training), the patterns it runs, and
-what the zoo expects: attention sites rewritten and skipped per graph, and the planner's
-verdict. `run_arch(rank, world, name)` (a DistPool job) runs every pattern on `world` gloo
-ranks against single-process eager and returns what the tests assert on:
+Each `Arch` names a factory of the task model (causal LM, masked LM, sequence-to-sequence LM
+or image classifier, in its default config: a decoder keeps use_cache=True in training), the
+patterns it runs, and what the zoo expects: attention sites rewritten and skipped per graph,
+and the planner's verdict. `run_arch(rank, world, name)` (a DistPool job) runs every pattern
+on `world` gloo ranks against single-process eager and returns what the tests assert on:
 
 - loss_inside: `model(..., labels=labels).loss`;
 - ce_outside: `F.cross_entropy` on `out.logits` in the caller's own code (the logits are a
@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -51,7 +51,7 @@ class Arch:
 
     name: str
     factory: Callable[[], torch.nn.Module]  # the task model, random weights (seeded by the caller)
-    kind: str = "decoder"  # "decoder" (causal LM), "encoder" (masked LM) or "vision" (classifier)
+    kind: str = "decoder"  # "decoder" (causal LM), "encoder" (masked LM), "seq2seq" or "vision" (classifier)
     patterns: tuple[str, ...] = PATTERNS
     sites: int = 2  # attention sites rewritten, summed over the graphs of a pattern (one per layer)
     skipped: int = 0  # attention sites skipped, likewise
@@ -61,6 +61,7 @@ class Arch:
     why: str = ""  # where not O(n/p) or not exact: the op and why (the matrix shows it)
     padded_skipped: int | None = None  # sites skipped in the padded pattern, where it differs (then not O(n/p))
     inner: str = "aot_eager"  # the compiler ringcc hands the rewritten graph to
+    offline: bool = True  # taken by the offline tier too (`ringcc rewrite` and `ringcc plan`: test_rewrite_zoo.py)
 
 
 def _no_dropout(cfg):
@@ -82,13 +83,13 @@ def _llama_like(config_cls: str, **extra):
     return make
 
 
-def _hf_default_attention(config_cls: str, **kwargs):
-    """A causal LM with the attention transformers picks for it (eager where the model needs
-    it: soft-capping, ALiBi)."""
+def _hf_default_attention(config_cls: str, auto: str = "AutoModelForCausalLM", **kwargs):
+    """A task model with the attention transformers picks for it (eager where the model needs
+    it: soft-capping, ALiBi, DeBERTa's disentangled attention)."""
     def make():
         import transformers
 
-        return transformers.AutoModelForCausalLM.from_config(_no_dropout(getattr(transformers, config_cls)(**kwargs)))
+        return getattr(transformers, auto).from_config(_no_dropout(getattr(transformers, config_cls)(**kwargs)))
     return make
 
 
@@ -214,6 +215,66 @@ ZOO: list[Arch] = [
 # documents' ids (Note [Mask functions] in runtime/maskfn.py).
 ZOO.append(Arch("gemma3", _llama_like("Gemma3TextConfig", head_dim=8, sliding_window=8),
                 patterns=("loss_inside", "ce_outside", "projection")))
+# architectures beyond the core: alternating local / global windows (ModernBERT, Cohere2,
+# Exaone 4, Ministral), layers without positional embedding (SmolLM3), partial rotary (GLM-4),
+# Falcon's K/V groups broadcast to the queries, GraniteMoE's multipliers and experts,
+# encoder-decoders (T5, BART), DeBERTa's disentangled attention, and hybrids of attention and
+# Mamba layers (Jamba, Bamba, Falcon-H1)
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128)
+_SLIDING_FULL = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+_SSM_WHY = "the Mamba layers' causal conv1d and selective scan mix the sequence: run on gathered tokens"
+_BEYOND = [
+    Arch("modernbert", _config("ModernBertConfig", "AutoModelForMaskedLM", local_attention=8,
+                               layer_types=["full_attention", "sliding_attention"], pad_token_id=0, eos_token_id=1,
+                               bos_token_id=2, cls_token_id=2, sep_token_id=1, **_SMALL), kind="encoder"),
+    Arch("cohere2", _llama_like("Cohere2Config", head_dim=8, **_SLIDING_FULL)),
+    Arch("exaone4", _llama_like("Exaone4Config", **_SLIDING_FULL)),
+    Arch("ministral", _llama_like("MinistralConfig", head_dim=8, sliding_window=8,
+                                  layer_types=["sliding_attention", "sliding_attention"])),
+    Arch("smollm3", _llama_like("SmolLM3Config", no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2)),
+    Arch("glm4", _llama_like("Glm4Config", head_dim=8, pad_token_id=0, eos_token_id=1)),
+    Arch("helium", _llama_like("HeliumConfig", head_dim=8)),
+    Arch("seed_oss", _llama_like("SeedOssConfig", head_dim=8)),
+    Arch("ernie4_5", _llama_like("Ernie4_5Config", head_dim=8)),
+    Arch("granitemoe", _llama_like("GraniteMoeConfig", num_local_experts=4, **_MOE)),
+    Arch("falcon", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+                           new_decoder_architecture=False)),
+    Arch("falcon_gqa", _config("FalconConfig", "AutoModelForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                               new_decoder_architecture=True)),
+    # encoder-decoders, decoder inputs (the shifted labels) as long as the encoder's: one sequence per
+    # graph. T5's self-attention adds a learned relative position bias (a table read at every
+    # query-key pair, which needs a gradient: dense); its cross-attention and all of BART's sites are
+    # rings. T5 builds no decoder inputs without labels: no loss outside.
+    Arch("t5", _config("T5Config", "AutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
+                       num_layers=2, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0),
+         kind="seq2seq", patterns=("loss_inside", "padded"), sites=2, skipped=4, linear=False,
+         why="the self-attention sites add T5's learned relative position bias, a [query, key] table that needs a "
+             "gradient: they run dense"),
+    Arch("bart", _config("BartConfig", "AutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32, encoder_layers=2,
+                         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128),
+         kind="seq2seq", patterns=("loss_inside", "ce_outside", "padded"), sites=6),
+    # DeBERTa-v3's configuration (relative attention, both disentangled terms); eager attention
+    Arch("deberta_v2", _hf_default_attention("DebertaV2Config", "AutoModelForMaskedLM", relative_attention=True,
+                                             pos_att_type=["p2c", "c2p"], position_buckets=8,
+                                             max_relative_positions=-1, position_biased_input=False, **_BERT),
+         kind="encoder", sites=0, skipped=2,
+         linear=False, why="DeBERTa's disentangled attention adds content-to-position and position-to-content "
+                           "scores (a query or key projection read at a relative position bucket): dense"),
+    Arch("jamba", _llama_like("JambaConfig", attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, mamba_dt_rank=4, **_MOE),
+         sites=1, linear=False, why=_SSM_WHY),
+    Arch("bamba", _llama_like("BambaConfig", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                              mamba_d_state=8, mamba_chunk_size=8), sites=1, linear=False, why=_SSM_WHY),
+    Arch("falcon_h1", _llama_like("FalconH1Config", head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                  mamba_d_state=8, mamba_chunk_size=8), linear=False, why=_SSM_WHY),
+]
+# measured compiled (this file); the offline tier does not take them yet
+ZOO += [replace(arch, offline=False) for arch in _BEYOND]
 PACKED = ("llama", "qwen3", "mistral", "gemma3", "mixtral")
 PACKED_DOCS = ((10, 6, 8), (3, 21))  # document lengths per batch row (N tokens each)
 
@@ -430,7 +491,9 @@ config (decoders keep `use_cache=True` in training), compiled with `backend="rin
 (inner compiler aot_eager) on {world} gloo ranks (CPU) and compared with single-process eager.
 Patterns: loss inside (`labels=`), cross-entropy outside on `out.logits`, a random projection
 of `last_hidden_state` outside, right padding with an attention mask (vision models: the
-first three). Outputs are returned sharded (docs/outputs.md). Packed documents (the decoders
+first three; sequence-to-sequence models, whose decoder reads the shifted labels as long as the
+input: loss inside, padded, and the loss outside where the model builds its decoder inputs
+without labels). Outputs are returned sharded (docs/outputs.md). Packed documents (the decoders
 named in the column): position ids restarting per document, `use_cache=False`, no attention
 mask, loss inside; sites rewritten / found, the planner's verdict, and the loss and every
 gradient against eager (their errors are in the max gradient error column).
