@@ -184,6 +184,36 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
         stack.extend(inputs)
 
 
+def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
+    """Erase each of `nodes` whose value nothing reads: it and everything computed from it are
+    pure ops (no write in place, no module call) that reach no output. Dynamo keeps such code in
+    its graphs: an attention function's second result, cast or scaled, that its caller drops
+    (transformers' flex path returns the call's LSE as the attention weights, which the decoder
+    layer discards). Returns the nodes kept: those whose value is read."""
+    kept = []
+    for root in nodes:
+        if root.graph is not gm.graph:  # erased with an earlier root
+            continue
+        closure, todo = {root}, [root]
+        while todo:
+            for u in todo.pop().users:
+                if u not in closure:
+                    closure.add(u)
+                    todo.append(u)
+        if not all(_pure(n) for n in closure):
+            kept.append(root)
+            continue
+        for n in reversed([n for n in gm.graph.nodes if n in closure]):  # readers before what they read
+            gm.graph.erase_node(n)
+    return kept
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return not node.target.endswith("_")  # in place (add_, masked_fill_, __setitem__) or a dunder
+    return node.op == "call_function" and not _impure(node)
+
+
 FRESH = ("clone", "full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "empty_like")
 
 

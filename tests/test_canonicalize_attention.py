@@ -4,6 +4,7 @@ values), and non-attention that must not match."""
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -176,6 +177,24 @@ def test_multihead_attention_weights_used_is_kept():
     ctx = run(gm, PASSES)
     assert F.multi_head_attention_forward in targets(gm)
     assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", SkipReason.WEIGHTS_USED)]
+
+
+def test_multihead_attention_weights_computed_on_and_dropped_are_not_read():
+    """Weights that the caller computes on and then drops (code dynamo keeps in its graph) are not
+    a read: that code is erased and the call decomposed."""
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, N, 32)
+
+    def f(x):
+        out, weights = mha(x, x, x)
+        weights.to(x.dtype) * 2
+        return out
+
+    gm = dynamo_graph(f, x)
+    assert F.multi_head_attention_forward in targets(gm) and operator.mul in targets(gm)
+    ctx = run(gm, PASSES)
+    assert F.multi_head_attention_forward not in targets(gm) and operator.mul not in targets(gm)
+    assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", None)]
 
 
 def test_encoder_fast_path_with_mask_is_recorded():
