@@ -83,7 +83,7 @@ def test_core_architecture(pools, release, name):
     try:
         results = pools(2).run(zoo.run_arch, name, PATTERNS, timeout=900)
     except (RuntimeError, TimeoutError) as e:
-        _record(release, name, str(e).strip().splitlines()[-1][:300])
+        _record(release, name, zoo.failure_line(str(e)))
         raise
     _record(release, name, {p: dict(r, why=why) if why else r for p, r in results[0].items()})
     for rank, res in enumerate(results):
@@ -168,3 +168,25 @@ def test_release_table_has_a_column_per_release(tmp_path):
     kept = zoo._with_release_section("# Compatibility matrix\n\n| new zoo |\n", str(out))
     assert kept.startswith("# Compatibility matrix\n\n| new zoo |\n\n" + zoo.RELEASES_HEADING)
     assert kept.endswith(text.split(zoo.RELEASES_HEADING, 1)[1])
+
+
+def test_failure_line_names_the_error():
+    """A failed run's row: the last exception a rank's traceback names, with dynamo's explanation,
+    not the traceback's closing hint."""
+    traceback = """rank 0:
+Traceback (most recent call last):
+  File "tests/distpool.py", line 47, in _worker
+    results.put((rank, True, fn(rank, world, *args)))
+torch._dynamo.exc.TorchRuntimeError: RuntimeError when making fake tensor call
+  Explanation: Dynamo failed to run FX node with fake tensors: got RuntimeError('Expected inputs of BF16 type')
+  Hint: Your code may result in an error when running in eager.
+
+Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace"""
+    assert zoo.failure_line(traceback) == (
+        "torch._dynamo.exc.TorchRuntimeError: RuntimeError when making fake tensor call (Dynamo failed to run FX "
+        "node with fake tensors: got RuntimeError('Expected inputs of BF16 type'))")
+    long = zoo.failure_line(traceback, limit=60)
+    assert len(long) == 60 and long.startswith("torch._dynamo.exc.") and long.endswith("of BF16 type'))"), long
+    assert zoo.failure_line("RuntimeError: ringcc: boom\n") == "RuntimeError: ringcc: boom"
+    assert zoo.failure_line("distributed case run_arch did not finish in 900s on 2 ranks") == \
+        "distributed case run_arch did not finish in 900s on 2 ranks"
