@@ -208,10 +208,19 @@ def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
     return kept
 
 
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift)
+
+
 def _pure(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return not node.target.endswith("_")  # in place (add_, masked_fill_, __setitem__) or a dunder
-    return node.op == "call_function" and not _impure(node)
+    """Neither a write (in place, or into `out=`) nor a call whose effects fx counts."""
+    if node.op not in ("call_function", "call_method") or "out" in node.kwargs:
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name.endswith("_") or node.target in _IN_PLACE_OPERATORS:  # add_, masked_fill_, __setitem__, +=
+        return False
+    return node.op == "call_method" or not _impure(node)
 
 
 FRESH = ("clone", "full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "empty_like")

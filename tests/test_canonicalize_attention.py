@@ -197,6 +197,22 @@ def test_multihead_attention_weights_computed_on_and_dropped_are_not_read():
     assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", None)]
 
 
+def test_multihead_attention_weights_written_into_a_tensor_are_read():
+    """Weights added in place into a tensor that outlives the call are read: the call is kept."""
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x, total = torch.randn(2, N, 32), torch.zeros(())
+
+    def f(x, total):
+        out, weights = mha(x, x, x)
+        total.add_(weights.to(x.dtype).sum())
+        return out
+
+    gm = dynamo_graph(f, x, total)
+    ctx = run(gm, PASSES)
+    assert F.multi_head_attention_forward in targets(gm)
+    assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", SkipReason.WEIGHTS_USED)]
+
+
 def test_encoder_fast_path_with_mask_is_recorded():
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True).eval()
     x = torch.randn(2, N, 32)
