@@ -184,6 +184,45 @@ def erase_dead(gm: torch.fx.GraphModule, roots) -> None:
         stack.extend(inputs)
 
 
+def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
+    """Erase each of `nodes` whose value nothing reads: it and everything computed from it are
+    pure ops (no write in place, no module call) that reach no output. Dynamo keeps such code in
+    its graphs: an attention function's second result, cast or scaled, that its caller drops
+    (transformers' flex path returns the call's LSE as the attention weights, which the decoder
+    layer discards). Returns the nodes kept: those whose value is read."""
+    kept = []
+    for root in nodes:
+        if root.graph is not gm.graph:  # erased with an earlier root
+            continue
+        closure, todo = {root}, [root]
+        while todo:
+            for u in todo.pop().users:
+                if u not in closure:
+                    closure.add(u)
+                    todo.append(u)
+        if not all(_pure(n) for n in closure):
+            kept.append(root)
+            continue
+        for n in reversed([n for n in gm.graph.nodes if n in closure]):  # readers before what they read
+            gm.graph.erase_node(n)
+    return kept
+
+
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift)
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """Neither a write (in place, or into `out=`) nor a call whose effects fx counts."""
+    if node.op not in ("call_function", "call_method") or "out" in node.kwargs:
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name.endswith("_") or node.target in _IN_PLACE_OPERATORS:  # add_, masked_fill_, __setitem__, +=
+        return False
+    return node.op == "call_method" or not _impure(node)
+
+
 FRESH = ("clone", "full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "empty_like")
 
 

@@ -50,8 +50,8 @@ from ringcc.report import Decision, Site, SkipReason
 from ringcc.runtime.ops import MASK_TENSORS
 
 from .attention_form import (FORM_META, MODS_META, REPLACES_META, SITE_META, Builder, ScoreMods,
-                             SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users, same_shape,
-                             same_size, static_float, static_int)
+                             SdpaCall, drop_unread, erase_dead, fake, is_aten_graph, is_one, is_sdpa, real_users,
+                             same_shape, same_size, static_float, static_int)
 from . import extract_mask
 from .base import PassContext, PassResult, location
 
@@ -832,8 +832,8 @@ def _canonicalise_mha(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassCo
     a.update(zip(MHA_PARAMS, node.args))
     a.update(node.kwargs)
     out_users = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
-    weight_users = [u for u in node.users if u not in out_users]
-    if any(u.target is not operator.getitem or u.users for u in weight_users):
+    weight_users = drop_unread(gm, [u for u in node.users if u not in out_users])
+    if weight_users:
         _skip_site(ctx, node, "mha", SkipReason.WEIGHTS_USED,
                    f"nn.MultiheadAttention's attention weights are used (need_weights={a['need_weights']})")
         return False

@@ -50,8 +50,8 @@ from ringcc.report import SkipReason
 from ringcc.runtime import ops as _ring_ops  # noqa: F401 - registers torch.ops.ringcc
 
 from .attention_form import (MASK_META, MODS_META, REPLACES_META, SITE_META, SKIP_META, Builder, ScoreMods,
-                             LiftedMask, SdpaCall, erase_dead, fake, is_aten_graph, is_one, is_sdpa, propagate, same_shape,
-                             same_size, static_float, static_int)
+                             LiftedMask, SdpaCall, drop_unread, erase_dead, fake, is_aten_graph, is_one, is_sdpa,
+                             propagate, same_shape, same_size, static_float, static_int)
 from . import extract_mask
 from .base import PassContext, PassResult, written_between
 
@@ -167,7 +167,8 @@ def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) 
     """A flex_attention call (dynamo's higher-order op) is a site whose mask is its mask_mod, a
     subgraph (Note [Mask extraction] in extract_mask.py). It gets a canonical SDPA node that is a
     shadow of the call (attention_form.REPLACES_META): the rewrite replaces the call's output by
-    the ring op's; a skipped site keeps the call. Only the output is read (not the LSE). Its
+    the ring op's; a skipped site keeps the call. Only the output is read (not the LSE; an LSE
+    that nothing reads, computed on and dropped, is erased: attention_form.drop_unread). Its
     score_mod, a subgraph too, is read as the site's score function (Note [Score extraction] in
     extract_mask.py)."""
     from ringcc.report import Decision, Site
@@ -177,6 +178,7 @@ def _flex_site(gm: torch.fx.GraphModule, node: torch.fx.Node, ctx: PassContext) 
     q, k, v, score_mod, block_mask, scale = node.args[:6]
     score_buffers = tuple(node.args[7]) if len(node.args) > 7 else ()
     mask_buffers = tuple(node.args[8]) if len(node.args) > 8 else ()
+    drop_unread(gm, [u for u in node.users if u.target is not operator.getitem or u.args[1] != 0])
     outs = [u for u in node.users]
     site = Site(node=node.name, location=location(node), form="flex")
     ctx.report.sites.append(site)

@@ -4,6 +4,7 @@ values), and non-attention that must not match."""
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -173,6 +174,40 @@ def test_multihead_attention_weights_used_is_kept():
     mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
     x = torch.randn(2, N, 32)
     gm = dynamo_graph(lambda x: mha(x, x, x)[1], x)
+    ctx = run(gm, PASSES)
+    assert F.multi_head_attention_forward in targets(gm)
+    assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", SkipReason.WEIGHTS_USED)]
+
+
+def test_multihead_attention_weights_computed_on_and_dropped_are_not_read():
+    """Weights that the caller computes on and then drops (code dynamo keeps in its graph) are not
+    a read: that code is erased and the call decomposed."""
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, N, 32)
+
+    def f(x):
+        out, weights = mha(x, x, x)
+        weights.to(x.dtype) * 2
+        return out
+
+    gm = dynamo_graph(f, x)
+    assert F.multi_head_attention_forward in targets(gm) and operator.mul in targets(gm)
+    ctx = run(gm, PASSES)
+    assert F.multi_head_attention_forward not in targets(gm) and operator.mul not in targets(gm)
+    assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", None)]
+
+
+def test_multihead_attention_weights_written_into_a_tensor_are_read():
+    """Weights added in place into a tensor that outlives the call are read: the call is kept."""
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x, total = torch.randn(2, N, 32), torch.zeros(())
+
+    def f(x, total):
+        out, weights = mha(x, x, x)
+        total.add_(weights.to(x.dtype).sum())
+        return out
+
+    gm = dynamo_graph(f, x, total)
     ctx = run(gm, PASSES)
     assert F.multi_head_attention_forward in targets(gm)
     assert [(s.form, s.reason) for s in ctx.report.sites] == [("mha", SkipReason.WEIGHTS_USED)]

@@ -707,6 +707,72 @@ def test_flex_attention_site_with_a_document_mask_mod_p2(pools):
         assert "load t0 b q" in mask["function"] and verdict and gathers == 0
 
 
+class FlexLseAttention(FlexDocAttention):
+    """FlexDocAttention whose flex_attention call returns its LSE too, as transformers' flex path
+    asks on CUDA: cast and returned beside the output as the attention weights, then dropped by
+    the caller, or (`read`) added into the output. The reference: the same attention in eager
+    math over the dense mask, its LSE included."""
+
+    def __init__(self, read: bool):
+        super().__init__()
+        self.read = read
+
+    def attend(self, x, block_mask=None, dense=None):
+        from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.g, self.dh).permute(2, 0, 3, 1, 4)
+        if block_mask is not None:
+            out, aux = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                      return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:
+            r = self.h // self.g
+            s = (q @ k.repeat_interleave(r, 1).mT / math.sqrt(self.dh)).masked_fill(~dense, float("-inf"))
+            out, lse = torch.softmax(s, -1) @ v.repeat_interleave(r, 1), s.logsumexp(-1)
+        return self.o(out.transpose(1, 2).reshape(b, n, -1)), lse.to(x.dtype)
+
+    def forward(self, x, block_mask=None, dense=None):
+        out, weights = self.attend(x, block_mask, dense)
+        return out + 0.1 * weights.transpose(1, 2).sum(-1, keepdim=True) if self.read else out
+
+
+def case_flex_lse(rank, world, n, read):
+    from ringcc import _compat
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref, model = FlexLseAttention(read), FlexLseAttention(read)
+    model.load_state_dict(ref.state_dict())
+    block_mask, dense = _flex_documents(n)
+    x, proj = torch.randn(2, n, 32), torch.randn(2, n, 32)
+    compiled = torch.compile(model, backend=ringcc.backend(ringcc.Config(inner="aot_eager")))
+    ringcc.reset_reports()
+    with _compat.flex_cpu_backward(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the read case's site left dense says so
+        out = compiled(x, block_mask)
+    (out * proj).sum().backward()
+    r = ref(x, dense=dense)
+    (r * proj).sum().backward()
+    errs = {"out": float((out - r).abs().max())}
+    for (pname, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (rp.grad is None), pname
+        errs[pname] = float((p.grad - rp.grad).abs().max() / rp.grad.abs().max().clamp_min(1e-3))
+    rep = ringcc.last_report()
+    return errs, [(s.form, s.decision.value, s.reason and s.reason.value) for s in rep.sites]
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_flex_attention_site_whose_lse_is_dropped_or_read_p2(pools, read):
+    """An LSE that the caller drops after computing on it (a cast) is not a read: the site is
+    rewritten. One that reaches the output is: the site is kept, with the reason. Either way the
+    output and every gradient equal eager's."""
+    for errs, sites in pools(2).run(case_flex_lse, 40, read, timeout=300):
+        assert max(errs.values()) < 2e-5, errs
+        assert sites == [("flex", "skipped", "weights_used") if read else ("flex", "rewritten", None)], sites
+
+
 class FlexScoredAttention(FlexDocAttention):
     """flex_attention with a score_mod (Gemma2's soft-cap and ALiBi slopes read per head from a
     buffer) and a document mask_mod; or the same scores written in eager attention (the

@@ -14,36 +14,47 @@ import pytest
 import versions
 import zoo
 
-# Where a release's own code holds an O(n) value per rank that no rewrite reaches, (release,
-# architecture) -> that op: the case expects the plan's verdict to fail, everything else as the zoo
-# expects, and the matrix gives the op as the reason.
+# Where a release's own code holds an O(n) value per rank that no rewrite reaches, (first release,
+# last release, architecture) -> that op, for the releases from first to last: the case expects the
+# plan's verdict to fail, everything else as the zoo expects, and the matrix gives the op as the reason.
 _OPT_LAYERDROP = ("OPTDecoder.forward draws torch.rand([]) and branches on it against layerdrop in training "
                   "(modeling_opt.py:{lines}), a graph break inside the layer loop: dynamo runs that frame "
                   "eagerly, so the token embedding (nn.Embedding), the position embedding and their sum are "
                   "whole [b, n, d] activations on every rank, and the first layer's graph takes the sum whole "
                   "(and gives its gradient whole)")
-_MOE_EXPERT_LOOP = ("{block}.forward loops over the experts hit, expert_hit = (...).nonzero() "
-                    "(modeling_{module}.py:{lines}), a data-dependent loop: dynamo runs the block eagerly, so "
+_MOE_EXPERT_LOOP = ("{block}.forward (modeling_{module}.py) loops over the experts hit, expert_hit = "
+                    "(...).nonzero(), a data-dependent loop: dynamo runs the block eagerly, so "
                     "the router's one_hot mask, each expert's rows hidden_states[None, top_x] and index_add_ "
                     "read the whole sequence's hidden states (gathered from the attention graph's sharded "
                     "output) on every rank, and each expert's graph holds its rows of all n tokens")
-_MOE_GROUPED_MM_BACKWARD = ("the autograd formula of transformers::grouped_mm_fallback (integrations/moe.py:226-243) "
-                            "reads ctx.offs.tolist() in Python, which AOT autograd cannot trace "
-                            "(aten._local_scalar_dense): the backend compile of the model's graph fails, dynamo "
-                            "splits the model at every MoE layer, and the layers' hidden states cross those graph "
-                            "boundaries as whole [b, n, d] inputs")
+_MOE_GROUPED_MM_BACKWARD = ("the autograd formula of transformers::grouped_mm_fallback (integrations/moe.py, "
+                            "_grouped_mm_fallback_backward) reads ctx.offs.tolist() in Python, which AOT autograd "
+                            "cannot trace (aten._local_scalar_dense): the backend compile of the model's graph fails, "
+                            "dynamo splits the model at every MoE layer, and the layers' hidden states cross those "
+                            "graph boundaries as whole [b, n, d] inputs")
 RELEASE_O_N = {
-    ("4.57.1", "opt"): _OPT_LAYERDROP.format(lines="644-645"),
-    ("5.17.0", "opt"): _OPT_LAYERDROP.format(lines="374-375"),
-    ("4.57.1", "mixtral"): _MOE_EXPERT_LOOP.format(block="MixtralSparseMoeBlock", module="mixtral", lines="125-137"),
-    ("4.57.1", "qwen2_moe"): _MOE_EXPERT_LOOP.format(block="Qwen2MoeSparseMoeBlock", module="qwen2_moe",
-                                                     lines="628-641"),
-    ("5.17.0", "mixtral"): _MOE_GROUPED_MM_BACKWARD,
-    ("5.17.0", "qwen2_moe"): _MOE_GROUPED_MM_BACKWARD,
+    ("4.57.1", "4.57.1", "opt"): _OPT_LAYERDROP.format(lines="644-645"),
+    ("5.17.0", "5.17.0", "opt"): _OPT_LAYERDROP.format(lines="374-375"),
+    ("4.53.3", "4.57.1", "mixtral"): _MOE_EXPERT_LOOP.format(block="MixtralSparseMoeBlock", module="mixtral"),
+    ("4.53.3", "4.57.1", "qwen2_moe"): _MOE_EXPERT_LOOP.format(block="Qwen2MoeSparseMoeBlock", module="qwen2_moe"),
+    # 5.24 makes the backward a custom op of its own
+    ("5.5.4", "5.22.2", "mixtral"): _MOE_GROUPED_MM_BACKWARD,
+    ("5.5.4", "5.22.2", "qwen2_moe"): _MOE_GROUPED_MM_BACKWARD,
 }
 # rewrites of the two sites summed over the graphs where a release splits the model into more
 # graphs than the zoo's (the MoE layers' graph breaks recompile the attention layers' frames)
-RELEASE_SITES = {("5.17.0", "mixtral"): 25, ("5.17.0", "qwen2_moe"): 25}
+RELEASE_SITES = {("5.5.4", "5.22.2", "mixtral"): 25, ("5.5.4", "5.22.2", "qwen2_moe"): 25}
+
+
+def for_release(table: dict, release: str, name: str):
+    """table's entry for architecture `name` whose releases hold `release` (None: none)."""
+    from ringcc.releases import release_tuple
+
+    at = release_tuple(release)
+    return next((v for (first, last, n), v in table.items()
+                 if n == name and release_tuple(first) <= at <= release_tuple(last)), None)
+
+
 CORE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "bloom", "bert", "mixtral",
         "qwen2_moe")
 PATTERNS = ("loss_inside", "padded")
@@ -76,14 +87,14 @@ def _record(release: str, name: str, res) -> None:
 @pytest.mark.parametrize("name", CORE)
 def test_core_architecture(pools, release, name):
     arch = zoo.BY_NAME[name]
-    why = RELEASE_O_N.get((release, name))
+    why = for_release(RELEASE_O_N, release, name)
     if why is not None:
         arch = dataclasses.replace(arch, linear=False, why=why)
-    arch = dataclasses.replace(arch, sites=RELEASE_SITES.get((release, name), arch.sites))
+    arch = dataclasses.replace(arch, sites=for_release(RELEASE_SITES, release, name) or arch.sites)
     try:
         results = pools(2).run(zoo.run_arch, name, PATTERNS, timeout=900)
     except (RuntimeError, TimeoutError) as e:
-        _record(release, name, str(e).strip().splitlines()[-1][:300])
+        _record(release, name, zoo.failure_line(str(e)))
         raise
     _record(release, name, {p: dict(r, why=why) if why else r for p, r in results[0].items()})
     for rank, res in enumerate(results):
@@ -124,6 +135,14 @@ def test_older_transformers_release_is_an_error_at_compile_time(monkeypatch):
     x = torch.randn(2, 8)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(plain, backend=backend)(x), plain(x))
+
+
+def test_release_tables_hold_their_ranges():
+    """A release's own O(n) op applies from the first release of its range to the last."""
+    assert for_release(RELEASE_SITES, "5.17.0", "mixtral") == 25
+    assert for_release(RELEASE_SITES, "5.5.4", "qwen2_moe") == for_release(RELEASE_SITES, "5.22.2", "mixtral") == 25
+    assert for_release(RELEASE_SITES, "5.24.0", "mixtral") is None and for_release(RELEASE_SITES, "5.0.0", "mixtral") is None
+    assert "644-645" in for_release(RELEASE_O_N, "4.57.1", "opt") and for_release(RELEASE_O_N, "5.24.0", "opt") is None
 
 
 def test_release_tuple_reads_release_strings():
@@ -168,3 +187,25 @@ def test_release_table_has_a_column_per_release(tmp_path):
     kept = zoo._with_release_section("# Compatibility matrix\n\n| new zoo |\n", str(out))
     assert kept.startswith("# Compatibility matrix\n\n| new zoo |\n\n" + zoo.RELEASES_HEADING)
     assert kept.endswith(text.split(zoo.RELEASES_HEADING, 1)[1])
+
+
+def test_failure_line_names_the_error():
+    """A failed run's row: the last exception a rank's traceback names, with dynamo's explanation,
+    not the traceback's closing hint."""
+    traceback = """rank 0:
+Traceback (most recent call last):
+  File "tests/distpool.py", line 47, in _worker
+    results.put((rank, True, fn(rank, world, *args)))
+torch._dynamo.exc.TorchRuntimeError: RuntimeError when making fake tensor call
+  Explanation: Dynamo failed to run FX node with fake tensors: got RuntimeError('Expected inputs of BF16 type')
+  Hint: Your code may result in an error when running in eager.
+
+Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace"""
+    assert zoo.failure_line(traceback) == (
+        "torch._dynamo.exc.TorchRuntimeError: RuntimeError when making fake tensor call (Dynamo failed to run FX "
+        "node with fake tensors: got RuntimeError('Expected inputs of BF16 type'))")
+    long = zoo.failure_line(traceback, limit=60)
+    assert len(long) == 60 and long.startswith("torch._dynamo.exc.") and long.endswith("of BF16 type'))"), long
+    assert zoo.failure_line("RuntimeError: ringcc: boom\n") == "RuntimeError: ringcc: boom"
+    assert zoo.failure_line("distributed case run_arch did not finish in 900s on 2 ranks") == \
+        "distributed case run_arch did not finish in 900s on 2 ranks"

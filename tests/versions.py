@@ -12,6 +12,10 @@ into docs/compatibility.md as one column per release (tests/zoo.py: `release_tab
 
     python tests/versions.py                    # every release, then the matrix
     python tests/versions.py --releases 5.17.0 --pytest-args -k llama
+    python tests/versions.py --matrix           # the matrix from the rows there are, run nothing
+
+The matrix has a column per release with rows in `out/versions/`: RELEASES, and any other
+release run with `--releases` (often a subset of the architectures, with `-k`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ def install(release: str, python: str = sys.executable) -> str:
     return target
 
 
+def measured() -> list[str]:
+    """RELEASES and every release with rows in out/versions/, oldest first."""
+    from ringcc.releases import release_tuple
+
+    rows = [f[:-len(".json")] for f in os.listdir(ROWS) if f.endswith(".json")] if os.path.isdir(ROWS) else []
+    return sorted(set(RELEASES) | set(rows), key=release_tuple)
+
+
 def run(release: str, pytest_args: list[str], python: str = sys.executable) -> int:
     """tests/test_versions.py under `release` (pytest's exit status)."""
     env = dict(os.environ, **{RELEASE_ENV: release}, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -65,18 +77,20 @@ def main(argv=None) -> int:
     parser.add_argument("--releases", nargs="*", default=list(RELEASES), help=f"default: {' '.join(RELEASES)}")
     parser.add_argument("--install-only", action="store_true", help="install the releases' folders, run nothing")
     parser.add_argument("--no-matrix", action="store_true", help="leave docs/compatibility.md as it is")
+    parser.add_argument("--matrix", action="store_true",
+                        help="write docs/compatibility.md's release section from the rows in out/versions/, run nothing")
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[], help="passed to pytest (last)")
     args = parser.parse_args(argv)
     if args.install_only:
         for release in args.releases:
             print(install(release))
         return 0
-    codes = {release: run(release, args.pytest_args) for release in args.releases}
-    if not args.no_matrix:
+    codes = {} if args.matrix else {release: run(release, args.pytest_args) for release in args.releases}
+    if args.matrix or not args.no_matrix:
         sys.path.insert(0, os.path.dirname(__file__))
         import zoo
 
-        zoo.write_release_table(ROWS, RELEASES)
+        zoo.write_release_table(ROWS, measured())
     for release, code in codes.items():
         print(f"transformers {release}: {'passed' if code == 0 else f'pytest exit status {code}'}")
     return max(codes.values(), default=0)
