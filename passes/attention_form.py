@@ -190,9 +190,9 @@ def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
     its graphs: an attention function's second result, cast or scaled, that its caller drops
     (transformers' flex path returns the call's LSE as the attention weights, which the decoder
     layer discards). Returns the nodes kept: those whose value is read."""
-    kept = []
+    kept, erased = [], set()
     for root in nodes:
-        if root.graph is not gm.graph:  # erased with an earlier root
+        if root in erased:  # read by an earlier root only: erased with it
             continue
         closure, todo = {root}, [root]
         while todo:
@@ -205,6 +205,7 @@ def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
             continue
         for n in reversed([n for n in gm.graph.nodes if n in closure]):  # readers before what they read
             gm.graph.erase_node(n)
+        erased |= closure
     return kept
 
 
