@@ -28,7 +28,7 @@ import sys
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CACHE = os.path.join(ROOT, ".venv-versions")
 ROWS = os.path.join(ROOT, "out", "versions")
-# the last 4.x the issue was reported on, the 5.x release whose MoE layers break the graph, the newest 5.x
+# the last 4.x release line, the 5.x release whose MoE layers break the graph, the newest 5.x
 RELEASES = ("4.57.1", "5.17.0", "5.24.0")
 RELEASE_ENV = "RINGCC_TRANSFORMERS_RELEASE"  # the release a run expects to import (tests/test_versions.py)
 
