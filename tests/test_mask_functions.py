@@ -772,7 +772,7 @@ def case_flex_lse(rank, world, n, read):
     return errs, [(s.form, s.decision.value, s.reason and s.reason.value) for s in rep.sites]
 
 
-@pytest.mark.parametrize("read", [False, True])
+@pytest.mark.parametrize("read", [False, pytest.param(True, marks=pytest.mark.soak)])
 def test_flex_attention_site_whose_lse_is_dropped_or_read_p2(pools, read):
     """An LSE that the caller drops after computing on it (a cast) is not a read: the site is
     rewritten. One that reaches the output is: the site is kept, with the reason. Either way the

@@ -164,7 +164,7 @@ class TinyMoE(nn.Module):
 
 
 @pytest.mark.parametrize("variant,dynamic", [("sort", False), ("argsort", False), ("index_ops", False), ("masked", False),
-                                             ("sort", True)])
+                                             pytest.param("sort", True, marks=pytest.mark.soak)])
 def test_moe_dispatch_stays_on_each_ranks_own_tokens(variant, dynamic):
     """Routing, the rank's own sort, the tokens read in its order, grouped matmul with the
     rank's offsets and the inverse permutation run on shards; the load-balancing histogram,

@@ -56,6 +56,7 @@ def _rewrite(tmp_path, *args) -> tuple[int, str]:
     return cli.main(["rewrite", *args, "-o", out]), out
 
 
+@pytest.mark.soak  # examples/offline_rewrite.py's parity at p = 2 runs in make test (test_examples.py)
 def test_static_program_matches_eager_at_p2(pools, tmp_path, capsys):
     code, out = _rewrite(tmp_path, f"{PLAN_MODEL}:exact_ring", "--seq-len", "40", "--world-size", "2")
     assert code == rw.EXIT_OK

@@ -88,9 +88,10 @@ def case_key_runs_per_step(rank, world, name):
     return per_step, nodes, rings
 
 
-@pytest.mark.parametrize("name", [pytest.param("encoder", marks=pytest.mark.soak), "bert"])
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.soak) for m in ("encoder", "bert")])
 def test_one_key_runs_all_gather_per_step(pools, name):
-    """Before, every layer's forward and backward all-gathered its own: 4 per step here."""
+    """The key mask's runs are all-gathered once per step (forward and backward), not once per
+    layer and direction (4 per step here)."""
     for per_step, nodes, rings in pools(2).run(case_key_runs_per_step, name, timeout=300):
         assert rings == [2] and nodes == [1], (rings, nodes)
         assert per_step == [1, 1], per_step
