@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ringcc import _compat
 
-from .base import tag
+from .base import tag, writes_any
 
 SDPA_TORCH_TARGETS = (F.scaled_dot_product_attention,)  # the same builtin dynamo records
 SDPA_ATEN_TARGET = torch.ops.aten.scaled_dot_product_attention.default
@@ -209,17 +209,9 @@ def drop_unread(gm: torch.fx.GraphModule, nodes) -> list[torch.fx.Node]:
     return kept
 
 
-_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-                       operator.ilshift, operator.irshift)
-
-
 def _pure(node: torch.fx.Node) -> bool:
-    """Neither a write (in place, or into `out=`) nor a call whose effects fx counts."""
-    if node.op not in ("call_function", "call_method") or "out" in node.kwargs:
-        return False
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if name.endswith("_") or node.target in _IN_PLACE_OPERATORS:  # add_, masked_fill_, __setitem__, +=
+    """Neither a write (in place or into `out=`: base.writes_any) nor a call whose effects fx counts."""
+    if node.op not in ("call_function", "call_method") or writes_any(node):
         return False
     return node.op == "call_method" or not _impure(node)
 
