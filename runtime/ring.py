@@ -339,6 +339,10 @@ def head_chunks(h: int, g: int, kv_chunk: int) -> list[tuple[slice, slice]]:
 # bytes than the backward's K/V with fp32 dK/dV, so in training the copy-engine area (sized by
 # the largest batch) does not grow (forward-only use sizes it by the forward's batch, which the
 # planner's forward formula counts); fewer chunks mean fewer steps, kernel calls and merges.
+# At p = 1 a block of one kernel call over all its rows and keys has no accumulator (its results
+# are the outputs), so it runs whole heads whatever the rule says (`_kv_chunk`); a block of
+# several calls (cut by key runs, split by a mask function) takes the rule's chunks. The
+# planner bounds both (workspace._one_call).
 
 
 # Note [Fewer passes]
@@ -399,8 +403,8 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, score=None
     key_runs: the mask's table (Note [Key runs per mask]; None: made here). score: the score
     function, (MaskFn, tensors) or None (Note [Score functions] in maskfn.py). fn: the mask
     function, (MaskFn, tensors) or None (Note [Mask functions] in maskfn.py)."""
-    chunks = head_chunks(q.shape[1], k.shape[1], setup.kv_chunk)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
+    chunks = head_chunks(q.shape[1], k.shape[1], _kv_chunk(setup, q, key_valid, runs, fn, score))
     if len(chunks) == 1:
         return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, score=score, fn=fn)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
@@ -474,6 +478,25 @@ def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
     got = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(got, mine, group=group)
     return torch.stack(got).cpu()
+
+
+def _kv_chunk(setup: RingSetup, q, key_valid, runs, fn, score) -> int:
+    """K/V heads per chunk of this call (0: all): the setup's, by the head-chunk rule, except at
+    p = 1 when the one block takes at most one kernel call over all its rows and keys. That
+    call's results are then the outputs, with no accumulator (Note [Fewer passes]), so head
+    chunks would save no memory and cost time (Note [Head chunks]). The calls are decided as
+    `_ring_steps` decides them (a mask function's are kept: Note [Built once per mask])."""
+    if setup.kv_chunk == 0 or setup.world != 1:
+        return setup.kv_chunk
+    b, h, s = q.shape[:3]
+    calls = setup.masked_calls(s, 0, q.device, runs.get(0))
+    if fn is not None:
+        blocks = FnBlocks(fn, setup, s, b, h, 0, q.device, q.dtype, score is not None)
+        calls = blocks.calls(calls, 0, keyed=key_valid is not None and 0 not in runs)
+    if len(calls) > 1:
+        return setup.kv_chunk
+    one = [_region(c, b, keys) for c, _ in calls for keys in (False, True)]
+    return 0 if all(_covers(reg, (b, h, s)) for reg in one) else setup.kv_chunk
 
 
 def _key_runs(key_valid, setup: RingSetup, table=None) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -745,14 +768,14 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     b, h, s, d = q.shape
     g, dv = k.shape[1], v.shape[-1]
     adt = kernels.acc_dtype(q.dtype)
-    chunks = head_chunks(h, g, setup.kv_chunk)
+    key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
+    chunks = head_chunks(h, g, _kv_chunk(setup, q, key_valid, runs, fn, score))
     whole = len(chunks) == 1
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
     comm = ring_comm(setup.group, setup.members, q.device) if use_comm else None
     dout, out = contiguous(dout), contiguous(out)
     lse_bwd = kernels.bwd_lse(lse)  # once for every head chunk and block call
-    key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
     # some rank's own block is cut, or split by batch rows: more than one call (_carry)
     wide_first = any(r != (0, s) for rows in runs.values() for r in rows)
     if comm is not None:  # the largest batch: a chunk's K/V (and key mask) with its fp32 dK/dV accumulators

@@ -46,6 +46,9 @@ chunks than that backward choice: the largest whose forward workspace fits and w
 never needs a larger receive area than the backward (3x the heads for bf16). Fewer, larger
 chunks make fewer steps, kernel calls and merges. The formulas are Piecewise over those
 choices, the same rule the runtime evaluates (`ring_kv_chunk`), so plan and run agree.
+At p = 1 a block of one kernel call has no accumulator and runs whole heads (`_one_call`);
+where the block may take several calls (a key mask, a mask function, a balance plan) the plan
+takes the larger of that and the rule's choice, since which one runs depends on the data.
 
 Dilated (LongNet, Note [Dilated attention]): fp32 accumulators as above, plus per branch the
 compressed q/k/v/out rows (n/p / r rows each; none for a branch that takes every row of every
@@ -517,13 +520,44 @@ def balance_moves(a: dict) -> tuple[sympy.Expr, sympy.Expr]:
 def _ring_workspace(a: dict, p) -> Workspace:
     q, k, kv_mask = a["q"], a["k"], a.get("key_valid")
     zz = a.get("layout") == "zigzag" and bool(a.get("is_causal"))
-    return _ring_workspace_of(q, k, kv_mask, zz, p, chunk_rule_settings(), uses_receive_area(q))
+    # at p = 1 the one block may take several calls: cut by key runs, split by a mask function or
+    # by a balance plan's chunks (ring._kv_chunk)
+    several = kv_mask is not None or bool(a.get("mask_fn")) or a.get("balance_plan") is not None
+    return _ring_workspace_of(q, k, kv_mask, zz, p, chunk_rule_settings(), uses_receive_area(q), several)
+
+
+def _one_call(q: TensorSize, k: TensorSize) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) of the ring at p = 1 over whole heads when its one block takes one
+    kernel call over all its rows and keys (ring._kv_chunk): the call's results are the outputs,
+    with no accumulator, merge or cast (Note [Fewer passes]). Left: the kernel's own (K/V expanded
+    to q's heads for GQA, its fp32 dQ accumulator and two row sums, q-headed dK/dV before their
+    group sums) and dout made contiguous (on CPU also its copy in the kernel's layout)."""
+    b, h, s, _ = q.shape
+    rows = sympy.Integer(_acc_itemsize(q.itemsize)) * b * h * s
+    gqa = k.shape[1] != h and not _native_gqa(q)
+    grads = 2 * _with_heads(k, h).nbytes if gqa else sympy.Integer(0)
+    dout = q.nbytes * (2 if q.device_type == "cpu" else 1)
+    return (_expanded_kv(q, k),
+            _expanded_kv(q, k) + grads + q.with_itemsize(_acc_itemsize(q.itemsize)).nbytes + 2 * rows + dout)
 
 
 # A model's layers repeat a few attention shapes, and each formula is sympy work of a large
 # part of a second: one per shape and the settings the rule reads.
 @functools.lru_cache(maxsize=256)
-def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, settings: tuple, area: bool) -> Workspace:
+def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, settings: tuple, area: bool,
+                       several: bool) -> Workspace:
+    """The ring's workspace: at p = 1 that of one call (`_one_call`), or where the block may take
+    several calls (`several`) the larger of that and the rule's choice; else the rule's."""
+    ws = _ring_rule_workspace(q, k, kv_mask, zz, p, area)
+    one_f, one_b = _one_call(q, k)
+    if several:
+        one_f, one_b = sympy.Max(one_f, ws.forward), sympy.Max(one_b, ws.backward)
+    alone = sympy.Eq(p, 1)
+    return Workspace(sympy.Piecewise((one_f, alone), (ws.forward, True)),
+                     sympy.Piecewise((one_b, alone), (ws.backward, True)), ws.area_forward, ws.area_training)
+
+
+def _ring_rule_workspace(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, area: bool) -> Workspace:
     budget = workspace_budget(q, k)
     opts = _chunk_options(q, k, kv_mask, p, zz, rule=True)  # what the rule decides on
     mem = _chunk_options(q, k, kv_mask, p, zz, area=area)  # what is allocated

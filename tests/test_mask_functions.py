@@ -934,13 +934,16 @@ def test_mask_function_dispatch_on_one_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_hf_packed_documents_train_on_one_gpu():
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_hf_packed_documents_train_on_one_gpu(attn):
     """Hugging Face Llama over packed documents as padding-free packing feeds it (one row of
     position ids restarting per document, use_cache=False, no attention mask), bf16 on one GPU,
     compiled with the default inner compiler: the document mask reads the [1, n] position ids at
     a literal batch row, and its blocks run flex_attention's forward and its compiled backward.
-    Every site rewritten, no fallback, the loss and every gradient within bf16's tolerance of
-    eager, the same parameters with a gradient."""
+    On HF's flex path (attn_implementation="flex_attention") HF asks flex_attention for its LSE
+    on CUDA and drops it: the site is still rewritten. Every site rewritten, no fallback, the loss
+    and every gradient within bf16's tolerance of eager under SDPA, the same parameters with a
+    gradient."""
     import transformers
     import zoo
 
@@ -955,6 +958,7 @@ def test_hf_packed_documents_train_on_one_gpu():
     ref = transformers.LlamaForCausalLM(zoo._no_dropout(cfg)).to(dev, torch.bfloat16).train()
     model = transformers.LlamaForCausalLM(zoo._no_dropout(cfg)).to(dev, torch.bfloat16).train()
     model.load_state_dict(ref.state_dict())
+    model.config._attn_implementation = attn
     ids = torch.randint(1, zoo.VOCAB, (1, sum(lengths)), device=dev, generator=torch.Generator(dev).manual_seed(1))
     pos = torch.cat([torch.arange(m) for m in lengths])[None].to(dev)
     compiled = torch.compile(model, backend="ringcc")
