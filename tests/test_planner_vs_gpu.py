@@ -14,9 +14,9 @@ formula changes honest between GPU runs.
 - benchmarks/results/2026-11-27_4xH200_planner_p2.json (p = 2 on 4 x H200,
   the runtime that lets go of a sent accumulator): the same layer with masked blocks on
   flex_attention (the default), and the plain attention layer, both on the copy-engine ring;
-- benchmarks/results/2026-11-29_1xH200_planner_p1_flex.json (1 x H200, p = 1): the masked
+- benchmarks/results/2026-11-30_1xH200_planner_p1.json (1 x H200, p = 1): the masked
   layer, packed documents (a mask function) and soft-capped scores (a score function), their
-  blocks on flex_attention."""
+  blocks on flex_attention, and the plain attention layer, each block one call over whole heads."""
 
 import json
 from pathlib import Path
@@ -34,7 +34,7 @@ COPY_ENGINE_RECORD = ROOT / "benchmarks" / "results" / "2026-11-26_2xH100_planne
 MASKED_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_masked_math_p4.json"
 # p = 2 on a 4 x H200 machine, on the runtime that lets go of a sent accumulator
 P2_RECORD = ROOT / "benchmarks" / "results" / "2026-11-27_4xH200_planner_p2.json"
-FLEX_P1_RECORD = ROOT / "benchmarks" / "results" / "2026-11-29_1xH200_planner_p1_flex.json"
+FLEX_P1_RECORD = ROOT / "benchmarks" / "results" / "2026-11-30_1xH200_planner_p1.json"
 
 
 @pytest.fixture
