@@ -253,39 +253,64 @@ class Masked:
     fn: Fn
 
 
-def _at(i, pos, start: bool):
-    """The global position of index i: start + i (pos a 0-d start), or pos[i] (Note [Consecutive
-    positions] in maskfn.py)."""
-    return i.to(pos.dtype) + pos if start else pos[i]
-
-
 @functools.lru_cache(maxsize=4096)
 def _start(x: int, dtype, device, role: str) -> torch.Tensor:
-    """A call's first row or key position as a 0-d tensor of the positions' dtype, made once per
-    value and role: the row's and the key's are never one tensor (flex takes a function's
-    tensors as separate buffers, and one passed twice computes wrong results)."""
+    """A call's first row, key, batch row or head as a 0-d tensor, made once per value and role:
+    two roles are never one tensor (flex takes a function's tensors as separate buffers, and one
+    passed twice computes wrong results)."""
     return torch.tensor(x, dtype=dtype, device=device)
 
 
-def _pos_args(q_pos, k_pos, starts) -> tuple[tuple, tuple[bool, bool]]:
-    """((row positions, key positions) as the functions take them, (whether each is a start))."""
-    args = tuple(pos if at is None else _start(at, pos.dtype, pos.device, role)
-                 for pos, at, role in zip((q_pos, k_pos), starts, ("q", "kv")))
-    return args, tuple(at is not None for at in starts)
+def _offset_args(q_pos, k_pos, starts, b0: int, h0: int) -> tuple[tuple, tuple]:
+    """(tensors, kinds): how a function gets a call's global row and key positions, batch rows
+    and heads from flex's indices, in that order. A kind is "pos" (a positions tensor: pos[i]),
+    "add" (a 0-d start: start + i), or a dtype (the index itself, cast: a start of 0, the first
+    batch row or head). Zero offsets pass no tensor: the kernel then loads nothing for them in
+    its inner loop. Positions from their starts: Note [Consecutive positions] in maskfn.py."""
+    args, kinds = [], []
+    for pos, at, role in zip((q_pos, k_pos), starts, ("q", "kv")):
+        if at is None:
+            args.append(pos)
+            kinds.append("pos")
+        elif at:
+            args.append(_start(at, pos.dtype, pos.device, role))
+            kinds.append("add")
+        else:
+            kinds.append(pos.dtype)
+    for x, role in ((b0, "b"), (h0, "h")):
+        if x:
+            args.append(_start(x, torch.int32, q_pos.device, role))
+            kinds.append("add")
+        else:
+            kinds.append(torch.int32)
+    return tuple(args), tuple(kinds)
+
+
+def _globals(kinds: tuple, b, h, i, j, tensors: tuple) -> tuple[tuple, tuple]:
+    """((b, h, row, key) of the site, the tensors after the offsets'), `_offset_args`' kinds."""
+    out, used = {}, 0
+    for name, x, kind in zip("ijbh", (i, j, b, h), kinds):
+        if isinstance(kind, torch.dtype):
+            out[name] = x.to(kind)
+        else:
+            t = tensors[used]
+            used += 1
+            out[name] = t[x] if kind == "pos" else x.to(t.dtype) + t
+    return (out["b"], out["h"], out["i"], out["j"]), tensors[used:]
 
 
 @functools.lru_cache(maxsize=256)  # per mask function: the forward's and the backward's programs key on it
-def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool, skipped: bool = False, starts=(False, False)):
+def _fn_visible(fn: maskfn.MaskFn, causal: bool, keyed: bool, skipped: bool, kinds: tuple):
     """The mask function of a call under a mask function (Note [Mask functions]): the function at
-    the call's global positions (from their starts where `starts` says so), batch rows from b0
-    and heads from h0; its diagonal, if causal; not in the skipped tiles, if any (the tensor
-    after the function's: Note [Dense parts]); the key mask, if any (the last tensor)."""
+    the call's global positions, batch rows and heads (`_offset_args`' kinds); its diagonal, if
+    causal; not in the skipped tiles, if any (the tensor after the function's: Note [Dense
+    parts]); the key mask, if any (the last tensor)."""
     extra = int(keyed) + int(skipped)
 
-    def visible(b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
-        qi, kj = _at(i, q_pos, starts[0]), _at(j, k_pos, starts[1])
+    def visible(b, h, i, j, *tensors):
+        (gb, gh, qi, kj), tensors = _globals(kinds, b, h, i, j, tensors)
         own = tensors[:len(tensors) - extra]
-        m = fn(b + b0, h + h0, qi, kj, own)
+        m = fn(gb, gh, qi, kj, own)
         if not isinstance(m, torch.Tensor):
             m = (qi == qi) if m else (qi != qi)
         if causal:
@@ -312,11 +337,9 @@ def _fn_block_mask(mask: maskfn.FnMask, key_valid_bs, rows, backward: bool) -> M
         some, full = some & ~skip, full & ~skip
     if key_valid_bs is not None:
         some, full = _with_key_tiles(some, full, key_valid_bs, lk)
-    dev = mask.q_pos.device
-    b0, h0 = _offsets(mask.b0, mask.h0, dev)
-    pos, starts = _pos_args(sub.q_pos, sub.k_pos, sub.starts)
-    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None, skip is not None, starts),
-            (*pos, b0, h0, *mask.tensors, *(() if skip is None else (skip,)),
+    offsets, kinds = _offset_args(sub.q_pos, sub.k_pos, sub.starts, mask.b0, mask.h0)
+    fn = Fn(_fn_visible(mask.fn, mask.causal, key_valid_bs is not None, skip is not None, kinds),
+            (*offsets, *mask.tensors, *(() if skip is None else (skip,)),
              *(() if key_valid_bs is None else (key_valid_bs,))))
     return _masked(some, full, fn, r1 - r0, lk, backward)
 
@@ -342,23 +365,17 @@ def _score_mod(mod: "maskfn.FnScore | None", device) -> Fn | None:
     Python number: the backward's traced graph takes them as inputs)."""
     if mod is None:
         return None
-    b0, h0 = _offsets(mod.b0, mod.h0, torch.device(device))
-    pos, starts = _pos_args(mod.q_pos, mod.k_pos, mod.starts)
-    return Fn(_fn_score(mod.fn, starts), (*pos, b0, h0, *mod.tensors), score=True)
+    offsets, kinds = _offset_args(mod.q_pos, mod.k_pos, mod.starts, mod.b0, mod.h0)
+    return Fn(_fn_score(mod.fn, kinds), (*offsets, *mod.tensors), score=True)
 
 
 @functools.lru_cache(maxsize=256)  # per function: the forward's and the backward's programs key on it
-def _fn_score(fn: maskfn.MaskFn, starts=(False, False)):
-    def score_mod(score, b, h, i, j, q_pos, k_pos, b0, h0, *tensors):
-        return fn(b + b0, h + h0, _at(i, q_pos, starts[0]), _at(j, k_pos, starts[1]), tensors, score=score)
+def _fn_score(fn: maskfn.MaskFn, kinds: tuple):
+    def score_mod(score, b, h, i, j, *tensors):
+        (gb, gh, qi, kj), tensors = _globals(kinds, b, h, i, j, tensors)
+        return fn(gb, gh, qi, kj, tensors, score=score)
 
     return score_mod
-
-
-@functools.lru_cache(maxsize=1024)
-def _offsets(b0: int, h0: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call's first batch row and head as 0-d int32 tensors (made once per value)."""
-    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (b0, h0))
 
 
 def _call(q, k, v, mask: Masked, scale: float, mod=None):
