@@ -14,9 +14,7 @@ ALiBi and a 4096 window at 16K and 64K tokens, causal document masks (8 equal do
 per cell, each cell compiled afresh (static shapes, as a run at one length); the table gives
 the medians of steps timed one at a time (the GPU idle until the host
 issues the step's first kernel), ringcc's speed over flex's, the same speed back to back ("queued":
---reps steps issued with no wait between them, as a training loop issues its layers), ringcc's
-speed one at a time with whole heads (RINGCC_RING_WORKSPACE_MIB=0: no head chunks, for more
-workspace), and the largest difference of ringcc's output and gradients from flex's (relative to
+--reps steps issued with no wait between them, as a training loop issues its layers), and the largest difference of ringcc's output and gradients from flex's (relative to
 the largest value).
 
 On CUDA, masked bf16 blocks run flex_attention (runtime/flex.py, Note [Flex blocks]), or with
@@ -216,14 +214,9 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
     # layers (the host's work per call hides behind the GPU's when the GPU is the slower)
     queued = {name: dist_setup.timed(lambda: [step(fn) for _ in range(reps)], device, barrier=False) / reps
               for name, fn in runs.items()}
-    # ringcc with whole heads (RINGCC_RING_WORKSPACE_MIB=0: no head chunks, more workspace), one at a time
-    with dist_setup.env_var("RINGCC_RING_WORKSPACE_MIB", "0"):
-        whole = [dist_setup.timed(lambda: step(ring), device, barrier=False) for _ in range(warmup + reps)][warmup:]
-    whole_ms = statistics.median(whole)
     return {"case": case, "n": n, "ringcc_ms": ms["ringcc"], "flex_ms": ms["flex"],
             "speed_vs_flex": ms["flex"] / ms["ringcc"], "ringcc_queued_ms": queued["ringcc"],
             "flex_queued_ms": queued["flex"], "queued_speed_vs_flex": queued["flex"] / queued["ringcc"],
-            "ringcc_whole_heads_ms": whole_ms, "whole_heads_speed_vs_flex": ms["flex"] / whole_ms,
             "max_rel_diff": err}
 
 
@@ -311,7 +304,7 @@ def vs_flex(args) -> int:
     cells = [(c, 256 if args.smoke else n) for c, n in table if not args.n_local or n in args.n_local]
     rows = []
     tokens = "per GPU" if args.schedule else "tokens"
-    queued = "" if args.schedule else f" {'queued':>8} {'whole heads':>11}"
+    queued = "" if args.schedule else f" {'queued':>8}"
     print(f"{'case':14} {tokens:>7} {'ringcc ms':>10} {'flex ms':>9} {'vs flex':>8}{queued} {'max rel diff':>13}",
           flush=True)
     from ringcc import _compat
@@ -331,7 +324,7 @@ def vs_flex(args) -> int:
             else:
                 r = flex_cell(case, n, device, args.reps, args.warmup, args.smoke)
         rows.append(r)
-        queued = "" if args.schedule else f" {r['queued_speed_vs_flex']:7.2f}x {r['whole_heads_speed_vs_flex']:10.2f}x"
+        queued = "" if args.schedule else f" {r['queued_speed_vs_flex']:7.2f}x"
         print(f"{case:14} {n:>7} {r['ringcc_ms']:10.2f} {r['flex_ms']:9.2f} {r['speed_vs_flex']:7.2f}x{queued} "
               f"{r['max_rel_diff']:13.2e}   ({time.perf_counter() - t0:.0f} s with compiles)", flush=True)
         info["flex_fallbacks"] = {str(k): v for k, v in kernels._FLEX_FAILED.items()}

@@ -380,9 +380,8 @@ def test_masked_blocks_against_flex_run_on_cpu(tmp_path, schedule):
     rec = json.loads(out.read_text())
     assert rec["device"] == "cpu (smoke, gloo)" and len(rec["rows"]) == (8 if schedule else 12)
     assert all(r["ringcc_ms"] > 0 and r["flex_ms"] > 0 and r["max_rel_diff"] < 1e-5 for r in rec["rows"]), rec["rows"]
-    if not schedule:  # the back-to-back timing of each cell, and ringcc's with whole heads
-        assert all(r["ringcc_queued_ms"] > 0 and r["flex_queued_ms"] > 0 and r["ringcc_whole_heads_ms"] > 0
-                   for r in rec["rows"]), rec["rows"]
+    if not schedule:  # the back-to-back timing of each cell
+        assert all(r["ringcc_queued_ms"] > 0 and r["flex_queued_ms"] > 0 for r in rec["rows"]), rec["rows"]
 
 
 def _torchrun_smoke(script: str, tmp_path, *extra: str, timeout: float = 240):
