@@ -391,7 +391,7 @@ def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
     args = [t.contiguous() for t in (q, k, v, out)] + [(lse * (1 / math.log(2))).contiguous(), dout.contiguous()]
     args += [*score.tensors, *mask.fn.tensors, *(layout[i] for i in slots)]
     specs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in args)
-    options = tuple(sorted(_compat.flex_kernel_options(q, k, v).items()))
+    options = _compat.flex_kernel_options(q, k, v)
     run = _bwd_program(score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots, float(scale),
                        options, specs)
     return run(*args)

@@ -25,6 +25,10 @@ from . import graphs, maskfn, workspace
 from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
+# the ops' autograd kernels complete their arguments in linear time (Note [Custom-op defaults in
+# linear time] in ringcc/_compat.py)
+_compat.linear_fill_defaults()
+
 # ---------------------------------------------------------------------------------------
 # helpers
 

@@ -468,6 +468,27 @@ def test_opcheck_forward_and_backward(is_causal):
     torch.library.opcheck(torch.ops.ringcc.gather.default, (x, 1, "", 1, "zigzag"))
 
 
+def test_custom_op_defaults_are_filled_as_torch_fills_them():
+    """The autograd kernels complete arguments with ringcc's linear fill_defaults (Note [Custom-op
+    defaults in linear time]): the same (args, kwargs) as torch's own, for every ringcc op and
+    every number of arguments given."""
+    from torch._library import utils
+
+    from ringcc import _compat
+
+    assert utils.fill_defaults is _compat._fill_defaults_linear
+    assert _compat.TORCH_FILL_DEFAULTS is not None
+    names = [n for n in dir(torch.ops.ringcc) if isinstance(getattr(torch.ops.ringcc, n), torch._ops.OpOverloadPacket)]
+    assert {"ring_attention", "ring_attention_backward", "dilated_attention"} <= set(names)
+    for name in names:
+        schema = getattr(torch.ops.ringcc, name).default._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        for given in range(len(positional) + 1):
+            args = tuple(object() for _ in range(given))
+            assert _compat._fill_defaults_linear(schema, args, {}) == _compat.TORCH_FILL_DEFAULTS(schema, args, {}), \
+                (name, given)
+
+
 @pytest.mark.parametrize("fn", ["shard_sequence", "gather_sequence"])
 def test_sequence_dim_out_of_range_is_an_error(fn):
     """A dim outside the tensor's dims is an error naming the range, also at p = 1 (no
