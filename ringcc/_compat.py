@@ -125,11 +125,11 @@ def flex_backward_op():
 # A custom op's autograd kernel (torch.library register_autograd) completes the call's arguments
 # with the schema's defaults before it calls setup_context: torch._library.utils.fill_defaults,
 # which reads `schema.arguments` once per argument, and each read builds the whole list of
-# arguments anew in C++. The ring op has 23 arguments: about 530 list entries per call, 0.2-0.4 ms
-# of host per forward (the op's kernels took less at 16K tokens per GPU). The same function,
-# reading the list once, gives the same (args, kwargs) in linear time; it is installed in place of
-# torch's when ringcc's ops are registered (runtime/ops.py), so every custom op's autograd
-# kernel takes it. tests/test_ops.py compares it with torch's own on every ringcc op.
+# arguments anew in C++. The ring op has 23 arguments: about 530 list entries per call, 0.2-0.35
+# ms per forward on a CPU host. The same function, reading the list once, gives the same (args,
+# kwargs) in linear time; it is installed in place of torch's when ringcc's ops are registered
+# (runtime/ops.py), so every custom op's autograd kernel takes it. tests/test_ring.py compares
+# it with torch's own on every ringcc op.
 
 
 def _fill_defaults_linear(schema, args, kwargs):
