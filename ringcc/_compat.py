@@ -126,15 +126,20 @@ def flex_backward_op():
 # with the schema's defaults before it calls setup_context: torch._library.utils.fill_defaults,
 # which reads `schema.arguments` once per argument, and each read builds the whole list of
 # arguments anew in C++. The ring op has 23 arguments: about 530 list entries per call, 0.2-0.35
-# ms per forward on a CPU host. The same function, reading the list once, gives the same (args,
-# kwargs) in linear time; it is installed in place of torch's when ringcc's ops are registered
-# (runtime/ops.py), so every custom op's autograd kernel takes it. tests/test_ring.py compares
-# it with torch's own on every ringcc op.
+# ms per forward on a CPU host. The same function, reading the list once per schema (kept, as
+# the Argument objects; each default is read from them at each call, as torch does), gives the
+# same (args, kwargs) in linear time; it is installed in place of torch's when ringcc's ops are
+# registered (runtime/ops.py), so every custom op's autograd kernel takes it. tests/test_ring.py
+# compares it with torch's own on every ringcc op.
+_SCHEMA_ARGUMENTS: dict = {}  # schema -> its arguments (one entry per op overload that ran)
 
 
 def _fill_defaults_linear(schema, args, kwargs):
+    arguments = _SCHEMA_ARGUMENTS.get(schema)
+    if arguments is None:
+        arguments = _SCHEMA_ARGUMENTS[schema] = tuple(schema.arguments)
     new_args, new_kwargs = [], {}
-    for i, info in enumerate(schema.arguments):
+    for i, info in enumerate(arguments):
         if info.kwarg_only:
             new_kwargs[info.name] = kwargs[info.name] if info.name in kwargs else info.default_value
         else:
