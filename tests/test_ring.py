@@ -730,6 +730,24 @@ SUM_REGIONS = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_backward_lse_gives_rows_with_no_key_inf_and_keeps_every_other_value(dtype):
+    """kernels.bwd_lse: -inf (a row that saw no key) becomes +inf, so its P = 0; +inf, NaN (a row
+    with a NaN query) and finite values stay, bit for bit; fp32 (fp64 stays), contiguous."""
+    from ringcc.runtime import kernels
+
+    values = torch.tensor([0.0, -math.inf, math.inf, math.nan, 3.0e38, -3.0e38, 2.5, -1.0e-30], dtype=torch.float64)
+    lse = values.to(dtype).repeat(3, 2, 1).transpose(0, 1)  # [2, 3, 8], strided
+    got = kernels.bwd_lse(lse)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    want = lse.to(wide).clone()
+    want[want == -math.inf] = math.inf
+    assert got.dtype == wide and got.is_contiguous() and got.shape == lse.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert (got == math.inf).sum() == 2 * lse[..., 0].numel()  # the -inf and the +inf column
+
+
 def _regions(ranges):
     return [(0, 3, *r) if len(r) == 2 else r for r in ranges]
 
