@@ -121,17 +121,7 @@ def flex_backward_op():
     return flex_attention_backward, graphs
 
 
-# Note [Custom-op defaults in linear time]
-# A custom op's autograd kernel (torch.library register_autograd) completes the call's arguments
-# with the schema's defaults before it calls setup_context: torch._library.utils.fill_defaults,
-# which reads `schema.arguments` once per argument, and each read builds the whole list of
-# arguments anew in C++. The ring op has 23 arguments: about 530 list entries per call, 0.2-0.35
-# ms per forward on a CPU host. The same function, reading the list once per schema (kept, as
-# the Argument objects; each default is read from them at each call, as torch does), gives the
-# same (args, kwargs) in linear time; it is installed in place of torch's when ringcc's ops are
-# registered (runtime/ops.py), so every custom op's autograd kernel takes it. tests/test_ring.py
-# compares it with torch's own on every ringcc op.
-_SCHEMA_ARGUMENTS: dict = {}  # schema -> its arguments (one entry per op overload that ran)
+_SCHEMA_ARGUMENTS: dict = {}  # schema -> its arguments (linear_fill_defaults; one entry per op overload that ran)
 
 
 def _fill_defaults_linear(schema, args, kwargs):
@@ -151,8 +141,18 @@ TORCH_FILL_DEFAULTS = None  # torch's own fill_defaults, once replaced (for the 
 
 
 def linear_fill_defaults() -> None:
-    """Install `_fill_defaults_linear` as torch's custom-op fill_defaults (Note [Custom-op
-    defaults in linear time]); once, and only where torch has that function (2.11, 2.13)."""
+    """Install `_fill_defaults_linear` as torch's custom-op fill_defaults; once, and only where
+    torch has that function (2.11, 2.13).
+
+    A custom op's autograd kernel (torch.library register_autograd) completes the call's
+    arguments with the schema's defaults before it calls setup_context: torch's
+    torch._library.utils.fill_defaults reads `schema.arguments` once per argument, and each read
+    builds the whole list of arguments anew in C++. The ring op has 23 arguments: about 530 list
+    entries per call, 0.2-0.35 ms per forward on a CPU host. `_fill_defaults_linear` reads the
+    list once per schema (kept, as the Argument objects; each default is read from them at each
+    call, as torch does) and gives the same (args, kwargs) in linear time. Installed when
+    ringcc's ops are registered (runtime/ops.py), it serves every custom op's autograd kernel;
+    tests/test_ring.py compares it with torch's own on every ringcc op."""
     global TORCH_FILL_DEFAULTS
     from torch._library import utils
 

@@ -25,8 +25,7 @@ from . import graphs, maskfn, workspace
 from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
-# the ops' autograd kernels complete their arguments in linear time (Note [Custom-op defaults in
-# linear time] in ringcc/_compat.py)
+# the ops' autograd kernels complete their arguments in linear time (_compat.linear_fill_defaults)
 _compat.linear_fill_defaults()
 
 # ---------------------------------------------------------------------------------------
@@ -822,9 +821,9 @@ def ring_attention(
     score_text = "" if score_fn is None else score_fn.text
     if world > 1:  # (a group of one has no other rank to agree with: _check_same_call)
         _check_same_call(s, group, call_signature(
-            "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-            layout=lay.value, window=window or 0, score_fn=score_text, sinks=sinks is not None, v_head_dim=v.shape[-1]),
-            q.device)
+            "ring_attention", q, k, is_causal=bool(is_causal), scale=scale,
+            key_padding_mask=key_padding_mask is not None, layout=lay.value, window=window or 0, score_fn=score_text,
+            sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask

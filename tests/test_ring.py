@@ -469,9 +469,9 @@ def test_opcheck_forward_and_backward(is_causal):
 
 
 def test_custom_op_defaults_are_filled_as_torch_fills_them():
-    """The autograd kernels complete arguments with ringcc's linear fill_defaults (Note [Custom-op
-    defaults in linear time]): the same (args, kwargs) as torch's own, for every ringcc op and
-    every number of arguments given."""
+    """The autograd kernels complete arguments with ringcc's linear fill_defaults
+    (_compat.linear_fill_defaults): the same (args, kwargs) as torch's own, for every ringcc op
+    and every number of arguments given."""
     from torch._library import utils
 
     from ringcc import _compat
