@@ -121,12 +121,63 @@ def flex_backward_op():
     return flex_attention_backward, graphs
 
 
-def flex_kernel_options(q, k, v) -> dict:
-    """The kernel options flex_attention's entry completes for a call that returns its lse (its
-    kernels read every one of them; the backward op is called past that entry)."""
-    from torch.nn.attention.flex_attention import _apply_kernel_options
+_SCHEMA_ARGUMENTS: dict = {}  # schema -> its arguments (linear_fill_defaults; one entry per op overload that ran)
 
-    return dict(_apply_kernel_options(q, k, v, True, None))
+
+def _fill_defaults_linear(schema, args, kwargs):
+    arguments = _SCHEMA_ARGUMENTS.get(schema)
+    if arguments is None:
+        arguments = _SCHEMA_ARGUMENTS[schema] = tuple(schema.arguments)
+    new_args, new_kwargs = [], {}
+    for i, info in enumerate(arguments):
+        if info.kwarg_only:
+            new_kwargs[info.name] = kwargs[info.name] if info.name in kwargs else info.default_value
+        else:
+            new_args.append(args[i] if i < len(args) else info.default_value)
+    return tuple(new_args), new_kwargs
+
+
+TORCH_FILL_DEFAULTS = None  # torch's own fill_defaults, once replaced (for the comparison in tests)
+
+
+def linear_fill_defaults() -> None:
+    """Install `_fill_defaults_linear` as torch's custom-op fill_defaults; once, and only where
+    torch has that function (2.11, 2.13).
+
+    A custom op's autograd kernel (torch.library register_autograd) completes the call's
+    arguments with the schema's defaults before it calls setup_context: torch's
+    torch._library.utils.fill_defaults reads `schema.arguments` once per argument, and each read
+    builds the whole list of arguments anew in C++. The ring op has 23 arguments: about 530 list
+    entries per call, 0.2-0.35 ms per forward on a CPU host. `_fill_defaults_linear` reads the
+    list once per schema (kept, as the Argument objects; each default is read from them at each
+    call, as torch does) and gives the same (args, kwargs) in linear time. Installed when
+    ringcc's ops are registered (runtime/ops.py), it serves every custom op's autograd kernel;
+    tests/test_ring.py compares it with torch's own on every ringcc op."""
+    global TORCH_FILL_DEFAULTS
+    from torch._library import utils
+
+    current = getattr(utils, "fill_defaults", None)
+    if current is None or current is _fill_defaults_linear:
+        return
+    TORCH_FILL_DEFAULTS = current
+    utils.fill_defaults = _fill_defaults_linear
+
+
+_FLEX_KERNEL_OPTIONS: dict = {}
+
+
+def flex_kernel_options(q, k, v) -> tuple:
+    """The kernel options flex_attention's entry completes for a call that returns its lse (its
+    kernels read every one of them; the backward op is called past that entry), as sorted
+    (name, value) pairs. In 2.11 and 2.13 they depend on the inputs' device types alone: made
+    once per triple."""
+    key = (q.device.type, k.device.type, v.device.type)
+    options = _FLEX_KERNEL_OPTIONS.get(key)
+    if options is None:
+        from torch.nn.attention.flex_attention import _apply_kernel_options
+
+        options = _FLEX_KERNEL_OPTIONS[key] = tuple(sorted(_apply_kernel_options(q, k, v, True, None).items()))
+    return options
 
 
 def trace_fake(fn, args) -> torch.fx.GraphModule:

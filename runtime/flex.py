@@ -252,6 +252,22 @@ class Masked:
     block: BlockMask
     fn: Fn
 
+    @functools.cached_property
+    def bwd_inputs(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """What the backward's traced op takes of this mask (`_bwd_call`), made once per mask:
+        (the BlockMask's layout with None for its tensors, their slots in it, the mask function's
+        tensors then the BlockMask's, their specs)."""
+        layout = self.block.as_tuple()
+        slots = tuple(i for i, x in enumerate(layout) if isinstance(x, torch.Tensor))
+        template = tuple(None if i in slots else x for i, x in enumerate(layout[:-1]))
+        tensors = (*self.fn.tensors, *(layout[i] for i in slots))
+        return template, slots, tensors, _specs(tensors)
+
+
+def _specs(tensors) -> tuple:
+    """What a compiled program is specialised on, per tensor."""
+    return tuple((a.shape, a.stride(), a.dtype, a.device) for a in tensors)
+
 
 @functools.lru_cache(maxsize=4096)
 def _start(x: int, dtype, device, role: str) -> torch.Tensor:
@@ -397,21 +413,20 @@ def _identity(score, b, h, i, j):
     return score
 
 
+_IDENTITY = Fn(_identity, score=True)
+
+
 def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
     """(dq, dk, dv) of one flex call under the rows' global (out, lse) (natural log, +inf where
     a row saw no key): flex's backward kernel fed them (Note [Flex blocks]); dk/dv with g heads."""
-    score = _score_mod(mod, q.device) or Fn(_identity, score=True)
-    layout = mask.block.as_tuple()
-    slots = tuple(i for i, x in enumerate(layout) if isinstance(x, torch.Tensor))
-    template = tuple(None if i in slots else x for i, x in enumerate(layout[:-1]))
+    score = _score_mod(mod, q.device) or _IDENTITY
+    template, slots, mask_inputs, mask_specs = mask.bwd_inputs
     # flex's kernels keep the lse in base 2
-    args = [t.contiguous() for t in (q, k, v, out)] + [(lse * (1 / math.log(2))).contiguous(), dout.contiguous()]
-    args += [*score.tensors, *mask.fn.tensors, *(layout[i] for i in slots)]
-    specs = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in args)
-    options = tuple(sorted(_compat.flex_kernel_options(q, k, v).items()))
+    args = (*(t.contiguous() for t in (q, k, v, out)), (lse * (1 / math.log(2))).contiguous(), dout.contiguous(),
+            *score.tensors)
     run = _bwd_program(score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots, float(scale),
-                       options, specs)
-    return run(*args)
+                       _compat.flex_kernel_options(q, k, v), _specs(args) + mask_specs)
+    return run(*args, *mask_inputs)
 
 
 # Compiled backward programs kept per process: one per distinct block shape, dtype and function
@@ -465,9 +480,9 @@ def fwd(q_bhsd, k_bgsd, v_bgsd, scale: float, causal: bool, key_valid_bs=None, w
     out = lse = None
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1), backward=False)
-        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale, None if mod is None else mod.sub(r0))
         if len(chunks) == 1:
-            return o, l_
+            return _call(q_bhsd, k_bgsd, v_bgsd, mask, scale, mod)
+        o, l_ = _call(q_bhsd[:, :, r0:r1], k_bgsd, v_bgsd, mask, scale, None if mod is None else mod.sub(r0))
         if out is None:
             out, lse = o.new_empty(b, h, lq, o.shape[-1]), l_.new_empty(b, h, lq)
         out[:, :, r0:r1], lse[:, :, r0:r1] = o, l_
@@ -484,11 +499,11 @@ def bwd(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, scale: float, causal: bool, key_
     dq, dk, dv = None, None, None
     for r0, r1 in chunks:
         mask = block_mask(lq, lk, causal, key_valid_bs, window, dev, (r0, r1))
+        if len(chunks) == 1:
+            return _bwd_call(dout, q_bhsd, k_bgsd, v_bgsd, out, lse, mask, scale, mod)
         rows = slice(r0, r1)
         grads = _bwd_call(dout[:, :, rows], q_bhsd[:, :, rows], k_bgsd, v_bgsd, out[:, :, rows], lse[:, :, rows], mask,
                           scale, None if mod is None else mod.sub(r0))
-        if len(chunks) == 1:
-            return grads
         if dq is None:
             dq = torch.empty_like(q_bhsd, memory_format=torch.contiguous_format)
             dk, dv = (t.to(acc_dtype(k_bgsd.dtype)) for t in grads[1:])

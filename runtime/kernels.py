@@ -26,6 +26,7 @@ RINGCC_CUDNN_NATIVE_GQA=0 forces the expanded form.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections import Counter
@@ -456,7 +457,8 @@ def bwd_lse(lse_bhs: torch.Tensor) -> torch.Tensor:
     have no gradient, and +inf makes their P = 0; fp32 (fp64 stays), contiguous. A ring
     prepares it once for all its block calls (`block_bwd(..., lse_prepared=True)`)."""
     lse = lse_bhs if lse_bhs.dtype == torch.float64 else lse_bhs.float()
-    return lse.masked_fill(torch.isneginf(lse), float("inf")).contiguous()
+    # one pass: -inf (and +inf) to +inf, NaN (a row with a NaN query) and finite values kept
+    return lse.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf).contiguous()
 
 
 _ZERO_SEED: dict = {}

@@ -25,6 +25,9 @@ from . import graphs, maskfn, workspace
 from .merge import merge_sinks, sink_grad
 from .ring import RingSetup, key_runs_table, resolve_world, ring_backward, ring_forward
 
+# the ops' autograd kernels complete their arguments in linear time (_compat.linear_fill_defaults)
+_compat.linear_fill_defaults()
+
 # ---------------------------------------------------------------------------------------
 # helpers
 
@@ -815,10 +818,12 @@ def ring_attention(
         _check_same_call(-1, group, "", _device_of(q), error=e)
         raise
     s = q.shape[2]
-    _check_same_call(s, group, call_signature(
-        "ring_attention", q, k, is_causal=bool(is_causal), scale=scale, key_padding_mask=key_padding_mask is not None,
-        layout=lay.value, window=window or 0, score_fn=score_fn.text if score_fn is not None else "",
-        sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
+    score_text = "" if score_fn is None else score_fn.text
+    if world > 1:  # (a group of one has no other rank to agree with: _check_same_call)
+        _check_same_call(s, group, call_signature(
+            "ring_attention", q, k, is_causal=bool(is_causal), scale=scale,
+            key_padding_mask=key_padding_mask is not None, layout=lay.value, window=window or 0, score_fn=score_text,
+            sinks=sinks is not None, v_head_dim=v.shape[-1]), q.device)
     if lay is L.Layout.ZIGZAG and s % 2:
         raise ValueError(f"zigzag layout needs an even n_local (two chunks per rank); got n_local={s}")
     key_valid = None if key_padding_mask is None else ~key_padding_mask
@@ -827,7 +832,7 @@ def ring_attention(
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
     out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs, sinks, score_fn=score_fn.text if score_fn is not None else "",
+                                 runs, sinks, score_fn=score_text,
                                  score_t0=None if alibi_slopes is None else alibi_slopes.to(q.device, torch.float32))
     return (out, lse) if return_lse else out
 

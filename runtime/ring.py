@@ -138,7 +138,7 @@ class RingSetup:
         chunks = self.local_chunks(rank)
         length = n_local // len(chunks)
         first, last = r0 // length, (max(r1, r0 + 1) - 1) // length
-        if any(chunks[i + 1] != chunks[i] + 1 for i in range(first, last)):
+        if last > first and any(chunks[i + 1] != chunks[i] + 1 for i in range(first, last)):
             return None
         return chunks[first] * length + r0 % length
 
@@ -563,17 +563,16 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
-            bs = slice(*c.rows(b))
+            rows, keys = _region(c, b), _region(c, b, keys=True)
             o, l = kernels.block_fwd(
-                q[bs, :, c.q0:c.q1], st.k[bs, :, c.k0:c.k1], st.v[bs, :, c.k0:c.k1],
-                scale=setup.scale, causal=c.causal,
-                key_valid_bs=None if st.key_valid is None else st.key_valid[bs, c.k0:c.k1], allowed_qk=allowed,
-                mod=mods.of(st.src, c),
+                _at(q, rows), _at(st.k, keys), _at(st.v, keys), scale=setup.scale, causal=c.causal,
+                key_valid_bs=None if st.key_valid is None else st.key_valid[keys[0]:keys[1], keys[2]:keys[3]],
+                allowed_qk=allowed, mod=mods.of(st.src, c),
             )
             done = last_step and i == len(st.calls) - 1 and acc is not None  # the last merge writes the output
             if done and dst is None:
                 dst = (q.new_empty((b, h, s, d)), torch.empty(b, h, s, dtype=adt, device=q.device))
-            acc = _merge_block(acc, o, l, _region(c, b), (b, h, s, d), adt, dst if done else None)
+            acc = _merge_block(acc, o, l, rows, (b, h, s, d), adt, dst if done else None)
             del o, l  # not alive at the end
         del st
     if acc is None:  # no key visible to any row
@@ -808,8 +807,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     borrowed = comm is not None and comm.borrows_buffers
     home = None  # (K/V-head slice, [dk, dv]) the last chunk finished: its hop home rides the next batch
     for hq, hk in chunks:
-        q_c, do_c, o_c, l_c = q[:, hq], dout[:, hq], out[:, hq], lse_bwd[:, hq]
-        k_c, v_c = k[:, hk], v[:, hk]
+        q_c, do_c, o_c, l_c = (t if whole else t[:, hq] for t in (q, dout, out, lse_bwd))
+        k_c, v_c = (t if whole else t[:, hk] for t in (k, v))
         mods = _Mods(setup, score, s, hq.start, q.device)
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
@@ -824,15 +823,15 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
             last_step = st.index == world - 1
             kv_grads = []
             for i, (c, allowed) in enumerate(st.calls):
-                bs, qs, ks = slice(*c.rows(b)), slice(c.q0, c.q1), slice(c.k0, c.k1)
+                rows, keys = _region(c, b), _region(c, b, keys=True)
                 dq_b, dk_b, dv_b = kernels.block_bwd(
-                    do_c[bs, :, qs], q_c[bs, :, qs], st.k[bs, :, ks], st.v[bs, :, ks], o_c[bs, :, qs], l_c[bs, :, qs],
+                    _at(do_c, rows), _at(q_c, rows), _at(st.k, keys), _at(st.v, keys), _at(o_c, rows), _at(l_c, rows),
                     scale=setup.scale, causal=c.causal, lse_prepared=True,
-                    key_valid_bs=None if st.key_valid is None else st.key_valid[bs, ks], allowed_qk=allowed,
-                    mod=mods.of(st.src, c),
+                    key_valid_bs=None if st.key_valid is None else st.key_valid[keys[0]:keys[1], keys[2]:keys[3]],
+                    allowed_qk=allowed, mod=mods.of(st.src, c),
                 )
                 last = last_step and i == len(st.calls) - 1 and dq is not None  # dQ complete: the output
-                (dq,) = _accumulate([dq], [dq_b], _region(c, b), q_c.shape, adt,
+                (dq,) = _accumulate([dq], [dq_b], rows, q_c.shape, adt,
                                     [out_slice(0, hq, q_c.shape, q.dtype)] if last else None)
                 kv_grads.append((c, dk_b, dv_b))
                 del dq_b, dk_b, dv_b  # no name keeps a block's grads alive past their use

@@ -520,6 +520,27 @@ def test_opcheck_forward_and_backward(is_causal):
     torch.library.opcheck(torch.ops.ringcc.gather.default, (x, 1, "", 1, "zigzag"))
 
 
+def test_custom_op_defaults_are_filled_as_torch_fills_them():
+    """The autograd kernels complete arguments with ringcc's linear fill_defaults
+    (_compat.linear_fill_defaults): the same (args, kwargs) as torch's own, for every ringcc op
+    and every number of arguments given."""
+    from torch._library import utils
+
+    from ringcc import _compat
+
+    assert utils.fill_defaults is _compat._fill_defaults_linear
+    assert _compat.TORCH_FILL_DEFAULTS is not None
+    names = [n for n in dir(torch.ops.ringcc) if isinstance(getattr(torch.ops.ringcc, n), torch._ops.OpOverloadPacket)]
+    assert {"ring_attention", "ring_attention_backward", "dilated_attention"} <= set(names)
+    for name in names:
+        schema = getattr(torch.ops.ringcc, name).default._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        for given in range(len(positional) + 1):
+            args = tuple(object() for _ in range(given))
+            assert _compat._fill_defaults_linear(schema, args, {}) == _compat.TORCH_FILL_DEFAULTS(schema, args, {}), \
+                (name, given)
+
+
 @pytest.mark.parametrize("fn", ["shard_sequence", "gather_sequence"])
 def test_sequence_dim_out_of_range_is_an_error(fn):
     """A dim outside the tensor's dims is an error naming the range, also at p = 1 (no
@@ -759,6 +780,24 @@ SUM_REGIONS = [
     [(0, 8)], [(0, 8), (0, 8)], [(0, 8), (4, 8), (0, 8)], [(4, 8), (0, 4), (0, 8)], [(0, 4)], [(0, 8), (2, 6)],
     [(0, 1, 0, 8), (1, 3, 2, 6)], [(0, 8), (1, 2, 0, 5), (0, 2, 3, 8)], [(2, 3, 0, 8), (0, 8)],
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_backward_lse_gives_rows_with_no_key_inf_and_keeps_every_other_value(dtype):
+    """kernels.bwd_lse: -inf (a row that saw no key) becomes +inf, so its P = 0; +inf, NaN (a row
+    with a NaN query) and finite values stay, bit for bit; fp32 (fp64 stays), contiguous."""
+    from ringcc.runtime import kernels
+
+    values = torch.tensor([0.0, -math.inf, math.inf, math.nan, 3.0e38, -3.0e38, 2.5, -1.0e-30], dtype=torch.float64)
+    lse = values.to(dtype).repeat(3, 2, 1).transpose(0, 1)  # [2, 3, 8], strided
+    got = kernels.bwd_lse(lse)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    want = lse.to(wide).clone()
+    want[want == -math.inf] = math.inf
+    assert got.dtype == wide and got.is_contiguous() and got.shape == lse.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert (got == math.inf).sum() == 2 * lse[..., 0].numel()  # the -inf and the +inf column
 
 
 def _regions(ranges):
