@@ -127,6 +127,8 @@ _SCHEMA_ARGUMENTS: dict = {}  # schema -> its arguments (linear_fill_defaults; o
 def _fill_defaults_linear(schema, args, kwargs):
     arguments = _SCHEMA_ARGUMENTS.get(schema)
     if arguments is None:
+        if not schema.name.startswith("ringcc::"):  # other libraries' ops: torch's own, as it is
+            return TORCH_FILL_DEFAULTS(schema, args, kwargs)
         arguments = _SCHEMA_ARGUMENTS[schema] = tuple(schema.arguments)
     new_args, new_kwargs = [], {}
     for i, info in enumerate(arguments):
@@ -151,8 +153,8 @@ def linear_fill_defaults() -> None:
     entries per call, 0.2-0.35 ms per forward on a CPU host. `_fill_defaults_linear` reads the
     list once per schema (kept, as the Argument objects; each default is read from them at each
     call, as torch does) and gives the same (args, kwargs) in linear time. Installed when
-    ringcc's ops are registered (runtime/ops.py), it serves every custom op's autograd kernel;
-    tests/test_ring.py compares it with torch's own on every ringcc op."""
+    ringcc's ops are registered (runtime/ops.py), it serves ringcc's ops and hands every other
+    op to torch's own; tests/test_ring.py compares it with torch's own on every ringcc op."""
     global TORCH_FILL_DEFAULTS
     from torch._library import utils
 
