@@ -2,7 +2,7 @@ import functools
 
 import pytest
 
-from distpool import DistPool
+from distpool import DistPool, start_forkserver
 
 _POOLS: dict[str, DistPool] = {}  # one per backend, serving every world size
 
@@ -18,6 +18,12 @@ def get_pool(world: int, backend: str = "gloo"):
 class _World:
     def __init__(self, run):
         self.run = run
+
+
+def pytest_collection_finish(session):
+    """Start the pools' forkserver, and its imports, while the first tests run."""
+    if any("pools" in getattr(item, "fixturenames", ()) for item in session.items):
+        start_forkserver()
 
 
 @pytest.fixture(scope="session")
