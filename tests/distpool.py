@@ -17,7 +17,8 @@ previous case's, each of the case's ranks leaves its group and joins a new one o
 few tens of ms: the rendezvous goes through one TCPStore that the parent hosts, under a fresh
 prefix per group) and resets dynamo, as a process started for p would be: a graph compiled
 for one world size is never called at another. Ranks above p sit the case out and regroup at
-their next case.
+their next case. os.environ is restored after every case, so that the ranks of a world agree on
+the settings read from it whichever earlier cases each has run.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def _worker(rank, port, backend, jobs, results):
         if job is None:
             break
         world, prefix, fn, args = job
+        env = dict(os.environ)
         try:
             if prefix != group:
                 group = None
@@ -88,6 +90,12 @@ def _worker(rank, port, backend, jobs, results):
             results.put((rank, True, fn(rank, world, *args)))
         except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
             results.put((rank, False, traceback.format_exc()))
+        finally:
+            # every case starts in the pool's environment: a setting one case leaves on the
+            # ranks of its world would differ from ranks that did not run it
+            if os.environ != env:
+                os.environ.clear()
+                os.environ.update(env)
     if dist.is_initialized():
         dist.destroy_process_group()
     # The parent has read every result; an interpreter shutdown with torch loaded takes seconds
