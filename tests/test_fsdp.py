@@ -33,14 +33,19 @@ def llama3():
     return bench().llama3
 
 
-_MESHES: dict = {}
+_MESHES: dict = {"group": None}  # the default group the meshes are made in, and the meshes
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]):
-    """(the 2-D mesh, a 1-D mesh over all its ranks), one per layout for the pool's life (each
-    makes process groups)."""
+    """(the 2-D mesh, a 1-D mesh over all its ranks), one per layout for the life of the process's
+    default group (each makes process groups; the pool changes the default group when the world
+    size changes)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if _MESHES["group"] is not dist.group.WORLD:
+        _MESHES.clear()
+        _MESHES["group"] = dist.group.WORLD
     key = (shape, names)
     if key not in _MESHES:
         _MESHES[key] = (init_device_mesh("cpu", shape, mesh_dim_names=names),
