@@ -128,6 +128,15 @@ def _acc_extra(q: TensorSize) -> sympy.Expr:
     return sympy.Integer(0) if q.itemsize >= FP32 else q.with_itemsize(FP32).nbytes
 
 
+def _max(*args) -> sympy.Expr:
+    """sympy.Max of these, left unevaluated where any is symbolic: sympy's search for dominated
+    arguments was most of a formula's cost (seconds per attention site at compile), and the
+    planner bounds an unevaluated maximum as it does any other (planner.upper_bound)."""
+    if all(sympy.sympify(a).is_number for a in args):
+        return sympy.Max(*args)
+    return sympy.Max(*args, evaluate=False)
+
+
 def _kv_in_flight(p) -> sympy.Expr:
     return sympy.Min(2, p - 1)
 
@@ -258,7 +267,7 @@ def _ring_chunk(q: TensorSize, k: TensorSize, kv_mask, p, chunked: bool,
         # (fp32: the casts are the accumulators themselves, nothing new)
         cast = 1 if low else 0
         phases.append(dq_acc + cast * q.nbytes + home + held_next + (1 - one) * (dkv_acc + cast * 2 * k.nbytes))
-    backward = sympy.Max(*phases)
+    backward = _max(*phases)
     if not chunked:
         backward = backward - (q.nbytes + 2 * k.nbytes)
     return forward, backward, kv + mask, kv + mask + dkv_acc
@@ -369,7 +378,8 @@ def _chunk_options(q: TensorSize, k: TensorSize, kv_mask, p, zigzag_causal: bool
 
 def _fits(forward, backward, budget):
     """The head-chunk rule's test of one option (symbolic in the planner, a bool at run time)."""
-    return sympy.Max(forward, backward) <= budget
+    most = _max(forward, backward)
+    return most <= budget if most.is_number else sympy.Le(most, budget, evaluate=False)
 
 
 def _forward_may_take(hk_f: int, hk_b: int, g: int, itemsize: int) -> bool:
@@ -550,8 +560,8 @@ def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, setti
     several calls (`several`) the larger of that and the rule's choice; else the rule's."""
     ws = _ring_rule_workspace(q, k, kv_mask, zz, p, area)
     one_f, one_b = _one_call(q, k)
-    if several:
-        one_f, one_b = sympy.Max(one_f, ws.forward), sympy.Max(one_b, ws.backward)
+    if several:  # unevaluated: sympy's simplification of these maxima costs as much as the rule
+        one_f, one_b = (sympy.Max(one, rule, evaluate=False) for one, rule in ((one_f, ws.forward), (one_b, ws.backward)))
     alone = sympy.Eq(p, 1)
     return Workspace(sympy.Piecewise((one_f, alone), (ws.forward, True)),
                      sympy.Piecewise((one_b, alone), (ws.backward, True)), ws.area_forward, ws.area_training)
