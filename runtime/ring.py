@@ -404,9 +404,10 @@ def ring_forward(q, k, v, key_valid, setup: RingSetup, key_runs=None, score=None
     function, (MaskFn, tensors) or None (Note [Score functions] in maskfn.py). fn: the mask
     function, (MaskFn, tensors) or None (Note [Mask functions] in maskfn.py)."""
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
-    chunks = head_chunks(q.shape[1], k.shape[1], _kv_chunk(setup, q, key_valid, runs, fn, score))
+    kv_chunk, blocks = _kv_chunk(setup, q, key_valid, runs, fn, score)
+    chunks = head_chunks(q.shape[1], k.shape[1], kv_chunk)
     if len(chunks) == 1:
-        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, score=score, fn=fn)
+        return _ring_forward_chunk(q, k, v, key_valid, setup, runs=runs, score=score, fn=fn, blocks=blocks)
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=kernels.acc_dtype(q.dtype), device=q.device)
     for hq, hk in chunks:
@@ -480,23 +481,24 @@ def key_runs_table(key_valid, group, world: int) -> torch.Tensor:
     return torch.stack(got).cpu()
 
 
-def _kv_chunk(setup: RingSetup, q, key_valid, runs, fn, score) -> int:
-    """K/V heads per chunk of this call (0: all): the setup's, by the head-chunk rule, except at
-    p = 1 when the one block takes at most one kernel call over all its rows and keys. That
-    call's results are then the outputs, with no accumulator (Note [Fewer passes]), so head
-    chunks would save no memory and cost time (Note [Head chunks]). The calls are decided as
-    `_ring_steps` decides them (a mask function's are kept: Note [Built once per mask])."""
+def _kv_chunk(setup: RingSetup, q, key_valid, runs, fn, score) -> tuple[int, "FnBlocks | None"]:
+    """(K/V heads per chunk of this call (0: all), the FnBlocks of all heads when it made one).
+    The setup's chunk, by the head-chunk rule, except at p = 1 when the one block takes at most
+    one kernel call over all its rows and keys. That call's results are then the outputs, with
+    no accumulator (Note [Fewer passes]), so head chunks would save no memory and cost time
+    (Note [Head chunks]). The calls are decided as `_ring_steps` decides them; a mask function's
+    FnBlocks keeps the calls it made, and a ring of whole heads takes it, so they are made once."""
     if setup.kv_chunk == 0 or setup.world != 1:
-        return setup.kv_chunk
+        return setup.kv_chunk, None
     b, h, s = q.shape[:3]
     calls = setup.masked_calls(s, 0, q.device, runs.get(0))
+    blocks = None
     if fn is not None:
         blocks = FnBlocks(fn, setup, s, b, h, 0, q.device, q.dtype, score is not None)
         calls = blocks.calls(calls, 0, keyed=key_valid is not None and 0 not in runs)
-    if len(calls) > 1:
-        return setup.kv_chunk
     one = [_region(c, b, keys) for c, _ in calls for keys in (False, True)]
-    return 0 if all(_covers(reg, (b, h, s)) for reg in one) else setup.kv_chunk
+    whole = len(calls) <= 1 and all(_covers(reg, (b, h, s)) for reg in one)
+    return (0, blocks) if whole else (setup.kv_chunk, None)
 
 
 def _key_runs(key_valid, setup: RingSetup, table=None) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -549,7 +551,7 @@ class _Mods:
 
 
 def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None, runs=None, score=None,
-                        head0: int = 0, fn=None):
+                        head0: int = 0, fn=None, blocks=None):
     """-> (out in q's dtype, lse) of these heads (the site's from `head0` on), written
     into `out`/`lse` where given. out has v's head dim (Note [Value head dim] in kernels.py)."""
     b, h, s = q.shape[:3]
@@ -559,7 +561,8 @@ def _ring_forward_chunk(q, k, v, key_valid, setup: RingSetup, out=None, lse=None
     dst = None if out is None else (out, lse)
     acc, done = None, False
     comm = ring_comm(setup.group, setup.members, q.device) if setup.world > 1 and not _skip_comm() else None
-    blocks = None if fn is None else FnBlocks(fn, setup, s, b, h, head0, q.device, q.dtype, score is not None)
+    if blocks is None and fn is not None:  # (given: `_kv_chunk`'s, of these heads)
+        blocks = FnBlocks(fn, setup, s, b, h, head0, q.device, q.dtype, score is not None)
     for st in _ring_steps(setup, comm, k, v, key_valid, s, q.device, runs=runs, fn=blocks):
         last_step = st.index == setup.world - 1
         for i, (c, allowed) in enumerate(st.calls):
@@ -603,10 +606,18 @@ class FnBlocks:
         # the dense parts the fused kernels take where they can (no score function: Note [Dense parts])
         self.whole = dtype is not None and kernels.flex_blocks(torch.device(device), dtype)
         self.dense = self.whole and not score
+        self._made: dict = {}  # (src, keyed, the calls) -> what `calls` made of them
 
     def calls(self, calls, src: int, keyed: bool = False):
         """The calls of the block of rank `src` (`keyed`: it holds a key mask, which the fused
-        kernels do not take)."""
+        kernels do not take); made once per block and calls."""
+        key = (src, keyed, tuple(c for c, _ in calls))
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = self._calls(calls, src, keyed)
+        return list(made)
+
+    def _calls(self, calls, src: int, keyed: bool) -> list:
         k_pos = self.setup.positions(src, self.s, self.device)
         out = []
         for c, allowed in calls:
@@ -768,7 +779,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
     g, dv = k.shape[1], v.shape[-1]
     adt = kernels.acc_dtype(q.dtype)
     key_valid, runs = _ring_key_mask(key_valid, setup, key_runs)
-    chunks = head_chunks(h, g, _kv_chunk(setup, q, key_valid, runs, fn, score))
+    kv_chunk, whole_blocks = _kv_chunk(setup, q, key_valid, runs, fn, score)
+    chunks = head_chunks(h, g, kv_chunk)
     whole = len(chunks) == 1
     world, skip = setup.world, _skip_comm()
     use_comm = world > 1 and not skip
@@ -813,8 +825,8 @@ def ring_backward(dout, q, k, v, key_valid, out, lse, setup: RingSetup, key_runs
         if use_comm and not whole:
             k_c, v_c = contiguous(k_c), contiguous(v_c)  # sent as they are
         dq = dk_acc = dv_acc = None
-        blocks = None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start, q.device, q.dtype,
-                                                  score is not None)
+        blocks = whole_blocks or (None if fn is None else FnBlocks(fn, setup, s, b, hq.stop - hq.start, hq.start,
+                                                                   q.device, q.dtype, score is not None))
         steps = _ring_steps(setup, comm, k_c, v_c, key_valid, s, q.device, carry=home[1] if home else None,
                             runs=runs, fn=blocks)
         del k_c, v_c

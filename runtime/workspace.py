@@ -543,12 +543,13 @@ def _one_call(q: TensorSize, k: TensorSize) -> tuple[sympy.Expr, sympy.Expr]:
     to q's heads for GQA, its fp32 dQ accumulator and two row sums, q-headed dK/dV before their
     group sums) and dout made contiguous (on CPU also its copy in the kernel's layout)."""
     b, h, s, _ = q.shape
-    rows = sympy.Integer(_acc_itemsize(q.itemsize)) * b * h * s
+    acc = _acc_itemsize(q.itemsize)
+    rows = sympy.Integer(acc) * b * h * s
     gqa = k.shape[1] != h and not _native_gqa(q)
     grads = 2 * _with_heads(k, h).nbytes if gqa else sympy.Integer(0)
     dout = q.nbytes * (2 if q.device_type == "cpu" else 1)
-    return (_expanded_kv(q, k),
-            _expanded_kv(q, k) + grads + q.with_itemsize(_acc_itemsize(q.itemsize)).nbytes + 2 * rows + dout)
+    kv = _expanded_kv(q, k)
+    return kv, kv + grads + q.with_itemsize(acc).nbytes + 2 * rows + dout
 
 
 # A model's layers repeat a few attention shapes, and each formula is sympy work of a large
@@ -560,8 +561,8 @@ def _ring_workspace_of(q: TensorSize, k: TensorSize, kv_mask, zz: bool, p, setti
     several calls (`several`) the larger of that and the rule's choice; else the rule's."""
     ws = _ring_rule_workspace(q, k, kv_mask, zz, p, area)
     one_f, one_b = _one_call(q, k)
-    if several:  # unevaluated: sympy's simplification of these maxima costs as much as the rule
-        one_f, one_b = (sympy.Max(one, rule, evaluate=False) for one, rule in ((one_f, ws.forward), (one_b, ws.backward)))
+    if several:
+        one_f, one_b = _max(one_f, ws.forward), _max(one_b, ws.backward)
     alone = sympy.Eq(p, 1)
     return Workspace(sympy.Piecewise((one_f, alone), (ws.forward, True)),
                      sympy.Piecewise((one_b, alone), (ws.backward, True)), ws.area_forward, ws.area_training)

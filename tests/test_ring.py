@@ -408,24 +408,30 @@ def test_one_call_at_p1_runs_whole_heads(monkeypatch):
     from ringcc.runtime.workspace import TensorSize
 
     monkeypatch.setenv("RINGCC_RING_WORKSPACE_MIB", "0.0001")
+
+    def _chunk(*args):  # K/V heads per chunk; a mask function's calls made once for whole heads
+        chunk, blocks = ring._kv_chunk(*args)
+        assert (blocks is not None) == (chunk == 0 and args[4] is not None and args[0].kv_chunk != 0)
+        return chunk
+
     q, k = torch.empty(2, 8, 10, 8), torch.empty(2, 4, 10, 8)
     for lay, window in ((L.Layout.CONTIGUOUS, 0), (L.Layout.ZIGZAG, 0), (L.Layout.CONTIGUOUS, 3)):
         setup = ring.RingSetup(None, 0, 1, lay, True, 0.5, window=window,
                                kv_chunk=workspace.ring_kv_chunk(q, k, None, 1))
         assert setup.kv_chunk == 1  # the rule: one K/V head per chunk
-        assert ring._kv_chunk(setup, q, None, {}, None, None) == 0  # one call: whole heads
-        assert ring._kv_chunk(setup, q, None, {0: ((0, 10), (0, 10))}, None, None) == 0  # every key valid
-        assert ring._kv_chunk(setup, q, None, {0: ((0, 7), (0, 7))}, None, None) == 1  # cut to keys [0, 7)
-        assert ring._kv_chunk(setup, q, None, {0: ((0, 10), (0, 7))}, None, None) == 1  # a call per row run
+        assert _chunk(setup, q, None, {}, None, None) == 0  # one call: whole heads
+        assert _chunk(setup, q, None, {0: ((0, 10), (0, 10))}, None, None) == 0  # every key valid
+        assert _chunk(setup, q, None, {0: ((0, 7), (0, 7))}, None, None) == 1  # cut to keys [0, 7)
+        assert _chunk(setup, q, None, {0: ((0, 10), (0, 7))}, None, None) == 1  # a call per row run
     docs = maskfn.parse("maskfn v1 tensors=1\n%0 = load t0 b q\n%1 = load t0 b kv\n%2 = eq %0 %1\nreturn %2")
     setup = ring.RingSetup(None, 0, 1, L.Layout.CONTIGUOUS, True, 0.5, kv_chunk=1)
     for s, ids, chunk in ((10, [0] * 4 + [1] * 6, 0),  # one masked call over the block
                           (1024, [0] * 512 + [1] * 512, 1),  # a call per document
                           (1024, [0] * 1024, 0)):  # one document: one causal call
         q = torch.empty(2, 8, s, 8)
-        assert ring._kv_chunk(setup, q, None, {}, (docs, (torch.tensor([ids] * 2),)), None) == chunk
+        assert _chunk(setup, q, None, {}, (docs, (torch.tensor([ids] * 2),)), None) == chunk
     ring_p1 = ring.RingSetup(None, 0, 2, L.Layout.CONTIGUOUS, True, 0.5, kv_chunk=1)
-    assert ring._kv_chunk(ring_p1, q, None, {}, None, None) == 1  # p = 2: the rule's
+    assert _chunk(ring_p1, q, None, {}, None, None) == 1  # p = 2: the rule's
 
     qs, ks = TensorSize((2, 8, n / p, 8), 4), TensorSize((2, 4, n / p, 8), 4)
     tiles = workspace.cpu_kernel_tiles(qs)
