@@ -168,18 +168,27 @@ def linear_fill_defaults() -> None:
 _FLEX_KERNEL_OPTIONS: dict = {}
 
 
-def flex_kernel_options(q, k, v) -> tuple:
-    """The kernel options flex_attention's entry completes for a call that returns its lse (its
-    kernels read every one of them; the backward op is called past that entry), as sorted
-    (name, value) pairs. In 2.11 and 2.13 they depend on the inputs' device types alone: made
-    once per triple."""
-    key = (q.device.type, k.device.type, v.device.type)
+def flex_kernel_options(q, k, v, given: tuple = ()) -> tuple:
+    """The kernel options flex_attention's entry completes for a call that returns its lse, from
+    the `given` ones ((name, value) pairs), as sorted (name, value) pairs: its kernels read every
+    one of them, and the higher-order ops are called past that entry. In 2.11 and 2.13 they depend
+    on the inputs' device types and the given options alone: made once per such key."""
+    key = (q.device.type, k.device.type, v.device.type, given)
     options = _FLEX_KERNEL_OPTIONS.get(key)
     if options is None:
         from torch.nn.attention.flex_attention import _apply_kernel_options
 
-        options = _FLEX_KERNEL_OPTIONS[key] = tuple(sorted(_apply_kernel_options(q, k, v, True, None).items()))
+        options = _FLEX_KERNEL_OPTIONS[key] = tuple(sorted(_apply_kernel_options(q, k, v, True, dict(given)).items()))
     return options
+
+
+def flex_forward_op():
+    """flex_attention's forward higher-order op: (q, k, v, score_mod, block_mask tuple, scale,
+    kernel options, score_mod's tensors, mask_mod's tensors) -> (out, lse in base 2, ...) (private
+    in torch 2.11 and 2.13, with that signature)."""
+    from torch._higher_order_ops.flex_attention import flex_attention
+
+    return flex_attention
 
 
 def trace_fake(fn, args) -> torch.fx.GraphModule:

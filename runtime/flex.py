@@ -39,9 +39,12 @@ from .dtypes import acc_dtype
 # backward kernel (the flex_attention_backward higher-order op) takes (out, lse) as inputs, and
 # fed the global ones it computes exactly that: P = exp(S - L), D = rowsum(dO * O), dS = P (dP -
 # D), the block's share of the global gradient, in one kernel. Dynamo does not trace that op
-# from user code, so the backward is traced once per block shape with make_fx (the score and
-# mask functions as flex's subgraphs, their tensors as explicit inputs: `Fn`) and compiled by
-# inductor (`_bwd_program`); on CPU the traced graph runs the op's dense implementation.
+# from user code, so each direction's higher-order op is traced once per block shape with make_fx
+# (the score and mask functions as flex's subgraphs, their tensors as explicit inputs: `Fn`) and
+# compiled by inductor (`_program`); on CPU the traced graph runs the op's dense implementation.
+# The forward takes the same route rather than torch.compile(flex_attention): a call then runs
+# the compiled kernels with no guard evaluation or autograd wrapper in front of them, which is
+# host time the GPU waits for before a step's first kernel.
 #
 # A BlockMask holds O(query tiles x key tiles) indices, quadratic in the shard, so a block of
 # more than CALL_ROWS query rows runs one flex call per chunk of CALL_ROWS rows (backward: dK/dV
@@ -55,19 +58,6 @@ from .dtypes import acc_dtype
 TILE = maskfn.FLEX_TILE  # flex_attention's default sparse block size
 CALL_ROWS = 262144  # query rows per flex call (a multiple of TILE)
 _FAR = 2**30  # a position difference bound no block reaches (int32-safe)
-
-
-# Compiled variants of flex_attention's forward per process: with and without a key mask, each
-# mask and score function, GQA or not, static then dynamic shapes; dynamo's default limit (8)
-# would stop compiling before a training step has them all.
-RECOMPILE_LIMIT = 64
-
-
-@functools.cache
-def _flex():
-    # automatic dynamic shapes: the ring's few block shapes share compiled kernels
-    _compat.raise_recompile_limit(RECOMPILE_LIMIT)
-    return torch.compile(flex_attention, fullgraph=True)
 
 
 @functools.lru_cache(maxsize=16)  # a few block lengths; varying sequence lengths do not pile up
@@ -191,8 +181,8 @@ def _with_key_tiles(some, full, key_valid_bs, lk: int):
 class Fn:
     """A flex function (mask_mod or score_mod) whose tensors are explicit arguments:
     fn(*indices, *tensors), indices (b, h, i, j) for a mask and (score, b, h, i, j) for a score.
-    The forward's flex_attention takes it as a closure (`bound`); the backward's traced op
-    takes fn as its subgraph and the tensors as its other buffers."""
+    The programs' traced ops take fn as its subgraph and the tensors as its other buffers;
+    the BlockMask keeps a closure (`bound`) as its mask_mod."""
 
     fn: Callable
     tensors: tuple = ()
@@ -253,8 +243,8 @@ class Masked:
     fn: Fn
 
     @functools.cached_property
-    def bwd_inputs(self) -> tuple[tuple, tuple, tuple, tuple]:
-        """What the backward's traced op takes of this mask (`_bwd_call`), made once per mask:
+    def inputs(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """What a program's traced op takes of this mask (`_call`, `_bwd_call`), made once per mask:
         (the BlockMask's layout with None for its tensors, their slots in it, the mask function's
         tensors then the BlockMask's, their specs)."""
         layout = self.block.as_tuple()
@@ -395,18 +385,16 @@ def _fn_score(fn: maskfn.MaskFn, kinds: tuple):
 
 
 def _call(q, k, v, mask: Masked, scale: float, mod=None):
-    # Lengths that are multiples of the tiles need no bounds checks; flex_attention decides it
-    # from the shapes only when they are static, and a ring's calls of several shapes are compiled
-    # with dynamic ones (_flex), so it is said here (a guard: one kernel each way).
-    divisible = q.shape[2] % TILE == 0 and k.shape[2] % TILE == 0
-    score = _score_mod(mod, q.device)
+    """(out, lse) of one flex call: flex's forward kernel in a compiled program (`_program`)."""
+    score = _score_mod(mod, q.device) or _IDENTITY
+    template, slots, mask_inputs, mask_specs = mask.inputs
+    args = (q, k, v, *score.tensors)
     # flex's main kernel for every call: its automatic choice sends calls of fewer than 128 rows to
     # the decoding kernel, which has no valid configuration for some (GQA with key padding)
-    options = {"IS_DIVISIBLE": divisible, **({"BACKEND": "TRITON"} if q.is_cuda else {})}
-    out, aux = _flex()(q, k, v, score_mod=None if score is None else score.bound(), block_mask=mask.block,
-                       scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True),
-                       kernel_options=options)
-    return out, aux.lse
+    options = _compat.flex_kernel_options(q, k, v, (("BACKEND", "TRITON"),) if q.is_cuda else ())
+    run = _program(_forward, score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots,
+                   float(scale), options, _specs(args) + mask_specs)
+    return run(*args, *mask_inputs)
 
 
 def _identity(score, b, h, i, j):
@@ -420,36 +408,61 @@ def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
     """(dq, dk, dv) of one flex call under the rows' global (out, lse) (natural log, +inf where
     a row saw no key): flex's backward kernel fed them (Note [Flex blocks]); dk/dv with g heads."""
     score = _score_mod(mod, q.device) or _IDENTITY
-    template, slots, mask_inputs, mask_specs = mask.bwd_inputs
+    template, slots, mask_inputs, mask_specs = mask.inputs
     # flex's kernels keep the lse in base 2
     args = (*(t.contiguous() for t in (q, k, v, out)), (lse * (1 / math.log(2))).contiguous(), dout.contiguous(),
             *score.tensors)
-    run = _bwd_program(score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots, float(scale),
-                       _compat.flex_kernel_options(q, k, v), _specs(args) + mask_specs)
+    run = _program(_backward, score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots,
+                   float(scale), _compat.flex_kernel_options(q, k, v), _specs(args) + mask_specs)
     return run(*args, *mask_inputs)
 
 
-# Compiled backward programs kept per process: one per distinct block shape, dtype and function
+# Compiled programs kept per process: one per direction, distinct block shape, dtype and function
 # (a ring has a few block shapes; the key holds no tensor, so a program never keeps one alive).
-BWD_PROGRAMS = 64
+PROGRAMS = 128
 
 
 class _Program:
-    """A traced backward, compiled on first call (kept per `_bwd_program` key)."""
+    """A traced flex call, compiled by inductor on its first call on CUDA (on CPU the traced
+    graph runs flex's dense implementation). Traced, compiled and run without autograd: the
+    ring's ops make their own gradients."""
 
     def __init__(self, trace):
         self.trace, self.run = trace, None
 
     def __call__(self, *args):
-        if self.run is None:
-            gm = self.trace(args)
-            self.run = _compat.compile_graph(gm, list(args)) if args[0].is_cuda else gm
-        return self.run(*args)
+        with torch.no_grad():
+            if self.run is None:
+                gm = self.trace(args)
+                self.run = _compat.compile_graph(gm, list(args)) if args[0].is_cuda else gm
+            return self.run(*args)
 
 
-@functools.lru_cache(maxsize=BWD_PROGRAMS)
-def _bwd_program(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
-                 options: tuple, specs: tuple):
+def _block(template: tuple, slots: tuple, tensors, mask_fn) -> tuple:
+    """The BlockMask's tuple (BlockMask.as_tuple) from its layout and tensors, `mask_fn` last."""
+    block = list(template) + [mask_fn]
+    for i, t in zip(slots, tensors):
+        block[i] = t
+    return tuple(block)
+
+
+def _forward(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
+             options: tuple):
+    """The program of a flex call's forward: (out, natural-log lse)."""
+    hop = _compat.flex_forward_op()
+
+    def forward(q, k, v, *rest):
+        score_t, mask_t, block_t = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
+        out, lse2 = hop(q, k, v, score_fn, _block(template, slots, block_t, mask_fn), scale, dict(options),
+                        tuple(score_t), tuple(mask_t))[:2]
+        return out, lse2 * math.log(2)
+
+    return forward
+
+
+def _backward(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
+              options: tuple):
+    """The program of a flex call's backward under the rows' global (out, lse in base 2)."""
     hop, fw_bw_graphs = _compat.flex_backward_op()
 
     def backward(q, k, v, out, lse2, dout, *rest):
@@ -458,14 +471,18 @@ def _bwd_program(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, 
         # the score function's joint graph is built by autograd, inside the ring's backward op
         with _compat.autograd_inside_op():
             fw, joint = fw_bw_graphs(score_fn, example, tuple(score_t))
-        block = list(template) + [mask_fn]
-        for i, t in zip(slots, block_t):
-            block[i] = t
-        dq, dk, dv, _ = hop(q, k, v, out, lse2, dout, None, fw, joint, tuple(block), scale, dict(options),
-                            tuple(score_t), tuple(mask_t))
+        dq, dk, dv, _ = hop(q, k, v, out, lse2, dout, None, fw, joint, _block(template, slots, block_t, mask_fn),
+                            scale, dict(options), tuple(score_t), tuple(mask_t))
         return dq, dk, dv
 
-    return _Program(lambda args: _compat.trace_fake(backward, args))
+    return backward
+
+
+@functools.lru_cache(maxsize=PROGRAMS)
+def _program(direction, *key):
+    """The program of `direction` (`_forward`, `_backward`) of its arguments key[:-1], for inputs
+    of the specs key[-1]."""
+    return _Program(lambda args: _compat.trace_fake(direction(*key[:-1]), args))
 
 
 def _row_chunks(lq: int) -> list[tuple[int, int]]:

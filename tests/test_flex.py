@@ -174,7 +174,7 @@ def test_a_literal_index_leaves_no_constant_in_the_backward_program(monkeypatch)
     traced = []
     run = flex._Program.__call__
     monkeypatch.setattr(flex._Program, "__call__", lambda self, *a: (run(self, *a), traced.append(self.run))[0])
-    flex._bwd_program.cache_clear()
+    flex._program.cache_clear()
     grads = flex.bwd(dout, q, k, v, ref.detach(), kernels.bwd_lse(ref_lse), 0.5, True, None, m)
     for got, want in zip(grads, (qr.grad, kr.grad, vr.grad)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
@@ -357,21 +357,13 @@ def case_dense_parts(rank, world, lengths, layout):
     """Ring attention under a document mask with flex blocks (as on CUDA; here flex's dense
     implementation in fp32) and dense parts of 2 tiles: forward, LSE and gradients against dense
     SDPA, and the calls and tiles the fused kernels took."""
-    import functools
-
     import torch.distributed as dist
-    import torch.nn.attention.flex_attention as fa
 
     from ringcc import _compat
     from ringcc.runtime import kernels, maskfn, ops
 
-    @functools.cache
-    def compiled():
-        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
-        return torch.compile(fa.flex_attention, fullgraph=True, backend="eager", dynamic=True)
-
-    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE
-    flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE = compiled, (lambda device, dtype: True), 2
+    saved = kernels.flex_blocks, maskfn.DENSE_SIDE
+    kernels.flex_blocks, maskfn.DENSE_SIDE = (lambda device, dtype: True), 2
     kernels._FLEX_FAILED.clear()
     try:
         n, h, d = sum(lengths), 2, 16
@@ -386,16 +378,15 @@ def case_dense_parts(rank, world, lengths, layout):
         shard = lambda t: ringcc.shard_sequence(t, 2, layout=layout)  # noqa: E731
         ql, kl, vl = (shard(t.float()).detach().requires_grad_() for t in (q, k, v))
         maskfn.reset_stats()
-        with _compat.flex_cpu_backward():
-            out, _ = ops.ring_attention_op(ql, kl, vl, None, True, d ** -0.5, _compat.group_name(dist.group.WORLD),
-                                           world, layout, mask_fn=DOCS, mask_t0=doc)
-            out.backward(shard(dout.float()))
+        out, _ = ops.ring_attention_op(ql, kl, vl, None, True, d ** -0.5, _compat.group_name(dist.group.WORLD),
+                                       world, layout, mask_fn=DOCS, mask_t0=doc)
+        out.backward(shard(dout.float()))
         stats = dict(maskfn.STATS)
         errs = [float((a - shard(b.float())).abs().max() / b.abs().max())
                 for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad))]
         return errs, stats, dict(kernels._FLEX_FAILED)
     finally:
-        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE = saved
+        kernels.flex_blocks, maskfn.DENSE_SIDE = saved
 
 
 @pytest.mark.soak  # the default tier runs documents through dense parts in test_fixed_masks_through_dense_parts_are_exact
@@ -476,22 +467,14 @@ def case_random_masks(rank, world, specs):
     """Each spec through ring attention with flex blocks (flex's dense implementation here) and
     dense parts of spec["side"] tiles, flex calls of spec["rows"] rows: the largest error of
     output and gradients against dense SDPA in float64, the dense calls taken, and the tensor
-    constants of the backward programs traced for it (inductor cannot compile a program that
+    constants of the programs traced for it (inductor cannot compile a program that
     holds one)."""
-    import functools
-
     import torch.distributed as dist
-    import torch.nn.attention.flex_attention as fa
 
     from ringcc import _compat
     from ringcc.runtime import kernels, maskfn, ops
 
-    @functools.cache
-    def compiled():
-        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
-        return torch.compile(fa.flex_attention, fullgraph=True, backend="eager", dynamic=True)
-
-    saved = flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake
+    saved = kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake
     out = []
     traced = []
 
@@ -502,7 +485,7 @@ def case_random_masks(rank, world, specs):
     _compat.trace_fake = trace
     try:
         for spec in specs:
-            flex._flex, kernels.flex_blocks = compiled, (lambda device, dtype: True)
+            kernels.flex_blocks = lambda device, dtype: True
             maskfn.DENSE_SIDE, flex.CALL_ROWS = spec["side"], spec["rows"]
             kernels._FLEX_FAILED.clear()
             n, h, d = sum(spec["lengths"]), 2, 8
@@ -516,11 +499,10 @@ def case_random_masks(rank, world, specs):
             shard = lambda t: ringcc.shard_sequence(t, 2, layout=spec["layout"])  # noqa: E731
             ql, kl, vl = (shard(t.float()).detach().requires_grad_() for t in (q, k, v))
             maskfn.reset_stats()
-            with _compat.flex_cpu_backward():
-                o, _ = ops.ring_attention_op(ql, kl, vl, None, spec["causal"], d ** -0.5,
-                                             _compat.group_name(dist.group.WORLD), world, spec["layout"],
-                                             mask_fn=_fn_text(spec), mask_t0=_doc_ids(spec["lengths"]))
-                o.backward(shard(dout.float()))
+            o, _ = ops.ring_attention_op(ql, kl, vl, None, spec["causal"], d ** -0.5,
+                                         _compat.group_name(dist.group.WORLD), world, spec["layout"],
+                                         mask_fn=_fn_text(spec), mask_t0=_doc_ids(spec["lengths"]))
+            o.backward(shard(dout.float()))
             err = max(float((a - shard(b.float())).abs().max() / b.abs().max().clamp_min(1e-9))
                       for a, b in ((o.detach(), ref.detach()), (ql.grad, qr.grad), (kl.grad, kr.grad),
                                    (vl.grad, vr.grad)))
@@ -529,7 +511,7 @@ def case_random_masks(rank, world, specs):
             traced.clear()
             out.append((spec, err, maskfn.STATS["calls_dense"], dict(kernels._FLEX_FAILED), constants))
     finally:
-        flex._flex, kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake = saved
+        kernels.flex_blocks, maskfn.DENSE_SIDE, flex.CALL_ROWS, _compat.trace_fake = saved
     return out
 
 

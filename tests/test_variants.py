@@ -71,53 +71,37 @@ def test_ring_with_score_modifiers_padding_and_window(pools, world):
         assert effect > 1e-2
 
 
-def test_flex_blocks_with_score_modifiers_share_one_kernel(monkeypatch):
+def test_flex_blocks_with_score_modifiers_share_their_programs(monkeypatch):
     """The ring's flex_attention blocks (flex.py, as on CUDA for bf16/fp16) run here on CPU in
-    fp32: flex's own dense implementation, traced by dynamo as _flex compiles it, with every
-    size and float symbolic, as automatic dynamic shapes compile it once they change between
-    calls. Zigzag, causal, GQA, ALiBi, then another soft-cap: every block's score function takes
-    its tensors and positions as arguments and no Python number, none falls back to the math
+    fp32: their traced programs over flex's own dense implementation. Zigzag, causal, GQA, ALiBi
+    and soft-cap; then another soft-cap (a literal of the function: programs of its own), then the
+    first soft-cap with other slopes: every block's score function takes its tensors, positions
+    and offsets as arguments, so other slopes run the same programs. None falls back to the math
     path, and out, lse and gradients equal the dense reference."""
-    import functools
-
-    import torch.nn.attention.flex_attention as fa
-
-    from ringcc import _compat
     from ringcc.runtime import flex, kernels
 
-    graphs = []
-
-    def eager(gm, example_inputs):  # a backend that runs dynamo's graph as it is, and counts them
-        graphs.append(gm)
-        return gm.forward
-
-    @functools.cache
-    def compiled():
-        _compat.raise_recompile_limit(flex.RECOMPILE_LIMIT)
-        return torch.compile(fa.flex_attention, fullgraph=True, backend=eager, dynamic=True)
-
-    monkeypatch.setattr(flex, "_flex", compiled)
     monkeypatch.setattr(kernels, "flex_blocks", lambda device, dtype: True)
     monkeypatch.setattr(kernels, "_FLEX_FAILED", {})
+    flex._program.cache_clear()
     n, h, g = 2 * flex.TILE, 4, 2
     gen = torch.Generator().manual_seed(3)
-    for softcap in (4.0, 3.0):
+    programs = []
+    for softcap, slopes in ((4.0, SLOPES[:h] * 4), (3.0, SLOPES[:h] * 4), (4.0, SLOPES[:h] * 2)):
         q, k, v = (torch.randn(1, x, n, 8, generator=gen) * 2 for x in (h, g, g))
         dout = torch.randn(1, h, n, 8, generator=gen)
-        mods = dict(softcap=softcap, alibi_slopes=SLOPES[:h] * 4)
+        mods = dict(softcap=softcap, alibi_slopes=slopes)
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref_out, ref_lse = reference.attention(qr, kr, vr, is_causal=True, **mods)
         ref_out.backward(dout)
         ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
-        with _compat.flex_cpu_backward():
-            out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=True, layout="zigzag", return_lse=True, **mods)
-            out.backward(dout)
+        out, lse = ringcc.ring_attention(ql, kl, vl, is_causal=True, layout="zigzag", return_lse=True, **mods)
+        out.backward(dout)
         assert not kernels._FLEX_FAILED, kernels._FLEX_FAILED  # flex ran every block: no math-path fallback
         assert_shard_matches(lambda t: t, out, lse, ref_out, ref_lse,
                              ((ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)), TOL)
-    # the forward's compiles (the backward is traced by make_fx, not dynamo): the two functions
-    # and every block share at most two; none failed over to the math path above
-    assert 1 <= len(graphs) <= 2, len(graphs)
+        programs.append(flex._program.cache_info().currsize)
+    # a forward and a backward program per block shape and function; other slopes make none
+    assert programs[0] >= 2 and programs[1] == 2 * programs[0] and programs[2] == programs[1], programs
 
 
 def _block_indices(shape):
