@@ -7,6 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ringcc-installed
 PYTEST_ARGS ?=
+# make test's pytest workers (pytest-xdist); CI's machine has 2 cores
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-zoo test-zoo-moe test-zoo-offline test-soak test-versions zoo-matrix clean
 
@@ -24,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ringcc demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not zoo and not zoo_moe and not zoo_offline and not soak and not versions" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu and not zoo and not zoo_moe and not zoo_offline and not soak and not versions" $(PYTEST_ARGS)
 
 test-zoo: $(STAMP)
 	$(PY) -m pytest -q -m "zoo" $(PYTEST_ARGS)

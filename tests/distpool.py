@@ -7,9 +7,9 @@ at module level) and returns the per-rank results; the pool grows to p processes
 fewer. An exception on any rank is re-raised here with that rank's traceback. A case that hangs
 fails after `timeout` seconds and the pool is rebuilt.
 
-The processes are forked from a forkserver that has imported what nearly every case imports
+The gloo processes are forked from a forkserver that has imported what nearly every case imports
 (torch, dynamo, inductor's front end, ringcc, transformers' Llama): each process starts with
-them instead of importing them again (about 10 s of CPU each).
+them instead of importing them again (about 10 s of CPU each). NCCL processes are spawned.
 
 Note [One pool for every world size]
 A case runs in the default process group of exactly its p ranks. When p differs from the
@@ -122,7 +122,9 @@ class DistPool:
         return len(self.procs)
 
     def _start(self, world: int):
-        self._ctx = start_forkserver()
+        # NCCL workers start from a fresh interpreter: a forkserver that has imported torch may
+        # have initialised CUDA, and a process forked from it cannot use CUDA
+        self._ctx = start_forkserver() if self.backend == "gloo" else mp.get_context("spawn")
         self._stopping = False
         self._group: tuple[int, str] | None = None  # (world, prefix) of the last case's group
         self.results = self._ctx.Queue()

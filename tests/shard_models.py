@@ -77,6 +77,8 @@ def build(name: str):
         return Encoder()
     if name == "encoder_1layer":
         return Encoder(layers=1)
+    if name == "padded_attention":
+        return PaddedAttention()
     if name == "vit":
         return ViT()
     raise ValueError(name)
@@ -84,7 +86,7 @@ def build(name: str):
 
 def batch(name: str, n: int, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    if name in ("bert", "encoder", "encoder_1layer"):
+    if name in ("bert", "encoder", "encoder_1layer", "padded_attention"):
         pad = torch.zeros(2, n, dtype=torch.bool)
         pad[1, n - 5:] = True  # batch 1: a padded tail (keys ignored)
         if name == "bert":
@@ -321,6 +323,22 @@ class Encoder(nn.Module):
 
     def forward(self, x, pad):
         y = self.enc(x, src_key_padding_mask=pad)
+        return self.head(y).pow(2).mean(), y
+
+
+class PaddedAttention(nn.Module):
+    """One attention under a key padding mask between two projections: the fewest kernels
+    around a ring that reads a key mask."""
+
+    def __init__(self, d=32, h=4):
+        super().__init__()
+        self.h = h
+        self.qkv, self.head = nn.Linear(d, 3 * d), nn.Linear(d, 1)
+
+    def forward(self, x, pad):
+        b, n, d = x.shape
+        q, k, v = (t.view(b, n, self.h, d // self.h).transpose(1, 2) for t in self.qkv(x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :]).transpose(1, 2).reshape(b, n, d)
         return self.head(y).pow(2).mean(), y
 
 

@@ -98,10 +98,10 @@ def test_one_key_runs_all_gather_per_step(pools, name):
 
 
 def test_inductor_with_a_padding_mask(pools):
-    """The key_runs table (a host tensor between GPU-side ops) through inductor, in one encoder
-    layer (every C++ kernel inductor writes is compiled on both ranks; the table shared by several
-    layers is test_one_key_runs_all_gather_per_step's)."""
-    _check(pools(2).run(shard_models.parity, "encoder_1layer", (16,), "inductor", timeout=300), 2)
+    """The key_runs table (a host tensor between GPU-side ops) through inductor, around one
+    attention (every C++ kernel inductor writes is compiled on both ranks: the fewest kernels; the
+    table shared by several layers is test_one_key_runs_all_gather_per_step's)."""
+    _check(pools(2).run(shard_models.parity, "padded_attention", (16,), "inductor", timeout=300), 2)
 
 
 def case_mask_written_between_layers(rank, world, how, kind):
