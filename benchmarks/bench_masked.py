@@ -183,8 +183,8 @@ def flex_cell(case: str, n: int, device, reps: int, warmup: int, smoke: bool) ->
 
     def ring():
         if docs:
-            return ops.ring_attention_op(q, k, v, None, True, d ** -0.5, group, 1, "contiguous",
-                                         mask_fn=DOCUMENTS, mask_t0=doc)[0]
+            return ops.ring_attention_call(q, k, v, None, True, d ** -0.5, group, 1, "contiguous", 0, None, None,
+                                           DOCUMENTS, doc, None, None, None, "", None, None, None, None, None)[0]
         return ringcc.ring_attention(q, k, v, is_causal=causal, window=window,
                                      softcap=SOFTCAP if case == "soft-cap" else None,
                                      alibi_slopes=slopes if case == "ALiBi" else None)

@@ -719,3 +719,13 @@ def vmap_level_targets() -> tuple:
 def is_vmap_batched(value) -> bool:
     """Whether a traced value is one of torch.vmap's batched tensors (its shape hides the batch)."""
     return isinstance(value, torch.Tensor) and torch._C._functorch.is_batchedtensor(value)
+
+
+def plain_eager(values) -> bool:
+    """Whether a call with these arguments reaches its Python kernel with nothing between: no
+    compile trace, no dispatch or function mode, no functorch transform, and every tensor a plain
+    torch.Tensor (private: the mode stack and functorch's interpreter stack; 2.11, 2.13)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and all(type(v) is torch.Tensor for v in values if isinstance(v, torch.Tensor)))

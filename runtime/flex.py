@@ -409,8 +409,7 @@ def _bwd_call(dout, q, k, v, out, lse, mask: Masked, scale: float, mod=None):
     a row saw no key): flex's backward kernel fed them (Note [Flex blocks]); dk/dv with g heads."""
     score = _score_mod(mod, q.device) or _IDENTITY
     template, slots, mask_inputs, mask_specs = mask.inputs
-    # flex's kernels keep the lse in base 2
-    args = (*(t.contiguous() for t in (q, k, v, out)), (lse * (1 / math.log(2))).contiguous(), dout.contiguous(),
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), dout.contiguous(),
             *score.tensors)
     run = _program(_backward, score.fn, len(score.tensors), mask.fn.fn, len(mask.fn.tensors), template, slots,
                    float(scale), _compat.flex_kernel_options(q, k, v), _specs(args) + mask_specs)
@@ -462,10 +461,11 @@ def _forward(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slot
 
 def _backward(score_fn, n_score: int, mask_fn, n_mask: int, template: tuple, slots: tuple, scale: float,
               options: tuple):
-    """The program of a flex call's backward under the rows' global (out, lse in base 2)."""
+    """The program of a flex call's backward under the rows' global (out, natural-log lse)."""
     hop, fw_bw_graphs = _compat.flex_backward_op()
 
-    def backward(q, k, v, out, lse2, dout, *rest):
+    def backward(q, k, v, out, lse, dout, *rest):
+        lse2 = lse * (1 / math.log(2))  # flex's kernels keep the lse in base 2
         score_t, mask_t, block_t = rest[:n_score], rest[n_score:n_score + n_mask], rest[n_score + n_mask:]
         example = (q.new_zeros((), requires_grad=True), *(q.new_zeros((), dtype=torch.int) for _ in range(4)))
         # the score function's joint graph is built by autograd, inside the ring's backward op

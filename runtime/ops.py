@@ -153,8 +153,7 @@ def _(mask_fn, is_causal, batch, heads, group_name, world_size, layout, threshol
     return torch.empty((world_size, balance.MAX_CHUNKS), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("ringcc::ring_attention", mutates_args=())
-def ring_attention_op(
+def _ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -202,6 +201,9 @@ def ring_attention_op(
     if sinks is not None:  # Note [Attention sinks]
         out, lse = merge_sinks(out, lse, sinks)
     return out.contiguous(), lse.contiguous()
+
+
+ring_attention_op = torch.library.custom_op("ringcc::ring_attention", _ring_attention, mutates_args=())
 
 
 def _check_sinks(sinks, q):
@@ -280,8 +282,7 @@ def _(q, k, v, key_valid, is_causal, scale, group_name, world_size, layout, wind
     return out, lse
 
 
-@torch.library.custom_op("ringcc::ring_attention_backward", mutates_args=())
-def ring_attention_backward_op(
+def _ring_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -330,6 +331,10 @@ def ring_attention_backward_op(
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+ring_attention_backward_op = torch.library.custom_op("ringcc::ring_attention_backward", _ring_attention_backward,
+                                                     mutates_args=())
+
+
 @ring_attention_backward_op.register_fake
 def _(dout, q, k, v, key_valid, out, lse, is_causal, scale, group_name, world_size, layout, window=0,
       key_runs=None, mask_fn="", mask_t0=None, mask_t1=None, mask_t2=None, mask_t3=None, score_fn="", score_t0=None,
@@ -360,19 +365,57 @@ def _ring_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _ring_backward(ctx, dout, dlse):
+def _ring_backward(ctx, dout, dlse, backward=ring_attention_backward_op):
     if dout is None:  # nothing flows back through out
         return (None,) * 23
     q, k, v, key_valid, out, lse, key_runs, sinks, plan, *rest = ctx.saved_tensors
     mask_inputs, score_inputs = rest[:MASK_TENSORS], rest[MASK_TENSORS:]
-    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.mask_fn,
-                                            *mask_inputs, ctx.score_fn, *score_inputs, plan)
+    dq, dk, dv = backward(dout, q, k, v, key_valid, out, lse, *ctx.args, key_runs, ctx.mask_fn, *mask_inputs,
+                          ctx.score_fn, *score_inputs, plan)
     dsinks = None if sinks is None or not ctx.needs_input_grad[11] else sink_grad(dout, out, lse, sinks)
     return (dq, dk, dv) + (None,) * 8 + (dsinks,) + (None,) * 11
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
 amp.register_autocast("ring_attention")  # Note [Attention under autocast] in amp.py
+
+
+class _EagerRing(torch.autograd.Function):
+    """ring_attention_op's autograd with nothing between it and the op's Python (Note [Eager
+    ring calls]): the same setup_context and backward."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _ring_attention(*inputs)
+        _ring_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _ring_backward(ctx, dout, dlse, _ring_attention_backward)
+
+
+def ring_attention_call(*inputs):
+    """ring_attention_op(*inputs), all 23 arguments given, through `_EagerRing` where nothing
+    stands between the caller and the op's kernels.
+
+    Note [Eager ring calls]
+    An eager call of a custom op passes torch's layers before the op's Python runs: the
+    dispatcher, the autocast kernel, the autograd kernel that torch.library builds (argument
+    defaults, alias checks, a redispatch below autograd), and on the way back the same for the
+    backward op. At p = 1 on a GPU that is host time the GPU waits for between a step's kernels.
+    Where the call is plain eager (no compile trace, no dispatch or function mode, no functorch
+    transform, no tensor subclass: `_compat.plain_eager`), an autograd.Function runs the same
+    Python with the same setup_context and backward; under autocast it casts q, k and v and
+    runs below autocast, as the op's autocast kernel does. Every other call (a compiled graph,
+    fake tensors, DTensor, FlopCounterMode, torch.func) takes the op."""
+    if not _compat.plain_eager(inputs):
+        return ring_attention_op(*inputs)
+    device_type = inputs[0].device.type
+    if amp.autocast_dtype(device_type) is None:
+        return _EagerRing.apply(*inputs)
+    with _compat.below_autocast(device_type):
+        return _EagerRing.apply(*amp.cast_qkv(*inputs[:3]), *inputs[3:])
 
 
 # ---------------------------------------------------------------------------------------
@@ -831,9 +874,9 @@ def ring_attention(
     # torch.compile, the op makes its own instead: a host table made outside a CUDA graph
     # (mode="reduce-overhead") is not one the captured op may follow (ring._key_runs).
     runs = None if key_valid is None or torch.compiler.is_compiling() else key_runs_op(key_valid, name, world)
-    out, lse = ring_attention_op(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
-                                 runs, sinks, score_fn=score_text,
-                                 score_t0=None if alibi_slopes is None else alibi_slopes.to(q.device, torch.float32))
+    slopes = None if alibi_slopes is None else alibi_slopes.to(q.device, torch.float32)
+    out, lse = ring_attention_call(q, k, v, key_valid, bool(is_causal), scale, name, world, lay.value, window or 0,
+                                   runs, sinks, "", None, None, None, None, score_text, slopes, None, None, None, None)
     return (out, lse) if return_lse else out
 
 

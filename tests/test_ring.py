@@ -547,6 +547,57 @@ def test_custom_op_defaults_are_filled_as_torch_fills_them():
                 (name, given)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_eager_calls_match_the_op(monkeypatch, autocast):
+    """A plain eager call runs the op's Python through an autograd.Function (Note [Eager ring
+    calls]): the same outputs, LSE and gradients (q, k, v and sinks) as the custom op, with key
+    padding, a window, soft-cap, ALiBi and sinks, and under autocast the op's casts. Under a
+    dispatch mode the custom op runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ringcc.runtime import ops
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(2, 4, 12, 8, generator=gen) for _ in range(4))
+    k, v = k[:, :2], v[:, :2]
+    kpm = torch.rand(2, 12, generator=gen) < 0.2
+    sinks, slopes = torch.randn(4, generator=gen), torch.rand(4, generator=gen)
+    eager_calls = []
+    apply = ops._EagerRing.apply
+    monkeypatch.setattr(ops._EagerRing, "apply", lambda *a: eager_calls.append(1) or apply(*a))
+    plain = ops._compat.plain_eager
+
+    def run(eager: bool):
+        monkeypatch.setattr(ops._compat, "plain_eager", plain if eager else (lambda values: False))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, lse = ringcc.ring_attention(*leaves[:3], is_causal=True, key_padding_mask=kpm, window=7, softcap=3.0,
+                                             alibi_slopes=slopes, sinks=leaves[3], return_lse=True)
+        out.float().backward(dout)
+        return [out, lse] + [t.grad for t in leaves]
+
+    eager, op = run(True), run(False)
+    assert len(eager_calls) == 1
+    assert eager[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for a, b in zip(eager, op):
+        assert b is not None and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(ops._compat, "plain_eager", plain)
+    with Ops() as mode:
+        ringcc.ring_attention(q, k, v, is_causal=True)
+    assert "ringcc.ring_attention.default" in mode.seen and len(eager_calls) == 1
+
+
 @pytest.mark.parametrize("fn", ["shard_sequence", "gather_sequence"])
 def test_sequence_dim_out_of_range_is_an_error(fn):
     """A dim outside the tensor's dims is an error naming the range, also at p = 1 (no
