@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from ringcc import _compat
 
