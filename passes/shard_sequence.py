@@ -1199,7 +1199,9 @@ def narrow_rule(w: Sharder, node):
         node.replace_all_uses_with(_select_token(w, x, st, start % st.length if start < 0 else start, keepdim=True))
         w.decisions.append(f"{node.name}: select token {start}")
         return None
-    node.replace_all_uses_with(x)
+    # every row of the shard stays (a view of all of them) and the node's state is the window, as
+    # for a slice: its readers see the window, not x's
+    node.args, node.kwargs = (x, d, 0, w.size(w.N / w.p)), {}
     return Seq(d, expr(length) if not isinstance(length, torch.fx.Node) else expr(fake(length)), st.outer,
                st.start + start, sharded=True)
 

@@ -690,14 +690,16 @@ class SeqNorm(Norm):  # Norm's weight and bias
 class Window(Op):
     """Local windows over the sequence: unfold, diff, pooling."""
 
-    names = ("unfold", "diff", "max_pool1d", "avg_pool1d", "transpose", "mean")
+    names = ("unfold", "diff", "max_pool1d", "avg_pool1d", "transpose", "mean", "narrow")
 
     @staticmethod
     def draw(draw, st, b, n, d):
-        return {"kind": draw(st.sampled_from(["unfold", "diff", "max_pool", "avg_pool"]))}
+        return {"kind": draw(st.sampled_from(["unfold", "diff", "max_pool", "avg_pool", "narrow_mean"]))}
 
     def forward(self, h):
         kind = self.args["kind"]
+        if kind == "narrow_mean":  # a statistic over a window of the sequence, read by every token
+            return h + h.narrow(1, 1, h.shape[1] - 1).mean(1, keepdim=True)
         if kind == "unfold":  # [b, n-1, d, 2]: pairs of neighbours, padded back to n
             u = h.unfold(1, 2, 1).mean(-1)
             return torch.cat([u, h[:, -1:]], dim=1)

@@ -206,6 +206,19 @@ def test_token_shift_lm_with_blocks_compiled(pools):
     assert all(pools(2).run(case_token_shift_lm, timeout=TIMEOUT))
 
 
+def test_a_narrowed_window_is_what_later_ops_read(pools):
+    """h + h.narrow(1, 1, n - 1).mean(1): the mean is over the window, not over every row of the
+    shard (the narrow keeps the rows and its readers read its window)."""
+    check(pools, _prog([["linear", {}], ["window", {"kind": "narrow_mean"}]], n=8, d=4))
+
+
+def test_a_padded_output_read_after_a_graph_break_keeps_its_length(pools):
+    """Config(pad=True), n = 3 at p = 2: the graph after a break reads the first one's padded
+    output (its gather narrows it to the window) and returns it, still 3 tokens long."""
+    check(pools, _prog([["act", {"kind": "gelu"}], ["act", {"kind": "gelu"}], ["graph_break", {}]], n=3, d=4, b=1,
+                       x_grad=False, pad=True, seed=0))
+
+
 def test_feature_dim_equal_to_the_length_meets_a_shard(pools):
     """n = d = p = 4: a statistic over the sequence ([b, d], whose feature dim has n's size)
     broadcast back onto h; an elementwise op slices every operand along the shard's dim."""
