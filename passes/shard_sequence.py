@@ -189,8 +189,11 @@ class Sharder:
         self.comm = (ctx.group_name, ctx.world_size, self.layout)
         self.state: dict[torch.fx.Node, Any] = {}
         self.cur: torch.fx.Node | None = None
+        # Shards and gathers are made where first read and reused by later readers, within one
+        # grad mode: one made under torch.no_grad() carries no gradient to a reader outside it
+        self._grad_mode: bool | None = None  # the last _set_grad_enabled's (None: the caller's)
         self._shards: dict[tuple, torch.fx.Node] = {}
-        self._gathers: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._gathers: dict[tuple, torch.fx.Node] = {}
         self._key_runs: dict[torch.fx.Node, torch.fx.Node] = {}
         self._plans: dict[tuple, torch.fx.Node] = {}
         self.decisions: list[str] = []
@@ -257,7 +260,7 @@ class Sharder:
         front, back = start, self.N - start - st.length
         if not (front.is_Integer and back.is_Integer) or front < 0 or back < 0:
             raise Fallback(f"a replicated value of length {st.length} cannot be aligned with the shards")
-        key = (src, st.dim, int(front), int(back), pad_value)
+        key = (src, st.dim, int(front), int(back), pad_value, self._grad_mode)
         if key in self._shards and not written_between(src, self._shards[key], self.cur):
             return self._shards[key]  # (a write to src in between needs a new shard)
         # Every node made here gets its state: a shard without one would read as a replicated
@@ -319,8 +322,9 @@ class Sharder:
 
     def gather(self, src: torch.fx.Node, st: Seq, why: str) -> torch.fx.Node:
         """The full value of sharded `src` on every rank (O(n): recorded)."""
-        if src in self._gathers:
-            return self._gathers[src]
+        key = (src, self._grad_mode)
+        if key in self._gathers:
+            return self._gathers[key]
         if st.order is not None:
             raise _Unclosed(f"{src.name} is in a rank-local order ({why})")
         x, d = src, st.dim
@@ -334,7 +338,7 @@ class Sharder:
             self.state[x] = Seq(d, st.length)
         if not _eq(st.outer, 1):
             x = self.new("flatten", x, d - 1, d, method=True)
-        self._gathers[src] = x
+        self._gathers[key] = x
         self.state[x] = replace(st, sharded=False, start=sympy.Integer(0))
         where = location(self.cur if self.cur.op != "output" else src)
         self.ctx.report.gathers.append(Gather(node=x.name, location=where, why=why))
@@ -384,6 +388,8 @@ class Sharder:
             elif node.op == "output":
                 self._outputs(node)
             elif node.op in ("call_function", "call_method"):
+                if op_name(node) in _GRAD_MODE and isinstance(node.args[0], bool):
+                    self._grad_mode = node.args[0]
                 self.state[node] = self._visit(node)
             else:
                 self.state[node] = None

@@ -1,5 +1,5 @@
-"""Make every rank end with the single-device gradients of replicated values (parameters)
-that sharded computation consumes.
+"""Make every rank end with the single-device gradients of replicated values (parameters, and
+activations every rank computes whole) that sharded computation consumes.
 
 A weight used by a sharded op receives, on each rank, only its own tokens' share of the
 gradient (Note [Replicated cotangents] in runtime/seqops.py). Each such use is rewired
@@ -64,9 +64,11 @@ def computes_on_shards(node: torch.fx.Node) -> bool:
 
 
 def _needs_sync(value: torch.fx.Node) -> bool:
+    """A replicated value that needs a gradient: a weight, or an activation every rank computes
+    whole (a statistic of a gathered value); consumed by sharded computation, each rank's
+    cotangent of it is a share."""
     val = fake(value)
-    return (isinstance(val, torch.Tensor) and val.requires_grad and not _sharded(value.meta.get(STATE_META))
-            and STATE_META not in value.meta)
+    return isinstance(val, torch.Tensor) and val.requires_grad and not _sharded(value.meta.get(STATE_META))
 
 
 def sync_param_grads(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -690,16 +690,23 @@ class SeqNorm(Norm):  # Norm's weight and bias
 class Window(Op):
     """Local windows over the sequence: unfold, diff, pooling."""
 
-    names = ("unfold", "diff", "max_pool1d", "avg_pool1d", "transpose", "mean", "narrow")
+    names = ("unfold", "diff", "max_pool1d", "avg_pool1d", "transpose", "mean", "narrow", "getitem", "amax", "cumsum")
 
     @staticmethod
     def draw(draw, st, b, n, d):
-        return {"kind": draw(st.sampled_from(["unfold", "diff", "max_pool", "avg_pool", "narrow_mean"]))}
+        return {"kind": draw(st.sampled_from(["unfold", "diff", "max_pool", "avg_pool", "narrow_mean", "slice_max",
+                                              "full_max", "cumsum_last"]))}
 
     def forward(self, h):
         kind = self.args["kind"]
         if kind == "narrow_mean":  # a statistic over a window of the sequence, read by every token
             return h + h.narrow(1, 1, h.shape[1] - 1).mean(1, keepdim=True)
+        if kind == "slice_max":  # no sharding rule: every rank computes it on the gathered window
+            return h * h[:, :-1].amax(1, keepdim=True)
+        if kind == "full_max":
+            return h * h.amax(1, keepdim=True)
+        if kind == "cumsum_last":  # one token of a gathered value
+            return h * h[:, :-1].cumsum(1)[:, -1:]
         if kind == "unfold":  # [b, n-1, d, 2]: pairs of neighbours, padded back to n
             u = h.unfold(1, 2, 1).mean(-1)
             return torch.cat([u, h[:, -1:]], dim=1)

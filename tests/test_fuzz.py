@@ -219,6 +219,24 @@ def test_a_padded_output_read_after_a_graph_break_keeps_its_length(pools):
                        x_grad=False, pad=True, seed=0))
 
 
+@pytest.mark.parametrize("kind", ["full_max", "cumsum_last"])
+def test_a_statistic_every_rank_computes_whole_gets_every_ranks_cotangent(pools, kind):
+    """h * h.amax(1) (no sharding rule: amax runs on the gathered value), and one token of a
+    gathered cumsum, multiplied into the shard: each rank's cotangent of the replicated statistic
+    is its own tokens' share, all-reduced before it reaches the gather (n = d, so the statistic's
+    feature dim has the sequence's size)."""
+    check(pools, _prog([["linear", {}], ["window", {"kind": kind}]], n=8, d=8))
+
+
+def test_a_shard_made_under_no_grad_is_not_reused_with_grad(pools):
+    """A statistic under torch.no_grad() reads the shard of a replicated value first (the
+    scatter along the sequence runs whole); the value's later reader with grad needs a shard that
+    carries the gradient (p = 1 too: the shard op is there at every p)."""
+    for world in (1, 2):
+        check(pools, _prog([["scatter", {"dim": "seq", "kind": "scatter", "index": "perm"}],
+                            ["detach", {"kind": "no_grad_seq"}]], n=2 * world, d=4, b=1, world=world, seed=0))
+
+
 def test_feature_dim_equal_to_the_length_meets_a_shard(pools):
     """n = d = p = 4: a statistic over the sequence ([b, d], whose feature dim has n's size)
     broadcast back onto h; an elementwise op slices every operand along the shard's dim."""
