@@ -10,8 +10,9 @@ Backward of every op mirrors its forward (Note [Replicated cotangents]):
   backward puts the cotangent back at that row on the owner and zeros elsewhere.
 - seq_cumsum: a cumulative sum along the sharded sequence (Note [Cumulative sums]); backward
   is the same op summing from the end.
-- sync_grads: forward is the identity on a bucket of replicated values (parameters) that
-  sharded computation consumes; backward all-reduces their cotangents in one flat buffer.
+- sync_grads: forward is the identity on a bucket of replicated values (parameters, whole
+  activations) that sharded computation consumes; backward all-reduces their cotangents in one
+  flat buffer.
 - scale_grads_view: the identity whose backward multiplies the cotangents by p instead, for
   parameters whose gradients an engine outside the graph averages over the whole group
   (Note [Gradients under data parallelism] in passes/sync_param_grads.py).
@@ -32,9 +33,10 @@ Every rank runs the same graph on the same full inputs and seeds backward with t
 cotangent for every replicated output (the loss). A replicated value computed from a sum
 over ranks therefore receives the full cotangent on every rank, and each rank's partial gets
 exactly that cotangent: the all-reduce's backward is the identity, not another all-reduce
-(which would give p times the gradient). Conversely a replicated value (a weight) consumed
-by sharded computation receives only its own tokens' share on each rank: its cotangent is
-all-reduced (sync_grads).
+(which would give p times the gradient). Conversely a replicated value consumed by sharded
+computation (a weight, or an activation every rank computes whole: a statistic of a gathered
+value) receives only its own tokens' share on each rank: its cotangent is all-reduced
+(sync_grads).
 """
 
 from __future__ import annotations
