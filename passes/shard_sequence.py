@@ -246,6 +246,10 @@ class Sharder:
             return self.new(operator.floordiv, self.size(e.args[0]), self.size(e.args[1]))
         raise Fallback(f"no graph input gives the size {e}")
 
+    def local_rows(self) -> "int | torch.fx.Node":
+        """The rows of a shard along its sequence dim, N / p, as a graph argument."""
+        return int(self.N) // self.p if self.N.is_Integer else self.new(operator.floordiv, self.size(self.N), self.p)
+
     def new(self, target, *args, method: bool = False, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.cur):
             node = (self.graph.call_method(target, args, kwargs) if method
@@ -305,8 +309,7 @@ class Sharder:
                 any(isinstance(v, torch.fx.Node) for v in list(rest) + list(src.kwargs.values())):
             return None
         try:
-            sizes[st.dim] = int(self.N) // self.p if self.N.is_Integer else self.new(operator.floordiv, self.size(self.N),
-                                                                                       self.p)
+            sizes[st.dim] = self.local_rows()
         except Fallback:
             return None
         x = self.new(src.target, tuple(sizes), *rest, **src.kwargs)
@@ -691,7 +694,7 @@ def new_factory_rule(w: Sharder, node):
     sizes = list(args[1]) if sized else args[1:1 + out.dim()]
     if len(sizes) != out.dim():
         raise Fallback("unexpected size list")
-    sizes[st.dim] = int(w.N) // w.p if w.N.is_Integer else w.new(operator.floordiv, w.size(w.N), w.p)
+    sizes[st.dim] = w.local_rows()
     node.args = (x, tuple(sizes), *args[2:]) if sized else (x, *sizes, *args[1 + out.dim():])
     return Seq(st.dim, st.length, sharded=True)
 
@@ -1207,7 +1210,7 @@ def narrow_rule(w: Sharder, node):
         return None
     # every row of the shard stays (a view of all of them) and the node's state is the window, as
     # for a slice: its readers see the window, not x's
-    node.args, node.kwargs = (x, d, 0, w.size(w.N / w.p)), {}
+    node.args, node.kwargs = (x, d, 0, w.local_rows()), {}
     return Seq(d, expr(length) if not isinstance(length, torch.fx.Node) else expr(fake(length)), st.outer,
                st.start + start, sharded=True)
 

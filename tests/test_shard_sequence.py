@@ -609,3 +609,31 @@ def test_a_refreshed_linear_that_needs_grad_may_be_updated_in_place():
     out = y.meta["example_value"]
     assert out.shape == (2, 8, 6) and out.requires_grad and not out.is_leaf
     assert z.meta["example_value"].requires_grad
+
+
+class NarrowedTanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(h.narrow(1, 0, h.shape[1] - 1)) * 2
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_narrow_keeps_the_shard_and_narrows_the_window(dynamic):
+    """h.narrow(1, 0, n - 1) on a shard: a view of all the shard's rows (n / p of them, from the
+    length's symbol under dynamic shapes) whose state is the window [0, n - 1), which its readers
+    and the output carry; nothing is gathered."""
+    x = torch.randn(2, 8, 16)
+    ringcc.mark_sequence(x, 1)
+    gm, rep = rewrite(NarrowedTanh(), x, dynamic=dynamic)
+    assert rep.gathers == []
+    narrow = next(n for n in gm.graph.nodes if n.target == "narrow")
+    st = narrow.meta[STATE_META]
+    n = next(iter(st.length.free_symbols)) if dynamic else 8  # the length's symbol under dynamic shapes
+    assert st.sharded and int(st.start) == 0 and st.length - n == -1, st
+    assert isinstance(narrow.args[3], torch.fx.Node) if dynamic else narrow.args[3] == 4
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][0].meta[STATE_META].length == st.length
